@@ -1,0 +1,142 @@
+//! The inference engine. Today: sampling and single-stream generation with the KV cache
+//! (what `agentjet-peer generate` runs). The engine thread with continuous batching, the
+//! bounded request queue and cancellation arrive with the engine issue and reuse both.
+//!
+//! Owns: token ids in, token ids + logprobs out. Never renders chat or parses text beyond
+//! the stop decision it is given.
+
+pub mod sampling;
+
+use std::time::{Duration, Instant};
+
+use tch::{Kind, Tensor};
+
+use crate::model::llama::{Llama, Logits};
+use crate::model::ModelError;
+pub use sampling::{Rng, SamplingParams};
+
+/// Why generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// A stop token was produced (it is included in the output).
+    Stop,
+    /// `max_tokens` reached, or the model's context is full.
+    Length,
+    /// The caller's callback asked to stop.
+    Cancelled,
+}
+
+#[derive(Debug, Clone)]
+pub struct GenerateRequest {
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    pub seed: Option<u64>,
+    pub stop_token_ids: Vec<u32>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Generation {
+    pub tokens: Vec<u32>,
+    /// Log-probability of each generated token under the model (untempered).
+    pub logprobs: Vec<f64>,
+    pub finish_reason: FinishReason,
+    pub prefill_time: Duration,
+    pub decode_time: Duration,
+}
+
+impl Generation {
+    /// Decode speed: tokens after the first, per second of decode time.
+    pub fn decode_tokens_per_s(&self) -> f64 {
+        let n = self.tokens.len().saturating_sub(1) as f64;
+        let s = self.decode_time.as_secs_f64();
+        if s > 0.0 {
+            n / s
+        } else {
+            0.0
+        }
+    }
+}
+
+fn row_to_vec(logits: &Tensor) -> Result<Vec<f32>, ModelError> {
+    let t = logits
+        .f_to_device(tch::Device::Cpu)?
+        .f_to_kind(Kind::Float)?
+        .f_contiguous()?;
+    let n = t.numel();
+    let mut v = vec![0f32; n];
+    t.f_copy_data(&mut v, n)?;
+    Ok(v)
+}
+
+/// Generates from one prompt with a KV cache. `on_token(id, logprob)` runs after each
+/// token; returning `false` stops generation (finish reason `Cancelled`).
+pub fn generate(
+    model: &Llama,
+    req: &GenerateRequest,
+    mut on_token: impl FnMut(u32, f64) -> bool,
+) -> Result<Generation, ModelError> {
+    req.sampling.validate().map_err(ModelError::Invalid)?;
+    if req.prompt.is_empty() {
+        return Err(ModelError::Invalid("prompt is empty".into()));
+    }
+    let limit = model.max_positions();
+    if req.prompt.len() >= limit {
+        return Err(ModelError::Invalid(format!(
+            "prompt of {} tokens leaves no room in the model's context of {limit}",
+            req.prompt.len()
+        )));
+    }
+    let vocab = model.config.vocab_size as u32;
+    if let Some(bad) = req.prompt.iter().find(|&&t| t >= vocab) {
+        return Err(ModelError::Invalid(format!(
+            "prompt token id {bad} is outside the vocabulary of {vocab}"
+        )));
+    }
+    let _guard = tch::no_grad_guard();
+    let capacity = (req.prompt.len() + req.max_tokens).min(limit);
+    let mut cache = model.new_cache(1, capacity)?;
+    let mut rng = match req.seed {
+        Some(s) => Rng::seeded(s),
+        None => Rng::from_entropy(),
+    };
+    let device = model.device();
+    let ids: Vec<i64> = req.prompt.iter().map(|&t| t as i64).collect();
+    let t0 = Instant::now();
+    let input = Tensor::f_from_slice(&ids)?
+        .f_view([1, -1])?
+        .f_to_device(device)?;
+    let mut logits = model.forward(&input, &mut cache, Logits::Last)?;
+    let prefill_time = t0.elapsed();
+    let t1 = Instant::now();
+    let mut out = Generation {
+        tokens: Vec::new(),
+        logprobs: Vec::new(),
+        finish_reason: FinishReason::Length,
+        prefill_time,
+        decode_time: Duration::ZERO,
+    };
+    while out.tokens.len() < req.max_tokens {
+        let row = row_to_vec(&logits.f_select(0, 0)?)?;
+        let (id, lp) = sampling::sample(&row, &req.sampling, &mut rng);
+        out.tokens.push(id);
+        out.logprobs.push(lp);
+        if !on_token(id, lp) {
+            out.finish_reason = FinishReason::Cancelled;
+            break;
+        }
+        if req.stop_token_ids.contains(&id) {
+            out.finish_reason = FinishReason::Stop;
+            break;
+        }
+        if out.tokens.len() >= req.max_tokens || cache.len() >= cache.capacity() {
+            break;
+        }
+        let next = Tensor::f_from_slice(&[id as i64])?
+            .f_view([1, 1])?
+            .f_to_device(device)?;
+        logits = model.forward(&next, &mut cache, Logits::Last)?;
+    }
+    out.decode_time = t1.elapsed();
+    Ok(out)
+}

@@ -1,0 +1,359 @@
+//! `agentjet-peer`: the one binary of AgentJet-RS. CLI only: parse, build the config, hand
+//! off to the role or tool that does the work.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand, ValueEnum};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Role {
+    /// Host trainable models on this machine (GPU or CPU) and train them.
+    Server,
+    /// Run agents on tasks against the swarm's models.
+    Client,
+}
+
+const EXAMPLES: &str = "\
+Examples:
+  # chat with the default model (SmolLM2-135M-Instruct; fetched by bootstrap/setup.sh)
+  agentjet-peer generate --model smollm2 --prompt \"What is the capital of France?\"
+
+  # any Llama/Mistral/Qwen2 checkpoint: an HF directory or a GGUF file
+  agentjet-peer generate --model ./Qwen2.5-0.5B-Instruct --prompt \"Hi\" --temperature 0.7 --seed 1
+
+  # save as an HF checkpoint (loads in transformers and back here)
+  agentjet-peer export --model smollm2 --out ./smollm2-hf
+
+  # the swarm (arrives with the swarm issue)
+  agentjet-peer --role server --model smollm2
+  agentjet-peer --role client --bootstrap /ip4/127.0.0.1/udp/4001/quic-v1/p2p/<peer id> --tasks tasks.jsonl --agent \"python my_agent.py\"";
+
+/// AgentJet-RS peer: a peer-to-peer elastic swarm for RL of LLM agents.
+#[derive(Debug, Parser)]
+#[command(name = "agentjet-peer", version, about, after_help = EXAMPLES)]
+struct Cli {
+    /// Join the swarm in this role.
+    #[arg(long, value_enum)]
+    role: Option<Role>,
+
+    /// Log filter (tracing's EnvFilter syntax), e.g. `info` or `agentjet=debug`.
+    #[arg(long, env = "AGENTJET_LOG", default_value = "warn", global = true)]
+    log: String,
+
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Debug, Clone, clap::Args)]
+struct ModelArgs {
+    /// `smollm2` (the default model), a GGUF file, or an HF model directory.
+    #[arg(long, default_value = "smollm2")]
+    model: String,
+    /// `auto` (CUDA when available), `cpu`, `cuda` or `cuda:N`.
+    #[arg(long, default_value = "auto")]
+    device: String,
+    /// `f32` or `bf16`; default f32 on CPU, bf16 on CUDA.
+    #[arg(long)]
+    dtype: Option<String>,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Chat-formatted generation with the KV cache, streamed to the terminal.
+    Generate {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// The user message.
+        #[arg(long)]
+        prompt: String,
+        /// A system message (otherwise the template's default, if it has one).
+        #[arg(long)]
+        system: Option<String>,
+        #[arg(long, default_value_t = 256)]
+        max_tokens: usize,
+        /// 0 = greedy.
+        #[arg(long, default_value_t = 0.0)]
+        temperature: f64,
+        #[arg(long, default_value_t = 1.0)]
+        top_p: f64,
+        #[arg(long, default_value_t = 0)]
+        top_k: usize,
+        #[arg(long)]
+        seed: Option<u64>,
+        /// Print the token ids and logprobs after the text.
+        #[arg(long)]
+        show_tokens: bool,
+    },
+    /// Save a model as an HF-compatible checkpoint directory.
+    Export {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Output directory (must not exist, or be empty).
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Print what a model is: architecture, sizes, special tokens, chat template.
+    Info {
+        /// `smollm2`, a GGUF file, or an HF model directory.
+        #[arg(long, default_value = "smollm2")]
+        model: String,
+    },
+}
+
+fn main() {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_new(&cli.log)
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    if let Err(e) = run(cli) {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    if let Some(role) = cli.role {
+        let r = match role {
+            Role::Server => "server",
+            Role::Client => "client",
+        };
+        bail!(
+            "`--role {r}` needs the swarm, which is not built yet (it arrives with the swarm issue); \
+             `agentjet-peer generate` runs the model on this machine today"
+        );
+    }
+    match cli.command {
+        None => {
+            use clap::CommandFactory;
+            Cli::command().print_help()?;
+            println!();
+            Ok(())
+        }
+        Some(Command::Info { model }) => info(&model),
+        #[cfg(feature = "torch")]
+        Some(Command::Generate {
+            model,
+            prompt,
+            system,
+            max_tokens,
+            temperature,
+            top_p,
+            top_k,
+            seed,
+            show_tokens,
+        }) => torch_cmds::generate(
+            &model,
+            &prompt,
+            system.as_deref(),
+            max_tokens,
+            agentjet::engine::SamplingParams {
+                temperature,
+                top_p,
+                top_k,
+            },
+            seed,
+            show_tokens,
+        ),
+        #[cfg(feature = "torch")]
+        Some(Command::Export { model, out }) => torch_cmds::export(&model, &out),
+        #[cfg(not(feature = "torch"))]
+        Some(Command::Generate { .. } | Command::Export { .. }) => bail!(
+            "this agentjet-peer was built without LibTorch (`--no-default-features`); \
+             rebuild with the default `torch` feature to run models"
+        ),
+    }
+}
+
+fn info(spec: &str) -> Result<()> {
+    use agentjet::model::{ModelCard, ModelSource};
+    let source = ModelSource::resolve(spec)?;
+    let card = ModelCard::load(&source).with_context(|| format!("loading {spec}"))?;
+    let c = &card.config;
+    println!("name:        {}", card.name);
+    println!("family:      {:?}", c.family);
+    println!(
+        "layers:      {}  hidden: {}  intermediate: {}  heads: {} (kv {})  head_dim: {}",
+        c.num_hidden_layers,
+        c.hidden_size,
+        c.intermediate_size,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.head_dim
+    );
+    println!(
+        "vocab:       {}  context: {}  rope_theta: {}  tied head: {}",
+        c.vocab_size, c.max_position_embeddings, c.rope_theta, c.tie_word_embeddings
+    );
+    println!(
+        "bos: {:?}  eos: {:?}  stop ids: {:?}",
+        card.tokenizer.bos.as_ref().map(|t| &t.content),
+        card.tokenizer.eos.as_ref().map(|t| &t.content),
+        card.generation.eos_token_ids
+    );
+    match &card.chat_template_source {
+        Some(t) => println!("chat template ({} chars):\n{t}", t.len()),
+        None => println!("chat template: none"),
+    }
+    Ok(())
+}
+
+#[cfg(feature = "torch")]
+mod torch_cmds {
+    use super::*;
+    use agentjet::engine::{self, GenerateRequest, SamplingParams};
+    use agentjet::model::checkpoint::{load_model, save_checkpoint, LoadedModel};
+    use agentjet::model::llama::DType;
+    use agentjet::model::{ChatRequest, ModelSource, StreamDecoder};
+    use serde_json::json;
+    use tch::Device;
+
+    fn parse_device(s: &str) -> Result<Device> {
+        Ok(match s {
+            "auto" => Device::cuda_if_available(),
+            "cpu" => Device::Cpu,
+            "cuda" => {
+                if !tch::Cuda::is_available() {
+                    bail!("--device cuda: no CUDA device is available to LibTorch");
+                }
+                Device::Cuda(0)
+            }
+            other => match other.strip_prefix("cuda:").map(str::parse::<usize>) {
+                Some(Ok(n)) => {
+                    if (n as i64) >= tch::Cuda::device_count() {
+                        bail!(
+                            "--device {other}: only {} CUDA devices",
+                            tch::Cuda::device_count()
+                        );
+                    }
+                    Device::Cuda(n)
+                }
+                _ => bail!("--device {other:?}: expected auto, cpu, cuda or cuda:N"),
+            },
+        })
+    }
+
+    pub fn load(args: &ModelArgs) -> Result<LoadedModel> {
+        let device = parse_device(&args.device)?;
+        let dtype = match &args.dtype {
+            Some(d) => {
+                DType::parse(d).with_context(|| format!("--dtype {d:?}: expected f32 or bf16"))?
+            }
+            None if device.is_cuda() => DType::BF16,
+            None => DType::F32,
+        };
+        let source = ModelSource::resolve(&args.model)?;
+        load_model(&source, device, dtype).with_context(|| format!("loading model {}", args.model))
+    }
+
+    pub fn generate(
+        args: &ModelArgs,
+        prompt: &str,
+        system: Option<&str>,
+        max_tokens: usize,
+        sampling: SamplingParams,
+        seed: Option<u64>,
+        show_tokens: bool,
+    ) -> Result<()> {
+        sampling.validate().map_err(|e| anyhow::anyhow!("--{e}"))?;
+        let loaded = load(args)?;
+        let card = &loaded.card;
+        let mut messages = Vec::new();
+        if let Some(s) = system {
+            messages.push(json!({"role": "system", "content": s}));
+        }
+        messages.push(json!({"role": "user", "content": prompt}));
+        let text = match &card.chat_template_source {
+            Some(_) => card.chat_template(&args.model)?.render(&ChatRequest {
+                messages: &messages,
+                add_generation_prompt: true,
+                ..Default::default()
+            })?,
+            None => {
+                eprintln!(
+                    "note: {} has no chat template; using the prompt as raw text",
+                    args.model
+                );
+                prompt.to_string()
+            }
+        };
+        let ids = if card.chat_template_source.is_some() {
+            card.tokenizer.encode(&text)?
+        } else {
+            card.tokenizer.encode_with_bos(&text)?
+        };
+        let req = GenerateRequest {
+            prompt: ids,
+            max_tokens,
+            sampling,
+            seed,
+            stop_token_ids: card.generation.eos_token_ids.clone(),
+        };
+        let mut decoder = StreamDecoder::new();
+        let stdout = std::io::stdout();
+        let mut write_err = None;
+        let gen = engine::generate(&loaded.model, &req, |id, _lp| {
+            if card.is_stop_token(id) {
+                return true;
+            }
+            match decoder.push(&card.tokenizer, id) {
+                Ok(Some(piece)) => {
+                    let mut out = stdout.lock();
+                    if let Err(e) = out.write_all(piece.as_bytes()).and_then(|_| out.flush()) {
+                        write_err = Some(e);
+                        return false;
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    write_err = Some(std::io::Error::other(e.to_string()));
+                    return false;
+                }
+            }
+            true
+        })?;
+        if let Some(e) = write_err {
+            if e.kind() != std::io::ErrorKind::BrokenPipe {
+                return Err(e).context("writing generated text");
+            }
+            return Ok(());
+        }
+        println!();
+        if show_tokens {
+            println!("prompt ids: {:?}", req.prompt);
+            println!("generated ids: {:?}", gen.tokens);
+            let lps: Vec<String> = gen.logprobs.iter().map(|l| format!("{l:.4}")).collect();
+            println!("logprobs: [{}]", lps.join(", "));
+        }
+        eprintln!(
+            "[{} prompt tokens in {:.2}s, {} generated, {:.1} tokens/s decode, finish: {:?}, device {:?} {:?}]",
+            req.prompt.len(),
+            gen.prefill_time.as_secs_f64(),
+            gen.tokens.len(),
+            gen.decode_tokens_per_s(),
+            gen.finish_reason,
+            loaded.model.device(),
+            loaded.model.dtype(),
+        );
+        Ok(())
+    }
+
+    pub fn export(args: &ModelArgs, out: &std::path::Path) -> Result<()> {
+        let loaded = load(args)?;
+        let dtype = loaded.model.dtype();
+        save_checkpoint(out, &loaded.card, &loaded.model, dtype)
+            .with_context(|| format!("saving checkpoint to {}", out.display()))?;
+        println!(
+            "saved {} ({:?}) to {}",
+            loaded.card.name,
+            dtype,
+            out.display()
+        );
+        Ok(())
+    }
+}

@@ -1,0 +1,215 @@
+//! Loading a model from any source, and saving it as an HF-compatible checkpoint
+//! (`model.safetensors` + `config.json` + tokenizer files + `generation_config.json`) that
+//! transformers loads and that our own loader loads back.
+//!
+//! Owns: the directory layout of checkpoints. A checkpoint is written into a temporary
+//! sibling directory and renamed into place, so a crash never leaves a half-written one
+//! under the final name.
+
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use safetensors::tensor::{Dtype, View};
+use serde_json::json;
+use tch::{Device, Kind, Tensor};
+
+use super::llama::{DType, Llama};
+use super::weights::{GgufSource, SafetensorsSource};
+use super::{GgufFile, ModelCard, ModelError, ModelSource};
+
+/// A model ready to run: its card and its decoder.
+pub struct LoadedModel {
+    pub source: ModelSource,
+    pub card: ModelCard,
+    pub model: Llama,
+}
+
+/// Loads card and weights from `source` onto `device` in `dtype`.
+pub fn load_model(
+    source: &ModelSource,
+    device: Device,
+    dtype: DType,
+) -> Result<LoadedModel, ModelError> {
+    let (card, model) = match source {
+        ModelSource::Gguf(path) => {
+            let gguf = GgufFile::open(path)?;
+            let card = ModelCard::from_gguf(&gguf)?;
+            let mut src = GgufSource::new(gguf, &card.config);
+            let model = Llama::load(card.config.clone(), &mut src, device, dtype)?;
+            (card, model)
+        }
+        ModelSource::HfDir(dir) => {
+            let card = ModelCard::from_hf_dir(dir)?;
+            let mut src = SafetensorsSource::open_dir(dir)?;
+            let model = Llama::load(card.config.clone(), &mut src, device, dtype)?;
+            (card, model)
+        }
+    };
+    Ok(LoadedModel {
+        source: source.clone(),
+        card,
+        model,
+    })
+}
+
+struct OwnedView {
+    dtype: Dtype,
+    shape: Vec<usize>,
+    data: Vec<u8>,
+}
+
+impl View for &OwnedView {
+    fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        Cow::Borrowed(&self.data)
+    }
+    fn data_len(&self) -> usize {
+        self.data.len()
+    }
+}
+
+fn to_view(t: &Tensor, dtype: DType) -> Result<OwnedView, ModelError> {
+    let t = t
+        .f_to_device(Device::Cpu)?
+        .f_to_kind(dtype.kind())?
+        .f_contiguous()?;
+    let numel = t.numel();
+    let mut data = vec![0u8; numel * t.kind().elt_size_in_bytes()];
+    t.f_copy_data_u8(&mut data, numel)?;
+    Ok(OwnedView {
+        dtype: match dtype {
+            DType::F32 => Dtype::F32,
+            DType::BF16 => Dtype::BF16,
+        },
+        shape: t.size().iter().map(|&d| d as usize).collect(),
+        data,
+    })
+}
+
+fn io_err(path: &Path, e: impl std::fmt::Display) -> ModelError {
+    ModelError::Io {
+        path: path.to_path_buf(),
+        problem: e.to_string(),
+    }
+}
+
+fn write_json(path: &Path, v: &serde_json::Value) -> Result<(), ModelError> {
+    let text = serde_json::to_string_pretty(v).expect("json");
+    std::fs::write(path, text + "\n").map_err(|e| io_err(path, e))
+}
+
+/// Writes `model` and `card` to `dir` as an HF checkpoint in `dtype`. `dir` must not exist
+/// yet (or be empty).
+pub fn save_checkpoint(
+    dir: &Path,
+    card: &ModelCard,
+    model: &Llama,
+    dtype: DType,
+) -> Result<PathBuf, ModelError> {
+    if dir.exists()
+        && std::fs::read_dir(dir)
+            .map_err(|e| io_err(dir, e))?
+            .next()
+            .is_some()
+    {
+        return Err(io_err(
+            dir,
+            "already exists and is not empty; choose a new directory",
+        ));
+    }
+    let parent = dir
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent).map_err(|e| io_err(parent, e))?;
+    let name = dir
+        .file_name()
+        .ok_or_else(|| io_err(dir, "is not a directory name"))?
+        .to_string_lossy();
+    let tmp = parent.join(format!(".{name}.partial-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).map_err(|e| io_err(&tmp, e))?;
+    let result = write_into(&tmp, card, model, dtype);
+    if let Err(e) = result {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
+    if dir.exists() {
+        std::fs::remove_dir(dir).map_err(|e| io_err(dir, e))?;
+    }
+    std::fs::rename(&tmp, dir).map_err(|e| io_err(dir, e))?;
+    Ok(dir.to_path_buf())
+}
+
+fn write_into(dir: &Path, card: &ModelCard, model: &Llama, dtype: DType) -> Result<(), ModelError> {
+    let tensors = tch::no_grad(|| model.hf_tensors())?;
+    let views: Vec<(String, OwnedView)> = tensors
+        .iter()
+        .map(|(n, t)| Ok((n.clone(), to_view(t, dtype)?)))
+        .collect::<Result<_, ModelError>>()?;
+    let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
+    let st_path = dir.join("model.safetensors");
+    safetensors::tensor::serialize_to_file(
+        views.iter().map(|(n, v)| (n.as_str(), v)),
+        Some(meta),
+        &st_path,
+    )
+    .map_err(|e| io_err(&st_path, e))?;
+
+    write_json(
+        &dir.join("config.json"),
+        &card.config.to_hf_json(dtype.hf_name()),
+    )?;
+    card.tokenizer.save(&dir.join("tokenizer.json"))?;
+    let mut tok_cfg = card.tokenizer.hf_config_fields();
+    tok_cfg.insert(
+        "model_max_length".into(),
+        json!(card.config.max_position_embeddings),
+    );
+    match (&card.chat_template_source, &card.tool_use_template_source) {
+        (Some(c), Some(t)) => {
+            tok_cfg.insert(
+                "chat_template".into(),
+                json!([{"name": "default", "template": c}, {"name": "tool_use", "template": t}]),
+            );
+        }
+        (Some(c), None) => {
+            tok_cfg.insert("chat_template".into(), json!(c));
+        }
+        _ => {}
+    }
+    write_json(
+        &dir.join("tokenizer_config.json"),
+        &serde_json::Value::Object(tok_cfg),
+    )?;
+    let mut gen = serde_json::Map::new();
+    if let Some(b) = card.config.bos_token_id {
+        gen.insert("bos_token_id".into(), json!(b));
+    }
+    gen.insert("eos_token_id".into(), json!(card.generation.eos_token_ids));
+    if let Some(t) = card.generation.temperature {
+        gen.insert("temperature".into(), json!(t));
+    }
+    if let Some(p) = card.generation.top_p {
+        gen.insert("top_p".into(), json!(p));
+    }
+    if let Some(k) = card.generation.top_k {
+        gen.insert("top_k".into(), json!(k));
+    }
+    write_json(
+        &dir.join("generation_config.json"),
+        &serde_json::Value::Object(gen),
+    )?;
+    Ok(())
+}
+
+/// Converts a tensor to float32 on the CPU (for comparisons in tests and tools).
+pub fn to_cpu_f32(t: &Tensor) -> Result<Tensor, ModelError> {
+    Ok(t.f_to_device(Device::Cpu)?.f_to_kind(Kind::Float)?)
+}

@@ -1,0 +1,502 @@
+//! Model configuration: the serde mirror of an HF `config.json` for the Llama family
+//! (Llama, Mistral, Qwen2, SmolLM) and the validated runtime config the decoder uses.
+//!
+//! Owns: reading and validating architecture hyper-parameters from `config.json` or from
+//! GGUF metadata, and writing them back as an HF-compatible `config.json`. Never touches
+//! LibTorch.
+
+use serde::{Deserialize, Serialize};
+
+use super::gguf::{GgufError, GgufFile};
+
+/// The decoder families this crate runs, all Llama-shaped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Family {
+    Llama,
+    Mistral,
+    Qwen2,
+}
+
+impl Family {
+    pub fn hf_architecture(self) -> &'static str {
+        match self {
+            Family::Llama => "LlamaForCausalLM",
+            Family::Mistral => "MistralForCausalLM",
+            Family::Qwen2 => "Qwen2ForCausalLM",
+        }
+    }
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Family::Llama => "llama",
+            Family::Mistral => "mistral",
+            Family::Qwen2 => "qwen2",
+        }
+    }
+}
+
+/// Rotary-embedding frequency scaling.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "rope_type", rename_all = "lowercase")]
+pub enum RopeScaling {
+    /// Positions divided by `factor`.
+    Linear { factor: f64 },
+    /// Llama 3.1's wavelength-dependent scaling.
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: usize,
+    },
+}
+
+/// The validated runtime configuration of a Llama-family decoder.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LlamaConfig {
+    pub family: Family,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub rope_scaling: Option<RopeScaling>,
+    pub max_position_embeddings: usize,
+    pub tie_word_embeddings: bool,
+    /// Biases on the q/k/v projections (Qwen2).
+    pub attention_bias: bool,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+}
+
+/// A configuration that cannot be run, with the reason.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{source_name}: unknown architecture {arch:?} (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM; GGUF: llama, qwen2)")]
+    UnknownArchitecture { source_name: String, arch: String },
+    #[error("{source_name}: {problem}")]
+    Invalid {
+        source_name: String,
+        problem: String,
+    },
+    #[error("{source_name}: cannot parse: {problem}")]
+    Parse {
+        source_name: String,
+        problem: String,
+    },
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
+}
+
+/// One-or-many integer field (`eos_token_id` is either in HF configs).
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(untagged)]
+pub enum OneOrMany {
+    One(u32),
+    Many(Vec<u32>),
+}
+
+impl OneOrMany {
+    pub fn to_vec(&self) -> Vec<u32> {
+        match self {
+            OneOrMany::One(v) => vec![*v],
+            OneOrMany::Many(v) => v.clone(),
+        }
+    }
+}
+
+fn default_rms_eps() -> f64 {
+    1e-6
+}
+fn default_theta() -> f64 {
+    10000.0
+}
+fn default_max_pos() -> usize {
+    2048
+}
+
+/// The fields of an HF `config.json` that the Llama family uses.
+#[derive(Debug, Clone, Deserialize)]
+pub struct HfConfig {
+    #[serde(default)]
+    pub architectures: Vec<String>,
+    #[serde(default)]
+    pub model_type: Option<String>,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    #[serde(default)]
+    pub num_key_value_heads: Option<usize>,
+    #[serde(default)]
+    pub head_dim: Option<usize>,
+    #[serde(default = "default_rms_eps")]
+    pub rms_norm_eps: f64,
+    #[serde(default = "default_theta")]
+    pub rope_theta: f64,
+    #[serde(default)]
+    pub rope_scaling: Option<serde_json::Value>,
+    #[serde(default = "default_max_pos")]
+    pub max_position_embeddings: usize,
+    #[serde(default)]
+    pub tie_word_embeddings: Option<bool>,
+    #[serde(default)]
+    pub attention_bias: Option<bool>,
+    #[serde(default)]
+    pub hidden_act: Option<String>,
+    #[serde(default)]
+    pub bos_token_id: Option<u32>,
+    #[serde(default)]
+    pub eos_token_id: Option<OneOrMany>,
+}
+
+impl HfConfig {
+    /// Validates and converts to the runtime config. `source_name` names the file in errors.
+    pub fn into_runtime(self, source_name: &str) -> Result<LlamaConfig, ConfigError> {
+        let arch = self
+            .architectures
+            .first()
+            .cloned()
+            .or_else(|| self.model_type.clone())
+            .unwrap_or_default();
+        let family = match arch.as_str() {
+            "LlamaForCausalLM" | "llama" => Family::Llama,
+            "MistralForCausalLM" | "mistral" => Family::Mistral,
+            "Qwen2ForCausalLM" | "qwen2" => Family::Qwen2,
+            _ => {
+                return Err(ConfigError::UnknownArchitecture {
+                    source_name: source_name.to_string(),
+                    arch,
+                })
+            }
+        };
+        if let Some(act) = &self.hidden_act {
+            if act != "silu" {
+                return Err(invalid(
+                    source_name,
+                    format!("hidden_act {act:?} is not supported (only \"silu\")"),
+                ));
+            }
+        }
+        let rope_scaling = match &self.rope_scaling {
+            None | Some(serde_json::Value::Null) => None,
+            Some(v) => parse_rope_scaling(v, source_name)?,
+        };
+        let cfg = LlamaConfig {
+            family,
+            vocab_size: self.vocab_size,
+            hidden_size: self.hidden_size,
+            intermediate_size: self.intermediate_size,
+            num_hidden_layers: self.num_hidden_layers,
+            num_attention_heads: self.num_attention_heads,
+            num_key_value_heads: self.num_key_value_heads.unwrap_or(self.num_attention_heads),
+            head_dim: self
+                .head_dim
+                .unwrap_or(self.hidden_size / self.num_attention_heads.max(1)),
+            rms_norm_eps: self.rms_norm_eps,
+            rope_theta: self.rope_theta,
+            rope_scaling,
+            max_position_embeddings: self.max_position_embeddings,
+            // HF's default for Llama is untied; Qwen2 small models set it explicitly.
+            tie_word_embeddings: self.tie_word_embeddings.unwrap_or(false),
+            attention_bias: self
+                .attention_bias
+                .unwrap_or(matches!(family, Family::Qwen2)),
+            bos_token_id: self.bos_token_id,
+            eos_token_ids: self.eos_token_id.map(|e| e.to_vec()).unwrap_or_default(),
+        };
+        cfg.validate(source_name)?;
+        Ok(cfg)
+    }
+}
+
+fn invalid(source_name: &str, problem: String) -> ConfigError {
+    ConfigError::Invalid {
+        source_name: source_name.to_string(),
+        problem,
+    }
+}
+
+fn parse_rope_scaling(
+    v: &serde_json::Value,
+    source_name: &str,
+) -> Result<Option<RopeScaling>, ConfigError> {
+    let ty = v
+        .get("rope_type")
+        .or_else(|| v.get("type"))
+        .and_then(|t| t.as_str())
+        .unwrap_or("default");
+    let num = |k: &str| -> Result<f64, ConfigError> {
+        v.get(k).and_then(|x| x.as_f64()).ok_or_else(|| {
+            invalid(
+                source_name,
+                format!("rope_scaling of type {ty:?} lacks number {k:?}"),
+            )
+        })
+    };
+    Ok(match ty {
+        "default" => None,
+        "linear" => Some(RopeScaling::Linear {
+            factor: num("factor")?,
+        }),
+        "llama3" => Some(RopeScaling::Llama3 {
+            factor: num("factor")?,
+            low_freq_factor: num("low_freq_factor")?,
+            high_freq_factor: num("high_freq_factor")?,
+            original_max_position_embeddings: num("original_max_position_embeddings")? as usize,
+        }),
+        other => {
+            return Err(invalid(
+                source_name,
+                format!("rope_scaling type {other:?} is not supported (supported: linear, llama3)"),
+            ))
+        }
+    })
+}
+
+impl LlamaConfig {
+    /// Checks the invariants the decoder relies on.
+    pub fn validate(&self, source_name: &str) -> Result<(), ConfigError> {
+        let err = |p: String| Err(invalid(source_name, p));
+        if self.vocab_size == 0 || self.hidden_size == 0 || self.num_hidden_layers == 0 {
+            return err("vocab_size, hidden_size and num_hidden_layers must be positive".into());
+        }
+        if self.num_attention_heads == 0 || self.num_key_value_heads == 0 {
+            return err("head counts must be positive".into());
+        }
+        if self.num_attention_heads % self.num_key_value_heads != 0 {
+            return err(format!(
+                "num_attention_heads {} is not a multiple of num_key_value_heads {}",
+                self.num_attention_heads, self.num_key_value_heads
+            ));
+        }
+        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+            return err(format!(
+                "head_dim {} must be positive and even",
+                self.head_dim
+            ));
+        }
+        if !(self.rope_theta > 0.0) || !(self.rms_norm_eps > 0.0) {
+            return err("rope_theta and rms_norm_eps must be positive".into());
+        }
+        Ok(())
+    }
+
+    /// Reads the architecture from GGUF metadata (`<arch>.*` keys, llama.cpp's names).
+    pub fn from_gguf(g: &GgufFile) -> Result<LlamaConfig, ConfigError> {
+        let source_name = g.path().display().to_string();
+        let arch = g.get_str("general.architecture")?.to_string();
+        let family = match arch.as_str() {
+            "llama" => Family::Llama,
+            "qwen2" => Family::Qwen2,
+            _ => return Err(ConfigError::UnknownArchitecture { source_name, arch }),
+        };
+        let k = |s: &str| format!("{arch}.{s}");
+        let usize_of = |key: &str| -> Result<usize, ConfigError> {
+            let v = g.get_i64(key)?;
+            usize::try_from(v).map_err(|_| invalid(&source_name, format!("{key} is {v}")))
+        };
+        let hidden_size = usize_of(&k("embedding_length"))?;
+        let heads = usize_of(&k("attention.head_count"))?;
+        let kv_heads = match g.get_opt_i64(&k("attention.head_count_kv"))? {
+            Some(v) => v as usize,
+            None => heads,
+        };
+        let vocab_size = match g.get_opt_i64(&k("vocab_size"))? {
+            Some(v) => v as usize,
+            None => g.get_string_array("tokenizer.ggml.tokens")?.len(),
+        };
+        let head_dim = match g.get_opt_i64(&k("attention.key_length"))? {
+            Some(v) => v as usize,
+            None => hidden_size / heads.max(1),
+        };
+        let rope_scaling = match g.get(&k("rope.scaling.type")).and_then(|v| v.as_str()) {
+            None | Some("none") => None,
+            Some("linear") => Some(RopeScaling::Linear {
+                factor: g.get_f64(&k("rope.scaling.factor"))?,
+            }),
+            Some(other) => {
+                return Err(invalid(
+                    &source_name,
+                    format!("rope scaling type {other:?} is not supported (supported: linear; llama3 comes as rope_freqs.weight)"),
+                ))
+            }
+        };
+        let tied = g.tensors.iter().all(|t| t.name != "output.weight");
+        let attention_bias = g.tensors.iter().any(|t| t.name == "blk.0.attn_q.bias");
+        let cfg = LlamaConfig {
+            family,
+            vocab_size,
+            hidden_size,
+            intermediate_size: usize_of(&k("feed_forward_length"))?,
+            num_hidden_layers: usize_of(&k("block_count"))?,
+            num_attention_heads: heads,
+            num_key_value_heads: kv_heads,
+            head_dim,
+            rms_norm_eps: g.get_f64(&k("attention.layer_norm_rms_epsilon"))?,
+            rope_theta: g.get_opt_f64(&k("rope.freq_base"))?.unwrap_or(10000.0),
+            rope_scaling,
+            max_position_embeddings: g
+                .get_opt_i64(&k("context_length"))?
+                .map(|v| v as usize)
+                .unwrap_or(2048),
+            tie_word_embeddings: tied,
+            attention_bias,
+            bos_token_id: g
+                .get_opt_i64("tokenizer.ggml.bos_token_id")?
+                .map(|v| v as u32),
+            eos_token_ids: g
+                .get_opt_i64("tokenizer.ggml.eos_token_id")?
+                .map(|v| vec![v as u32])
+                .unwrap_or_default(),
+        };
+        cfg.validate(&source_name)?;
+        Ok(cfg)
+    }
+
+    /// An HF-compatible `config.json` for this model.
+    pub fn to_hf_json(&self, torch_dtype: &str) -> serde_json::Value {
+        let mut v = serde_json::json!({
+            "architectures": [self.family.hf_architecture()],
+            "model_type": self.family.model_type(),
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "torch_dtype": torch_dtype,
+            "dtype": torch_dtype,
+            "use_cache": true,
+        });
+        let obj = v.as_object_mut().expect("object");
+        if self.family != Family::Qwen2 {
+            obj.insert("attention_bias".into(), self.attention_bias.into());
+            obj.insert("mlp_bias".into(), false.into());
+        }
+        if let Some(b) = self.bos_token_id {
+            obj.insert("bos_token_id".into(), b.into());
+        }
+        match self.eos_token_ids.as_slice() {
+            [] => {}
+            [one] => {
+                obj.insert("eos_token_id".into(), (*one).into());
+            }
+            many => {
+                obj.insert("eos_token_id".into(), many.to_vec().into());
+            }
+        }
+        let scaling = match &self.rope_scaling {
+            None => serde_json::Value::Null,
+            Some(RopeScaling::Linear { factor }) => {
+                serde_json::json!({"rope_type": "linear", "factor": factor})
+            }
+            Some(RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            }) => serde_json::json!({
+                "rope_type": "llama3", "factor": factor, "low_freq_factor": low_freq_factor,
+                "high_freq_factor": high_freq_factor,
+                "original_max_position_embeddings": original_max_position_embeddings,
+            }),
+        };
+        obj.insert("rope_scaling".into(), scaling);
+        v
+    }
+
+    /// Inverse rotary frequencies, one per pair of a head's dimensions, after scaling.
+    pub fn inv_freq(&self) -> Vec<f64> {
+        let dim = self.head_dim as f64;
+        let base: Vec<f64> = (0..self.head_dim / 2)
+            .map(|i| 1.0 / self.rope_theta.powf((2 * i) as f64 / dim))
+            .collect();
+        match &self.rope_scaling {
+            None => base,
+            Some(RopeScaling::Linear { factor }) => base.iter().map(|f| f / factor).collect(),
+            Some(RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            }) => {
+                let old = *original_max_position_embeddings as f64;
+                let low_wavelen = old / low_freq_factor;
+                let high_wavelen = old / high_freq_factor;
+                base.iter()
+                    .map(|&f| {
+                        let wavelen = 2.0 * std::f64::consts::PI / f;
+                        if wavelen < high_wavelen {
+                            f
+                        } else if wavelen > low_wavelen {
+                            f / factor
+                        } else {
+                            let smooth = (old / wavelen - low_freq_factor)
+                                / (high_freq_factor - low_freq_factor);
+                            (1.0 - smooth) * f / factor + smooth * f
+                        }
+                    })
+                    .collect()
+            }
+        }
+    }
+}
+
+/// Parses a `config.json` text.
+pub fn parse_hf_config(text: &str, source_name: &str) -> Result<LlamaConfig, ConfigError> {
+    let hf: HfConfig = serde_json::from_str(text).map_err(|e| ConfigError::Parse {
+        source_name: source_name.to_string(),
+        problem: e.to_string(),
+    })?;
+    hf.into_runtime(source_name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn llama3_scaling_keeps_high_and_divides_low_frequencies() {
+        let mut cfg = parse_hf_config(
+            r#"{"architectures":["LlamaForCausalLM"],"vocab_size":10,"hidden_size":64,
+                "intermediate_size":8,"num_hidden_layers":1,"num_attention_heads":1,
+                "rope_theta":500000.0,
+                "rope_scaling":{"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,
+                "high_freq_factor":4.0,"original_max_position_embeddings":8192}}"#,
+            "test",
+        )
+        .unwrap();
+        let scaled = cfg.inv_freq();
+        cfg.rope_scaling = None;
+        let plain = cfg.inv_freq();
+        assert_eq!(scaled[0], plain[0]);
+        let last = plain.len() - 1;
+        assert!((scaled[last] - plain[last] / 8.0).abs() < 1e-15);
+    }
+
+    #[test]
+    fn unknown_architecture_is_named() {
+        let e = parse_hf_config(
+            r#"{"architectures":["GPTNeoXForCausalLM"],"vocab_size":10,"hidden_size":8,
+                "intermediate_size":8,"num_hidden_layers":1,"num_attention_heads":1}"#,
+            "dir/config.json",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("dir/config.json") && e.contains("GPTNeoXForCausalLM"),
+            "{e}"
+        );
+    }
+}

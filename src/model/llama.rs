@@ -1,0 +1,499 @@
+//! The Llama-family decoder on LibTorch: RMSNorm, rotary embeddings (with linear / Llama 3
+//! scaling or GGUF frequency factors), grouped-query attention, SwiGLU MLP, tied or untied
+//! LM head, optional q/k/v biases (Qwen2); prefill and incremental decode with a KV cache.
+//!
+//! Owns: the parameters and the forward pass. Parameters keep HF's layout except that
+//! q/k/v and gate/up are fused into one matrix each (fewer, larger matmuls per token);
+//! [`Llama::hf_tensors`] splits them back into HF's names for checkpoints.
+//!
+//! Must never: sample, schedule, or know where token ids came from. `tch::Tensor` is not
+//! `Sync`: a `Llama` lives on one thread (the engine's) and others talk to it by channel.
+
+use tch::{Device, Kind, Tensor};
+
+use super::config::LlamaConfig;
+use super::weights::{load_checked, WeightSource};
+use super::ModelError;
+
+/// Numeric type of the weights and activations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DType {
+    F32,
+    BF16,
+}
+
+impl DType {
+    pub fn kind(self) -> Kind {
+        match self {
+            DType::F32 => Kind::Float,
+            DType::BF16 => Kind::BFloat16,
+        }
+    }
+    pub fn hf_name(self) -> &'static str {
+        match self {
+            DType::F32 => "float32",
+            DType::BF16 => "bfloat16",
+        }
+    }
+    pub fn parse(s: &str) -> Option<DType> {
+        match s {
+            "f32" | "float32" | "fp32" => Some(DType::F32),
+            "bf16" | "bfloat16" => Some(DType::BF16),
+            _ => None,
+        }
+    }
+}
+
+struct DecoderLayer {
+    input_layernorm: Tensor,
+    post_attention_layernorm: Tensor,
+    /// [ (heads + 2 kv_heads) * head_dim, hidden ]
+    qkv_proj: Tensor,
+    qkv_bias: Option<Tensor>,
+    o_proj: Tensor,
+    /// [ 2 * intermediate, hidden ]: gate rows then up rows.
+    gate_up_proj: Tensor,
+    down_proj: Tensor,
+}
+
+/// Per-layer key/value tensors of shape [batch, kv_heads, capacity, head_dim]; the first
+/// `len` positions are filled.
+pub struct KvCache {
+    k: Vec<Tensor>,
+    v: Vec<Tensor>,
+    len: usize,
+    capacity: usize,
+    batch: usize,
+}
+
+impl KvCache {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+    pub fn batch(&self) -> usize {
+        self.batch
+    }
+    /// Forgets the cached positions (the memory stays allocated for reuse).
+    pub fn clear(&mut self) {
+        self.len = 0;
+    }
+    /// Bytes held by the cache tensors.
+    pub fn bytes(&self) -> usize {
+        self.k
+            .iter()
+            .chain(self.v.iter())
+            .map(|t| t.numel() * t.kind().elt_size_in_bytes())
+            .sum()
+    }
+}
+
+/// Which positions to compute logits for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Logits {
+    /// Only the last position of each row: [batch, vocab].
+    Last,
+    /// Every position: [batch, seq, vocab].
+    All,
+}
+
+pub struct Llama {
+    pub config: LlamaConfig,
+    device: Device,
+    dtype: DType,
+    embed_tokens: Tensor,
+    layers: Vec<DecoderLayer>,
+    norm: Tensor,
+    /// `None` when tied to `embed_tokens`.
+    lm_head: Option<Tensor>,
+    /// [max_positions, head_dim] tables in the model dtype.
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl std::fmt::Debug for Llama {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Llama")
+            .field("config", &self.config)
+            .field("device", &self.device)
+            .field("dtype", &self.dtype)
+            .finish()
+    }
+}
+
+impl Llama {
+    /// Builds the decoder from HF-named weights, checking every name and shape.
+    pub fn load(
+        config: LlamaConfig,
+        src: &mut dyn WeightSource,
+        device: Device,
+        dtype: DType,
+    ) -> Result<Llama, ModelError> {
+        let _guard = tch::no_grad_guard();
+        let c = &config;
+        let (h, i, hd) = (
+            c.hidden_size as i64,
+            c.intermediate_size as i64,
+            c.head_dim as i64,
+        );
+        let (nh, nkv, v) = (
+            c.num_attention_heads as i64,
+            c.num_key_value_heads as i64,
+            c.vocab_size as i64,
+        );
+        let kind = dtype.kind();
+        let place = |t: Tensor| -> Result<Tensor, ModelError> {
+            Ok(t.f_to_device(device)?.f_to_kind(kind)?.f_contiguous()?)
+        };
+        let embed_tokens = place(load_checked(src, "model.embed_tokens.weight", &[v, h])?)?;
+        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        for l in 0..c.num_hidden_layers {
+            let p = format!("model.layers.{l}.");
+            let get = |src: &mut dyn WeightSource, n: &str, shape: &[i64]| {
+                load_checked(src, &format!("{p}{n}"), shape)
+            };
+            let q = get(src, "self_attn.q_proj.weight", &[nh * hd, h])?;
+            let k = get(src, "self_attn.k_proj.weight", &[nkv * hd, h])?;
+            let vv = get(src, "self_attn.v_proj.weight", &[nkv * hd, h])?;
+            let qkv_bias = if c.attention_bias {
+                let qb = get(src, "self_attn.q_proj.bias", &[nh * hd])?;
+                let kb = get(src, "self_attn.k_proj.bias", &[nkv * hd])?;
+                let vb = get(src, "self_attn.v_proj.bias", &[nkv * hd])?;
+                Some(place(Tensor::f_cat(
+                    &[
+                        qb.to_kind(Kind::Float),
+                        kb.to_kind(Kind::Float),
+                        vb.to_kind(Kind::Float),
+                    ],
+                    0,
+                )?)?)
+            } else {
+                None
+            };
+            let gate = get(src, "mlp.gate_proj.weight", &[i, h])?;
+            let up = get(src, "mlp.up_proj.weight", &[i, h])?;
+            layers.push(DecoderLayer {
+                input_layernorm: place(get(src, "input_layernorm.weight", &[h])?)?,
+                post_attention_layernorm: place(get(
+                    src,
+                    "post_attention_layernorm.weight",
+                    &[h],
+                )?)?,
+                qkv_proj: place(Tensor::f_cat(
+                    &[
+                        q.to_kind(Kind::Float),
+                        k.to_kind(Kind::Float),
+                        vv.to_kind(Kind::Float),
+                    ],
+                    0,
+                )?)?,
+                qkv_bias,
+                o_proj: place(get(src, "self_attn.o_proj.weight", &[h, nh * hd])?)?,
+                gate_up_proj: place(Tensor::f_cat(
+                    &[gate.to_kind(Kind::Float), up.to_kind(Kind::Float)],
+                    0,
+                )?)?,
+                down_proj: place(get(src, "mlp.down_proj.weight", &[h, i])?)?,
+            });
+        }
+        let norm = place(load_checked(src, "model.norm.weight", &[h])?)?;
+        let lm_head = if c.tie_word_embeddings {
+            None
+        } else {
+            Some(place(load_checked(src, "lm_head.weight", &[v, h])?)?)
+        };
+        let factors = src.rope_freq_factors()?;
+        let (cos, sin) = rope_tables(c, factors.as_deref(), device, kind)?;
+        Ok(Llama {
+            config,
+            device,
+            dtype,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            cos,
+            sin,
+        })
+    }
+
+    pub fn device(&self) -> Device {
+        self.device
+    }
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The largest number of positions a sequence may have.
+    pub fn max_positions(&self) -> usize {
+        self.cos.size()[0] as usize
+    }
+
+    /// An empty cache for `batch` rows of up to `capacity` positions.
+    pub fn new_cache(&self, batch: usize, capacity: usize) -> Result<KvCache, ModelError> {
+        let capacity = capacity.min(self.max_positions());
+        let shape = [
+            batch as i64,
+            self.config.num_key_value_heads as i64,
+            capacity as i64,
+            self.config.head_dim as i64,
+        ];
+        let opts = (self.dtype.kind(), self.device);
+        let mut k = Vec::with_capacity(self.layers.len());
+        let mut v = Vec::with_capacity(self.layers.len());
+        for _ in 0..self.layers.len() {
+            k.push(Tensor::f_zeros(shape, opts)?);
+            v.push(Tensor::f_zeros(shape, opts)?);
+        }
+        Ok(KvCache {
+            k,
+            v,
+            len: 0,
+            capacity,
+            batch,
+        })
+    }
+
+    fn rms_norm(&self, x: &Tensor, w: &Tensor) -> Result<Tensor, ModelError> {
+        let eps = self.config.rms_norm_eps;
+        let h = self.config.hidden_size as i64;
+        Ok(match self.dtype {
+            DType::F32 => x.f_rms_norm([h], Some(w), eps)?,
+            // HF: normalise in f32, cast back, then scale.
+            DType::BF16 => x
+                .f_to_kind(Kind::Float)?
+                .f_rms_norm([h], None::<&Tensor>, eps)?
+                .f_to_kind(Kind::BFloat16)?
+                .f_mul(w)?,
+        })
+    }
+
+    /// Runs `ids` ([batch, seq], int64) through the decoder, appending their keys and
+    /// values to `cache` (whose filled length is their starting position), and returns
+    /// float32 logits.
+    pub fn forward(
+        &self,
+        ids: &Tensor,
+        cache: &mut KvCache,
+        which: Logits,
+    ) -> Result<Tensor, ModelError> {
+        let size = ids.size();
+        let [b, t] = size[..] else {
+            return Err(ModelError::Invalid(format!(
+                "forward wants ids of shape [batch, seq], got {size:?}"
+            )));
+        };
+        if b as usize != cache.batch {
+            return Err(ModelError::Invalid(format!(
+                "batch of {b} rows does not match a cache of {}",
+                cache.batch
+            )));
+        }
+        let start = cache.len as i64;
+        let end = start + t;
+        if t == 0 || end as usize > cache.capacity {
+            return Err(ModelError::Invalid(format!(
+                "{t} new positions after {start} exceed the cache capacity of {} (model limit {})",
+                cache.capacity,
+                self.max_positions()
+            )));
+        }
+        let c = &self.config;
+        let (nh, nkv, hd) = (
+            c.num_attention_heads as i64,
+            c.num_key_value_heads as i64,
+            c.head_dim as i64,
+        );
+        let cos = self.cos.f_narrow(0, start, t)?;
+        let sin = self.sin.f_narrow(0, start, t)?;
+        // Queries attend to every cached position and causally among themselves.
+        let mask = if t > 1 && start > 0 {
+            let q_pos =
+                Tensor::f_arange_start(start, end, (Kind::Int64, self.device))?.f_unsqueeze(1)?;
+            let k_pos = Tensor::f_arange(end, (Kind::Int64, self.device))?.f_unsqueeze(0)?;
+            Some(k_pos.f_le_tensor(&q_pos)?)
+        } else {
+            None
+        };
+        let is_causal = t > 1 && start == 0;
+        let mut x = Tensor::f_embedding(&self.embed_tokens, ids, -1, false, false)?;
+        for (l, layer) in self.layers.iter().enumerate() {
+            let hn = self.rms_norm(&x, &layer.input_layernorm)?;
+            let qkv = hn.f_linear(&layer.qkv_proj, layer.qkv_bias.as_ref())?;
+            let q = qkv
+                .f_narrow(-1, 0, nh * hd)?
+                .f_view([b, t, nh, hd])?
+                .f_transpose(1, 2)?;
+            let k = qkv
+                .f_narrow(-1, nh * hd, nkv * hd)?
+                .f_view([b, t, nkv, hd])?
+                .f_transpose(1, 2)?;
+            let v = qkv
+                .f_narrow(-1, (nh + nkv) * hd, nkv * hd)?
+                .f_view([b, t, nkv, hd])?
+                .f_transpose(1, 2)?;
+            let q = apply_rope(&q, &cos, &sin)?;
+            let k = apply_rope(&k, &cos, &sin)?;
+            cache.k[l].f_narrow(2, start, t)?.f_copy_(&k)?;
+            cache.v[l].f_narrow(2, start, t)?.f_copy_(&v)?;
+            let (kk, vv) = if start == 0 {
+                (k, v)
+            } else {
+                (
+                    cache.k[l].f_narrow(2, 0, end)?,
+                    cache.v[l].f_narrow(2, 0, end)?,
+                )
+            };
+            let attn = Tensor::f_scaled_dot_product_attention(
+                &q,
+                &kk,
+                &vv,
+                mask.as_ref(),
+                0.0,
+                is_causal,
+                None,
+                nkv != nh,
+            )?;
+            let attn = attn.f_transpose(1, 2)?.f_reshape([b, t, nh * hd])?;
+            x = x.f_add(&attn.f_linear(&layer.o_proj, None::<&Tensor>)?)?;
+            let hn = self.rms_norm(&x, &layer.post_attention_layernorm)?;
+            let gu = hn.f_linear(&layer.gate_up_proj, None::<&Tensor>)?;
+            let inter = c.intermediate_size as i64;
+            let gate = gu.f_narrow(-1, 0, inter)?;
+            let up = gu.f_narrow(-1, inter, inter)?;
+            let m = gate
+                .f_silu()?
+                .f_mul(&up)?
+                .f_linear(&layer.down_proj, None::<&Tensor>)?;
+            x = x.f_add(&m)?;
+        }
+        cache.len = end as usize;
+        let x = match which {
+            Logits::Last => x.f_select(1, t - 1)?,
+            Logits::All => x,
+        };
+        let x = self.rms_norm(&x, &self.norm)?;
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
+        Ok(x.f_linear(head, None::<&Tensor>)?.f_to_kind(Kind::Float)?)
+    }
+
+    /// The parameters under HF's names and shapes (fused matrices split back), on the
+    /// model's device and dtype. Tied heads are not repeated.
+    pub fn hf_tensors(&self) -> Result<Vec<(String, Tensor)>, ModelError> {
+        let c = &self.config;
+        let (nh, nkv, hd, inter) = (
+            c.num_attention_heads as i64,
+            c.num_key_value_heads as i64,
+            c.head_dim as i64,
+            c.intermediate_size as i64,
+        );
+        let mut out = vec![(
+            "model.embed_tokens.weight".to_string(),
+            self.embed_tokens.shallow_clone(),
+        )];
+        for (l, layer) in self.layers.iter().enumerate() {
+            let p = format!("model.layers.{l}.");
+            let split3 = |t: &Tensor| -> Result<[Tensor; 3], ModelError> {
+                Ok([
+                    t.f_narrow(0, 0, nh * hd)?,
+                    t.f_narrow(0, nh * hd, nkv * hd)?,
+                    t.f_narrow(0, (nh + nkv) * hd, nkv * hd)?,
+                ])
+            };
+            let [q, k, v] = split3(&layer.qkv_proj)?;
+            out.push((format!("{p}self_attn.q_proj.weight"), q));
+            out.push((format!("{p}self_attn.k_proj.weight"), k));
+            out.push((format!("{p}self_attn.v_proj.weight"), v));
+            if let Some(bias) = &layer.qkv_bias {
+                let [q, k, v] = split3(bias)?;
+                out.push((format!("{p}self_attn.q_proj.bias"), q));
+                out.push((format!("{p}self_attn.k_proj.bias"), k));
+                out.push((format!("{p}self_attn.v_proj.bias"), v));
+            }
+            out.push((
+                format!("{p}self_attn.o_proj.weight"),
+                layer.o_proj.shallow_clone(),
+            ));
+            out.push((
+                format!("{p}mlp.gate_proj.weight"),
+                layer.gate_up_proj.f_narrow(0, 0, inter)?,
+            ));
+            out.push((
+                format!("{p}mlp.up_proj.weight"),
+                layer.gate_up_proj.f_narrow(0, inter, inter)?,
+            ));
+            out.push((
+                format!("{p}mlp.down_proj.weight"),
+                layer.down_proj.shallow_clone(),
+            ));
+            out.push((
+                format!("{p}input_layernorm.weight"),
+                layer.input_layernorm.shallow_clone(),
+            ));
+            out.push((
+                format!("{p}post_attention_layernorm.weight"),
+                layer.post_attention_layernorm.shallow_clone(),
+            ));
+        }
+        out.push(("model.norm.weight".to_string(), self.norm.shallow_clone()));
+        if let Some(head) = &self.lm_head {
+            out.push(("lm_head.weight".to_string(), head.shallow_clone()));
+        }
+        Ok(out)
+    }
+
+    /// Number of parameters (tied head counted once).
+    pub fn num_parameters(&self) -> Result<i64, ModelError> {
+        Ok(self
+            .hf_tensors()?
+            .iter()
+            .map(|(_, t)| t.numel() as i64)
+            .sum())
+    }
+}
+
+/// HF's rotate-half rotary embedding: x * cos + rotate_half(x) * sin.
+fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor, ModelError> {
+    let half = x.size()[3] / 2;
+    let x1 = x.f_narrow(-1, 0, half)?;
+    let x2 = x.f_narrow(-1, half, half)?;
+    let rotated = Tensor::f_cat(&[x2.f_neg()?, x1], -1)?;
+    Ok(x.f_mul(cos)?.f_add(&rotated.f_mul(sin)?)?)
+}
+
+/// cos/sin tables [max_positions, head_dim] as HF builds them: float32 angles
+/// `position * inv_freq`, duplicated across the two halves, cast to the model dtype.
+fn rope_tables(
+    c: &LlamaConfig,
+    factors: Option<&[f32]>,
+    device: Device,
+    kind: Kind,
+) -> Result<(Tensor, Tensor), ModelError> {
+    let mut inv: Vec<f32> = c.inv_freq().iter().map(|&f| f as f32).collect();
+    if let Some(f) = factors {
+        if f.len() != inv.len() {
+            return Err(ModelError::Invalid(format!(
+                "rope_freqs has {} factors, expected {}",
+                f.len(),
+                inv.len()
+            )));
+        }
+        for (i, d) in inv.iter_mut().zip(f) {
+            *i /= d;
+        }
+    }
+    let max = c.max_position_embeddings.max(1) as i64;
+    let pos = Tensor::f_arange(max, (Kind::Float, Device::Cpu))?;
+    let inv = Tensor::f_from_slice(&inv)?;
+    let angles = pos.f_outer(&inv)?;
+    let emb = Tensor::f_cat(&[&angles, &angles], -1)?;
+    Ok((
+        emb.f_cos()?.f_to_kind(kind)?.f_to_device(device)?,
+        emb.f_sin()?.f_to_kind(kind)?.f_to_device(device)?,
+    ))
+}
