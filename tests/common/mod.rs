@@ -1,0 +1,399 @@
+//! Shared test helpers: tiny random Llama-family checkpoints written by the test itself
+//! (HF safetensors directories and GGUF files), and access to the real default model.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde_json::json;
+use tch::{Kind, Tensor};
+
+/// Hyper-parameters of a tiny test model.
+#[derive(Debug, Clone)]
+pub struct Tiny {
+    pub arch: &'static str,
+    pub vocab: i64,
+    pub hidden: i64,
+    pub inter: i64,
+    pub layers: i64,
+    pub heads: i64,
+    pub kv_heads: i64,
+    pub tied: bool,
+    pub bias: bool,
+    pub rope_scaling: Option<serde_json::Value>,
+    pub max_pos: i64,
+    pub seed: i64,
+}
+
+impl Default for Tiny {
+    fn default() -> Self {
+        Tiny {
+            arch: "LlamaForCausalLM",
+            vocab: 300,
+            hidden: 64,
+            inter: 96,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            tied: true,
+            bias: false,
+            rope_scaling: None,
+            max_pos: 256,
+            seed: 7,
+        }
+    }
+}
+
+impl Tiny {
+    pub fn head_dim(&self) -> i64 {
+        self.hidden / self.heads
+    }
+
+    /// Random weights under HF names (float32, std 0.08 so logits are not flat).
+    pub fn weights(&self) -> Vec<(String, Tensor)> {
+        tch::manual_seed(self.seed);
+        let (h, i, hd) = (self.hidden, self.inter, self.head_dim());
+        let r = |shape: &[i64]| Tensor::randn(shape, (Kind::Float, tch::Device::Cpu)) * 0.08;
+        let norm = |n: i64| Tensor::ones([n], (Kind::Float, tch::Device::Cpu)) + r(&[n]);
+        let mut w = vec![("model.embed_tokens.weight".to_string(), r(&[self.vocab, h]))];
+        for l in 0..self.layers {
+            let p = format!("model.layers.{l}.");
+            w.push((format!("{p}self_attn.q_proj.weight"), r(&[self.heads * hd, h])));
+            w.push((format!("{p}self_attn.k_proj.weight"), r(&[self.kv_heads * hd, h])));
+            w.push((format!("{p}self_attn.v_proj.weight"), r(&[self.kv_heads * hd, h])));
+            if self.bias {
+                w.push((format!("{p}self_attn.q_proj.bias"), r(&[self.heads * hd])));
+                w.push((format!("{p}self_attn.k_proj.bias"), r(&[self.kv_heads * hd])));
+                w.push((format!("{p}self_attn.v_proj.bias"), r(&[self.kv_heads * hd])));
+            }
+            w.push((format!("{p}self_attn.o_proj.weight"), r(&[h, self.heads * hd])));
+            w.push((format!("{p}mlp.gate_proj.weight"), r(&[i, h])));
+            w.push((format!("{p}mlp.up_proj.weight"), r(&[i, h])));
+            w.push((format!("{p}mlp.down_proj.weight"), r(&[h, i])));
+            w.push((format!("{p}input_layernorm.weight"), norm(h)));
+            w.push((format!("{p}post_attention_layernorm.weight"), norm(h)));
+        }
+        w.push(("model.norm.weight".to_string(), norm(h)));
+        if !self.tied {
+            w.push(("lm_head.weight".to_string(), r(&[self.vocab, h])));
+        }
+        w
+    }
+
+    pub fn config_json(&self) -> serde_json::Value {
+        json!({
+            "architectures": [self.arch],
+            "vocab_size": self.vocab,
+            "hidden_size": self.hidden,
+            "intermediate_size": self.inter,
+            "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+            "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_pos,
+            "tie_word_embeddings": self.tied,
+            "hidden_act": "silu",
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        })
+    }
+
+    /// Writes an HF model directory: config.json, model.safetensors, tokenizer files.
+    pub fn write_hf_dir(&self, dir: &Path) -> PathBuf {
+        std::fs::create_dir_all(dir).unwrap();
+        std::fs::write(
+            dir.join("config.json"),
+            serde_json::to_string_pretty(&self.config_json()).unwrap(),
+        )
+        .unwrap();
+        let w = self.weights();
+        Tensor::write_safetensors(&w, dir.join("model.safetensors")).unwrap();
+        write_byte_level_tokenizer(dir, self.vocab);
+        dir.to_path_buf()
+    }
+}
+
+/// GPT-2's byte-to-unicode table: the 256 visible characters byte-level BPE uses.
+pub fn bytes_to_unicode() -> Vec<char> {
+    let mut bs: Vec<u32> = (b'!' as u32..=b'~' as u32)
+        .chain(0xa1..=0xac)
+        .chain(0xae..=0xff)
+        .collect();
+    let mut cs = bs.clone();
+    let mut n = 0;
+    for b in 0..256u32 {
+        if !bs.contains(&b) {
+            bs.push(b);
+            cs.push(256 + n);
+            n += 1;
+        }
+    }
+    let mut table = vec![' '; 256];
+    for (b, c) in bs.iter().zip(cs) {
+        table[*b as usize] = char::from_u32(c).unwrap();
+    }
+    table
+}
+
+/// Special tokens of the tiny tokenizer, then the 256 byte tokens, then a few merges.
+pub const SPECIALS: [&str; 3] = ["<unk>", "<|im_start|>", "<|im_end|>"];
+
+/// Vocabulary and merges of the tiny byte-level BPE: ids 0-2 special, 3-258 bytes, then
+/// merged tokens up to `vocab`.
+pub fn tiny_vocab(vocab: i64) -> (Vec<String>, Vec<String>) {
+    let table = bytes_to_unicode();
+    let mut tokens: Vec<String> = SPECIALS.iter().map(|s| s.to_string()).collect();
+    tokens.extend(table.iter().map(|c| c.to_string()));
+    let mut merges = Vec::new();
+    // A few merges of common letter pairs, while ids remain.
+    let pairs = [("h", "e"), ("l", "l"), ("o", "Ġ"), ("Ġ", "w"), ("he", "ll"), ("t", "h")];
+    for (a, b) in pairs {
+        if (tokens.len() as i64) < vocab {
+            tokens.push(format!("{a}{b}"));
+            merges.push(format!("{a} {b}"));
+        }
+    }
+    (tokens, merges)
+}
+
+pub const CHATML: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+pub fn write_byte_level_tokenizer(dir: &Path, vocab: i64) {
+    let (tokens, merges) = tiny_vocab(vocab);
+    let vocab_map: serde_json::Map<String, serde_json::Value> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), json!(i)))
+        .collect();
+    let added: Vec<_> = SPECIALS
+        .iter()
+        .enumerate()
+        .map(|(i, s)| json!({"id": i, "content": s, "single_word": false, "lstrip": false,
+                             "rstrip": false, "normalized": false, "special": true}))
+        .collect();
+    let tok = json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
+        "normalizer": null,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
+        "post_processor": null,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                  "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
+                  "ignore_merges": false, "vocab": vocab_map, "merges": merges},
+    });
+    std::fs::write(dir.join("tokenizer.json"), tok.to_string()).unwrap();
+    let cfg = json!({
+        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "unk_token": "<unk>",
+        "add_bos_token": false, "chat_template": CHATML,
+    });
+    std::fs::write(dir.join("tokenizer_config.json"), cfg.to_string()).unwrap();
+}
+
+// ---------------------------------------------------------------------------------------
+// A minimal GGUF writer (v3), enough for tiny models and for malformed files.
+
+pub enum Meta {
+    U32(u32),
+    F32(f32),
+    Bool(bool),
+    Str(String),
+    StrArray(Vec<String>),
+    I32Array(Vec<i32>),
+}
+
+pub struct GgufTensor {
+    pub name: String,
+    /// ggml order (fastest first).
+    pub dims: Vec<u64>,
+    pub ty: u32,
+    pub data: Vec<u8>,
+}
+
+fn put_str(out: &mut Vec<u8>, s: &str) {
+    out.extend((s.len() as u64).to_le_bytes());
+    out.extend(s.as_bytes());
+}
+
+pub fn gguf_bytes(meta: &BTreeMap<String, Meta>, tensors: &[GgufTensor]) -> Vec<u8> {
+    let mut out = Vec::new();
+    out.extend(b"GGUF");
+    out.extend(3u32.to_le_bytes());
+    out.extend((tensors.len() as u64).to_le_bytes());
+    out.extend((meta.len() as u64).to_le_bytes());
+    for (k, v) in meta {
+        put_str(&mut out, k);
+        match v {
+            Meta::U32(x) => {
+                out.extend(4u32.to_le_bytes());
+                out.extend(x.to_le_bytes());
+            }
+            Meta::F32(x) => {
+                out.extend(6u32.to_le_bytes());
+                out.extend(x.to_le_bytes());
+            }
+            Meta::Bool(x) => {
+                out.extend(7u32.to_le_bytes());
+                out.push(*x as u8);
+            }
+            Meta::Str(s) => {
+                out.extend(8u32.to_le_bytes());
+                put_str(&mut out, s);
+            }
+            Meta::StrArray(a) => {
+                out.extend(9u32.to_le_bytes());
+                out.extend(8u32.to_le_bytes());
+                out.extend((a.len() as u64).to_le_bytes());
+                for s in a {
+                    put_str(&mut out, s);
+                }
+            }
+            Meta::I32Array(a) => {
+                out.extend(9u32.to_le_bytes());
+                out.extend(5u32.to_le_bytes());
+                out.extend((a.len() as u64).to_le_bytes());
+                for x in a {
+                    out.extend(x.to_le_bytes());
+                }
+            }
+        }
+    }
+    let mut offset = 0u64;
+    let mut offsets = Vec::new();
+    for t in tensors {
+        put_str(&mut out, &t.name);
+        out.extend((t.dims.len() as u32).to_le_bytes());
+        for d in &t.dims {
+            out.extend(d.to_le_bytes());
+        }
+        out.extend(t.ty.to_le_bytes());
+        out.extend(offset.to_le_bytes());
+        offsets.push(offset);
+        offset += (t.data.len() as u64).div_ceil(32) * 32;
+    }
+    while out.len() % 32 != 0 {
+        out.push(0);
+    }
+    for t in tensors {
+        out.extend(&t.data);
+        while out.len() % 32 != 0 {
+            out.push(0);
+        }
+    }
+    out
+}
+
+pub fn f32_bytes(t: &Tensor) -> Vec<u8> {
+    let t = t.to_kind(Kind::Float).contiguous();
+    let n = t.numel();
+    let mut v = vec![0f32; n];
+    t.copy_data(&mut v, n);
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// llama.cpp's `permute` of Q/K rows (what convert_hf_to_gguf.py applies).
+pub fn permute_qk(t: &Tensor, n_head: i64) -> Tensor {
+    let shape = t.size();
+    let mut split = vec![n_head, 2, shape[0] / n_head / 2];
+    split.extend_from_slice(&shape[1..]);
+    t.reshape(&split).transpose(1, 2).reshape(&shape)
+}
+
+/// The tiny model as llama.cpp would convert it: GGUF names, Q/K permuted, F32 tensors,
+/// gpt2 byte-level vocabulary.
+pub fn tiny_gguf(tiny: &Tiny) -> (BTreeMap<String, Meta>, Vec<GgufTensor>) {
+    let mut meta = BTreeMap::new();
+    let arch = if tiny.arch == "Qwen2ForCausalLM" { "qwen2" } else { "llama" };
+    let k = |s: &str| format!("{arch}.{s}");
+    meta.insert("general.architecture".into(), Meta::Str(arch.into()));
+    meta.insert("general.name".into(), Meta::Str("tiny".into()));
+    meta.insert(k("context_length"), Meta::U32(tiny.max_pos as u32));
+    meta.insert(k("embedding_length"), Meta::U32(tiny.hidden as u32));
+    meta.insert(k("feed_forward_length"), Meta::U32(tiny.inter as u32));
+    meta.insert(k("block_count"), Meta::U32(tiny.layers as u32));
+    meta.insert(k("attention.head_count"), Meta::U32(tiny.heads as u32));
+    meta.insert(k("attention.head_count_kv"), Meta::U32(tiny.kv_heads as u32));
+    meta.insert(k("rope.freq_base"), Meta::F32(10000.0));
+    meta.insert(k("attention.layer_norm_rms_epsilon"), Meta::F32(1e-5));
+    meta.insert(k("vocab_size"), Meta::U32(tiny.vocab as u32));
+    let (mut tokens, merges) = tiny_vocab(tiny.vocab);
+    while (tokens.len() as i64) < tiny.vocab {
+        tokens.push(format!("<pad{}>", tokens.len()));
+    }
+    let types: Vec<i32> = (0..tokens.len())
+        .map(|i| if i < SPECIALS.len() { 3 } else { 1 })
+        .collect();
+    meta.insert("tokenizer.ggml.model".into(), Meta::Str("gpt2".into()));
+    meta.insert("tokenizer.ggml.pre".into(), Meta::Str("default".into()));
+    meta.insert("tokenizer.ggml.tokens".into(), Meta::StrArray(tokens));
+    meta.insert("tokenizer.ggml.token_type".into(), Meta::I32Array(types));
+    meta.insert("tokenizer.ggml.merges".into(), Meta::StrArray(merges));
+    meta.insert("tokenizer.ggml.bos_token_id".into(), Meta::U32(1));
+    meta.insert("tokenizer.ggml.eos_token_id".into(), Meta::U32(2));
+    meta.insert("tokenizer.ggml.add_bos_token".into(), Meta::Bool(false));
+    meta.insert("tokenizer.chat_template".into(), Meta::Str(CHATML.into()));
+    let mut tensors = Vec::new();
+    for (name, t) in tiny.weights() {
+        let gname = agentjet::model::weights::GgufSource::gguf_name(&name).unwrap();
+        let t = if arch == "llama" && (gname.contains("attn_q.")) {
+            permute_qk(&t, tiny.heads)
+        } else if arch == "llama" && gname.contains("attn_k.") {
+            permute_qk(&t, tiny.kv_heads)
+        } else {
+            t
+        };
+        tensors.push(GgufTensor {
+            name: gname,
+            dims: t.size().iter().rev().map(|&d| d as u64).collect(),
+            ty: 0,
+            data: f32_bytes(&t),
+        });
+    }
+    (meta, tensors)
+}
+
+pub fn write_file(path: &Path, bytes: &[u8]) {
+    let mut f = std::fs::File::create(path).unwrap();
+    f.write_all(bytes).unwrap();
+}
+
+/// The real default model, fetched by bootstrap/setup.sh. Tests that need it fail (not
+/// skip) without it: the README's test command runs the setup first.
+pub fn smollm2_path() -> PathBuf {
+    let p = agentjet::model::cache_dir()
+        .join("models")
+        .join(agentjet::model::SMOLLM2_FILE);
+    assert!(
+        p.is_file(),
+        "{} is missing: run `bash bootstrap/setup.sh` (the README's test command does)",
+        p.display()
+    );
+    p
+}
+
+/// Python of the cached venv (set in .cargo/config.toml by bootstrap/setup.sh).
+pub fn python() -> PathBuf {
+    let p = std::env::var_os("AGENTJET_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            agentjet::model::cache_dir()
+                .join("venv-torch-2.11.0")
+                .join("bin")
+                .join("python")
+        });
+    assert!(
+        p.is_file(),
+        "{} is missing: run `bash bootstrap/setup.sh --reference`",
+        p.display()
+    );
+    p
+}
+
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
+    (a.to_kind(Kind::Double) - b.to_kind(Kind::Double))
+        .abs()
+        .max()
+        .double_value(&[])
+}

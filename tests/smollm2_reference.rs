@@ -1,0 +1,132 @@
+//! The real default model (SmolLM2-135M-Instruct, Q4_1 GGUF) against what HF transformers
+//! produces for it (tests/fixtures/smollm2_reference.json, made by
+//! tests/fixtures/make_smollm2_reference.py): chat template text, tokenization, greedy
+//! tokens and per-token logprobs.
+
+mod common;
+
+use agentjet::engine::{generate, GenerateRequest, SamplingParams};
+use agentjet::model::checkpoint::load_model;
+use agentjet::model::llama::DType;
+use agentjet::model::{ChatRequest, ModelCard, ModelSource};
+use serde_json::Value;
+use tch::Device;
+
+fn fixture() -> Value {
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/smollm2_reference.json"
+    ))
+    .unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+fn ids_of(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+fn card() -> ModelCard {
+    ModelCard::load(&ModelSource::Gguf(common::smollm2_path())).unwrap()
+}
+
+#[test]
+fn chat_template_renders_like_hf_apply_chat_template() {
+    let card = card();
+    let tmpl = card.chat_template("smollm2").unwrap();
+    let cases = fixture()["chat_template"].as_array().unwrap().clone();
+    assert!(cases.len() >= 8);
+    for case in cases {
+        let messages = case["messages"].as_array().unwrap().clone();
+        let agp = case["add_generation_prompt"].as_bool().unwrap();
+        let ours = tmpl
+            .render(&ChatRequest {
+                messages: &messages,
+                add_generation_prompt: agp,
+                ..Default::default()
+            })
+            .unwrap();
+        assert_eq!(
+            ours,
+            case["text"].as_str().unwrap(),
+            "messages {messages:?}, add_generation_prompt={agp}"
+        );
+    }
+}
+
+#[test]
+fn gguf_tokenizer_matches_smollm2_tokenization() {
+    let card = card();
+    for case in fixture()["tokenization"].as_array().unwrap() {
+        let text = case["text"].as_str().unwrap();
+        let ours = card.tokenizer.encode(text).unwrap();
+        assert_eq!(ours, ids_of(&case["ids"]), "text {text:?}");
+        // and back
+        assert_eq!(card.tokenizer.decode(&ours, false).unwrap(), text);
+    }
+    assert_eq!(card.tokenizer.bos.as_ref().unwrap().content, "<|im_start|>");
+    assert_eq!(card.tokenizer.eos.as_ref().unwrap().content, "<|im_end|>");
+    assert!(!card.tokenizer.add_bos_token);
+}
+
+#[test]
+fn greedy_tokens_and_logprobs_match_transformers() {
+    let loaded = load_model(
+        &ModelSource::Gguf(common::smollm2_path()),
+        Device::Cpu,
+        DType::F32,
+    )
+    .unwrap();
+    let card = &loaded.card;
+    let tmpl = card.chat_template("smollm2").unwrap();
+    let cases = fixture()["greedy"].as_array().unwrap().clone();
+    assert!(cases.len() >= 3);
+    let mut worst = 0f64;
+    for case in cases {
+        let messages = case["messages"].as_array().unwrap().clone();
+        let text = tmpl
+            .render(&ChatRequest {
+                messages: &messages,
+                add_generation_prompt: true,
+                ..Default::default()
+            })
+            .unwrap();
+        let prompt = card.tokenizer.encode(&text).unwrap();
+        assert_eq!(prompt, ids_of(&case["prompt_ids"]), "prompt ids of {messages:?}");
+        let expected = ids_of(&case["completion_ids"]);
+        let gen = generate(
+            &loaded.model,
+            &GenerateRequest {
+                prompt,
+                max_tokens: expected.len(),
+                sampling: SamplingParams::greedy(),
+                seed: None,
+                stop_token_ids: card.generation.eos_token_ids.clone(),
+            },
+            |_, _| true,
+        )
+        .unwrap();
+        assert_eq!(gen.tokens, expected, "greedy tokens for {messages:?}");
+        let ref_lp: Vec<f64> = case["logprobs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect();
+        for (i, (a, b)) in gen.logprobs.iter().zip(&ref_lp).enumerate() {
+            worst = worst.max((a - b).abs());
+            assert!(
+                (a - b).abs() <= 1e-3,
+                "token {i} of {messages:?}: logprob {a} vs transformers {b}"
+            );
+        }
+        assert_eq!(
+            card.tokenizer.decode(&gen.tokens, true).unwrap(),
+            case["text"].as_str().unwrap()
+        );
+    }
+    eprintln!("largest logprob difference to transformers: {worst:.2e}");
+}
