@@ -23,7 +23,9 @@ fn load(dir: &std::path::Path, dtype: DType) -> agentjet::model::checkpoint::Loa
 fn full_logits(m: &Llama, v: &[i64]) -> Tensor {
     let _g = tch::no_grad_guard();
     let mut cache = m.new_cache(1, v.len()).unwrap();
-    m.forward(&ids(v), &mut cache, Logits::All).unwrap().squeeze_dim(0)
+    m.forward(&ids(v), &mut cache, Logits::All)
+        .unwrap()
+        .squeeze_dim(0)
 }
 
 /// Logits of each position computed one token at a time through the cache.
@@ -32,7 +34,11 @@ fn stepwise_logits(m: &Llama, v: &[i64]) -> Tensor {
     let mut cache = m.new_cache(1, v.len()).unwrap();
     let rows: Vec<Tensor> = v
         .iter()
-        .map(|&t| m.forward(&ids(&[t]), &mut cache, Logits::Last).unwrap().squeeze_dim(0))
+        .map(|&t| {
+            m.forward(&ids(&[t]), &mut cache, Logits::Last)
+                .unwrap()
+                .squeeze_dim(0)
+        })
         .collect();
     Tensor::stack(&rows, 0)
 }
@@ -41,11 +47,21 @@ fn stepwise_logits(m: &Llama, v: &[i64]) -> Tensor {
 fn chunked_logits(m: &Llama, v: &[i64]) -> Tensor {
     let _g = tch::no_grad_guard();
     let mut cache = m.new_cache(1, v.len()).unwrap();
-    let a = m.forward(&ids(&v[..5]), &mut cache, Logits::All).unwrap().squeeze_dim(0);
-    let b = m.forward(&ids(&v[5..9]), &mut cache, Logits::All).unwrap().squeeze_dim(0);
+    let a = m
+        .forward(&ids(&v[..5]), &mut cache, Logits::All)
+        .unwrap()
+        .squeeze_dim(0);
+    let b = m
+        .forward(&ids(&v[5..9]), &mut cache, Logits::All)
+        .unwrap()
+        .squeeze_dim(0);
     let mut rows = vec![a, b];
     for &t in &v[9..] {
-        rows.push(m.forward(&ids(&[t]), &mut cache, Logits::All).unwrap().squeeze_dim(0));
+        rows.push(
+            m.forward(&ids(&[t]), &mut cache, Logits::All)
+                .unwrap()
+                .squeeze_dim(0),
+        );
     }
     Tensor::cat(&rows, 0)
 }
@@ -56,13 +72,24 @@ fn check_cache_consistency(tiny: Tiny) {
     let m = load(dir.path(), DType::F32).model;
     let full = full_logits(&m, &IDS);
     assert_eq!(full.size(), vec![IDS.len() as i64, tiny.vocab]);
-    assert!(full.std(true).double_value(&[]) > 1e-3, "logits are not flat");
+    assert!(
+        full.std(true).double_value(&[]) > 1e-3,
+        "logits are not flat"
+    );
     let step = stepwise_logits(&m, &IDS);
     let chunk = chunked_logits(&m, &IDS);
     let d1 = max_abs_diff(&full, &step);
     let d2 = max_abs_diff(&full, &chunk);
-    assert!(d1 <= 1e-4, "{}: prefill vs step-by-step differ by {d1}", tiny.arch);
-    assert!(d2 <= 1e-4, "{}: prefill vs chunked differ by {d2}", tiny.arch);
+    assert!(
+        d1 <= 1e-4,
+        "{}: prefill vs step-by-step differ by {d1}",
+        tiny.arch
+    );
+    assert!(
+        d2 <= 1e-4,
+        "{}: prefill vs chunked differ by {d2}",
+        tiny.arch
+    );
 }
 
 #[test]
@@ -92,8 +119,10 @@ fn prefill_equals_stepwise_decode_qwen2_biases() {
 #[test]
 fn prefill_equals_stepwise_decode_llama3_and_linear_rope() {
     check_cache_consistency(Tiny {
-        rope_scaling: Some(json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+        rope_scaling: Some(
+            json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+        ),
         ..Tiny::default()
     });
     check_cache_consistency(Tiny {
@@ -180,9 +209,16 @@ fn gguf_of_the_same_weights_gives_the_same_logits() {
         write_file(&gguf_path, &gguf_bytes(&meta, &tensors));
         let hf = load(dir.path(), DType::F32);
         let gg = load_model(&ModelSource::Gguf(gguf_path), Device::Cpu, DType::F32).unwrap();
-        assert_eq!(hf.card.config.num_key_value_heads, gg.card.config.num_key_value_heads);
+        assert_eq!(
+            hf.card.config.num_key_value_heads,
+            gg.card.config.num_key_value_heads
+        );
         let d = max_abs_diff(&full_logits(&hf.model, &IDS), &full_logits(&gg.model, &IDS));
-        assert!(d < 1e-5, "{}: GGUF and safetensors differ by {d}", tiny.arch);
+        assert!(
+            d < 1e-5,
+            "{}: GGUF and safetensors differ by {d}",
+            tiny.arch
+        );
         // The GGUF's vocabulary tokenizes like the tokenizer.json of the same vocabulary.
         let text = "hello world, the <|im_start|>user\nhi<|im_end|>";
         assert_eq!(

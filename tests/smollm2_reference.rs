@@ -95,7 +95,11 @@ fn greedy_tokens_and_logprobs_match_transformers() {
             })
             .unwrap();
         let prompt = card.tokenizer.encode(&text).unwrap();
-        assert_eq!(prompt, ids_of(&case["prompt_ids"]), "prompt ids of {messages:?}");
+        assert_eq!(
+            prompt,
+            ids_of(&case["prompt_ids"]),
+            "prompt ids of {messages:?}"
+        );
         let expected = ids_of(&case["completion_ids"]);
         let gen = generate(
             &loaded.model,

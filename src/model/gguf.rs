@@ -396,7 +396,7 @@ impl GgufFile {
         let file_len = mmap.len() as u64;
         if n_tensors > file_len / 8 || n_kv > file_len / 8 {
             return Err(r.malformed(format!(
-                "{n_tensors} tensors and {n_kv} metadata entries cannot fit in {file_len} bytes"
+                "truncated or corrupt: {n_tensors} tensors and {n_kv} metadata entries cannot fit in {file_len} bytes"
             )));
         }
         let mut metadata = BTreeMap::new();

@@ -12,7 +12,7 @@
 use tch::{Device, Kind, Tensor};
 
 use super::config::LlamaConfig;
-use super::weights::{load_checked, WeightSource};
+use super::weights::{load_checked, unpermute_qk, WeightSource};
 use super::ModelError;
 
 /// Numeric type of the weights and activations.
@@ -111,9 +111,8 @@ pub struct Llama {
     norm: Tensor,
     /// `None` when tied to `embed_tokens`.
     lm_head: Option<Tensor>,
-    /// [max_positions, head_dim] tables in the model dtype.
-    cos: Tensor,
-    sin: Tensor,
+    /// Rotations `exp(i * position * inv_freq)`, [max_positions, head_dim / 2], complex64.
+    rope: Tensor,
 }
 
 impl std::fmt::Debug for Llama {
@@ -157,12 +156,12 @@ impl Llama {
             let get = |src: &mut dyn WeightSource, n: &str, shape: &[i64]| {
                 load_checked(src, &format!("{p}{n}"), shape)
             };
-            let q = get(src, "self_attn.q_proj.weight", &[nh * hd, h])?;
-            let k = get(src, "self_attn.k_proj.weight", &[nkv * hd, h])?;
+            let q = to_interleaved(&get(src, "self_attn.q_proj.weight", &[nh * hd, h])?, nh)?;
+            let k = to_interleaved(&get(src, "self_attn.k_proj.weight", &[nkv * hd, h])?, nkv)?;
             let vv = get(src, "self_attn.v_proj.weight", &[nkv * hd, h])?;
             let qkv_bias = if c.attention_bias {
-                let qb = get(src, "self_attn.q_proj.bias", &[nh * hd])?;
-                let kb = get(src, "self_attn.k_proj.bias", &[nkv * hd])?;
+                let qb = to_interleaved(&get(src, "self_attn.q_proj.bias", &[nh * hd])?, nh)?;
+                let kb = to_interleaved(&get(src, "self_attn.k_proj.bias", &[nkv * hd])?, nkv)?;
                 let vb = get(src, "self_attn.v_proj.bias", &[nkv * hd])?;
                 Some(place(Tensor::f_cat(
                     &[
@@ -208,7 +207,7 @@ impl Llama {
             Some(place(load_checked(src, "lm_head.weight", &[v, h])?)?)
         };
         let factors = src.rope_freq_factors()?;
-        let (cos, sin) = rope_tables(c, factors.as_deref(), device, kind)?;
+        let rope = rope_table(c, factors.as_deref(), device)?;
         Ok(Llama {
             config,
             device,
@@ -217,8 +216,7 @@ impl Llama {
             layers,
             norm,
             lm_head,
-            cos,
-            sin,
+            rope,
         })
     }
 
@@ -231,7 +229,7 @@ impl Llama {
 
     /// The largest number of positions a sequence may have.
     pub fn max_positions(&self) -> usize {
-        self.cos.size()[0] as usize
+        self.rope.size()[0] as usize
     }
 
     /// An empty cache for `batch` rows of up to `capacity` positions.
@@ -309,8 +307,7 @@ impl Llama {
             c.num_key_value_heads as i64,
             c.head_dim as i64,
         );
-        let cos = self.cos.f_narrow(0, start, t)?;
-        let sin = self.sin.f_narrow(0, start, t)?;
+        let rope = self.rope.f_narrow(0, start, t)?.f_unsqueeze(1)?;
         // Queries attend to every cached position and causally among themselves.
         let mask = if t > 1 && start > 0 {
             let q_pos =
@@ -321,24 +318,26 @@ impl Llama {
             None
         };
         let is_causal = t > 1 && start == 0;
-        let mut x = Tensor::f_embedding(&self.embed_tokens, ids, -1, false, false)?;
+        let h = c.hidden_size as i64;
+        let inter = c.intermediate_size as i64;
+        // The residual stream as [tokens, hidden].
+        let mut x =
+            Tensor::f_embedding(&self.embed_tokens, &ids.f_reshape([-1])?, -1, false, false)?;
         for (l, layer) in self.layers.iter().enumerate() {
             let hn = self.rms_norm(&x, &layer.input_layernorm)?;
             let qkv = hn.f_linear(&layer.qkv_proj, layer.qkv_bias.as_ref())?;
-            let q = qkv
-                .f_narrow(-1, 0, nh * hd)?
-                .f_view([b, t, nh, hd])?
-                .f_transpose(1, 2)?;
-            let k = qkv
-                .f_narrow(-1, nh * hd, nkv * hd)?
-                .f_view([b, t, nkv, hd])?
-                .f_transpose(1, 2)?;
+            // q and k rotate together: their rows are stored with rotary pairs adjacent,
+            // so the rotation is one complex multiply.
+            let qk = qkv
+                .f_narrow(-1, 0, (nh + nkv) * hd)?
+                .f_view([b, t, nh + nkv, hd / 2, 2])?;
+            let qk = apply_rope(&qk, &rope)?.f_view([b, t, nh + nkv, hd])?;
+            let q = qk.f_narrow(2, 0, nh)?.f_transpose(1, 2)?;
+            let k = qk.f_narrow(2, nh, nkv)?.f_transpose(1, 2)?;
             let v = qkv
                 .f_narrow(-1, (nh + nkv) * hd, nkv * hd)?
                 .f_view([b, t, nkv, hd])?
                 .f_transpose(1, 2)?;
-            let q = apply_rope(&q, &cos, &sin)?;
-            let k = apply_rope(&k, &cos, &sin)?;
             cache.k[l].f_narrow(2, start, t)?.f_copy_(&k)?;
             cache.v[l].f_narrow(2, start, t)?.f_copy_(&v)?;
             let (kk, vv) = if start == 0 {
@@ -359,19 +358,17 @@ impl Llama {
                 None,
                 nkv != nh,
             )?;
-            let attn = attn.f_transpose(1, 2)?.f_reshape([b, t, nh * hd])?;
+            let attn = attn.f_transpose(1, 2)?.f_reshape([b * t, nh * hd])?;
             x = x.f_add(&attn.f_linear(&layer.o_proj, None::<&Tensor>)?)?;
             let hn = self.rms_norm(&x, &layer.post_attention_layernorm)?;
             let gu = hn.f_linear(&layer.gate_up_proj, None::<&Tensor>)?;
-            let inter = c.intermediate_size as i64;
-            let gate = gu.f_narrow(-1, 0, inter)?;
-            let up = gu.f_narrow(-1, inter, inter)?;
-            let m = gate
+            let act = gu
+                .f_narrow(-1, 0, inter)?
                 .f_silu()?
-                .f_mul(&up)?
-                .f_linear(&layer.down_proj, None::<&Tensor>)?;
-            x = x.f_add(&m)?;
+                .f_mul(&gu.f_narrow(-1, inter, inter)?)?;
+            x = x.f_add(&act.f_linear(&layer.down_proj, None::<&Tensor>)?)?;
         }
+        let x = x.f_view([b, t, h])?;
         cache.len = end as usize;
         let x = match which {
             Logits::Last => x.f_select(1, t - 1)?,
@@ -400,8 +397,8 @@ impl Llama {
             let p = format!("model.layers.{l}.");
             let split3 = |t: &Tensor| -> Result<[Tensor; 3], ModelError> {
                 Ok([
-                    t.f_narrow(0, 0, nh * hd)?,
-                    t.f_narrow(0, nh * hd, nkv * hd)?,
+                    unpermute_qk(&t.f_narrow(0, 0, nh * hd)?, nh)?,
+                    unpermute_qk(&t.f_narrow(0, nh * hd, nkv * hd)?, nkv)?,
                     t.f_narrow(0, (nh + nkv) * hd, nkv * hd)?,
                 ])
             };
@@ -457,23 +454,40 @@ impl Llama {
     }
 }
 
-/// HF's rotate-half rotary embedding: x * cos + rotate_half(x) * sin.
-fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor, ModelError> {
-    let half = x.size()[3] / 2;
-    let x1 = x.f_narrow(-1, 0, half)?;
-    let x2 = x.f_narrow(-1, half, half)?;
-    let rotated = Tensor::f_cat(&[x2.f_neg()?, x1], -1)?;
-    Ok(x.f_mul(cos)?.f_add(&rotated.f_mul(sin)?)?)
+/// Rotates adjacent pairs of `x` ([b, t, heads, head_dim / 2, 2]) by `rope`
+/// ([t, 1, head_dim / 2] complex), in float32, returning x's dtype.
+fn apply_rope(x: &Tensor, rope: &Tensor) -> Result<Tensor, ModelError> {
+    let kind = x.kind();
+    let xf = if kind == Kind::Float {
+        x.shallow_clone()
+    } else {
+        x.f_to_kind(Kind::Float)?
+    };
+    let rotated = xf.f_view_as_complex()?.f_mul(rope)?.f_view_as_real()?;
+    Ok(if kind == Kind::Float {
+        rotated
+    } else {
+        rotated.f_to_kind(kind)?
+    })
 }
 
-/// cos/sin tables [max_positions, head_dim] as HF builds them: float32 angles
-/// `position * inv_freq`, duplicated across the two halves, cast to the model dtype.
-fn rope_tables(
+/// llama.cpp's Q/K row order, where the two halves HF rotates together are adjacent:
+/// row (head, half, i) moves to (head, i, half).
+fn to_interleaved(t: &Tensor, n_head: i64) -> Result<Tensor, ModelError> {
+    let shape = t.size();
+    let half = shape[0] / n_head / 2;
+    let mut split = vec![n_head, 2, half];
+    split.extend_from_slice(&shape[1..]);
+    Ok(t.f_reshape(&split)?.f_transpose(1, 2)?.f_reshape(&shape)?)
+}
+
+/// Rotations as HF computes their angles: float32 `position * inv_freq`, then
+/// `cos + i sin`, [max_positions, head_dim / 2] complex64.
+fn rope_table(
     c: &LlamaConfig,
     factors: Option<&[f32]>,
     device: Device,
-    kind: Kind,
-) -> Result<(Tensor, Tensor), ModelError> {
+) -> Result<Tensor, ModelError> {
     let mut inv: Vec<f32> = c.inv_freq().iter().map(|&f| f as f32).collect();
     if let Some(f) = factors {
         if f.len() != inv.len() {
@@ -491,9 +505,8 @@ fn rope_tables(
     let pos = Tensor::f_arange(max, (Kind::Float, Device::Cpu))?;
     let inv = Tensor::f_from_slice(&inv)?;
     let angles = pos.f_outer(&inv)?;
-    let emb = Tensor::f_cat(&[&angles, &angles], -1)?;
-    Ok((
-        emb.f_cos()?.f_to_kind(kind)?.f_to_device(device)?,
-        emb.f_sin()?.f_to_kind(kind)?.f_to_device(device)?,
-    ))
+    let table = Tensor::f_stack(&[angles.f_cos()?, angles.f_sin()?], -1)?
+        .f_view_as_complex()?
+        .f_to_device(device)?;
+    Ok(table)
 }

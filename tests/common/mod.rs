@@ -59,15 +59,33 @@ impl Tiny {
         let mut w = vec![("model.embed_tokens.weight".to_string(), r(&[self.vocab, h]))];
         for l in 0..self.layers {
             let p = format!("model.layers.{l}.");
-            w.push((format!("{p}self_attn.q_proj.weight"), r(&[self.heads * hd, h])));
-            w.push((format!("{p}self_attn.k_proj.weight"), r(&[self.kv_heads * hd, h])));
-            w.push((format!("{p}self_attn.v_proj.weight"), r(&[self.kv_heads * hd, h])));
+            w.push((
+                format!("{p}self_attn.q_proj.weight"),
+                r(&[self.heads * hd, h]),
+            ));
+            w.push((
+                format!("{p}self_attn.k_proj.weight"),
+                r(&[self.kv_heads * hd, h]),
+            ));
+            w.push((
+                format!("{p}self_attn.v_proj.weight"),
+                r(&[self.kv_heads * hd, h]),
+            ));
             if self.bias {
                 w.push((format!("{p}self_attn.q_proj.bias"), r(&[self.heads * hd])));
-                w.push((format!("{p}self_attn.k_proj.bias"), r(&[self.kv_heads * hd])));
-                w.push((format!("{p}self_attn.v_proj.bias"), r(&[self.kv_heads * hd])));
+                w.push((
+                    format!("{p}self_attn.k_proj.bias"),
+                    r(&[self.kv_heads * hd]),
+                ));
+                w.push((
+                    format!("{p}self_attn.v_proj.bias"),
+                    r(&[self.kv_heads * hd]),
+                ));
             }
-            w.push((format!("{p}self_attn.o_proj.weight"), r(&[h, self.heads * hd])));
+            w.push((
+                format!("{p}self_attn.o_proj.weight"),
+                r(&[h, self.heads * hd]),
+            ));
             w.push((format!("{p}mlp.gate_proj.weight"), r(&[i, h])));
             w.push((format!("{p}mlp.up_proj.weight"), r(&[i, h])));
             w.push((format!("{p}mlp.down_proj.weight"), r(&[h, i])));
@@ -149,7 +167,14 @@ pub fn tiny_vocab(vocab: i64) -> (Vec<String>, Vec<String>) {
     tokens.extend(table.iter().map(|c| c.to_string()));
     let mut merges = Vec::new();
     // A few merges of common letter pairs, while ids remain.
-    let pairs = [("h", "e"), ("l", "l"), ("o", "Ġ"), ("Ġ", "w"), ("he", "ll"), ("t", "h")];
+    let pairs = [
+        ("h", "e"),
+        ("l", "l"),
+        ("o", "Ġ"),
+        ("Ġ", "w"),
+        ("he", "ll"),
+        ("t", "h"),
+    ];
     for (a, b) in pairs {
         if (tokens.len() as i64) < vocab {
             tokens.push(format!("{a}{b}"));
@@ -171,8 +196,10 @@ pub fn write_byte_level_tokenizer(dir: &Path, vocab: i64) {
     let added: Vec<_> = SPECIALS
         .iter()
         .enumerate()
-        .map(|(i, s)| json!({"id": i, "content": s, "single_word": false, "lstrip": false,
-                             "rstrip": false, "normalized": false, "special": true}))
+        .map(|(i, s)| {
+            json!({"id": i, "content": s, "single_word": false, "lstrip": false,
+                             "rstrip": false, "normalized": false, "special": true})
+        })
         .collect();
     let tok = json!({
         "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
@@ -305,7 +332,11 @@ pub fn permute_qk(t: &Tensor, n_head: i64) -> Tensor {
 /// gpt2 byte-level vocabulary.
 pub fn tiny_gguf(tiny: &Tiny) -> (BTreeMap<String, Meta>, Vec<GgufTensor>) {
     let mut meta = BTreeMap::new();
-    let arch = if tiny.arch == "Qwen2ForCausalLM" { "qwen2" } else { "llama" };
+    let arch = if tiny.arch == "Qwen2ForCausalLM" {
+        "qwen2"
+    } else {
+        "llama"
+    };
     let k = |s: &str| format!("{arch}.{s}");
     meta.insert("general.architecture".into(), Meta::Str(arch.into()));
     meta.insert("general.name".into(), Meta::Str("tiny".into()));
@@ -314,7 +345,10 @@ pub fn tiny_gguf(tiny: &Tiny) -> (BTreeMap<String, Meta>, Vec<GgufTensor>) {
     meta.insert(k("feed_forward_length"), Meta::U32(tiny.inter as u32));
     meta.insert(k("block_count"), Meta::U32(tiny.layers as u32));
     meta.insert(k("attention.head_count"), Meta::U32(tiny.heads as u32));
-    meta.insert(k("attention.head_count_kv"), Meta::U32(tiny.kv_heads as u32));
+    meta.insert(
+        k("attention.head_count_kv"),
+        Meta::U32(tiny.kv_heads as u32),
+    );
     meta.insert(k("rope.freq_base"), Meta::F32(10000.0));
     meta.insert(k("attention.layer_norm_rms_epsilon"), Meta::F32(1e-5));
     meta.insert(k("vocab_size"), Meta::U32(tiny.vocab as u32));

@@ -1,0 +1,120 @@
+//! `agentjet-peer` as a user runs it: generate on the default model, export and reload,
+//! help, and honest errors for what is not built yet.
+
+mod common;
+
+use std::process::Command;
+
+fn peer() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_agentjet-peer"))
+}
+
+#[test]
+fn generate_streams_an_answer_and_reports_speed() {
+    common::smollm2_path();
+    let out = peer()
+        .args([
+            "generate",
+            "--model",
+            "smollm2",
+            "--prompt",
+            "What is the capital of France?",
+        ])
+        .args(["--max-tokens", "24"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert_eq!(stdout.trim(), "The capital of France is Paris.");
+    assert!(stderr.contains("tokens/s decode"), "{stderr}");
+    assert!(stderr.contains("finish: Stop"), "{stderr}");
+}
+
+#[test]
+fn seeded_sampling_is_reproducible_and_differs_across_seeds() {
+    common::smollm2_path();
+    let run = |seed: &str| {
+        let out = peer()
+            .args(["generate", "--prompt", "Write a short poem about rain."])
+            .args([
+                "--max-tokens",
+                "20",
+                "--temperature",
+                "1.0",
+                "--top-p",
+                "0.95",
+                "--seed",
+                seed,
+            ])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let a = run("11");
+    assert_eq!(a, run("11"));
+    assert_ne!(a, run("12"));
+}
+
+#[test]
+fn exported_checkpoint_generates_the_same_text() {
+    common::smollm2_path();
+    let dir = tempfile::tempdir().unwrap();
+    let out_dir = dir.path().join("smollm2-hf");
+    let out = peer()
+        .args(["export", "--model", "smollm2", "--out"])
+        .arg(&out_dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let gen = |model: &std::ffi::OsStr| {
+        let out = peer()
+            .arg("generate")
+            .arg("--model")
+            .arg(model)
+            .args([
+                "--prompt",
+                "Name three colors.",
+                "--max-tokens",
+                "16",
+                "--show-tokens",
+            ])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    assert_eq!(gen("smollm2".as_ref()), gen(out_dir.as_os_str()));
+}
+
+#[test]
+fn help_has_examples_and_roles_say_what_is_missing() {
+    let out = peer().arg("--help").output().unwrap();
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(help.contains("--role") && help.contains("generate") && help.contains("Examples:"));
+    for role in ["server", "client"] {
+        let out = peer().args(["--role", role]).output().unwrap();
+        assert_eq!(out.status.code(), Some(1));
+        let e = String::from_utf8_lossy(&out.stderr);
+        assert!(e.contains("swarm") && e.contains("not built yet"), "{e}");
+    }
+    let out = peer()
+        .args(["generate", "--prompt", "x", "--top-p", "1.5"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("top_p"));
+}
