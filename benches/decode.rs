@@ -33,7 +33,9 @@ fn main() {
 
 fn run() -> anyhow::Result<()> {
     let python = std::env::var("AGENTJET_PYTHON").map_err(|_| {
-        anyhow::anyhow!("AGENTJET_PYTHON is not set: run `bash bootstrap/setup.sh --reference` first")
+        anyhow::anyhow!(
+            "AGENTJET_PYTHON is not set: run `bash bootstrap/setup.sh --reference` first"
+        )
     })?;
     let check = Command::new(&python)
         .args(["-c", "import transformers, gguf, accelerate"])
@@ -46,7 +48,9 @@ fn run() -> anyhow::Result<()> {
     let device = tch::Device::cuda_if_available();
     let loaded = load_model(&source, device, DType::F32)?;
     let card = &loaded.card;
-    let messages = vec![json!({"role": "user", "content": "Write a long story about a robot who learns to paint."})];
+    let messages = vec![
+        json!({"role": "user", "content": "Write a long story about a robot who learns to paint."}),
+    ];
     let text = card.chat_template("smollm2")?.render(&ChatRequest {
         messages: &messages,
         add_generation_prompt: true,
@@ -103,7 +107,12 @@ fn run() -> anyhow::Result<()> {
     let peer = hf["decode_tok_s"].as_f64().unwrap_or(0.0);
     let hf_tokens: Vec<u32> = hf["tokens"]
         .as_array()
-        .map(|a| a.iter().filter_map(|v| v.as_u64()).map(|v| v as u32).collect())
+        .map(|a| {
+            a.iter()
+                .filter_map(|v| v.as_u64())
+                .map(|v| v as u32)
+                .collect()
+        })
         .unwrap_or_default();
     let same = our_tokens
         .iter()
@@ -111,7 +120,12 @@ fn run() -> anyhow::Result<()> {
         .take_while(|(a, b)| a == b)
         .count();
     let ours_med = median(ours.clone());
-    let fmt = |v: &[f64]| v.iter().map(|x| format!("{x:.1}")).collect::<Vec<_>>().join(" ");
+    let fmt = |v: &[f64]| {
+        v.iter()
+            .map(|x| format!("{x:.1}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
     println!();
     println!("| side                          | decode tok/s (median) | runs                 |");
     println!("|-------------------------------|-----------------------|----------------------|");

@@ -1,7 +1,6 @@
 //! `agentjet-peer`: the one binary of AgentJet-RS. CLI only: parse, build the config, hand
 //! off to the role or tool that does the work.
 
-use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
@@ -211,6 +210,7 @@ mod torch_cmds {
     use agentjet::model::llama::DType;
     use agentjet::model::{ChatRequest, ModelSource, StreamDecoder};
     use serde_json::json;
+    use std::io::Write;
     use tch::Device;
 
     fn parse_device(s: &str) -> Result<Device> {

@@ -280,7 +280,8 @@ impl LlamaConfig {
                 self.head_dim
             ));
         }
-        if !(self.rope_theta > 0.0) || !(self.rms_norm_eps > 0.0) {
+        let positive = |v: f64| v.is_finite() && v > 0.0;
+        if !positive(self.rope_theta) || !positive(self.rms_norm_eps) {
             return err("rope_theta and rms_norm_eps must be positive".into());
         }
         Ok(())

@@ -276,7 +276,7 @@ struct Reader<'a> {
 impl<'a> Reader<'a> {
     fn take(&mut self, n: u64, what: &str) -> Result<&'a [u8]> {
         let start = self.pos as u64;
-        let end = start.checked_add(n).unwrap_or(u64::MAX);
+        let end = start.saturating_add(n);
         if end > self.buf.len() as u64 {
             return Err(GgufError::Truncated {
                 path: self.path.to_path_buf(),
