@@ -134,3 +134,52 @@ fn greedy_tokens_and_logprobs_match_transformers() {
     }
     eprintln!("largest logprob difference to transformers: {worst:.2e}");
 }
+
+#[test]
+fn other_templates_render_like_hf_with_tools_errors_and_whitespace_control() {
+    // Templates in the style of Qwen2.5 (tools, tojson, `{%-`), Mistral (raise_exception),
+    // indented block tags (trim_blocks/lstrip_blocks) and Python string methods, rendered
+    // by HF with SmolLM2's special tokens.
+    let card = card();
+    let specials: Vec<(String, String)> = [
+        ("bos_token", &card.tokenizer.bos),
+        ("eos_token", &card.tokenizer.eos),
+        ("pad_token", &card.tokenizer.pad),
+        ("unk_token", &card.tokenizer.unk),
+    ]
+    .into_iter()
+    .filter_map(|(k, t)| t.as_ref().map(|t| (k.to_string(), t.content.clone())))
+    .collect();
+    let cases = fixture()["templates"].as_array().unwrap().clone();
+    assert!(cases.len() >= 11);
+    for case in cases {
+        let name = case["name"].as_str().unwrap();
+        let tmpl = agentjet::model::ChatTemplate::new(
+            case["template"].as_str().unwrap().to_string(),
+            None,
+            specials.clone(),
+            name,
+        )
+        .unwrap();
+        let messages = case["messages"].as_array().unwrap().clone();
+        let tools = case["tools"].as_array().cloned();
+        let agp = case["add_generation_prompt"].as_bool().unwrap();
+        let result = tmpl.render(&ChatRequest {
+            messages: &messages,
+            tools: tools.as_deref(),
+            add_generation_prompt: agp,
+            extra: None,
+        });
+        match case.get("error").and_then(|e| e.as_str()) {
+            Some(msg) => {
+                let e = result.unwrap_err().to_string();
+                assert!(e.contains(msg), "{name}: want {msg:?} in {e}");
+            }
+            None => assert_eq!(
+                result.unwrap(),
+                case["text"].as_str().unwrap(),
+                "{name}, add_generation_prompt={agp}"
+            ),
+        }
+    }
+}
