@@ -35,9 +35,11 @@ fn generate_streams_an_answer_and_reports_speed() {
 fn seeded_sampling_is_reproducible_and_differs_across_seeds() {
     common::smollm2_path();
     let run = |seed: &str| {
-        let out = peer()
-            .args(["generate", "--prompt", "Write a short poem about rain."])
-            .args([
+        common::generate_ok(
+            "smollm2",
+            &[
+                "--prompt",
+                "Write a short poem about rain.",
                 "--max-tokens",
                 "20",
                 "--temperature",
@@ -46,15 +48,8 @@ fn seeded_sampling_is_reproducible_and_differs_across_seeds() {
                 "0.95",
                 "--seed",
                 seed,
-            ])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
+            ],
+        )
     };
     let a = run("11");
     assert_eq!(a, run("11"));
@@ -76,28 +71,11 @@ fn exported_checkpoint_generates_the_same_text() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let gen = |model: &std::ffi::OsStr| {
-        let out = peer()
-            .arg("generate")
-            .arg("--model")
-            .arg(model)
-            .args([
-                "--prompt",
-                "Name three colors.",
-                "--max-tokens",
-                "16",
-                "--show-tokens",
-            ])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    };
-    assert_eq!(gen("smollm2".as_ref()), gen(out_dir.as_os_str()));
+    let args = ["--prompt", "Name three colors.", "--max-tokens", "16", "--show-tokens"];
+    assert_eq!(
+        common::generate_ok("smollm2", &args),
+        common::generate_ok(&out_dir, &args)
+    );
 }
 
 #[test]

@@ -7,7 +7,6 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use agentjet::model::gguf::{GgufError, GgufFile};
 use agentjet::model::weights::GgufSource;
@@ -74,31 +73,12 @@ fn write_tmp(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
     p
 }
 
-/// Runs `agentjet-peer generate --model PATH` and returns (exit code, stderr).
-fn cli_generate(model: &Path) -> (i32, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_agentjet-peer"))
-        .args(["generate", "--model"])
-        .arg(model)
-        .args(["--prompt", "hi", "--max-tokens", "2"])
-        .output()
-        .unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
 /// One clear line: "error: ..." naming the file and containing `problem`; no panic.
 fn assert_clear_error(model: &Path, problem: &str) {
-    let (code, stderr) = cli_generate(model);
-    assert_eq!(code, 1, "stderr: {stderr}");
-    assert!(!stderr.contains("panicked"), "panic: {stderr}");
-    let lines: Vec<&str> = stderr.lines().collect();
-    assert_eq!(lines.len(), 1, "want one error line, got: {stderr}");
-    assert!(lines[0].starts_with("error: "), "{stderr}");
+    let line = generate_error(model);
     let name = model.file_name().unwrap().to_string_lossy();
-    assert!(lines[0].contains(name.as_ref()), "file not named: {stderr}");
-    assert!(lines[0].contains(problem), "want {problem:?} in: {stderr}");
+    assert!(line.contains(name.as_ref()), "file not named: {line}");
+    assert!(line.contains(problem), "want {problem:?} in: {line}");
 }
 
 #[test]
@@ -151,8 +131,7 @@ fn missing_tensor_is_named() {
     tensors.retain(|t| t.name != "blk.1.ffn_up.weight");
     let p = write_tmp(dir.path(), "missing.gguf", &gguf_bytes(&meta, &tensors));
     assert_clear_error(&p, "missing tensor 'model.layers.1.mlp.up_proj.weight'");
-    let (_, stderr) = cli_generate(&p);
-    assert!(stderr.contains("blk.1.ffn_up.weight"), "{stderr}");
+    assert!(generate_error(&p).contains("blk.1.ffn_up.weight"));
 }
 
 #[test]

@@ -3,23 +3,12 @@
 mod common;
 
 use std::path::Path;
-use std::process::Command;
 
 use common::*;
 use tch::Tensor;
 
 fn cli_error(model: &Path) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_agentjet-peer"))
-        .args(["generate", "--model"])
-        .arg(model)
-        .args(["--prompt", "hi", "--max-tokens", "2"])
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
-    assert!(!stderr.contains("panicked"), "{stderr}");
-    assert_eq!(stderr.lines().count(), 1, "one line wanted: {stderr}");
-    stderr
+    generate_error(model)
 }
 
 #[test]
@@ -121,18 +110,10 @@ fn sharded_checkpoint_loads_like_a_single_file() {
     )
     .unwrap();
     let run = |d: &Path| {
-        let out = Command::new(env!("CARGO_BIN_EXE_agentjet-peer"))
-            .args(["generate", "--model"])
-            .arg(d)
-            .args(["--prompt", "hello", "--max-tokens", "6", "--show-tokens"])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
+        generate_ok(
+            d,
+            &["--prompt", "hello", "--max-tokens", "6", "--show-tokens"],
+        )
     };
     assert_eq!(run(&dir.path().join("one")), run(&sharded));
 }

@@ -431,3 +431,38 @@ pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
         .max()
         .double_value(&[])
 }
+
+/// Runs `agentjet-peer generate --model MODEL ARGS...`.
+pub fn generate_cli(model: impl AsRef<std::ffi::OsStr>, args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_agentjet-peer"))
+        .arg("generate")
+        .arg("--model")
+        .arg(model)
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+/// Like [`generate_cli`], asserting success; returns stdout.
+pub fn generate_ok(model: impl AsRef<std::ffi::OsStr>, args: &[&str]) -> String {
+    let out = generate_cli(model, args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Runs generate on a bad model and checks for one clear line: "error: ...", no panic,
+/// exit code 1. Returns that line.
+pub fn generate_error(model: &Path) -> String {
+    let out = generate_cli(model, &["--prompt", "hi", "--max-tokens", "2"]);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(!stderr.contains("panicked"), "panic: {stderr}");
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "want one error line, got: {stderr}");
+    assert!(lines[0].starts_with("error: "), "{stderr}");
+    lines[0].to_string()
+}
