@@ -8,11 +8,15 @@ use std::process::Command;
 #[test]
 fn second_setup_run_changes_nothing() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let cache = std::env::var("AGENTJET_CACHE").expect("AGENTJET_CACHE (set by setup in .cargo/config.toml)");
+    let cache = std::env::var("AGENTJET_CACHE")
+        .expect("AGENTJET_CACHE (set by setup in .cargo/config.toml)");
     let model = Path::new(&cache)
         .join("models")
         .join("SmolLM2-135M-Instruct.Q4_1.gguf");
-    let before = std::fs::metadata(&model).expect("model in cache").modified().unwrap();
+    let before = std::fs::metadata(&model)
+        .expect("model in cache")
+        .modified()
+        .unwrap();
     let out = Command::new("bash")
         .arg(root.join("bootstrap/setup.sh"))
         .env("AGENTJET_CACHE", &cache)
@@ -22,11 +26,20 @@ fn second_setup_run_changes_nothing() {
     assert!(out.status.success(), "{stderr}");
     assert!(stderr.contains("ready"), "{stderr}");
     for busy in ["installing", "fetching", "wrote"] {
-        assert!(!stderr.contains(busy), "second run did work ({busy}): {stderr}");
+        assert!(
+            !stderr.contains(busy),
+            "second run did work ({busy}): {stderr}"
+        );
     }
-    assert_eq!(std::fs::metadata(&model).unwrap().modified().unwrap(), before);
+    assert_eq!(
+        std::fs::metadata(&model).unwrap().modified().unwrap(),
+        before
+    );
     let config = std::fs::read_to_string(root.join(".cargo/config.toml")).unwrap();
-    assert!(config.contains("LIBTORCH") && config.contains(&cache), "{config}");
+    assert!(
+        config.contains("LIBTORCH") && config.contains(&cache),
+        "{config}"
+    );
     // Unknown flags are refused with a clear message.
     let out = Command::new("bash")
         .arg(root.join("bootstrap/setup.sh"))

@@ -71,7 +71,13 @@ fn exported_checkpoint_generates_the_same_text() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let args = ["--prompt", "Name three colors.", "--max-tokens", "16", "--show-tokens"];
+    let args = [
+        "--prompt",
+        "Name three colors.",
+        "--max-tokens",
+        "16",
+        "--show-tokens",
+    ];
     assert_eq!(
         common::generate_ok("smollm2", &args),
         common::generate_ok(&out_dir, &args)
