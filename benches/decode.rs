@@ -1,14 +1,18 @@
 //! `cargo bench --bench decode`: single-stream greedy decode speed of `generate` on
-//! SmolLM2-135M-Instruct (float32, CPU or CUDA as LibTorch finds) against HF transformers
-//! (GGUF loader, float32) on the same prompt ids, same machine, same run.
+//! SmolLM2-135M-Instruct against HF transformers (GGUF loader) on the same prompt ids, same
+//! machine, same run, at two precisions:
+//!
+//! - float32 on both sides (our default on CPU; token-for-token equal to HF);
+//! - bfloat16 weights on both sides: HF computes in bfloat16, we keep float32 activations
+//!   and use agentjet-kernels' bf16 matmul (see src/model/llama.rs).
 //!
 //! Decode speed is (new tokens - 1) / (time of all tokens - time to the first token), the
-//! median of several runs for each side. The bench also checks that both sides produced
-//! the same greedy tokens. Needs `bash bootstrap/setup.sh --reference` (transformers in the
-//! cached venv).
+//! median of several runs for each side. The bench also reports how many greedy tokens the
+//! two sides share. Needs `bash bootstrap/setup.sh --reference` (transformers in the cached
+//! venv). The float32 runs come first: loading a bfloat16 model on CPU sets LibTorch to one
+//! intra-op thread for the rest of the process.
 
 use std::process::Command;
-use std::time::Instant;
 
 use agentjet::engine::{generate, GenerateRequest, SamplingParams};
 use agentjet::model::checkpoint::load_model;
@@ -31,6 +35,80 @@ fn main() {
     }
 }
 
+struct Side {
+    median: f64,
+    runs: Vec<f64>,
+    tokens: Vec<u32>,
+}
+
+fn ours(dtype: DType, prompt: &[u32]) -> anyhow::Result<Side> {
+    let source = ModelSource::resolve("smollm2")?;
+    let loaded = load_model(&source, tch::Device::cuda_if_available(), dtype)?;
+    let req = GenerateRequest {
+        prompt: prompt.to_vec(),
+        max_tokens: NEW_TOKENS,
+        sampling: SamplingParams::greedy(),
+        seed: None,
+        // Fixed length on both sides: EOS does not stop (HF: min_new_tokens).
+        stop_token_ids: vec![],
+    };
+    generate(&loaded.model, &req, |_, _| true)?; // warm-up
+    let mut runs = Vec::new();
+    let mut tokens = Vec::new();
+    for _ in 0..REPEATS {
+        let g = generate(&loaded.model, &req, |_, _| true)?;
+        runs.push(g.decode_tokens_per_s());
+        tokens = g.tokens;
+    }
+    Ok(Side {
+        median: median(runs.clone()),
+        runs,
+        tokens,
+    })
+}
+
+fn hf(python: &str, dtype: &str, prompt: &[u32]) -> anyhow::Result<Side> {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/hf_decode.py");
+    let out = Command::new(python)
+        .arg(script)
+        .arg(cache_dir().join("models"))
+        .arg(SMOLLM2_FILE)
+        .arg(serde_json::to_string(prompt)?)
+        .arg(NEW_TOKENS.to_string())
+        .arg(REPEATS.to_string())
+        .arg(dtype)
+        .env("TRANSFORMERS_VERBOSITY", "error")
+        .env("TQDM_DISABLE", "1")
+        .output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "HF transformers run failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let v: serde_json::Value = serde_json::from_str(
+        stdout
+            .lines()
+            .last()
+            .ok_or_else(|| anyhow::anyhow!("no output from hf_decode.py"))?,
+    )?;
+    let nums = |key: &str| -> Vec<f64> {
+        v[key]
+            .as_array()
+            .map(|a| a.iter().filter_map(|x| x.as_f64()).collect())
+            .unwrap_or_default()
+    };
+    Ok(Side {
+        median: v["decode_tok_s"].as_f64().unwrap_or(0.0),
+        runs: nums("all"),
+        tokens: nums("tokens").iter().map(|&t| t as u32).collect(),
+    })
+}
+
+fn shared_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
 fn run() -> anyhow::Result<()> {
     let python = std::env::var("AGENTJET_PYTHON").map_err(|_| {
         anyhow::anyhow!(
@@ -44,10 +122,7 @@ fn run() -> anyhow::Result<()> {
         check.success(),
         "transformers is not installed in {python}: run `bash bootstrap/setup.sh --reference`"
     );
-    let source = ModelSource::resolve("smollm2")?;
-    let device = tch::Device::cuda_if_available();
-    let loaded = load_model(&source, device, DType::F32)?;
-    let card = &loaded.card;
+    let card = agentjet::model::ModelCard::load(&ModelSource::resolve("smollm2")?)?;
     let messages = vec![
         json!({"role": "user", "content": "Write a long story about a robot who learns to paint."}),
     ];
@@ -57,69 +132,18 @@ fn run() -> anyhow::Result<()> {
         ..Default::default()
     })?;
     let prompt = card.tokenizer.encode(&text)?;
-    let req = GenerateRequest {
-        prompt: prompt.clone(),
-        max_tokens: NEW_TOKENS,
-        sampling: SamplingParams::greedy(),
-        seed: None,
-        // Fixed length on both sides: EOS does not stop (HF: min_new_tokens).
-        stop_token_ids: vec![],
-    };
     println!(
-        "decode bench: SmolLM2-135M-Instruct f32 on {device:?}, {} prompt tokens, {NEW_TOKENS} new tokens, median of {REPEATS}, {} torch threads",
+        "decode bench: SmolLM2-135M-Instruct on {:?}, {} prompt tokens, {NEW_TOKENS} new tokens, median of {REPEATS} runs, {} torch threads at start, kernel SIMD {}",
+        tch::Device::cuda_if_available(),
         prompt.len(),
-        tch::get_num_threads()
+        tch::get_num_threads(),
+        agentjet_kernels::simd_level()
     );
-    generate(&loaded.model, &req, |_, _| true)?; // warm-up
-    let mut ours = Vec::new();
-    let mut our_tokens = Vec::new();
-    let t = Instant::now();
-    for _ in 0..REPEATS {
-        let g = generate(&loaded.model, &req, |_, _| true)?;
-        ours.push(g.decode_tokens_per_s());
-        our_tokens = g.tokens;
-    }
-    let ours_s = t.elapsed().as_secs_f64();
+    let ours_f32 = ours(DType::F32, &prompt)?;
+    let hf_f32 = hf(&python, "float32", &prompt)?;
+    let hf_bf16 = hf(&python, "bfloat16", &prompt)?;
+    let ours_bf16 = ours(DType::BF16, &prompt)?;
 
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/hf_decode.py");
-    let out = Command::new(&python)
-        .arg(script)
-        .arg(cache_dir().join("models"))
-        .arg(SMOLLM2_FILE)
-        .arg(serde_json::to_string(&prompt)?)
-        .arg(NEW_TOKENS.to_string())
-        .arg(REPEATS.to_string())
-        .env("TRANSFORMERS_VERBOSITY", "error")
-        .env("TQDM_DISABLE", "1")
-        .output()?;
-    anyhow::ensure!(
-        out.status.success(),
-        "HF transformers run failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let hf: serde_json::Value = serde_json::from_str(
-        stdout
-            .lines()
-            .last()
-            .ok_or_else(|| anyhow::anyhow!("no output from hf_decode.py"))?,
-    )?;
-    let peer = hf["decode_tok_s"].as_f64().unwrap_or(0.0);
-    let hf_tokens: Vec<u32> = hf["tokens"]
-        .as_array()
-        .map(|a| {
-            a.iter()
-                .filter_map(|v| v.as_u64())
-                .map(|v| v as u32)
-                .collect()
-        })
-        .unwrap_or_default();
-    let same = our_tokens
-        .iter()
-        .zip(&hf_tokens)
-        .take_while(|(a, b)| a == b)
-        .count();
-    let ours_med = median(ours.clone());
     let fmt = |v: &[f64]| {
         v.iter()
             .map(|x| format!("{x:.1}"))
@@ -127,28 +151,40 @@ fn run() -> anyhow::Result<()> {
             .join(" ")
     };
     println!();
-    println!("| side                          | decode tok/s (median) | runs                 |");
-    println!("|-------------------------------|-----------------------|----------------------|");
-    println!(
-        "| agentjet generate (tch, f32)  | {ours_med:>21.1} | {:<20} |",
-        fmt(&ours)
-    );
-    let hf_runs: Vec<f64> = hf["all"]
-        .as_array()
-        .map(|a| a.iter().filter_map(|v| v.as_f64()).collect())
-        .unwrap_or_default();
-    println!(
-        "| HF transformers generate (f32)| {peer:>21.1} | {:<20} |",
-        fmt(&hf_runs)
-    );
+    println!("| precision | side             | decode tok/s (median) | runs                      | greedy tokens equal to HF f32 |");
+    println!("|-----------|------------------|-----------------------|---------------------------|-------------------------------|");
+    for (prec, side, s) in [
+        ("f32", "agentjet", &ours_f32),
+        ("f32", "HF transformers", &hf_f32),
+        ("bf16", "agentjet", &ours_bf16),
+        ("bf16", "HF transformers", &hf_bf16),
+    ] {
+        println!(
+            "| {prec:<9} | {side:<16} | {:>21.1} | {:<25} | {:>22} of {NEW_TOKENS} |",
+            s.median,
+            fmt(&s.runs),
+            shared_prefix(&s.tokens, &hf_f32.tokens)
+        );
+    }
+    let ratio = |a: &Side, b: &Side| {
+        if b.median > 0.0 {
+            a.median / b.median
+        } else {
+            0.0
+        }
+    };
+    let r32 = ratio(&ours_f32, &hf_f32);
+    let r16 = ratio(&ours_bf16, &hf_bf16);
+    let rx = ratio(&ours_bf16, &hf_f32);
     println!();
+    println!("ratio f32 vs f32:  {r32:.2}x   ratio bf16 vs bf16: {r16:.2}x   ours bf16 vs HF f32: {rx:.2}x   (goal >= 1.5x)");
     println!(
-        "greedy tokens identical for the first {same} of {NEW_TOKENS}; our {REPEATS} runs took {ours_s:.1}s"
+        "RESULT decode single_stream_tok_s_f32 ours={:.2} peer={:.2} ratio={r32:.2}",
+        ours_f32.median, hf_f32.median
     );
-    let ratio = if peer > 0.0 { ours_med / peer } else { 0.0 };
-    println!("ratio (ours / HF): {ratio:.2}x (goal >= 1.5x)");
     println!(
-        "RESULT decode single_stream_tok_s ours={ours_med:.2} peer={peer:.2} ratio={ratio:.2}"
+        "RESULT decode single_stream_tok_s_bf16 ours={:.2} peer={:.2} ratio={r16:.2}",
+        ours_bf16.median, hf_bf16.median
     );
     Ok(())
 }

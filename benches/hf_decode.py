@@ -1,8 +1,9 @@
-"""The peer side of `cargo bench --bench decode`: HF transformers (GGUF loader, float32)
+"""The peer side of `cargo bench --bench decode`: HF transformers (GGUF loader, float32 or bfloat16)
 single-stream greedy decode of SmolLM2-135M-Instruct on the same prompt ids, on the same
 machine, in the same run. Prints one JSON line.
 
-usage: python benches/hf_decode.py MODEL_DIR GGUF_FILE PROMPT_IDS_JSON NEW_TOKENS REPEATS
+usage: python benches/hf_decode.py MODEL_DIR GGUF_FILE PROMPT_IDS_JSON NEW_TOKENS REPEATS DTYPE
+DTYPE: float32 or bfloat16
 """
 import json
 import statistics
@@ -12,10 +13,10 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
-model_dir, gguf_file, ids_json, new_tokens, repeats = sys.argv[1:6]
+model_dir, gguf_file, ids_json, new_tokens, repeats, dtype = sys.argv[1:7]
 new_tokens, repeats = int(new_tokens), int(repeats)
 ids = torch.tensor([json.loads(ids_json)])
-model = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=gguf_file, dtype=torch.float32).eval()
+model = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=gguf_file, dtype=getattr(torch, dtype)).eval()
 
 
 def run(n):

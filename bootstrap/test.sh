@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash bootstrap/setup.sh --reference
-cargo test --release "$@"
+cargo test --release --workspace "$@"

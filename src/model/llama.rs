@@ -6,9 +6,17 @@
 //! q/k/v and gate/up are fused into one matrix each (fewer, larger matmuls per token);
 //! [`Llama::hf_tensors`] splits them back into HF's names for checkpoints.
 //!
+//! Precision: `DType::F32` computes in float32 with LibTorch. `DType::BF16` on CUDA is
+//! plain bfloat16; on the CPU it stores the matrices in bfloat16 (half the bytes to read per
+//! decoded token, which is what CPU decode is bound by) but keeps activations, norms and
+//! the KV cache in float32, using agentjet-kernels' bf16 matmul for up to 16 rows and a
+//! bfloat16 GEMM for prefill. Loading such a model sets LibTorch to one intra-op thread
+//! for the process, because the kernel pool takes the cores.
+//!
 //! Must never: sample, schedule, or know where token ids came from. `tch::Tensor` is not
 //! `Sync`: a `Llama` lives on one thread (the engine's) and others talk to it by channel.
 
+use agentjet_kernels::{matmul_bf16, MAX_ROWS};
 use tch::{Device, Kind, Tensor};
 
 use super::config::LlamaConfig;
@@ -106,6 +114,8 @@ pub struct Llama {
     pub config: LlamaConfig,
     device: Device,
     dtype: DType,
+    /// Activations, norms, biases and the KV cache: float32, except bfloat16 on CUDA.
+    act: Kind,
     embed_tokens: Tensor,
     layers: Vec<DecoderLayer>,
     norm: Tensor,
@@ -146,8 +156,28 @@ impl Llama {
             c.vocab_size as i64,
         );
         let kind = dtype.kind();
+        // On the CPU a bfloat16 model keeps bfloat16 matrices (half the bytes to read per
+        // token) but computes in float32: decode runs agentjet-kernels' bf16 matmul.
+        let act = if dtype == DType::BF16 && device.is_cuda() {
+            Kind::BFloat16
+        } else {
+            Kind::Float
+        };
         let place = |t: Tensor| -> Result<Tensor, ModelError> {
             Ok(t.f_to_device(device)?.f_to_kind(kind)?.f_contiguous()?)
+        };
+        if dtype == DType::BF16 && device == Device::Cpu && tch::get_num_threads() != 1 {
+            // agentjet-kernels' pool takes the cores for bf16 decode; OpenMP workers
+            // spinning beside it would halve its speed (measured: 110 ms vs 23 ms a token).
+            tracing::info!(
+                "bf16 on CPU: LibTorch intra-op threads {} -> 1, kernel pool {} workers",
+                tch::get_num_threads(),
+                agentjet_kernels::pool().workers()
+            );
+            tch::set_num_threads(1);
+        }
+        let place_act = |t: Tensor| -> Result<Tensor, ModelError> {
+            Ok(t.f_to_device(device)?.f_to_kind(act)?.f_contiguous()?)
         };
         let embed_tokens = place(load_checked(src, "model.embed_tokens.weight", &[v, h])?)?;
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
@@ -177,8 +207,8 @@ impl Llama {
             let gate = get(src, "mlp.gate_proj.weight", &[i, h])?;
             let up = get(src, "mlp.up_proj.weight", &[i, h])?;
             layers.push(DecoderLayer {
-                input_layernorm: place(get(src, "input_layernorm.weight", &[h])?)?,
-                post_attention_layernorm: place(get(
+                input_layernorm: place_act(get(src, "input_layernorm.weight", &[h])?)?,
+                post_attention_layernorm: place_act(get(
                     src,
                     "post_attention_layernorm.weight",
                     &[h],
@@ -200,7 +230,7 @@ impl Llama {
                 down_proj: place(get(src, "mlp.down_proj.weight", &[h, i])?)?,
             });
         }
-        let norm = place(load_checked(src, "model.norm.weight", &[h])?)?;
+        let norm = place_act(load_checked(src, "model.norm.weight", &[h])?)?;
         let lm_head = if c.tie_word_embeddings {
             None
         } else {
@@ -212,6 +242,7 @@ impl Llama {
             config,
             device,
             dtype,
+            act,
             embed_tokens,
             layers,
             norm,
@@ -241,7 +272,7 @@ impl Llama {
             capacity as i64,
             self.config.head_dim as i64,
         ];
-        let opts = (self.dtype.kind(), self.device);
+        let opts = (self.act, self.device);
         let mut k = Vec::with_capacity(self.layers.len());
         let mut v = Vec::with_capacity(self.layers.len());
         for _ in 0..self.layers.len() {
@@ -257,16 +288,55 @@ impl Llama {
         })
     }
 
+    /// `x · wᵀ (+ bias)` for activations `x` [.., k] and a weight matrix `w` [n, k].
+    fn linear(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor, ModelError> {
+        if w.kind() == x.kind() {
+            return Ok(x.f_linear(w, bias)?);
+        }
+        // bfloat16 weights, float32 activations (CPU).
+        let size = x.size();
+        let k = *size.last().unwrap_or(&0);
+        let rows = if k > 0 { x.numel() as i64 / k } else { 0 };
+        let n = w.size()[0];
+        let y = if self.device == Device::Cpu && rows > 0 && rows as usize <= MAX_ROWS {
+            let x = x.f_contiguous()?;
+            let y = Tensor::f_empty([rows, n], (Kind::Float, Device::Cpu))?;
+            // SAFETY: all three tensors are contiguous CPU tensors of the kinds and element
+            // counts given (x float32 [rows, k], w bfloat16 [n, k], y float32 [rows, n]);
+            // they live on this thread for the whole call and y is not aliased.
+            let (xs, ws, ys) = unsafe {
+                (
+                    std::slice::from_raw_parts(x.data_ptr() as *const f32, (rows * k) as usize),
+                    std::slice::from_raw_parts(w.data_ptr() as *const u16, (n * k) as usize),
+                    std::slice::from_raw_parts_mut(y.data_ptr() as *mut f32, (rows * n) as usize),
+                )
+            };
+            matmul_bf16(xs, rows as usize, k as usize, ws, n as usize, ys)
+                .map_err(|e| ModelError::Invalid(e.to_string()))?;
+            let mut out_shape = size[..size.len() - 1].to_vec();
+            out_shape.push(n);
+            y.f_view(out_shape.as_slice())?
+        } else {
+            x.f_to_kind(w.kind())?
+                .f_linear(w, None::<&Tensor>)?
+                .f_to_kind(x.kind())?
+        };
+        Ok(match bias {
+            Some(b) => y.f_add(b)?,
+            None => y,
+        })
+    }
+
     fn rms_norm(&self, x: &Tensor, w: &Tensor) -> Result<Tensor, ModelError> {
         let eps = self.config.rms_norm_eps;
         let h = self.config.hidden_size as i64;
-        Ok(match self.dtype {
-            DType::F32 => x.f_rms_norm([h], Some(w), eps)?,
+        Ok(match self.act {
+            Kind::Float => x.f_rms_norm([h], Some(w), eps)?,
             // HF: normalise in f32, cast back, then scale.
-            DType::BF16 => x
+            _ => x
                 .f_to_kind(Kind::Float)?
                 .f_rms_norm([h], None::<&Tensor>, eps)?
-                .f_to_kind(Kind::BFloat16)?
+                .f_to_kind(self.act)?
                 .f_mul(w)?,
         })
     }
@@ -322,10 +392,11 @@ impl Llama {
         let inter = c.intermediate_size as i64;
         // The residual stream as [tokens, hidden].
         let mut x =
-            Tensor::f_embedding(&self.embed_tokens, &ids.f_reshape([-1])?, -1, false, false)?;
+            Tensor::f_embedding(&self.embed_tokens, &ids.f_reshape([-1])?, -1, false, false)?
+                .f_to_kind(self.act)?;
         for (l, layer) in self.layers.iter().enumerate() {
             let hn = self.rms_norm(&x, &layer.input_layernorm)?;
-            let qkv = hn.f_linear(&layer.qkv_proj, layer.qkv_bias.as_ref())?;
+            let qkv = self.linear(&hn, &layer.qkv_proj, layer.qkv_bias.as_ref())?;
             // q and k rotate together: their rows are stored with rotary pairs adjacent,
             // so the rotation is one complex multiply.
             let qk = qkv
@@ -359,14 +430,14 @@ impl Llama {
                 nkv != nh,
             )?;
             let attn = attn.f_transpose(1, 2)?.f_reshape([b * t, nh * hd])?;
-            x = x.f_add(&attn.f_linear(&layer.o_proj, None::<&Tensor>)?)?;
+            x = x.f_add(&self.linear(&attn, &layer.o_proj, None)?)?;
             let hn = self.rms_norm(&x, &layer.post_attention_layernorm)?;
-            let gu = hn.f_linear(&layer.gate_up_proj, None::<&Tensor>)?;
+            let gu = self.linear(&hn, &layer.gate_up_proj, None)?;
             let act = gu
                 .f_narrow(-1, 0, inter)?
                 .f_silu()?
                 .f_mul(&gu.f_narrow(-1, inter, inter)?)?;
-            x = x.f_add(&act.f_linear(&layer.down_proj, None::<&Tensor>)?)?;
+            x = x.f_add(&self.linear(&act, &layer.down_proj, None)?)?;
         }
         let x = x.f_view([b, t, h])?;
         cache.len = end as usize;
@@ -376,7 +447,7 @@ impl Llama {
         };
         let x = self.rms_norm(&x, &self.norm)?;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
-        Ok(x.f_linear(head, None::<&Tensor>)?.f_to_kind(Kind::Float)?)
+        Ok(self.linear(&x, head, None)?.f_to_kind(Kind::Float)?)
     }
 
     /// The parameters under HF's names and shapes (fused matrices split back), on the
