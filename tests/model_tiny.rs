@@ -317,3 +317,56 @@ print(json.dumps({{"logits": logits.flatten().tolist(),
         .collect();
     assert_eq!(their_ids, a.card.tokenizer.encode("hello world").unwrap());
 }
+
+#[test]
+fn batched_decode_gives_the_same_tokens_and_logprobs_as_one_at_a_time() {
+    use agentjet::engine::{generate, generate_batch, GenerateRequest, SamplingParams};
+    for tiny in [
+        Tiny::default(),
+        Tiny {
+            arch: "Qwen2ForCausalLM",
+            bias: true,
+            kv_heads: 1,
+            ..Tiny::default()
+        },
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        tiny.write_hf_dir(dir.path());
+        let m = load(dir.path(), DType::F32).model;
+        // Different prompt lengths, budgets and stop tokens; one sampled with a seed.
+        let reqs: Vec<GenerateRequest> = (0..7)
+            .map(|i| GenerateRequest {
+                prompt: (0..(3 + 5 * i))
+                    .map(|t| ((t * 37 + i * 11) % 290) as u32 + 3)
+                    .collect(),
+                max_tokens: 5 + 3 * i as usize,
+                sampling: if i == 3 {
+                    SamplingParams {
+                        temperature: 0.8,
+                        top_p: 0.9,
+                        top_k: 0,
+                    }
+                } else {
+                    SamplingParams::greedy()
+                },
+                seed: Some(100 + i as u64),
+                stop_token_ids: if i == 5 { vec![7, 9, 11, 13] } else { vec![] },
+            })
+            .collect();
+        let batched = generate_batch(&m, &reqs).unwrap();
+        for (req, b) in reqs.iter().zip(&batched) {
+            let single = generate(&m, req, |_, _| true).unwrap();
+            assert_eq!(
+                b.tokens,
+                single.tokens,
+                "{}: prompt of {}",
+                tiny.arch,
+                req.prompt.len()
+            );
+            assert_eq!(b.finish_reason, single.finish_reason);
+            for (x, y) in b.logprobs.iter().zip(&single.logprobs) {
+                assert!((x - y).abs() < 1e-4, "{x} vs {y}");
+            }
+        }
+    }
+}

@@ -238,3 +238,34 @@ fn bf16_weights_on_cpu_stay_close_to_float32_transformers() {
     // Measured here: 0.11 at worst over the fixture (bfloat16 keeps 8 bits of mantissa).
     assert!(worst < 0.25, "bf16 logprobs drifted by {worst}");
 }
+
+#[test]
+fn batched_greedy_decode_gives_transformers_tokens() {
+    // All fixture prompts decode together in one batch (continuous batching's building
+    // block); every sequence still gets exactly transformers' greedy tokens.
+    use agentjet::engine::generate_batch;
+    let loaded = load_model(
+        &ModelSource::Gguf(common::smollm2_path()),
+        Device::Cpu,
+        DType::F32,
+    )
+    .unwrap();
+    let cases = fixture()["greedy"].as_array().unwrap().clone();
+    let reqs: Vec<GenerateRequest> = cases
+        .iter()
+        .map(|case| GenerateRequest {
+            prompt: ids_of(&case["prompt_ids"]),
+            max_tokens: ids_of(&case["completion_ids"]).len(),
+            sampling: SamplingParams::greedy(),
+            seed: None,
+            stop_token_ids: loaded.card.generation.eos_token_ids.clone(),
+        })
+        .collect();
+    let out = generate_batch(&loaded.model, &reqs).unwrap();
+    for (case, g) in cases.iter().zip(&out) {
+        assert_eq!(g.tokens, ids_of(&case["completion_ids"]));
+        for (a, b) in g.logprobs.iter().zip(case["logprobs"].as_array().unwrap()) {
+            assert!((a - b.as_f64().unwrap()).abs() <= 1e-3);
+        }
+    }
+}
