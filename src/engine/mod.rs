@@ -8,6 +8,7 @@
 //! the stop decision it is given.
 
 pub mod sampling;
+pub mod scheduler;
 
 use std::time::{Duration, Instant};
 
@@ -16,6 +17,9 @@ use tch::{Kind, Tensor};
 use crate::model::llama::{Llama, Logits};
 use crate::model::ModelError;
 pub use sampling::{Rng, SamplingParams};
+pub use scheduler::{
+    spawn_engine, EngineConfig, EngineError, EngineEvent, EngineHandle, EngineStats,
+};
 
 /// Why generation ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -50,11 +50,19 @@ impl Tiny {
         self.hidden / self.heads
     }
 
-    /// Random weights under HF names (float32, std 0.08 so logits are not flat).
+    /// Random weights under HF names (float32, uniform with std 0.08 so logits are not
+    /// flat). Drawn from our own seeded generator, not LibTorch's global one, so tests
+    /// running in parallel threads always get the same weights for the same `seed`.
     pub fn weights(&self) -> Vec<(String, Tensor)> {
-        tch::manual_seed(self.seed);
+        let rng = std::cell::RefCell::new(agentjet::engine::Rng::seeded(self.seed as u64));
         let (h, i, hd) = (self.hidden, self.inter, self.head_dim());
-        let r = |shape: &[i64]| Tensor::randn(shape, (Kind::Float, tch::Device::Cpu)) * 0.08;
+        let r = |shape: &[i64]| {
+            let n: i64 = shape.iter().product();
+            let v: Vec<f32> = (0..n)
+                .map(|_| ((rng.borrow_mut().next_f64() * 2.0 - 1.0) * 0.1386) as f32)
+                .collect();
+            Tensor::from_slice(&v).reshape(shape)
+        };
         let norm = |n: i64| Tensor::ones([n], (Kind::Float, tch::Device::Cpu)) + r(&[n]);
         let mut w = vec![("model.embed_tokens.weight".to_string(), r(&[self.vocab, h]))];
         for l in 0..self.layers {

@@ -1,0 +1,189 @@
+//! The engine thread with continuous batching, on a tiny random model: concurrent
+//! requests get exactly what one-at-a-time generation gives, requesters that go away are
+//! cancelled without disturbing the others, KV memory returns to idle, and a full queue
+//! answers "overloaded".
+
+mod common;
+
+use agentjet::engine::{
+    generate, spawn_engine, EngineConfig, EngineError, EngineEvent, FinishReason, GenerateRequest,
+    SamplingParams,
+};
+use agentjet::model::checkpoint::load_model;
+use agentjet::model::llama::{DType, Llama};
+use agentjet::model::ModelSource;
+use common::*;
+use std::sync::atomic::Ordering;
+use tch::Device;
+
+fn tiny_model(dir: &std::path::Path) -> Llama {
+    if !dir.join("config.json").exists() {
+        Tiny {
+            max_pos: 512,
+            ..Tiny::default()
+        }
+        .write_hf_dir(dir);
+    }
+    load_model(
+        &ModelSource::HfDir(dir.to_path_buf()),
+        Device::Cpu,
+        DType::F32,
+    )
+    .unwrap()
+    .model
+}
+
+fn request(i: usize, max_tokens: usize) -> GenerateRequest {
+    GenerateRequest {
+        prompt: (0..(2 + 3 * i))
+            .map(|t| ((t * 31 + i * 7) % 290) as u32 + 3)
+            .collect(),
+        max_tokens,
+        sampling: if i % 4 == 3 {
+            SamplingParams {
+                temperature: 0.9,
+                top_p: 0.95,
+                top_k: 0,
+            }
+        } else {
+            SamplingParams::greedy()
+        },
+        seed: Some(i as u64),
+        stop_token_ids: vec![],
+    }
+}
+
+/// Collects a request's events: (tokens, logprobs, finish).
+fn collect(
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<EngineEvent>,
+) -> (Vec<u32>, Vec<f64>, EngineEvent) {
+    let (mut toks, mut lps) = (Vec::new(), Vec::new());
+    loop {
+        match rx
+            .blocking_recv()
+            .expect("engine ended the stream without Finished")
+        {
+            EngineEvent::Token { id, logprob } => {
+                toks.push(id);
+                lps.push(logprob);
+            }
+            end => return (toks, lps, end),
+        }
+    }
+}
+
+#[test]
+fn concurrent_requests_match_one_at_a_time_and_cancellation_frees_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    // The same checkpoint twice: one copy for the engine, one for the reference.
+    let reference_model = tiny_model(dir.path());
+    let engine = spawn_engine(
+        tiny_model(dir.path()),
+        EngineConfig {
+            max_batch: 8,
+            max_queue: 64,
+            max_kv_positions: 4096,
+        },
+    )
+    .unwrap();
+    // 24 requests from 24 threads; every third requester walks away after 3 tokens.
+    let handles: Vec<_> = (0..24)
+        .map(|i| {
+            let engine = engine.clone();
+            std::thread::spawn(move || {
+                let mut rx = engine.submit(request(i, 20 + i)).unwrap();
+                if i % 3 == 2 {
+                    for _ in 0..3 {
+                        rx.blocking_recv().unwrap();
+                    }
+                    drop(rx);
+                    return None;
+                }
+                Some((i, collect(rx)))
+            })
+        })
+        .collect();
+    let results: Vec<_> = handles
+        .into_iter()
+        .filter_map(|h| h.join().unwrap())
+        .collect();
+    assert_eq!(results.len(), 16);
+    for (i, (toks, lps, end)) in results {
+        let single = generate(&reference_model, &request(i, 20 + i), |_, _| true).unwrap();
+        assert_eq!(toks, single.tokens, "request {i}");
+        for (a, b) in lps.iter().zip(&single.logprobs) {
+            assert!((a - b).abs() < 1e-4);
+        }
+        match end {
+            EngineEvent::Finished {
+                reason,
+                prompt_tokens,
+                completion_tokens,
+                ..
+            } => {
+                assert_eq!(reason, FinishReason::Length);
+                assert_eq!(prompt_tokens, 2 + 3 * i);
+                assert_eq!(completion_tokens, 20 + i);
+            }
+            other => panic!("request {i} ended with {other:?}"),
+        }
+    }
+    // The cancelled ones are gone and the KV memory is back to idle.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while engine.stats.running.load(Ordering::Relaxed) != 0 && std::time::Instant::now() < deadline
+    {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    assert_eq!(engine.stats.running.load(Ordering::Relaxed), 0);
+    assert_eq!(engine.stats.kv_bytes.load(Ordering::Relaxed), 0);
+    assert_eq!(engine.stats.completed.load(Ordering::Relaxed), 16);
+    assert_eq!(engine.stats.cancelled.load(Ordering::Relaxed), 8);
+    // And it still serves.
+    let (toks, _, _) = collect(engine.submit(request(1, 5)).unwrap());
+    assert_eq!(toks.len(), 5);
+}
+
+#[test]
+fn full_queue_is_overloaded_and_bad_requests_fail_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = spawn_engine(
+        tiny_model(dir.path()),
+        EngineConfig {
+            max_batch: 1,
+            max_queue: 2,
+            max_kv_positions: 300,
+        },
+    )
+    .unwrap();
+    // Occupy the one batch slot, and wait until it runs.
+    let mut long = engine.submit(request(0, 250)).unwrap();
+    long.blocking_recv().unwrap();
+    let queued: Vec<_> = (0..2)
+        .map(|i| engine.submit(request(i, 3)).unwrap())
+        .collect();
+    assert_eq!(
+        engine.submit(request(5, 3)).unwrap_err(),
+        EngineError::Overloaded(2)
+    );
+    drop(long); // cancel: the queued ones run
+    for rx in queued {
+        let (toks, _, end) = collect(rx);
+        assert_eq!(toks.len(), 3);
+        assert!(matches!(end, EngineEvent::Finished { .. }));
+    }
+    // Requests that cannot run fail with a reason; the engine keeps going.
+    let (_, _, end) = collect(engine.submit(request(1, 1000)).unwrap());
+    assert!(
+        matches!(&end, EngineEvent::Failed(m) if m.contains("budget")),
+        "{end:?}"
+    );
+    let mut bad = request(1, 3);
+    bad.prompt.push(99_999);
+    let (_, _, end) = collect(engine.submit(bad).unwrap());
+    assert!(
+        matches!(&end, EngineEvent::Failed(m) if m.contains("vocabulary")),
+        "{end:?}"
+    );
+    let (toks, _, _) = collect(engine.submit(request(2, 4)).unwrap());
+    assert_eq!(toks.len(), 4);
+}
