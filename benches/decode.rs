@@ -51,6 +51,7 @@ fn ours(dtype: DType, prompt: &[u32]) -> anyhow::Result<Side> {
         seed: None,
         // Fixed length on both sides: EOS does not stop (HF: min_new_tokens).
         stop_token_ids: vec![],
+        top_logprobs: 0,
     };
     generate(&loaded.model, &req, |_, _| true)?; // warm-up
     let mut runs = Vec::new();

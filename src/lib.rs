@@ -26,5 +26,4 @@
 
 pub mod model;
 
-#[cfg(feature = "torch")]
 pub mod engine;

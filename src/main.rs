@@ -293,6 +293,7 @@ mod torch_cmds {
             sampling,
             seed,
             stop_token_ids: card.generation.eos_token_ids.clone(),
+            top_logprobs: 0,
         };
         let mut decoder = StreamDecoder::new();
         let stdout = std::io::stdout();

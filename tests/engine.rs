@@ -50,6 +50,7 @@ fn request(i: usize, max_tokens: usize) -> GenerateRequest {
         },
         seed: Some(i as u64),
         stop_token_ids: vec![],
+        top_logprobs: 0,
     }
 }
 
@@ -63,7 +64,7 @@ fn collect(
             .blocking_recv()
             .expect("engine ended the stream without Finished")
         {
-            EngineEvent::Token { id, logprob } => {
+            EngineEvent::Token { id, logprob, .. } => {
                 toks.push(id);
                 lps.push(logprob);
             }

@@ -109,6 +109,7 @@ fn greedy_tokens_and_logprobs_match_transformers() {
                 sampling: SamplingParams::greedy(),
                 seed: None,
                 stop_token_ids: card.generation.eos_token_ids.clone(),
+                top_logprobs: 0,
             },
             |_, _| true,
         )
@@ -259,6 +260,7 @@ fn batched_greedy_decode_gives_transformers_tokens() {
             sampling: SamplingParams::greedy(),
             seed: None,
             stop_token_ids: loaded.card.generation.eos_token_ids.clone(),
+            top_logprobs: 0,
         })
         .collect();
     let out = generate_batch(&loaded.model, &reqs).unwrap();

@@ -104,6 +104,28 @@ pub fn logprob_of(logits: &[f32], id: usize) -> f64 {
     logits[id] as f64 - max - sum.ln()
 }
 
+/// The `k` most likely tokens with their log-probabilities (descending; ties by id).
+pub fn top_logprobs(logits: &[f32], k: usize) -> Vec<(u32, f64)> {
+    if k == 0 || logits.is_empty() {
+        return Vec::new();
+    }
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let log_z = max + logits.iter().map(|&l| (l as f64 - max).exp()).sum::<f64>().ln();
+    let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+    let k = k.min(idx.len());
+    let cmp = |a: &u32, b: &u32| {
+        logits[*b as usize]
+            .total_cmp(&logits[*a as usize])
+            .then(a.cmp(b))
+    };
+    idx.select_nth_unstable_by(k - 1, cmp);
+    idx.truncate(k);
+    idx.sort_by(cmp);
+    idx.into_iter()
+        .map(|i| (i, logits[i as usize] as f64 - log_z))
+        .collect()
+}
+
 /// Index of the largest logit (the first one on ties, as torch's argmax).
 pub fn argmax(logits: &[f32]) -> usize {
     let mut best = 0;
@@ -208,6 +230,16 @@ mod tests {
             "top_k=3 keeps the three largest"
         );
         assert!(a.iter().collect::<std::collections::HashSet<_>>().len() > 1);
+    }
+
+    #[test]
+    fn top_logprobs_are_sorted_and_normalised() {
+        let logits = [1.0f32, 3.0, 2.0, 3.0];
+        let top = top_logprobs(&logits, 3);
+        assert_eq!(top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 3, 2]);
+        assert!((top[0].1 - logprob_of(&logits, 1)).abs() < 1e-12);
+        assert_eq!(top_logprobs(&logits, 10).len(), 4);
+        assert!(top_logprobs(&logits, 0).is_empty());
     }
 
     #[test]

@@ -6,17 +6,24 @@
 //!
 //! Owns: scheduling and the per-sequence state. Never renders chat or parses text.
 
+#[cfg(feature = "torch")]
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::mpsc::{self, Receiver, SyncSender, TryRecvError, TrySendError};
+#[cfg(feature = "torch")]
+use std::sync::mpsc::{self, Receiver, TryRecvError};
+use std::sync::mpsc::{SyncSender, TrySendError};
 use std::sync::Arc;
 
-use tch::Tensor;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
-use super::{row_to_vec, sampling, FinishReason, GenerateRequest, Rng};
-use crate::model::llama::{KvCache, Llama, Logits};
-use crate::model::ModelError;
+use super::{FinishReason, GenerateRequest};
+#[cfg(feature = "torch")]
+use {
+    super::{direct::row_to_vec, sampling, Rng},
+    crate::model::llama::{KvCache, Llama, Logits},
+    crate::model::ModelError,
+    tch::Tensor,
+};
 
 /// Bounds of one engine; every one is a config value with a default.
 #[derive(Debug, Clone)]
@@ -46,6 +53,8 @@ pub enum EngineEvent {
     Token {
         id: u32,
         logprob: f64,
+        /// The request's `top_logprobs` most likely tokens at this position.
+        top: Vec<(u32, f64)>,
     },
     Finished {
         reason: FinishReason,
@@ -77,7 +86,10 @@ pub struct EngineStats {
     pub policy_version: AtomicU64,
 }
 
-struct Submission {
+/// A request on its way to the engine thread (read there; a client-only build never
+/// starts one).
+#[cfg_attr(not(feature = "torch"), allow(dead_code))]
+pub(crate) struct Submission {
     req: GenerateRequest,
     events: UnboundedSender<EngineEvent>,
 }
@@ -109,6 +121,7 @@ impl EngineHandle {
     }
 }
 
+#[cfg(feature = "torch")]
 /// Starts the engine thread with `model`. The thread ends when every handle is dropped
 /// and the running requests are done.
 pub fn spawn_engine(model: Llama, cfg: EngineConfig) -> std::io::Result<EngineHandle> {
@@ -125,6 +138,7 @@ pub fn spawn_engine(model: Llama, cfg: EngineConfig) -> std::io::Result<EngineHa
     Ok(handle)
 }
 
+#[cfg(feature = "torch")]
 struct Running {
     req: GenerateRequest,
     events: UnboundedSender<EngineEvent>,
@@ -134,6 +148,7 @@ struct Running {
     last: u32,
 }
 
+#[cfg(feature = "torch")]
 struct EngineLoop {
     model: Llama,
     cfg: EngineConfig,
@@ -145,6 +160,7 @@ struct EngineLoop {
     disconnected: bool,
 }
 
+#[cfg(feature = "torch")]
 impl EngineLoop {
     fn new(
         model: Llama,
@@ -304,6 +320,7 @@ impl EngineLoop {
             None => Rng::from_entropy(),
         };
         let (id, lp) = sampling::sample(&row, &req.sampling, &mut rng);
+        let top = sampling::top_logprobs(&row, req.top_logprobs);
         let mut r = Running {
             req,
             events,
@@ -312,7 +329,7 @@ impl EngineLoop {
             generated: 0,
             last: id,
         };
-        Ok(if self.emit(&mut r, id, lp) {
+        Ok(if self.emit(&mut r, id, lp, top) {
             None
         } else {
             Some(r)
@@ -320,11 +337,11 @@ impl EngineLoop {
     }
 
     /// Sends one token; returns true (after sending `Finished`) if the sequence is done.
-    fn emit(&self, r: &mut Running, id: u32, logprob: f64) -> bool {
+    fn emit(&self, r: &mut Running, id: u32, logprob: f64, top: Vec<(u32, f64)>) -> bool {
         r.generated += 1;
         r.last = id;
         self.stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
-        let _ = r.events.send(EngineEvent::Token { id, logprob });
+        let _ = r.events.send(EngineEvent::Token { id, logprob, top });
         let reason = if r.req.stop_token_ids.contains(&id) {
             Some(FinishReason::Stop)
         } else if r.generated >= r.req.max_tokens || r.cache.len() >= r.cache.capacity() {
@@ -376,7 +393,8 @@ impl EngineLoop {
         for (i, mut r) in running.drain(..).enumerate() {
             let row = row_to_vec(&logits.f_get(i as i64)?)?;
             let (id, lp) = sampling::sample(&row, &r.req.sampling, &mut r.rng);
-            if self.emit(&mut r, id, lp) {
+            let top = sampling::top_logprobs(&row, r.req.top_logprobs);
+            if self.emit(&mut r, id, lp, top) {
                 self.kv_positions -= r.cache.capacity();
             } else {
                 keep.push(r);

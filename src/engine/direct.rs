@@ -1,0 +1,210 @@
+//! Generation without the engine thread: one prompt ([`generate`], what
+//! `agentjet-peer generate` runs) or a fixed set of prompts decoded together
+//! ([`generate_batch`]). The engine thread reuses the same steps.
+
+use std::time::{Duration, Instant};
+
+use tch::{Kind, Tensor};
+
+use super::{sampling, FinishReason, GenerateRequest, Generation, Rng};
+use crate::model::llama::{Llama, Logits};
+use crate::model::ModelError;
+
+pub(crate) fn row_to_vec(logits: &Tensor) -> Result<Vec<f32>, ModelError> {
+    let t = logits
+        .f_to_device(tch::Device::Cpu)?
+        .f_to_kind(Kind::Float)?
+        .f_contiguous()?;
+    let n = t.numel();
+    let mut v = vec![0f32; n];
+    t.f_copy_data(&mut v, n)?;
+    Ok(v)
+}
+
+/// Generates from one prompt with a KV cache. `on_token(id, logprob)` runs after each
+/// token; returning `false` stops generation (finish reason `Cancelled`).
+pub fn generate(
+    model: &Llama,
+    req: &GenerateRequest,
+    mut on_token: impl FnMut(u32, f64) -> bool,
+) -> Result<Generation, ModelError> {
+    req.sampling.validate().map_err(ModelError::Invalid)?;
+    if req.prompt.is_empty() {
+        return Err(ModelError::Invalid("prompt is empty".into()));
+    }
+    let limit = model.max_positions();
+    if req.prompt.len() >= limit {
+        return Err(ModelError::Invalid(format!(
+            "prompt of {} tokens leaves no room in the model's context of {limit}",
+            req.prompt.len()
+        )));
+    }
+    let vocab = model.config.vocab_size as u32;
+    if let Some(bad) = req.prompt.iter().find(|&&t| t >= vocab) {
+        return Err(ModelError::Invalid(format!(
+            "prompt token id {bad} is outside the vocabulary of {vocab}"
+        )));
+    }
+    let _guard = tch::no_grad_guard();
+    let capacity = (req.prompt.len() + req.max_tokens).min(limit);
+    let mut cache = model.new_cache(1, capacity)?;
+    let mut rng = match req.seed {
+        Some(s) => Rng::seeded(s),
+        None => Rng::from_entropy(),
+    };
+    let device = model.device();
+    let ids: Vec<i64> = req.prompt.iter().map(|&t| t as i64).collect();
+    let t0 = Instant::now();
+    let input = Tensor::f_from_slice(&ids)?
+        .f_view([1, -1])?
+        .f_to_device(device)?;
+    let mut logits = model.forward(&input, &mut cache, Logits::Last)?;
+    let prefill_time = t0.elapsed();
+    let t1 = Instant::now();
+    let mut out = Generation {
+        tokens: Vec::new(),
+        logprobs: Vec::new(),
+        finish_reason: FinishReason::Length,
+        prefill_time,
+        decode_time: Duration::ZERO,
+    };
+    while out.tokens.len() < req.max_tokens {
+        let row = row_to_vec(&logits.f_select(0, 0)?)?;
+        let (id, lp) = sampling::sample(&row, &req.sampling, &mut rng);
+        out.tokens.push(id);
+        out.logprobs.push(lp);
+        if !on_token(id, lp) {
+            out.finish_reason = FinishReason::Cancelled;
+            break;
+        }
+        if req.stop_token_ids.contains(&id) {
+            out.finish_reason = FinishReason::Stop;
+            break;
+        }
+        if out.tokens.len() >= req.max_tokens || cache.len() >= cache.capacity() {
+            break;
+        }
+        let next = Tensor::f_from_slice(&[id as i64])?
+            .f_view([1, 1])?
+            .f_to_device(device)?;
+        logits = model.forward(&next, &mut cache, Logits::Last)?;
+    }
+    out.decode_time = t1.elapsed();
+    Ok(out)
+}
+
+/// Generates for several prompts at once: each is prefilled on its own, then all
+/// unfinished sequences advance together, one batched decode step per token
+/// ([`Llama::decode_rows`]); a sequence leaves the batch as soon as it finishes. Results
+/// are in request order, each as `generate` would give it (same seeds, same stops).
+pub fn generate_batch(
+    model: &Llama,
+    reqs: &[GenerateRequest],
+) -> Result<Vec<Generation>, ModelError> {
+    let _guard = tch::no_grad_guard();
+    let limit = model.max_positions();
+    let vocab = model.config.vocab_size as u32;
+    struct Seq {
+        cache: crate::model::llama::KvCache,
+        rng: Rng,
+        out: Generation,
+        done: bool,
+        last: u32,
+    }
+    let mut seqs = Vec::with_capacity(reqs.len());
+    for (i, req) in reqs.iter().enumerate() {
+        req.sampling
+            .validate()
+            .map_err(|e| ModelError::Invalid(format!("request {i}: {e}")))?;
+        if req.prompt.is_empty() || req.prompt.len() >= limit {
+            return Err(ModelError::Invalid(format!(
+                "request {i}: prompt of {} tokens does not fit the model's context of {limit}",
+                req.prompt.len()
+            )));
+        }
+        if let Some(bad) = req.prompt.iter().find(|&&t| t >= vocab) {
+            return Err(ModelError::Invalid(format!(
+                "request {i}: prompt token id {bad} is outside the vocabulary of {vocab}"
+            )));
+        }
+        let mut cache = model.new_cache(1, (req.prompt.len() + req.max_tokens).min(limit))?;
+        let ids: Vec<i64> = req.prompt.iter().map(|&t| t as i64).collect();
+        let t0 = Instant::now();
+        let input = Tensor::f_from_slice(&ids)?
+            .f_view([1, -1])?
+            .f_to_device(model.device())?;
+        let logits = model.forward(&input, &mut cache, Logits::Last)?;
+        let mut rng = match req.seed {
+            Some(s) => Rng::seeded(s),
+            None => Rng::from_entropy(),
+        };
+        let mut out = Generation {
+            tokens: Vec::new(),
+            logprobs: Vec::new(),
+            finish_reason: FinishReason::Length,
+            prefill_time: t0.elapsed(),
+            decode_time: Duration::ZERO,
+        };
+        let mut done = req.max_tokens == 0;
+        let mut last = 0;
+        if !done {
+            let row = row_to_vec(&logits.f_select(0, 0)?)?;
+            let (id, lp) = sampling::sample(&row, &req.sampling, &mut rng);
+            out.tokens.push(id);
+            out.logprobs.push(lp);
+            last = id;
+            if req.stop_token_ids.contains(&id) {
+                out.finish_reason = FinishReason::Stop;
+                done = true;
+            } else if out.tokens.len() >= req.max_tokens || cache.len() >= cache.capacity() {
+                done = true;
+            }
+        }
+        seqs.push(Seq {
+            cache,
+            rng,
+            out,
+            done,
+            last,
+        });
+    }
+    let t1 = Instant::now();
+    loop {
+        let active: Vec<usize> = (0..seqs.len()).filter(|&i| !seqs[i].done).collect();
+        if active.is_empty() {
+            break;
+        }
+        let ids: Vec<u32> = active.iter().map(|&i| seqs[i].last).collect();
+        let logits = {
+            // Same order as `active`: the unfinished sequences in request order.
+            let mut caches: Vec<&mut crate::model::llama::KvCache> = seqs
+                .iter_mut()
+                .filter(|s| !s.done)
+                .map(|s| &mut s.cache)
+                .collect();
+            model.decode_rows(&ids, &mut caches)?
+        };
+        let logits = logits.f_to_device(tch::Device::Cpu)?.f_contiguous()?;
+        for (r, &i) in active.iter().enumerate() {
+            let req = &reqs[i];
+            let seq = &mut seqs[i];
+            let row = row_to_vec(&logits.f_get(r as i64)?)?;
+            let (id, lp) = sampling::sample(&row, &req.sampling, &mut seq.rng);
+            seq.out.tokens.push(id);
+            seq.out.logprobs.push(lp);
+            seq.last = id;
+            if req.stop_token_ids.contains(&id) {
+                seq.out.finish_reason = FinishReason::Stop;
+                seq.done = true;
+            } else if seq.out.tokens.len() >= req.max_tokens
+                || seq.cache.len() >= seq.cache.capacity()
+            {
+                seq.done = true;
+            }
+            if seq.done {
+                seq.out.decode_time = t1.elapsed();
+            }
+        }
+    }
+    Ok(seqs.into_iter().map(|s| s.out).collect())
+}
