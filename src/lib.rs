@@ -25,5 +25,6 @@
 //! builds a client without it.
 
 pub mod model;
+pub mod openai;
 
 pub mod engine;

@@ -85,6 +85,32 @@ enum Command {
         #[arg(long)]
         show_tokens: bool,
     },
+    /// Serve a model over the OpenAI-compatible API on this machine (no swarm).
+    Serve {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Address to listen on; loopback by default.
+        #[arg(long, default_value = "127.0.0.1")]
+        host: String,
+        /// Port (0 picks a free one and prints it).
+        #[arg(long, default_value_t = 8000)]
+        port: u16,
+        /// The model name clients use (default: the --model argument).
+        #[arg(long)]
+        served_model_name: Option<String>,
+        /// Sequences decoded together at most.
+        #[arg(long, default_value_t = 32)]
+        max_batch: usize,
+        /// Requests waiting beyond the batch before answering 429.
+        #[arg(long, default_value_t = 256)]
+        max_queue: usize,
+        /// KV-cache positions (prompt + max_tokens of running requests) at most.
+        #[arg(long, default_value_t = 65536)]
+        max_kv_positions: usize,
+        /// max_tokens for requests that give none.
+        #[arg(long, default_value_t = 1024)]
+        default_max_tokens: usize,
+    },
     /// Save a model as an HF-compatible checkpoint directory.
     Export {
         #[command(flatten)]
@@ -161,8 +187,30 @@ fn run(cli: Cli) -> Result<()> {
         ),
         #[cfg(feature = "torch")]
         Some(Command::Export { model, out }) => torch_cmds::export(&model, &out),
+        #[cfg(feature = "torch")]
+        Some(Command::Serve {
+            model,
+            host,
+            port,
+            served_model_name,
+            max_batch,
+            max_queue,
+            max_kv_positions,
+            default_max_tokens,
+        }) => torch_cmds::serve(
+            &model,
+            &host,
+            port,
+            served_model_name,
+            agentjet::engine::EngineConfig {
+                max_batch,
+                max_queue,
+                max_kv_positions,
+            },
+            default_max_tokens,
+        ),
         #[cfg(not(feature = "torch"))]
-        Some(Command::Generate { .. } | Command::Export { .. }) => bail!(
+        Some(Command::Generate { .. } | Command::Export { .. } | Command::Serve { .. }) => bail!(
             "this agentjet-peer was built without LibTorch (`--no-default-features`); \
              rebuild with the default `torch` feature to run models"
         ),
@@ -342,6 +390,58 @@ mod torch_cmds {
             loaded.model.dtype(),
         );
         Ok(())
+    }
+
+    pub fn serve(
+        args: &ModelArgs,
+        host: &str,
+        port: u16,
+        served_model_name: Option<String>,
+        engine_cfg: agentjet::engine::EngineConfig,
+        default_max_tokens: usize,
+    ) -> Result<()> {
+        use agentjet::openai::server::{router, ServerConfig};
+        use agentjet::openai::LocalBackend;
+        use std::sync::Arc;
+        let loaded = load(args)?;
+        let max_context = loaded.model.max_positions();
+        let name = served_model_name.unwrap_or_else(|| args.model.clone());
+        let engine = agentjet::engine::spawn_engine(loaded.model, engine_cfg)
+            .context("starting the engine thread")?;
+        let backend = Arc::new(LocalBackend {
+            name: name.clone(),
+            card: Arc::new(loaded.card),
+            engine,
+            max_context,
+        });
+        let app = router(
+            backend,
+            ServerConfig {
+                default_max_tokens,
+                ..Default::default()
+            },
+        );
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .context("starting the async runtime")?;
+        rt.block_on(async move {
+            let listener = tokio::net::TcpListener::bind((host, port))
+                .await
+                .with_context(|| format!("binding {host}:{port}"))?;
+            let addr = listener.local_addr()?;
+            println!("serving {name} at http://{addr}/v1 (OpenAI-compatible; Ctrl-C stops)");
+            use std::io::Write as _;
+            std::io::stdout().flush()?;
+            axum::serve(listener, app)
+                .with_graceful_shutdown(async {
+                    let _ = tokio::signal::ctrl_c().await;
+                })
+                .await
+                .context("serving HTTP")?;
+            Ok::<(), anyhow::Error>(())
+        })
     }
 
     pub fn export(args: &ModelArgs, out: &std::path::Path) -> Result<()> {

@@ -19,9 +19,7 @@ pub use direct::{generate, generate_batch};
 pub use sampling::{Rng, SamplingParams};
 #[cfg(feature = "torch")]
 pub use scheduler::spawn_engine;
-pub use scheduler::{
-    EngineConfig, EngineError, EngineEvent, EngineHandle, EngineStats,
-};
+pub use scheduler::{EngineConfig, EngineError, EngineEvent, EngineHandle, EngineStats};
 
 /// Why generation ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,4 +65,3 @@ impl Generation {
         }
     }
 }
-

@@ -110,7 +110,12 @@ pub fn top_logprobs(logits: &[f32], k: usize) -> Vec<(u32, f64)> {
         return Vec::new();
     }
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let log_z = max + logits.iter().map(|&l| (l as f64 - max).exp()).sum::<f64>().ln();
+    let log_z = max
+        + logits
+            .iter()
+            .map(|&l| (l as f64 - max).exp())
+            .sum::<f64>()
+            .ln();
     let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
     let k = k.min(idx.len());
     let cmp = |a: &u32, b: &u32| {

@@ -1,0 +1,925 @@
+//! The HTTP server of the facade (axum): routes, validation, and the two ways of
+//! answering (a whole JSON response, or server-sent events ending in `data: [DONE]`).
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures_util::StreamExt;
+use serde::de::DeserializeOwned;
+use serde_json::{json, Value as Json_};
+use tokio::sync::mpsc::UnboundedReceiver;
+
+use super::text::{parse_tool_calls, StopMatcher};
+use super::types::*;
+use super::Backend;
+use crate::engine::{EngineError, EngineEvent, FinishReason, GenerateRequest, SamplingParams};
+use crate::model::{ChatRequest, ModelCard, StreamDecoder};
+
+/// Limits of the facade.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// `max_tokens` when a request gives none (capped by the context left).
+    pub default_max_tokens: usize,
+    /// Largest `n`.
+    pub max_n: usize,
+    /// Largest `top_logprobs`.
+    pub max_top_logprobs: usize,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            default_max_tokens: 1024,
+            max_n: 16,
+            max_top_logprobs: 20,
+        }
+    }
+}
+
+struct AppState {
+    backend: Arc<dyn Backend>,
+    cfg: ServerConfig,
+    next_id: AtomicU64,
+    requests: AtomicU64,
+    errors: AtomicU64,
+}
+
+/// The router with every route of the facade.
+pub fn router(backend: Arc<dyn Backend>, cfg: ServerConfig) -> Router {
+    let seed = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(1);
+    let state = Arc::new(AppState {
+        backend,
+        cfg,
+        next_id: AtomicU64::new(seed),
+        requests: AtomicU64::new(0),
+        errors: AtomicU64::new(0),
+    });
+    Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .with_state(state)
+}
+
+/// An error in OpenAI's shape.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    message: String,
+    kind: &'static str,
+    param: Option<String>,
+    code: Option<&'static str>,
+}
+
+impl ApiError {
+    fn bad(param: &str, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: Some(param.to_string()),
+            code: None,
+        }
+    }
+    fn server(message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            message: message.into(),
+            kind: "server_error",
+            param: None,
+            code: None,
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = ErrorBody {
+            error: ErrorDetail {
+                message: self.message,
+                kind: self.kind,
+                param: self.param,
+                code: self.code,
+            },
+        };
+        (self.status, Json(body)).into_response()
+    }
+}
+
+fn engine_error(e: EngineError) -> ApiError {
+    match e {
+        EngineError::Overloaded(n) => ApiError {
+            status: StatusCode::TOO_MANY_REQUESTS,
+            message: format!("the server is overloaded ({n} requests waiting); retry later"),
+            kind: "rate_limit_error",
+            param: None,
+            code: Some("overloaded"),
+        },
+        EngineError::Stopped => ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: "the model's engine has stopped".into(),
+            kind: "server_error",
+            param: None,
+            code: Some("engine_stopped"),
+        },
+    }
+}
+
+fn parse_body<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
+    let de = &mut serde_json::Deserializer::from_slice(body);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        if path == "." || path.is_empty() {
+            ApiError::bad("body", format!("invalid JSON body: {inner}"))
+        } else {
+            ApiError::bad(&path, format!("invalid value for '{path}': {inner}"))
+        }
+    })
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+fn finish_str(r: FinishReason) -> &'static str {
+    match r {
+        FinishReason::Stop => "stop",
+        FinishReason::Length => "length",
+        FinishReason::Cancelled => "stop",
+    }
+}
+
+/// What every generation request shares after validation.
+struct Plan {
+    model: String,
+    card: Arc<ModelCard>,
+    prompt: Vec<u32>,
+    max_tokens: usize,
+    n: usize,
+    sampling: SamplingParams,
+    seed: Option<u64>,
+    stops: Vec<String>,
+    top_logprobs: Option<usize>,
+}
+
+struct Common<'a> {
+    model: &'a str,
+    max_tokens: Option<i64>,
+    temperature: Option<f64>,
+    top_p: Option<f64>,
+    top_k: Option<i64>,
+    n: Option<i64>,
+    seed: Option<i64>,
+    stop: Option<Stop>,
+}
+
+fn resolve_model(st: &AppState, model: &str) -> Result<(Arc<ModelCard>, usize), ApiError> {
+    if !st.backend.ready() {
+        return Err(ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: "the server is starting; the model is not ready yet".into(),
+            kind: "server_error",
+            param: None,
+            code: Some("not_ready"),
+        });
+    }
+    match (st.backend.card(model), st.backend.max_context(model)) {
+        (Some(c), Some(ctx)) => Ok((c, ctx)),
+        _ => Err(ApiError {
+            status: StatusCode::NOT_FOUND,
+            message: format!(
+                "The model '{model}' does not exist (served: {})",
+                st.backend.model_ids().join(", ")
+            ),
+            kind: "invalid_request_error",
+            param: Some("model".into()),
+            code: Some("model_not_found"),
+        }),
+    }
+}
+
+fn plan(
+    st: &AppState,
+    c: Common<'_>,
+    card: Arc<ModelCard>,
+    ctx: usize,
+    prompt: Vec<u32>,
+    top_logprobs: Option<usize>,
+) -> Result<Plan, ApiError> {
+    let temperature = c.temperature.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(ApiError::bad(
+            "temperature",
+            format!("temperature must be between 0 and 2, got {temperature}"),
+        ));
+    }
+    let top_p = c.top_p.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ApiError::bad(
+            "top_p",
+            format!("top_p must be in (0, 1], got {top_p}"),
+        ));
+    }
+    let top_k = match c.top_k {
+        None | Some(-1) | Some(0) => 0,
+        Some(k) if k > 0 => k as usize,
+        Some(k) => {
+            return Err(ApiError::bad(
+                "top_k",
+                format!("top_k must be positive (or -1 to disable), got {k}"),
+            ))
+        }
+    };
+    let n = c.n.unwrap_or(1);
+    if n < 1 || n as usize > st.cfg.max_n {
+        return Err(ApiError::bad(
+            "n",
+            format!("n must be between 1 and {}, got {n}", st.cfg.max_n),
+        ));
+    }
+    let stops = c.stop.map(Stop::into_vec).unwrap_or_default();
+    if stops.len() > 4 {
+        return Err(ApiError::bad(
+            "stop",
+            format!("at most 4 stop sequences, got {}", stops.len()),
+        ));
+    }
+    if prompt.is_empty() {
+        return Err(ApiError::bad("prompt", "the prompt is empty"));
+    }
+    let vocab = card.config.vocab_size as u32;
+    if let Some(bad) = prompt.iter().find(|&&t| t >= vocab) {
+        return Err(ApiError::bad(
+            "prompt",
+            format!("token id {bad} is outside the vocabulary of {vocab}"),
+        ));
+    }
+    let room = ctx.saturating_sub(prompt.len());
+    let max_tokens = match c.max_tokens {
+        Some(m) if m < 1 => {
+            return Err(ApiError::bad(
+                "max_tokens",
+                format!("max_tokens must be at least 1, got {m}"),
+            ))
+        }
+        Some(m) => m as usize,
+        None => st.cfg.default_max_tokens.min(room),
+    };
+    if max_tokens == 0 || prompt.len() + max_tokens > ctx {
+        return Err(ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: format!(
+                "This model's maximum context length is {ctx} tokens. However, you requested {} tokens ({} in the prompt, {max_tokens} for the completion). Please reduce the prompt or the completion length.",
+                prompt.len() + max_tokens.max(1),
+                prompt.len()
+            ),
+            kind: "invalid_request_error",
+            param: Some("messages".into()),
+            code: Some("context_length_exceeded"),
+        });
+    }
+    Ok(Plan {
+        model: c.model.to_string(),
+        card,
+        prompt,
+        max_tokens,
+        n: n as usize,
+        sampling: SamplingParams {
+            temperature,
+            top_p,
+            top_k,
+        },
+        seed: c.seed.map(|s| s as u64),
+        stops,
+        top_logprobs,
+    })
+}
+
+/// Submits the plan's `n` generations (seeds `seed + i`); on a refusal, the ones already
+/// submitted are cancelled by dropping their receivers.
+fn submit(st: &AppState, p: &Plan) -> Result<Vec<UnboundedReceiver<EngineEvent>>, ApiError> {
+    (0..p.n)
+        .map(|i| {
+            st.backend
+                .submit(
+                    &p.model,
+                    GenerateRequest {
+                        prompt: p.prompt.clone(),
+                        max_tokens: p.max_tokens,
+                        sampling: p.sampling.clone(),
+                        seed: p.seed.map(|s| s.wrapping_add(i as u64)),
+                        stop_token_ids: p.card.generation.eos_token_ids.clone(),
+                        top_logprobs: p.top_logprobs.unwrap_or(0),
+                    },
+                )
+                .map_err(engine_error)
+        })
+        .collect()
+}
+
+/// One choice being decoded: text, stop strings, ids, logprobs.
+struct ChoiceState {
+    card: Arc<ModelCard>,
+    decoder: StreamDecoder,
+    stop: StopMatcher,
+    tokens: Vec<u32>,
+    logprobs: Vec<TokenLogprob>,
+    want_logprobs: bool,
+    finish: Option<&'static str>,
+    policy_version: u64,
+    completion_tokens: usize,
+}
+
+impl ChoiceState {
+    fn new(card: Arc<ModelCard>, stops: Vec<String>, want_logprobs: bool) -> ChoiceState {
+        ChoiceState {
+            card,
+            decoder: StreamDecoder::new(),
+            stop: StopMatcher::new(stops),
+            tokens: Vec::new(),
+            logprobs: Vec::new(),
+            want_logprobs,
+            finish: None,
+            policy_version: 0,
+            completion_tokens: 0,
+        }
+    }
+
+    fn token_text(&self, id: u32) -> String {
+        self.card.tokenizer.decode(&[id], false).unwrap_or_default()
+    }
+
+    /// Handles one engine event; returns the newly visible text and the new logprob
+    /// entries. Sets `finish` when the choice is done.
+    fn on_event(&mut self, ev: EngineEvent) -> Result<(String, Vec<TokenLogprob>), ApiError> {
+        match ev {
+            EngineEvent::Token { id, logprob, top } => {
+                if self.finish.is_some() {
+                    return Ok((String::new(), vec![]));
+                }
+                self.tokens.push(id);
+                let mut new_lps = Vec::new();
+                if self.want_logprobs {
+                    let tok = self.token_text(id);
+                    let entry = TokenLogprob {
+                        bytes: tok.as_bytes().to_vec(),
+                        token: tok,
+                        logprob,
+                        top_logprobs: top
+                            .iter()
+                            .map(|&(t, lp)| {
+                                let s = self.token_text(t);
+                                TopLogprob {
+                                    bytes: s.as_bytes().to_vec(),
+                                    token: s,
+                                    logprob: lp,
+                                }
+                            })
+                            .collect(),
+                    };
+                    self.logprobs.push(entry.clone());
+                    new_lps.push(entry);
+                }
+                if self.card.is_stop_token(id) {
+                    return Ok((String::new(), new_lps));
+                }
+                let piece = self
+                    .decoder
+                    .push(&self.card.tokenizer, id)
+                    .map_err(|e| ApiError::server(e.to_string()))?
+                    .unwrap_or_default();
+                let text = self.stop.push(&piece);
+                if self.stop.stopped() {
+                    self.finish = Some("stop");
+                    self.completion_tokens = self.tokens.len();
+                }
+                Ok((text, new_lps))
+            }
+            EngineEvent::Finished {
+                reason,
+                completion_tokens,
+                policy_version,
+                ..
+            } => {
+                self.policy_version = policy_version;
+                self.completion_tokens = completion_tokens;
+                let rest = self.stop.flush();
+                self.finish = Some(finish_str(reason));
+                Ok((rest, vec![]))
+            }
+            EngineEvent::Failed(msg) => Err(ApiError::server(format!("generation failed: {msg}"))),
+        }
+    }
+}
+
+/// Drives one choice to its end (non-streaming).
+async fn run_choice(
+    mut rx: UnboundedReceiver<EngineEvent>,
+    mut st: ChoiceState,
+) -> Result<ChoiceState, ApiError> {
+    while st.finish.is_none() {
+        match rx.recv().await {
+            Some(ev) => {
+                st.on_event(ev)?;
+            }
+            None => return Err(ApiError::server("the engine dropped the request")),
+        }
+    }
+    Ok(st) // dropping rx cancels the engine request if a stop string ended it early
+}
+
+fn render_chat(
+    card: &ModelCard,
+    model: &str,
+    req: &ChatCompletionRequest,
+) -> Result<Vec<u32>, ApiError> {
+    if req.messages.is_empty() {
+        return Err(ApiError::bad("messages", "messages must not be empty"));
+    }
+    for (i, m) in req.messages.iter().enumerate() {
+        if m.get("role").and_then(|r| r.as_str()).is_none() {
+            return Err(ApiError::bad(
+                &format!("messages[{i}].role"),
+                format!("messages[{i}] has no string 'role'"),
+            ));
+        }
+    }
+    let tmpl = card.chat_template(model).map_err(|e| {
+        ApiError::bad(
+            "messages",
+            format!("{e}; use /v1/completions for raw prompts"),
+        )
+    })?;
+    let text = tmpl
+        .render(&ChatRequest {
+            messages: &req.messages,
+            tools: req.tools.as_deref(),
+            add_generation_prompt: true,
+            extra: None,
+        })
+        .map_err(|e| ApiError::bad("messages", e.to_string()))?;
+    card.tokenizer
+        .encode(&text)
+        .map_err(|e| ApiError::server(e.to_string()))
+}
+
+async fn chat_completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    st.requests.fetch_add(1, Ordering::Relaxed);
+    match chat_inner(&st, body).await {
+        Ok(r) => r,
+        Err(e) => {
+            st.errors.fetch_add(1, Ordering::Relaxed);
+            e.into_response()
+        }
+    }
+}
+
+async fn chat_inner(st: &Arc<AppState>, body: Bytes) -> Result<Response, ApiError> {
+    let req: ChatCompletionRequest = parse_body(&body)?;
+    let (card, ctx) = resolve_model(st, &req.model)?;
+    if let Some(rf) = &req.response_format {
+        match rf.get("type").and_then(|t| t.as_str()) {
+            Some("text") | None => {}
+            Some(other) => {
+                return Err(ApiError::bad(
+                    "response_format",
+                    format!("response_format type '{other}' is not supported yet (constrained decoding is not built)"),
+                ))
+            }
+        }
+    }
+    for (field, v) in [
+        ("presence_penalty", req.presence_penalty),
+        ("frequency_penalty", req.frequency_penalty),
+    ] {
+        if v.is_some_and(|v| v != 0.0) {
+            return Err(ApiError::bad(
+                field,
+                format!("{field} is not supported yet"),
+            ));
+        }
+    }
+    if req.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
+        return Err(ApiError::bad(
+            "logit_bias",
+            "logit_bias is not supported yet",
+        ));
+    }
+    if let Some(Json_::String(choice)) = &req.tool_choice {
+        if choice == "required" && req.tools.as_ref().is_none_or(|t| t.is_empty()) {
+            return Err(ApiError::bad(
+                "tool_choice",
+                "tool_choice 'required' needs tools",
+            ));
+        }
+    }
+    let top_logprobs = match (req.logprobs, req.top_logprobs) {
+        (_, Some(k)) if k < 0 || k as usize > st.cfg.max_top_logprobs => {
+            return Err(ApiError::bad(
+                "top_logprobs",
+                format!(
+                    "top_logprobs must be between 0 and {}, got {k}",
+                    st.cfg.max_top_logprobs
+                ),
+            ))
+        }
+        (false, Some(k)) if k > 0 => {
+            return Err(ApiError::bad(
+                "top_logprobs",
+                "top_logprobs needs logprobs: true",
+            ))
+        }
+        (true, k) => Some(k.unwrap_or(0) as usize),
+        (false, _) => None,
+    };
+    let tools_on = req.tools.as_ref().is_some_and(|t| !t.is_empty())
+        && req.tool_choice.as_ref().and_then(|c| c.as_str()) != Some("none");
+    let prompt = render_chat(&card, &req.model, &req)?;
+    let p = plan(
+        st,
+        Common {
+            model: &req.model,
+            max_tokens: req.max_completion_tokens.or(req.max_tokens),
+            temperature: req.temperature,
+            top_p: req.top_p,
+            top_k: req.top_k,
+            n: req.n,
+            seed: req.seed,
+            stop: req.stop.clone(),
+        },
+        card,
+        ctx,
+        prompt,
+        top_logprobs,
+    )?;
+    let rxs = submit(st, &p)?;
+    let id = format!("chatcmpl-{:x}", st.next_id.fetch_add(1, Ordering::Relaxed));
+    if req.stream {
+        let include_usage = req.stream_options.as_ref().is_some_and(|o| o.include_usage);
+        return Ok(stream_chat(id, p, rxs, include_usage, tools_on).into_response());
+    }
+    let mut choices = Vec::with_capacity(p.n);
+    let mut usage_completion = 0;
+    let mut version = 0;
+    let states = futures_util::future::join_all(rxs.into_iter().map(|rx| {
+        run_choice(
+            rx,
+            ChoiceState::new(p.card.clone(), p.stops.clone(), top_logprobs.is_some()),
+        )
+    }))
+    .await;
+    for (index, s) in states.into_iter().enumerate() {
+        let s = s?;
+        usage_completion += s.completion_tokens;
+        version = s.policy_version;
+        let text = s.stop.text().to_string();
+        let mut finish = s.finish.unwrap_or("stop");
+        let mut message = ResponseMessage {
+            role: "assistant",
+            content: Some(text.clone()),
+            tool_calls: None,
+        };
+        if tools_on {
+            if let Some((content, calls)) =
+                parse_tool_calls(&text, st.next_id.fetch_add(1, Ordering::Relaxed))
+            {
+                message.content = (!content.is_empty()).then_some(content);
+                message.tool_calls = Some(calls);
+                finish = "tool_calls";
+            }
+        }
+        choices.push(ChatChoice {
+            index,
+            message,
+            finish_reason: finish,
+            logprobs: top_logprobs.map(|_| ChoiceLogprobs {
+                content: s.logprobs.clone(),
+            }),
+            token_ids: s.tokens.clone(),
+        });
+    }
+    let resp = ChatCompletionResponse {
+        id,
+        object: "chat.completion",
+        created: now(),
+        model: p.model.clone(),
+        choices,
+        usage: Usage {
+            prompt_tokens: p.prompt.len(),
+            completion_tokens: usage_completion,
+            total_tokens: p.prompt.len() + usage_completion,
+        },
+        agentjet: AgentjetExtension {
+            prompt_token_ids: p.prompt.clone(),
+            policy_version: version,
+        },
+    };
+    Ok(Json(resp).into_response())
+}
+
+fn sse_json(v: &Json_) -> Result<Event, Infallible> {
+    Ok(Event::default().data(v.to_string()))
+}
+
+/// Streams a chat completion: a role chunk per choice, content deltas as text becomes
+/// final, a last chunk per choice with its finish reason (and the token-id extension),
+/// the usage chunk if asked, then `[DONE]`. With tools on, a choice's text is held until
+/// it ends so that a tool call is sent as `tool_calls`, not as raw text.
+fn stream_chat(
+    id: String,
+    p: Plan,
+    rxs: Vec<UnboundedReceiver<EngineEvent>>,
+    include_usage: bool,
+    tools_on: bool,
+) -> Sse<impl futures_util::Stream<Item = Result<Event, Infallible>>> {
+    let (tx, out) = tokio::sync::mpsc::channel::<Result<Event, Infallible>>(64);
+    let created = now();
+    let want_lp = p.top_logprobs.is_some();
+    tokio::spawn(async move {
+        let chunk = |index: usize,
+                     delta: Json_,
+                     logprobs: Json_,
+                     finish: Option<&str>,
+                     extra: Option<Json_>| {
+            let mut c = json!({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish});
+            if let Some(Json_::Object(m)) = extra {
+                for (k, v) in m {
+                    c[k] = v;
+                }
+            }
+            json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": p.model, "choices": [c]})
+        };
+        for i in 0..rxs.len() {
+            if tx
+                .send(sse_json(&chunk(
+                    i,
+                    json!({"role": "assistant", "content": ""}),
+                    Json_::Null,
+                    None,
+                    None,
+                )))
+                .await
+                .is_err()
+            {
+                return;
+            }
+        }
+        let mut states: Vec<ChoiceState> = (0..rxs.len())
+            .map(|_| ChoiceState::new(p.card.clone(), p.stops.clone(), want_lp))
+            .collect();
+        let mut merged =
+            futures_util::stream::select_all(rxs.into_iter().enumerate().map(|(i, rx)| {
+                tokio_stream::wrappers::UnboundedReceiverStream::new(rx).map(move |ev| (i, ev))
+            }));
+        let mut done = 0;
+        let mut completion = 0;
+        let mut version = 0;
+        while done < states.len() {
+            let Some((i, ev)) = merged.next().await else {
+                break;
+            };
+            let s = &mut states[i];
+            if s.finish.is_some() {
+                continue;
+            }
+            let (text, lps) = match s.on_event(ev) {
+                Ok(x) => x,
+                Err(e) => {
+                    let _ = tx
+                        .send(sse_json(
+                            &json!({"error": {"message": e.message, "type": e.kind}}),
+                        ))
+                        .await;
+                    return;
+                }
+            };
+            let lp_json = if want_lp && !lps.is_empty() {
+                json!({"content": lps})
+            } else {
+                Json_::Null
+            };
+            if (!text.is_empty() || !lp_json.is_null()) && !tools_on {
+                let delta = if text.is_empty() {
+                    json!({})
+                } else {
+                    json!({"content": text})
+                };
+                if tx
+                    .send(sse_json(&chunk(i, delta, lp_json, None, None)))
+                    .await
+                    .is_err()
+                {
+                    return; // the client went away: dropping the receivers cancels
+                }
+            }
+            if let Some(mut finish) = s.finish {
+                done += 1;
+                completion += s.completion_tokens;
+                version = s.policy_version;
+                let mut delta = json!({});
+                if tools_on {
+                    let full = s.stop.text().to_string();
+                    match parse_tool_calls(&full, created.wrapping_add(i as u64)) {
+                        Some((content, calls)) => {
+                            let calls: Vec<Json_> = calls
+                                .iter()
+                                .enumerate()
+                                .map(|(k, c)| json!({"index": k, "id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}))
+                                .collect();
+                            delta = json!({"content": if content.is_empty() { Json_::Null } else { json!(content) }, "tool_calls": calls});
+                            finish = "tool_calls";
+                        }
+                        None => delta = json!({"content": full}),
+                    }
+                }
+                let extra = json!({"token_ids": s.tokens});
+                if tx
+                    .send(sse_json(&chunk(
+                        i,
+                        delta,
+                        Json_::Null,
+                        Some(finish),
+                        Some(extra),
+                    )))
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+            }
+        }
+        if include_usage {
+            let usage = json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": p.model, "choices": [],
+                "usage": {"prompt_tokens": p.prompt.len(), "completion_tokens": completion, "total_tokens": p.prompt.len() + completion},
+                "agentjet": {"prompt_token_ids": p.prompt, "policy_version": version}});
+            if tx.send(sse_json(&usage)).await.is_err() {
+                return;
+            }
+        }
+        let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
+    });
+    Sse::new(tokio_stream::wrappers::ReceiverStream::new(out))
+}
+
+async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    st.requests.fetch_add(1, Ordering::Relaxed);
+    match completions_inner(&st, body).await {
+        Ok(r) => r,
+        Err(e) => {
+            st.errors.fetch_add(1, Ordering::Relaxed);
+            e.into_response()
+        }
+    }
+}
+
+async fn completions_inner(st: &Arc<AppState>, body: Bytes) -> Result<Response, ApiError> {
+    let req: CompletionRequest = parse_body(&body)?;
+    let (card, ctx) = resolve_model(st, &req.model)?;
+    if req.stream {
+        return Err(ApiError::bad("stream", "streaming is not supported on /v1/completions yet; use /v1/chat/completions or stream: false"));
+    }
+    let top = match req.logprobs {
+        None => None,
+        Some(k) if k < 0 || k as usize > st.cfg.max_top_logprobs => {
+            return Err(ApiError::bad(
+                "logprobs",
+                format!("logprobs must be between 0 and {}", st.cfg.max_top_logprobs),
+            ))
+        }
+        Some(k) => Some(k as usize),
+    };
+    if req.echo && top.is_some() {
+        return Err(ApiError::bad(
+            "echo",
+            "echo with logprobs (prompt logprobs) is not supported yet",
+        ));
+    }
+    let (prompt, prompt_text) = match &req.prompt {
+        Prompt::Text(t) => (
+            card.tokenizer
+                .encode_with_bos(t)
+                .map_err(|e| ApiError::server(e.to_string()))?,
+            t.clone(),
+        ),
+        Prompt::Tokens(ids) => (
+            ids.clone(),
+            card.tokenizer.decode(ids, false).unwrap_or_default(),
+        ),
+    };
+    let p = plan(
+        st,
+        Common {
+            model: &req.model,
+            max_tokens: req.max_tokens.or(Some(16)),
+            temperature: req.temperature,
+            top_p: req.top_p,
+            top_k: req.top_k,
+            n: req.n,
+            seed: req.seed,
+            stop: req.stop.clone(),
+        },
+        card,
+        ctx,
+        prompt,
+        top,
+    )?;
+    let rxs = submit(st, &p)?;
+    let states = futures_util::future::join_all(rxs.into_iter().map(|rx| {
+        run_choice(
+            rx,
+            ChoiceState::new(p.card.clone(), p.stops.clone(), top.is_some()),
+        )
+    }))
+    .await;
+    let mut choices = Vec::new();
+    let mut completion = 0;
+    let mut version = 0;
+    for (index, s) in states.into_iter().enumerate() {
+        let s = s?;
+        completion += s.completion_tokens;
+        version = s.policy_version;
+        let mut text = s.stop.text().to_string();
+        if req.echo {
+            text = format!("{prompt_text}{text}");
+        }
+        let logprobs = top.map(|_| {
+            let mut offset = 0;
+            let mut offsets = Vec::new();
+            for l in &s.logprobs {
+                offsets.push(offset);
+                offset += l.token.len();
+            }
+            json!({
+                "tokens": s.logprobs.iter().map(|l| &l.token).collect::<Vec<_>>(),
+                "token_logprobs": s.logprobs.iter().map(|l| l.logprob).collect::<Vec<_>>(),
+                "top_logprobs": s.logprobs.iter().map(|l| l.top_logprobs.iter().map(|t| (t.token.clone(), json!(t.logprob))).collect::<serde_json::Map<_, _>>()).collect::<Vec<_>>(),
+                "text_offset": offsets,
+            })
+        });
+        choices.push(json!({"index": index, "text": text, "logprobs": logprobs, "finish_reason": s.finish.unwrap_or("stop"), "token_ids": s.tokens}));
+    }
+    let id = format!("cmpl-{:x}", st.next_id.fetch_add(1, Ordering::Relaxed));
+    Ok(Json(json!({
+        "id": id, "object": "text_completion", "created": now(), "model": p.model, "choices": choices,
+        "usage": {"prompt_tokens": p.prompt.len(), "completion_tokens": completion, "total_tokens": p.prompt.len() + completion},
+        "agentjet": {"prompt_token_ids": p.prompt, "policy_version": version},
+    }))
+    .into_response())
+}
+
+async fn models(State(st): State<Arc<AppState>>) -> Response {
+    let data: Vec<Json_> = st
+        .backend
+        .model_ids()
+        .into_iter()
+        .map(|id| json!({"id": id, "object": "model", "created": 0, "owned_by": "agentjet"}))
+        .collect();
+    Json(json!({"object": "list", "data": data})).into_response()
+}
+
+async fn health(State(st): State<Arc<AppState>>) -> Response {
+    if st.backend.ready() {
+        (StatusCode::OK, Json(json!({"status": "ok"}))).into_response()
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "starting"})),
+        )
+            .into_response()
+    }
+}
+
+async fn metrics(State(st): State<Arc<AppState>>) -> Response {
+    let text = format!(
+        "# TYPE agentjet_http_requests_total counter\nagentjet_http_requests_total {}\n# TYPE agentjet_http_errors_total counter\nagentjet_http_errors_total {}\n{}",
+        st.requests.load(Ordering::Relaxed),
+        st.errors.load(Ordering::Relaxed),
+        st.backend.metrics()
+    );
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4",
+        )],
+        text,
+    )
+        .into_response()
+}

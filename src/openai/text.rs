@@ -1,0 +1,161 @@
+//! Text-side helpers of a completion: stop strings and tool-call parsing.
+
+use serde_json::Value as Json;
+
+use super::types::{ToolCall, ToolCallFunction};
+
+/// Finds stop strings in streamed text, holding back any tail that could still become one.
+#[derive(Debug, Default)]
+pub struct StopMatcher {
+    stops: Vec<String>,
+    text: String,
+    emitted: usize,
+    stopped: bool,
+}
+
+impl StopMatcher {
+    pub fn new(stops: Vec<String>) -> StopMatcher {
+        StopMatcher {
+            stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
+            ..Default::default()
+        }
+    }
+
+    pub fn stopped(&self) -> bool {
+        self.stopped
+    }
+
+    /// Adds text; returns what can be shown now (never part of a stop string).
+    pub fn push(&mut self, piece: &str) -> String {
+        if self.stopped {
+            return String::new();
+        }
+        self.text.push_str(piece);
+        // The earliest complete stop string ends the text.
+        // Held-back tails guarantee no stop string starts before `emitted`.
+        let hit = self
+            .stops
+            .iter()
+            .filter_map(|s| self.text[self.emitted..].find(s.as_str()))
+            .min()
+            .map(|p| p + self.emitted);
+        if let Some(pos) = hit {
+            self.stopped = true;
+            let out = self.text[self.emitted..pos].to_string();
+            self.text.truncate(pos);
+            self.emitted = pos;
+            return out;
+        }
+        // Hold back the longest tail that is a prefix of some stop string.
+        let mut hold = 0;
+        for s in &self.stops {
+            for l in (1..s.len()).rev() {
+                if l <= self.text.len() - self.emitted
+                    && self.text.is_char_boundary(self.text.len() - l)
+                    && s.is_char_boundary(l)
+                    && self.text.ends_with(&s[..l])
+                {
+                    hold = hold.max(l);
+                    break;
+                }
+            }
+        }
+        let end = self.text.len() - hold;
+        let out = self.text[self.emitted..end].to_string();
+        self.emitted = end;
+        out
+    }
+
+    /// The rest of the text once generation ended without a stop string.
+    pub fn flush(&mut self) -> String {
+        let out = self.text[self.emitted..].to_string();
+        self.emitted = self.text.len();
+        out
+    }
+
+    /// All text kept so far (stop string excluded).
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+}
+
+/// Extracts `<tool_call>{"name": .., "arguments": {..}}</tool_call>` blocks (the format of
+/// Hermes, Qwen2 and most open tool-calling templates). Returns the text outside the
+/// blocks and the calls; `None` if there is no well-formed block.
+pub fn parse_tool_calls(text: &str, id_seed: u64) -> Option<(String, Vec<ToolCall>)> {
+    let mut rest = text;
+    let mut content = String::new();
+    let mut calls = Vec::new();
+    while let Some(start) = rest.find("<tool_call>") {
+        content.push_str(&rest[..start]);
+        let after = &rest[start + "<tool_call>".len()..];
+        let (body, next) = match after.find("</tool_call>") {
+            Some(end) => (&after[..end], &after[end + "</tool_call>".len()..]),
+            None => (after, ""),
+        };
+        let v: Json = serde_json::from_str(body.trim()).ok()?;
+        let name = v.get("name")?.as_str()?.to_string();
+        let arguments = match v.get("arguments").or_else(|| v.get("parameters")) {
+            Some(Json::String(s)) => s.clone(),
+            Some(other) => other.to_string(),
+            None => "{}".to_string(),
+        };
+        calls.push(ToolCall {
+            id: format!(
+                "call_{:016x}",
+                id_seed
+                    .wrapping_add(calls.len() as u64)
+                    .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+            ),
+            kind: "function",
+            function: ToolCallFunction { name, arguments },
+        });
+        rest = next;
+    }
+    if calls.is_empty() {
+        return None;
+    }
+    content.push_str(rest);
+    Some((content.trim().to_string(), calls))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stop_string_split_across_pieces_is_cut_and_never_shown() {
+        let mut m = StopMatcher::new(vec!["END".into()]);
+        let mut shown = String::new();
+        for piece in ["Hello E", "N", "D world"] {
+            shown.push_str(&m.push(piece));
+        }
+        assert!(m.stopped());
+        assert_eq!(shown, "Hello ");
+        assert_eq!(m.text(), "Hello ");
+    }
+
+    #[test]
+    fn held_back_prefix_is_released_when_it_does_not_complete() {
+        let mut m = StopMatcher::new(vec!["\n\n".into(), "###".into()]);
+        let mut shown = m.push("a\n");
+        shown.push_str(&m.push("b#"));
+        shown.push_str(&m.push("#c"));
+        shown.push_str(&m.flush());
+        assert!(!m.stopped());
+        assert_eq!(shown, "a\nb##c");
+    }
+
+    #[test]
+    fn tool_calls_are_parsed_with_string_arguments() {
+        let text = "Let me compute.\n<tool_call>\n{\"name\": \"calculator\", \"arguments\": {\"expression\": \"12*7\"}}\n</tool_call>";
+        let (content, calls) = parse_tool_calls(text, 1).unwrap();
+        assert_eq!(content, "Let me compute.");
+        assert_eq!(calls.len(), 1);
+        assert_eq!(calls[0].function.name, "calculator");
+        let args: Json = serde_json::from_str(&calls[0].function.arguments).unwrap();
+        assert_eq!(args["expression"], "12*7");
+        assert!(parse_tool_calls("no calls here", 1).is_none());
+        assert!(parse_tool_calls("<tool_call>not json</tool_call>", 1).is_none());
+    }
+}
