@@ -1,0 +1,194 @@
+"""The OpenAI-compatible API of `agentjet-peer serve`, checked with the official `openai`
+Python package against a live server of the real default model (SmolLM2-135M-Instruct).
+
+Run by tests/openai_api.rs, which starts two servers and sets:
+  AGENTJET_BASE_URL        a server with default limits
+  AGENTJET_TIGHT_BASE_URL  a server with --max-batch 1 --max-queue 1 (for 429)
+"""
+import json
+import os
+import threading
+import unittest
+import urllib.error
+import urllib.request
+
+import openai
+
+BASE = os.environ["AGENTJET_BASE_URL"]
+TIGHT = os.environ["AGENTJET_TIGHT_BASE_URL"]
+MODEL = "smollm2"
+Q = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def client(base=BASE):
+    return openai.OpenAI(base_url=base, api_key="episode-test", max_retries=0, timeout=120)
+
+
+class Chat(unittest.TestCase):
+    def test_models_list(self):
+        ids = [m.id for m in client().models.list().data]
+        self.assertEqual(ids, [MODEL])
+
+    def test_greedy_answer_usage_and_extensions(self):
+        r = client().chat.completions.create(model=MODEL, messages=Q, temperature=0, max_tokens=24)
+        self.assertEqual(r.choices[0].message.content, "The capital of France is Paris.")
+        self.assertEqual(r.choices[0].finish_reason, "stop")
+        self.assertEqual(r.usage.prompt_tokens, 37)
+        self.assertEqual(r.usage.total_tokens, r.usage.prompt_tokens + r.usage.completion_tokens)
+        extra = r.model_extra["agentjet"]
+        self.assertEqual(len(extra["prompt_token_ids"]), 37)
+        self.assertEqual(extra["policy_version"], 0)
+        self.assertEqual(len(r.choices[0].model_extra["token_ids"]), r.usage.completion_tokens)
+
+    def test_streamed_text_equals_non_streamed_for_same_seed(self):
+        args = dict(model=MODEL, messages=[{"role": "user", "content": "Write two sentences about the sea."}],
+                    temperature=0.9, top_p=0.95, seed=1234, max_tokens=40)
+        whole = client().chat.completions.create(**args).choices[0].message.content
+        parts, finish, usage = [], None, None
+        for chunk in client().chat.completions.create(stream=True, stream_options={"include_usage": True}, **args):
+            if chunk.usage:
+                usage = chunk.usage
+            for c in chunk.choices:
+                if c.delta.content:
+                    parts.append(c.delta.content)
+                if c.finish_reason:
+                    finish = c.finish_reason
+        self.assertEqual("".join(parts), whole)
+        self.assertIn(finish, ("stop", "length"))
+        self.assertIsNotNone(usage)
+
+    def test_seed_reproducible_and_seeds_differ(self):
+        args = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me a story."}], temperature=1.0, max_tokens=30)
+        a = client().chat.completions.create(seed=7, **args).choices[0].message.content
+        b = client().chat.completions.create(seed=7, **args).choices[0].message.content
+        c = client().chat.completions.create(seed=8, **args).choices[0].message.content
+        self.assertEqual(a, b)
+        self.assertNotEqual(a, c)
+
+    def test_n2_gives_two_choices(self):
+        r = client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say something."}],
+                                             n=2, temperature=1.0, seed=3, max_tokens=20)
+        self.assertEqual([c.index for c in r.choices], [0, 1])
+        self.assertNotEqual(r.choices[0].message.content, r.choices[1].message.content)
+        self.assertEqual(r.usage.completion_tokens, sum(len(c.model_extra["token_ids"]) for c in r.choices))
+
+    def test_logprobs_with_top_logprobs(self):
+        r = client().chat.completions.create(model=MODEL, messages=Q, temperature=0, max_tokens=8,
+                                             logprobs=True, top_logprobs=3)
+        content = r.choices[0].logprobs.content
+        self.assertEqual(len(content), r.usage.completion_tokens)
+        for t in content:
+            self.assertEqual(len(t.top_logprobs), 3)
+            # greedy: the sampled token is the most likely one
+            self.assertEqual(t.token, t.top_logprobs[0].token)
+            self.assertAlmostEqual(t.logprob, t.top_logprobs[0].logprob, places=6)
+            self.assertLessEqual(t.logprob, 0.0)
+            self.assertGreaterEqual(t.top_logprobs[0].logprob, t.top_logprobs[1].logprob)
+
+    def test_stop_strings(self):
+        r = client().chat.completions.create(model=MODEL, messages=Q, temperature=0, max_tokens=24, stop=[" Paris", "zzz"])
+        self.assertEqual(r.choices[0].message.content, "The capital of France is")
+        self.assertEqual(r.choices[0].finish_reason, "stop")
+        parts = []
+        for chunk in client().chat.completions.create(model=MODEL, messages=Q, temperature=0, max_tokens=24,
+                                                      stop=" Paris", stream=True):
+            parts += [c.delta.content for c in chunk.choices if c.delta.content]
+        self.assertEqual("".join(parts), "The capital of France is")
+
+    def test_max_completion_tokens_and_length(self):
+        r = client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Count to one hundred."}],
+                                             temperature=0, max_completion_tokens=5)
+        self.assertEqual(r.usage.completion_tokens, 5)
+        self.assertEqual(r.choices[0].finish_reason, "length")
+
+    def test_completions_text_and_token_prompts(self):
+        c = client()
+        a = c.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=5, logprobs=2)
+        ids = a.model_extra["agentjet"]["prompt_token_ids"]
+        b = c.completions.create(model=MODEL, prompt=ids, temperature=0, max_tokens=5)
+        self.assertEqual(a.choices[0].text, b.choices[0].text)
+        self.assertEqual(len(a.choices[0].logprobs.tokens), 5)
+        self.assertEqual(len(a.choices[0].logprobs.top_logprobs[0]), 2)
+        e = c.completions.create(model=MODEL, prompt="Hello", temperature=0, max_tokens=3, echo=True)
+        self.assertTrue(e.choices[0].text.startswith("Hello"))
+
+
+class Errors(unittest.TestCase):
+    def assert_error(self, exc, status, param=None, code=None):
+        self.assertEqual(exc.status_code, status)
+        body = exc.response.json()
+        self.assertIn("message", body["error"])
+        self.assertIn("type", body["error"])
+        if param is not None:
+            self.assertEqual(body["error"]["param"], param)
+        if code is not None:
+            self.assertEqual(body["error"]["code"], code)
+
+    def test_unknown_model_is_404(self):
+        with self.assertRaises(openai.NotFoundError) as cm:
+            client().chat.completions.create(model="gpt-7", messages=Q)
+        self.assert_error(cm.exception, 404, "model", "model_not_found")
+
+    def test_bad_fields_are_400_naming_the_field(self):
+        for kwargs, param in [(dict(temperature=5), "temperature"), (dict(top_p=0), "top_p"), (dict(n=0), "n"),
+                              (dict(max_tokens=0), "max_tokens"), (dict(logprobs=True, top_logprobs=50), "top_logprobs"),
+                              (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}), "response_format")]:
+            with self.assertRaises(openai.BadRequestError) as cm:
+                client().chat.completions.create(model=MODEL, messages=Q, **kwargs)
+            self.assert_error(cm.exception, 400, param)
+        with self.assertRaises(openai.BadRequestError) as cm:
+            client().chat.completions.create(model=MODEL, messages=[])
+        self.assert_error(cm.exception, 400, "messages")
+
+    def test_wrong_types_and_broken_json_are_400(self):
+        req = urllib.request.Request(BASE + "/chat/completions", data=b'{"model": "smollm2", "messages": [', method="POST",
+                                     headers={"content-type": "application/json"})
+        with self.assertRaises(urllib.error.HTTPError) as cm:
+            urllib.request.urlopen(req)
+        self.assertEqual(cm.exception.code, 400)
+        self.assertIn("error", json.loads(cm.exception.read()))
+        req = urllib.request.Request(BASE + "/chat/completions", method="POST", headers={"content-type": "application/json"},
+                                     data=json.dumps({"model": MODEL, "messages": Q, "temperature": "hot"}).encode())
+        with self.assertRaises(urllib.error.HTTPError) as cm:
+            urllib.request.urlopen(req)
+        body = json.loads(cm.exception.read())
+        self.assertEqual(cm.exception.code, 400)
+        self.assertEqual(body["error"]["param"], "temperature")
+
+    def test_context_too_long_says_the_limits(self):
+        with self.assertRaises(openai.BadRequestError) as cm:
+            client().chat.completions.create(model=MODEL, messages=Q, max_tokens=9000)
+        self.assert_error(cm.exception, 400, code="context_length_exceeded")
+        self.assertIn("8192", cm.exception.response.json()["error"]["message"])
+
+    def test_full_queue_is_429(self):
+        results = []
+
+        def one():
+            try:
+                client(TIGHT).chat.completions.create(model=MODEL, messages=Q, temperature=0, max_tokens=48,
+                                                      stop=["zzz"], extra_body={"top_k": 1})
+                results.append("ok")
+            except openai.RateLimitError as e:
+                self.assertEqual(e.response.json()["error"]["code"], "overloaded")
+                results.append(429)
+
+        threads = [threading.Thread(target=one) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.assertIn(429, results)
+        self.assertIn("ok", results)
+
+    def test_health_and_metrics(self):
+        with urllib.request.urlopen(BASE.replace("/v1", "") + "/health") as r:
+            self.assertEqual(json.loads(r.read())["status"], "ok")
+        with urllib.request.urlopen(BASE.replace("/v1", "") + "/metrics") as r:
+            text = r.read().decode()
+        self.assertIn("agentjet_engine_kv_bytes", text)
+        self.assertIn("agentjet_http_requests_total", text)
+
+
+if __name__ == "__main__":
+    unittest.main()
