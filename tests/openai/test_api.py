@@ -113,6 +113,52 @@ class Chat(unittest.TestCase):
         self.assertTrue(e.choices[0].text.startswith("Hello"))
 
 
+class Load(unittest.TestCase):
+    def test_64_streams_with_a_third_disconnecting(self):
+        prompts = [f"List {k} fruits, one per line." for k in range(2, 10)]
+        expected = {p: client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": p}],
+                                                        temperature=0, max_tokens=32).choices[0].message.content
+                    for p in prompts}
+        results, errors = {}, []
+
+        def one(i):
+            p = prompts[i % len(prompts)]
+            try:
+                stream = client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": p}],
+                                                          temperature=0, max_tokens=32, stream=True)
+                parts = []
+                for n, chunk in enumerate(stream):
+                    parts += [c.delta.content for c in chunk.choices if c.delta.content]
+                    if i % 3 == 2 and n == 3:
+                        stream.close()  # walk away mid-stream
+                        return
+                results[i] = (p, "".join(parts))
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(f"{i}: {e!r}")
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(64)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.assertEqual(errors, [])
+        self.assertEqual(len(results), 64 - len(range(2, 64, 3)))
+        for i, (p, text) in results.items():
+            self.assertEqual(text, expected[p], f"stream {i}")
+        # The server keeps serving, and its KV memory is back to idle.
+        r = client().chat.completions.create(model=MODEL, messages=Q, temperature=0, max_tokens=24)
+        self.assertEqual(r.choices[0].message.content, "The capital of France is Paris.")
+        import time
+        for _ in range(100):
+            with urllib.request.urlopen(BASE.replace("/v1", "") + "/metrics") as m:
+                text = m.read().decode()
+            kv = [l for l in text.splitlines() if l.startswith("agentjet_engine_kv_bytes")]
+            if kv and kv[0].endswith(" 0"):
+                break
+            time.sleep(0.1)
+        self.assertTrue(kv[0].endswith(" 0"), kv)
+
+
 class Errors(unittest.TestCase):
     def assert_error(self, exc, status, param=None, code=None):
         self.assertEqual(exc.status_code, status)
