@@ -79,6 +79,12 @@ enum Command {
         top_p: f64,
         #[arg(long, default_value_t = 0)]
         top_k: usize,
+        /// Drop tokens less likely than this fraction of the most likely one.
+        #[arg(long, default_value_t = 0.0)]
+        min_p: f64,
+        /// HF-style repetition penalty over prompt and output (1.0 = off).
+        #[arg(long, default_value_t = 1.0)]
+        repetition_penalty: f64,
         #[arg(long)]
         seed: Option<u64>,
         /// Print the token ids and logprobs after the text.
@@ -170,6 +176,8 @@ fn run(cli: Cli) -> Result<()> {
             temperature,
             top_p,
             top_k,
+            min_p,
+            repetition_penalty,
             seed,
             show_tokens,
         }) => torch_cmds::generate(
@@ -181,6 +189,9 @@ fn run(cli: Cli) -> Result<()> {
                 temperature,
                 top_p,
                 top_k,
+                min_p,
+                repetition_penalty,
+                ..Default::default()
             },
             seed,
             show_tokens,

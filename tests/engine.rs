@@ -44,6 +44,7 @@ fn request(i: usize, max_tokens: usize) -> GenerateRequest {
                 temperature: 0.9,
                 top_p: 0.95,
                 top_k: 0,
+                ..Default::default()
             }
         } else {
             SamplingParams::greedy()

@@ -345,6 +345,7 @@ fn batched_decode_gives_the_same_tokens_and_logprobs_as_one_at_a_time() {
                         temperature: 0.8,
                         top_p: 0.9,
                         top_k: 0,
+                        ..Default::default()
                     }
                 } else {
                     SamplingParams::greedy()

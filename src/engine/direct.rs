@@ -70,7 +70,7 @@ pub fn generate(
     };
     while out.tokens.len() < req.max_tokens {
         let row = row_to_vec(&logits.f_select(0, 0)?)?;
-        let (id, lp) = sampling::sample(&row, &req.sampling, &mut rng);
+        let (id, lp) = sampling::sample(&row, &req.sampling, &mut rng, &req.prompt, &out.tokens);
         out.tokens.push(id);
         out.logprobs.push(lp);
         if !on_token(id, lp) {
@@ -149,7 +149,8 @@ pub fn generate_batch(
         let mut last = 0;
         if !done {
             let row = row_to_vec(&logits.f_select(0, 0)?)?;
-            let (id, lp) = sampling::sample(&row, &req.sampling, &mut rng);
+            let (id, lp) =
+                sampling::sample(&row, &req.sampling, &mut rng, &req.prompt, &out.tokens);
             out.tokens.push(id);
             out.logprobs.push(lp);
             last = id;
@@ -189,7 +190,13 @@ pub fn generate_batch(
             let req = &reqs[i];
             let seq = &mut seqs[i];
             let row = row_to_vec(&logits.f_get(r as i64)?)?;
-            let (id, lp) = sampling::sample(&row, &req.sampling, &mut seq.rng);
+            let (id, lp) = sampling::sample(
+                &row,
+                &req.sampling,
+                &mut seq.rng,
+                &req.prompt,
+                &seq.out.tokens,
+            );
             seq.out.tokens.push(id);
             seq.out.logprobs.push(lp);
             seq.last = id;

@@ -62,6 +62,17 @@ pub struct SamplingParams {
     pub top_p: f64,
     /// 0 disables top-k.
     pub top_k: usize,
+    /// Drop tokens less likely than `min_p` times the most likely one (0 disables).
+    pub min_p: f64,
+    /// OpenAI's: subtracted once from every token already generated.
+    pub presence_penalty: f64,
+    /// OpenAI's: subtracted per occurrence among the generated tokens.
+    pub frequency_penalty: f64,
+    /// HF's: positive logits divided, negative multiplied, for every token of the prompt
+    /// and the generation (1.0 disables).
+    pub repetition_penalty: f64,
+    /// Added to the logits of these tokens.
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -70,6 +81,11 @@ impl Default for SamplingParams {
             temperature: 1.0,
             top_p: 1.0,
             top_k: 0,
+            min_p: 0.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -92,6 +108,23 @@ impl SamplingParams {
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(format!("min_p must be in [0, 1], got {}", self.min_p));
+        }
+        for (name, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if !(-2.0..=2.0).contains(&v) {
+                return Err(format!("{name} must be between -2 and 2, got {v}"));
+            }
+        }
+        if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
+            return Err(format!(
+                "repetition_penalty must be positive, got {}",
+                self.repetition_penalty
+            ));
         }
         Ok(())
     }
@@ -142,13 +175,78 @@ pub fn argmax(logits: &[f32]) -> usize {
     best
 }
 
-/// Picks a token from `logits` (one row). Returns (token, logprob under the model's
-/// untempered distribution).
-pub fn sample(logits: &[f32], params: &SamplingParams, rng: &mut Rng) -> (u32, f64) {
-    let id = if params.temperature == 0.0 {
-        argmax(logits)
+impl SamplingParams {
+    fn changes_logits(&self) -> bool {
+        self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+            || self.repetition_penalty != 1.0
+            || !self.logit_bias.is_empty()
+    }
+}
+
+/// The logits after penalties and biases (what sampling chooses from).
+fn processed(
+    logits: &[f32],
+    params: &SamplingParams,
+    prompt: &[u32],
+    generated: &[u32],
+) -> Vec<f32> {
+    let mut out = logits.to_vec();
+    let n = out.len();
+    if params.repetition_penalty != 1.0 {
+        let mut seen = vec![false; n];
+        for &t in prompt.iter().chain(generated) {
+            if let Some(s) = seen.get_mut(t as usize) {
+                *s = true;
+            }
+        }
+        let p = params.repetition_penalty as f32;
+        for (l, s) in out.iter_mut().zip(&seen) {
+            if *s {
+                *l = if *l > 0.0 { *l / p } else { *l * p };
+            }
+        }
+    }
+    if params.presence_penalty != 0.0 || params.frequency_penalty != 0.0 {
+        let mut counts = std::collections::HashMap::<u32, u32>::new();
+        for &t in generated {
+            *counts.entry(t).or_default() += 1;
+        }
+        for (t, c) in counts {
+            if let Some(l) = out.get_mut(t as usize) {
+                *l -= (params.presence_penalty + params.frequency_penalty * c as f64) as f32;
+            }
+        }
+    }
+    for &(t, b) in &params.logit_bias {
+        if let Some(l) = out.get_mut(t as usize) {
+            *l += b;
+        }
+    }
+    out
+}
+
+/// Picks a token from `logits` (one row), given the prompt and the tokens generated so far
+/// (for penalties). Returns (token, logprob under the model's own distribution, before
+/// temperature, penalties and biases).
+pub fn sample(
+    logits: &[f32],
+    params: &SamplingParams,
+    rng: &mut Rng,
+    prompt: &[u32],
+    generated: &[u32],
+) -> (u32, f64) {
+    let owned;
+    let choose_from: &[f32] = if params.changes_logits() {
+        owned = processed(logits, params, prompt, generated);
+        &owned
     } else {
-        sample_tempered(logits, params, rng)
+        logits
+    };
+    let id = if params.temperature == 0.0 {
+        argmax(choose_from)
+    } else {
+        sample_tempered(choose_from, params, rng)
     };
     (id as u32, logprob_of(logits, id))
 }
@@ -163,6 +261,12 @@ fn sample_tempered(logits: &[f32], params: &SamplingParams, rng: &mut Rng) -> us
         .collect();
     if cand.is_empty() {
         return argmax(logits);
+    }
+    if params.min_p > 0.0 {
+        // p_i >= min_p * p_max  <=>  l_i >= l_max + ln(min_p)
+        let max = cand.iter().map(|c| c.1).fold(f64::NEG_INFINITY, f64::max);
+        let floor = max + params.min_p.ln();
+        cand.retain(|c| c.1 >= floor);
     }
     let restrict = params.top_k > 0 && params.top_k < cand.len() || params.top_p < 1.0;
     if restrict {
@@ -208,7 +312,13 @@ mod tests {
     #[test]
     fn greedy_picks_max_and_reports_logprob() {
         let logits = [0.0f32, 2.0, 1.0];
-        let (id, lp) = sample(&logits, &SamplingParams::greedy(), &mut Rng::seeded(1));
+        let (id, lp) = sample(
+            &logits,
+            &SamplingParams::greedy(),
+            &mut Rng::seeded(1),
+            &[],
+            &[],
+        );
         assert_eq!(id, 1);
         let z = (0f64.exp() + 2f64.exp() + 1f64.exp()).ln();
         assert!((lp - (2.0 - z)).abs() < 1e-12);
@@ -218,14 +328,13 @@ mod tests {
     fn seeded_sampling_repeats_and_respects_top_k() {
         let logits: Vec<f32> = (0..50).map(|i| (i as f32) * 0.1).collect();
         let p = SamplingParams {
-            temperature: 1.0,
-            top_p: 1.0,
             top_k: 3,
+            ..Default::default()
         };
         let run = |seed| {
             let mut rng = Rng::seeded(seed);
             (0..100)
-                .map(|_| sample(&logits, &p, &mut rng).0)
+                .map(|_| sample(&logits, &p, &mut rng, &[], &[]).0)
                 .collect::<Vec<_>>()
         };
         let a = run(7);
@@ -235,6 +344,54 @@ mod tests {
             "top_k=3 keeps the three largest"
         );
         assert!(a.iter().collect::<std::collections::HashSet<_>>().len() > 1);
+    }
+
+    #[test]
+    fn penalties_bias_and_min_p_change_the_choice_not_the_logprob() {
+        let logits = [2.0f32, 1.9, 0.0, -1.0];
+        let mut rng = Rng::seeded(1);
+        let greedy = SamplingParams::greedy();
+        assert_eq!(sample(&logits, &greedy, &mut rng, &[], &[]).0, 0);
+        // token 0 generated twice: frequency penalty 0.1 * 2 moves it below token 1
+        let p = SamplingParams {
+            frequency_penalty: 0.1,
+            ..SamplingParams::greedy()
+        };
+        let (id, lp) = sample(&logits, &p, &mut rng, &[], &[0, 0]);
+        assert_eq!(id, 1);
+        assert!(
+            (lp - logprob_of(&logits, 1)).abs() < 1e-12,
+            "logprob is the model's"
+        );
+        let p = SamplingParams {
+            presence_penalty: 0.2,
+            ..SamplingParams::greedy()
+        };
+        assert_eq!(sample(&logits, &p, &mut rng, &[], &[0]).0, 1);
+        let p = SamplingParams {
+            repetition_penalty: 1.2,
+            ..SamplingParams::greedy()
+        };
+        assert_eq!(sample(&logits, &p, &mut rng, &[0], &[]).0, 1);
+        let p = SamplingParams {
+            logit_bias: vec![(3, 10.0)],
+            ..SamplingParams::greedy()
+        };
+        assert_eq!(sample(&logits, &p, &mut rng, &[], &[]).0, 3);
+        // min_p 0.5 keeps only tokens with p >= 0.5 p_max: tokens 0 and 1
+        let p = SamplingParams {
+            min_p: 0.5,
+            ..Default::default()
+        };
+        for _ in 0..200 {
+            assert!(sample(&logits, &p, &mut rng, &[], &[]).0 <= 1);
+        }
+        assert!(SamplingParams {
+            presence_penalty: 3.0,
+            ..Default::default()
+        }
+        .validate()
+        .is_err());
     }
 
     #[test]
@@ -252,12 +409,13 @@ mod tests {
         // probabilities ~ [0.7, 0.2, 0.1]: top_p 0.75 keeps the first two.
         let logits = [0.7f32.ln(), 0.2f32.ln(), 0.1f32.ln()];
         let p = SamplingParams {
-            temperature: 1.0,
             top_p: 0.75,
-            top_k: 0,
+            ..Default::default()
         };
         let mut rng = Rng::seeded(3);
-        let picks: Vec<u32> = (0..500).map(|_| sample(&logits, &p, &mut rng).0).collect();
+        let picks: Vec<u32> = (0..500)
+            .map(|_| sample(&logits, &p, &mut rng, &[], &[]).0)
+            .collect();
         assert!(picks.iter().all(|&t| t != 2));
         assert!(picks.contains(&1));
     }

@@ -145,6 +145,8 @@ struct Running {
     cache: KvCache,
     rng: Rng,
     generated: usize,
+    /// The tokens generated so far (penalties look at them).
+    tokens: Vec<u32>,
     last: u32,
 }
 
@@ -319,7 +321,7 @@ impl EngineLoop {
             Some(s) => Rng::seeded(s),
             None => Rng::from_entropy(),
         };
-        let (id, lp) = sampling::sample(&row, &req.sampling, &mut rng);
+        let (id, lp) = sampling::sample(&row, &req.sampling, &mut rng, &req.prompt, &[]);
         let top = sampling::top_logprobs(&row, req.top_logprobs);
         let mut r = Running {
             req,
@@ -327,6 +329,7 @@ impl EngineLoop {
             cache,
             rng,
             generated: 0,
+            tokens: Vec::new(),
             last: id,
         };
         Ok(if self.emit(&mut r, id, lp, top) {
@@ -340,6 +343,7 @@ impl EngineLoop {
     fn emit(&self, r: &mut Running, id: u32, logprob: f64, top: Vec<(u32, f64)>) -> bool {
         r.generated += 1;
         r.last = id;
+        r.tokens.push(id);
         self.stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
         let _ = r.events.send(EngineEvent::Token { id, logprob, top });
         let reason = if r.req.stop_token_ids.contains(&id) {
@@ -392,7 +396,8 @@ impl EngineLoop {
         let mut keep = Vec::with_capacity(running.len());
         for (i, mut r) in running.drain(..).enumerate() {
             let row = row_to_vec(&logits.f_get(i as i64)?)?;
-            let (id, lp) = sampling::sample(&row, &r.req.sampling, &mut r.rng);
+            let (id, lp) =
+                sampling::sample(&row, &r.req.sampling, &mut r.rng, &r.req.prompt, &r.tokens);
             let top = sampling::top_logprobs(&row, r.req.top_logprobs);
             if self.emit(&mut r, id, lp, top) {
                 self.kv_positions -= r.cache.capacity();

@@ -189,6 +189,8 @@ struct Common<'a> {
     n: Option<i64>,
     seed: Option<i64>,
     stop: Option<Stop>,
+    /// Penalties, biases and min_p (validated by the caller).
+    extra: SamplingParams,
 }
 
 fn resolve_model(st: &AppState, model: &str) -> Result<(Arc<ModelCard>, usize), ApiError> {
@@ -306,6 +308,7 @@ fn plan(
             temperature,
             top_p,
             top_k,
+            ..c.extra
         },
         seed: c.seed.map(|s| s as u64),
         stops,
@@ -446,6 +449,47 @@ async fn run_choice(
     Ok(st) // dropping rx cancels the engine request if a stop string ended it early
 }
 
+/// Penalties, biases and min_p of a request, validated (400 naming the field).
+fn extra_sampling(
+    card: &ModelCard,
+    min_p: Option<f64>,
+    presence_penalty: Option<f64>,
+    frequency_penalty: Option<f64>,
+    repetition_penalty: Option<f64>,
+    bias: Option<&std::collections::HashMap<String, f64>>,
+) -> Result<SamplingParams, ApiError> {
+    let vocab = card.config.vocab_size as u32;
+    let mut logit_bias = Vec::new();
+    for (k, v) in bias.into_iter().flatten() {
+        let id: u32 = k.parse().ok().filter(|&id| id < vocab).ok_or_else(|| {
+            ApiError::bad(
+                "logit_bias",
+                format!("logit_bias key {k:?} is not a token id below {vocab}"),
+            )
+        })?;
+        if !(-100.0..=100.0).contains(v) {
+            return Err(ApiError::bad(
+                "logit_bias",
+                format!("logit_bias values must be in [-100, 100], got {v}"),
+            ));
+        }
+        logit_bias.push((id, *v as f32));
+    }
+    let extra = SamplingParams {
+        min_p: min_p.unwrap_or(0.0),
+        presence_penalty: presence_penalty.unwrap_or(0.0),
+        frequency_penalty: frequency_penalty.unwrap_or(0.0),
+        repetition_penalty: repetition_penalty.unwrap_or(1.0),
+        logit_bias,
+        ..Default::default()
+    };
+    if let Err(e) = extra.validate() {
+        let field = e.split_whitespace().next().unwrap_or("body").to_string();
+        return Err(ApiError::bad(&field, e));
+    }
+    Ok(extra)
+}
+
 fn render_chat(
     card: &ModelCard,
     model: &str,
@@ -506,23 +550,14 @@ async fn chat_inner(st: &Arc<AppState>, body: Bytes) -> Result<Response, ApiErro
             }
         }
     }
-    for (field, v) in [
-        ("presence_penalty", req.presence_penalty),
-        ("frequency_penalty", req.frequency_penalty),
-    ] {
-        if v.is_some_and(|v| v != 0.0) {
-            return Err(ApiError::bad(
-                field,
-                format!("{field} is not supported yet"),
-            ));
-        }
-    }
-    if req.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
-        return Err(ApiError::bad(
-            "logit_bias",
-            "logit_bias is not supported yet",
-        ));
-    }
+    let extra = extra_sampling(
+        &card,
+        req.min_p,
+        req.presence_penalty,
+        req.frequency_penalty,
+        req.repetition_penalty,
+        req.logit_bias.as_ref(),
+    )?;
     if let Some(Json_::String(choice)) = &req.tool_choice {
         if choice == "required" && req.tools.as_ref().is_none_or(|t| t.is_empty()) {
             return Err(ApiError::bad(
@@ -564,6 +599,7 @@ async fn chat_inner(st: &Arc<AppState>, body: Bytes) -> Result<Response, ApiErro
             n: req.n,
             seed: req.seed,
             stop: req.stop.clone(),
+            extra,
         },
         card,
         ctx,
@@ -835,6 +871,14 @@ async fn completions_inner(st: &Arc<AppState>, body: Bytes) -> Result<Response, 
             n: req.n,
             seed: req.seed,
             stop: req.stop.clone(),
+            extra: extra_sampling(
+                &card,
+                req.min_p,
+                req.presence_penalty,
+                req.frequency_penalty,
+                req.repetition_penalty,
+                req.logit_bias.as_ref(),
+            )?,
         },
         card,
         ctx,

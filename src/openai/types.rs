@@ -66,8 +66,15 @@ pub struct ChatCompletionRequest {
     pub presence_penalty: Option<f64>,
     #[serde(default)]
     pub frequency_penalty: Option<f64>,
+    /// Token id (as a string) -> bias in [-100, 100].
     #[serde(default)]
-    pub logit_bias: Option<serde_json::Map<String, Json>>,
+    pub logit_bias: Option<std::collections::HashMap<String, f64>>,
+    /// Extension (vLLM): min-p sampling.
+    #[serde(default)]
+    pub min_p: Option<f64>,
+    /// Extension (vLLM, HF): repetition penalty.
+    #[serde(default)]
+    pub repetition_penalty: Option<f64>,
 }
 
 /// `prompt` of /v1/completions: text, or token ids.
@@ -103,6 +110,16 @@ pub struct CompletionRequest {
     /// How many top alternatives per token (0 = just the sampled token's logprob).
     #[serde(default)]
     pub logprobs: Option<i64>,
+    #[serde(default)]
+    pub presence_penalty: Option<f64>,
+    #[serde(default)]
+    pub frequency_penalty: Option<f64>,
+    #[serde(default)]
+    pub logit_bias: Option<std::collections::HashMap<String, f64>>,
+    #[serde(default)]
+    pub min_p: Option<f64>,
+    #[serde(default)]
+    pub repetition_penalty: Option<f64>,
 }
 
 #[derive(Debug, Clone, Serialize)]

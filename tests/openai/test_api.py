@@ -101,6 +101,22 @@ class Chat(unittest.TestCase):
         self.assertEqual(r.usage.completion_tokens, 5)
         self.assertEqual(r.choices[0].finish_reason, "length")
 
+    def test_logit_bias_and_penalties(self):
+        c = client()
+        first = c.chat.completions.create(model=MODEL, messages=Q, temperature=0, max_tokens=4)
+        banned = first.choices[0].model_extra["token_ids"][0]
+        r = c.chat.completions.create(model=MODEL, messages=Q, temperature=0, max_tokens=4, logit_bias={str(banned): -100})
+        self.assertNotEqual(r.choices[0].model_extra["token_ids"][0], banned)
+        rep = [{"role": "user", "content": "Repeat after me: apple apple apple apple apple apple apple apple apple apple"}]
+        plain = c.chat.completions.create(model=MODEL, messages=rep, temperature=0, max_tokens=24)
+        pen = c.chat.completions.create(model=MODEL, messages=rep, temperature=0, max_tokens=24, frequency_penalty=1.5)
+
+        def most_repeated(r):
+            ids = r.choices[0].model_extra["token_ids"]
+            return max(ids.count(t) for t in set(ids))
+
+        self.assertLess(most_repeated(pen), most_repeated(plain))
+
     def test_completions_text_and_token_prompts(self):
         c = client()
         a = c.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=5, logprobs=2)
@@ -178,6 +194,7 @@ class Errors(unittest.TestCase):
     def test_bad_fields_are_400_naming_the_field(self):
         for kwargs, param in [(dict(temperature=5), "temperature"), (dict(top_p=0), "top_p"), (dict(n=0), "n"),
                               (dict(max_tokens=0), "max_tokens"), (dict(logprobs=True, top_logprobs=50), "top_logprobs"),
+                              (dict(presence_penalty=3), "presence_penalty"), (dict(logit_bias={"abc": 1}), "logit_bias"),
                               (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}), "response_format")]:
             with self.assertRaises(openai.BadRequestError) as cm:
                 client().chat.completions.create(model=MODEL, messages=Q, **kwargs)

@@ -1,0 +1,197 @@
+//! `cargo bench --bench serving`: generation throughput of the engine (continuous
+//! batching, float32, SmolLM2-135M-Instruct) at concurrency 1, 8, 32 and 64, 128 new
+//! tokens per request, against HF transformers' batched `generate` on the same prompt ids,
+//! same machine, same run; plus time to first token (p50, p99) at each concurrency.
+//!
+//! Ours: all requests of a level are submitted at once to the engine thread (the same
+//! engine `agentjet-peer serve` runs, without HTTP); tokens/s is (requests x 128) / wall
+//! time until the last one finishes. HF: one batch of the same prompts, left-padded;
+//! its first token arrives for the whole batch at once, so its p50 and p99 are the same.
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use agentjet::engine::{spawn_engine, EngineConfig, EngineEvent, GenerateRequest, SamplingParams};
+use agentjet::model::checkpoint::load_model;
+use agentjet::model::llama::DType;
+use agentjet::model::{cache_dir, ChatRequest, ModelSource, SMOLLM2_FILE};
+use serde_json::json;
+
+const NEW_TOKENS: usize = 128;
+const LEVELS: [usize; 4] = [1, 8, 32, 64];
+
+fn percentile(v: &mut [f64], p: f64) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let i = ((v.len() as f64 - 1.0) * p).round() as usize;
+    v[i.min(v.len() - 1)]
+}
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("serving bench failed: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> anyhow::Result<()> {
+    let python = std::env::var("AGENTJET_PYTHON").map_err(|_| {
+        anyhow::anyhow!(
+            "AGENTJET_PYTHON is not set: run `bash bootstrap/setup.sh --reference` first"
+        )
+    })?;
+    let source = ModelSource::resolve("smollm2")?;
+    let loaded = load_model(&source, tch::Device::cuda_if_available(), DType::F32)?;
+    let card = loaded.card.clone();
+    let tmpl = card.chat_template("smollm2")?;
+    let topics = [
+        "a robot",
+        "the sea",
+        "a lost key",
+        "autumn",
+        "a small town",
+        "a violin",
+        "the moon",
+        "a train",
+    ];
+    let prompts: Vec<Vec<u32>> = (0..64)
+        .map(|i| {
+            let m = vec![json!({"role": "user", "content": format!("Write a story about {} (number {i}).", topics[i % topics.len()])})];
+            let text = tmpl.render(&ChatRequest {
+                messages: &m,
+                add_generation_prompt: true,
+                ..Default::default()
+            })?;
+            Ok(card.tokenizer.encode(&text)?)
+        })
+        .collect::<anyhow::Result<_>>()?;
+    let engine = spawn_engine(
+        loaded.model,
+        EngineConfig {
+            max_batch: 64,
+            max_queue: 256,
+            max_kv_positions: 64 * 256,
+        },
+    )?;
+    println!(
+        "serving bench: SmolLM2-135M-Instruct f32 on {:?}, {NEW_TOKENS} new tokens per request, prompts of {}-{} tokens",
+        tch::Device::cuda_if_available(),
+        prompts.iter().map(|p| p.len()).min().unwrap_or(0),
+        prompts.iter().map(|p| p.len()).max().unwrap_or(0)
+    );
+    // Warm-up.
+    let mut rx = engine.submit(GenerateRequest {
+        prompt: prompts[0].clone(),
+        max_tokens: 4,
+        sampling: SamplingParams::greedy(),
+        ..Default::default()
+    })?;
+    while let Some(ev) = rx.blocking_recv() {
+        if !matches!(ev, EngineEvent::Token { .. }) {
+            break;
+        }
+    }
+    let mut ours = Vec::new();
+    for &c in &LEVELS {
+        let t0 = Instant::now();
+        let rxs: Vec<_> = (0..c)
+            .map(|i| {
+                engine.submit(GenerateRequest {
+                    prompt: prompts[i].clone(),
+                    max_tokens: NEW_TOKENS,
+                    sampling: SamplingParams::greedy(),
+                    ..Default::default()
+                })
+            })
+            .collect::<Result<_, _>>()?;
+        let handles: Vec<_> = rxs
+            .into_iter()
+            .map(|mut rx| {
+                std::thread::spawn(move || {
+                    let mut first = None;
+                    let mut n = 0;
+                    while let Some(ev) = rx.blocking_recv() {
+                        match ev {
+                            EngineEvent::Token { .. } => {
+                                n += 1;
+                                first.get_or_insert_with(|| t0.elapsed());
+                            }
+                            EngineEvent::Finished { .. } => break,
+                            EngineEvent::Failed(e) => panic!("request failed: {e}"),
+                        }
+                    }
+                    (first.unwrap_or(Duration::ZERO), n)
+                })
+            })
+            .collect();
+        let res: Vec<(Duration, usize)> = handles
+            .into_iter()
+            .map(|h| h.join().expect("collector"))
+            .collect();
+        let wall = t0.elapsed().as_secs_f64();
+        let tokens: usize = res.iter().map(|r| r.1).sum();
+        anyhow::ensure!(
+            tokens == c * NEW_TOKENS,
+            "got {tokens} tokens, expected {}",
+            c * NEW_TOKENS
+        );
+        let mut ttft: Vec<f64> = res.iter().map(|r| r.0.as_secs_f64()).collect();
+        ours.push((
+            c,
+            tokens as f64 / wall,
+            percentile(&mut ttft, 0.5),
+            percentile(&mut ttft, 0.99),
+        ));
+        println!(
+            "  ours c={c}: {:.1} tok/s in {wall:.1}s",
+            tokens as f64 / wall
+        );
+    }
+    drop(engine);
+
+    let out = Command::new(&python)
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/benches/hf_serving.py"
+        ))
+        .arg(cache_dir().join("models"))
+        .arg(SMOLLM2_FILE)
+        .arg(serde_json::to_string(&prompts)?)
+        .arg(NEW_TOKENS.to_string())
+        .arg(serde_json::to_string(&LEVELS)?)
+        .env("TRANSFORMERS_VERBOSITY", "error")
+        .env("TQDM_DISABLE", "1")
+        .output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "HF transformers run failed (run `bash bootstrap/setup.sh --reference`?):\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let hf: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap_or("{}"))?;
+
+    println!();
+    println!(
+        "| concurrency | ours tok/s | HF tok/s | ratio | ours TTFT p50 / p99 (s) | HF TTFT (s) |"
+    );
+    println!(
+        "|-------------|------------|----------|-------|-------------------------|-------------|"
+    );
+    let mut results = Vec::new();
+    for &(c, tps, p50, p99) in &ours {
+        let h = &hf[c.to_string()];
+        let htps = h["tok_s"].as_f64().unwrap_or(0.0);
+        let httft = h["ttft_s"].as_f64().unwrap_or(0.0);
+        let ratio = if htps > 0.0 { tps / htps } else { 0.0 };
+        println!("| {c:>11} | {tps:>10.1} | {htps:>8.1} | {ratio:>4.2}x | {p50:>11.3} / {p99:<11.3} | {httft:>11.3} |");
+        results.push((c, tps, htps, ratio, p50, p99, httft));
+    }
+    println!("\ngoals: >= 3x HF at concurrency 32, >= 1.5x at concurrency 1");
+    for (c, tps, htps, ratio, p50, p99, httft) in results {
+        println!("RESULT serving tok_s_c{c} ours={tps:.2} peer={htps:.2} ratio={ratio:.2}");
+        let r50 = if p50 > 0.0 { httft / p50 } else { 0.0 };
+        let r99 = if p99 > 0.0 { httft / p99 } else { 0.0 };
+        println!("RESULT serving ttft_p50_s_c{c} ours={p50:.4} peer={httft:.4} ratio={r50:.2}");
+        println!("RESULT serving ttft_p99_s_c{c} ours={p99:.4} peer={httft:.4} ratio={r99:.2}");
+    }
+    Ok(())
+}
