@@ -415,10 +415,12 @@ mod torch_cmds {
         use agentjet::openai::LocalBackend;
         use std::sync::Arc;
         let loaded = load(args)?;
-        let max_context = loaded.model.max_positions();
+        let model_context = loaded.model.max_positions();
         let name = served_model_name.unwrap_or_else(|| args.model.clone());
         let engine = agentjet::engine::spawn_engine(loaded.model, engine_cfg)
-            .context("starting the engine thread")?;
+            .context("starting the engine")?;
+        // A request must fit one KV slot of the engine.
+        let max_context = model_context.min(engine.max_sequence);
         let backend = Arc::new(LocalBackend {
             name: name.clone(),
             card: Arc::new(loaded.card),

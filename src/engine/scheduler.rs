@@ -20,7 +20,7 @@ use super::{FinishReason, GenerateRequest};
 #[cfg(feature = "torch")]
 use {
     super::{direct::row_to_vec, sampling, Rng},
-    crate::model::llama::{KvCache, Llama, Logits},
+    crate::model::llama::{Llama, Logits, SlotCache},
     crate::model::ModelError,
     tch::Tensor,
 };
@@ -32,7 +32,8 @@ pub struct EngineConfig {
     pub max_batch: usize,
     /// Requests waiting beyond the running batch; more are refused as overloaded.
     pub max_queue: usize,
-    /// KV positions (prompt + max_tokens of every running sequence) at most.
+    /// KV positions in all, split evenly into `max_batch` slots allocated at start; a
+    /// request's prompt + max_tokens must fit one slot.
     pub max_kv_positions: usize,
 }
 
@@ -79,6 +80,7 @@ pub enum EngineError {
 pub struct EngineStats {
     pub running: AtomicUsize,
     pub waiting: AtomicUsize,
+    /// Bytes of KV cache holding live positions (the slots themselves stay allocated).
     pub kv_bytes: AtomicUsize,
     pub completed: AtomicU64,
     pub cancelled: AtomicU64,
@@ -99,6 +101,8 @@ pub(crate) struct Submission {
 pub struct EngineHandle {
     tx: SyncSender<Submission>,
     max_queue: usize,
+    /// The most positions (prompt + completion) one request can have: a KV slot's size.
+    pub max_sequence: usize,
     pub stats: Arc<EngineStats>,
 }
 
@@ -123,26 +127,62 @@ impl EngineHandle {
 
 #[cfg(feature = "torch")]
 /// Starts the engine thread with `model`. The thread ends when every handle is dropped
-/// and the running requests are done.
-pub fn spawn_engine(model: Llama, cfg: EngineConfig) -> std::io::Result<EngineHandle> {
+/// and the running requests are done. The KV slots are allocated here, so a bad size is
+/// an error now rather than at the first request.
+pub fn spawn_engine(model: Llama, cfg: EngineConfig) -> Result<EngineHandle, ModelError> {
+    let batch = cfg.max_batch.max(1);
+    let per_slot = (cfg.max_kv_positions / batch)
+        .max(2)
+        .min(model.max_positions());
+    let slots = {
+        let _guard = tch::no_grad_guard();
+        model.new_slot_cache(batch, per_slot)?
+    };
     let (tx, rx) = mpsc::sync_channel(cfg.max_queue.max(1));
     let stats = Arc::new(EngineStats::default());
     let handle = EngineHandle {
         tx,
         max_queue: cfg.max_queue.max(1),
+        max_sequence: slots.capacity(),
         stats: stats.clone(),
     };
+    let bytes_per_position = slots.bytes() / (batch * slots.capacity()).max(1);
+    tracing::info!(
+        slots = batch,
+        positions_per_slot = slots.capacity(),
+        bytes = slots.bytes(),
+        "KV slots allocated"
+    );
     std::thread::Builder::new()
         .name("agentjet-engine".into())
-        .spawn(move || EngineLoop::new(model, cfg, rx, stats).run())?;
+        .spawn(move || {
+            EngineLoop {
+                model,
+                cfg: EngineConfig {
+                    max_batch: batch,
+                    ..cfg
+                },
+                rx,
+                stats,
+                waiting: VecDeque::new(),
+                running: Vec::new(),
+                slots,
+                bytes_per_position,
+                disconnected: false,
+            }
+            .run()
+        })
+        .map_err(|e| ModelError::Invalid(format!("cannot start the engine thread: {e}")))?;
     Ok(handle)
 }
 
+/// A running sequence; `running[i]` lives in KV slot `i`.
 #[cfg(feature = "torch")]
 struct Running {
     req: GenerateRequest,
     events: UnboundedSender<EngineEvent>,
-    cache: KvCache,
+    /// Positions filled in its slot.
+    len: usize,
     rng: Rng,
     generated: usize,
     /// The tokens generated so far (penalties look at them).
@@ -158,30 +198,13 @@ struct EngineLoop {
     stats: Arc<EngineStats>,
     waiting: VecDeque<Submission>,
     running: Vec<Running>,
-    kv_positions: usize,
+    slots: SlotCache,
+    bytes_per_position: usize,
     disconnected: bool,
 }
 
 #[cfg(feature = "torch")]
 impl EngineLoop {
-    fn new(
-        model: Llama,
-        cfg: EngineConfig,
-        rx: Receiver<Submission>,
-        stats: Arc<EngineStats>,
-    ) -> EngineLoop {
-        EngineLoop {
-            model,
-            cfg,
-            rx,
-            stats,
-            waiting: VecDeque::new(),
-            running: Vec::new(),
-            kv_positions: 0,
-            disconnected: false,
-        }
-    }
-
     fn run(mut self) {
         let _guard = tch::no_grad_guard();
         loop {
@@ -204,7 +227,6 @@ impl EngineLoop {
                     for r in self.running.drain(..) {
                         let _ = r.events.send(EngineEvent::Failed(e.to_string()));
                     }
-                    self.kv_positions = 0;
                 }
             }
             self.publish();
@@ -225,42 +247,29 @@ impl EngineLoop {
         }
     }
 
-    fn reservation(&self, req: &GenerateRequest) -> usize {
-        (req.prompt.len() + req.max_tokens).min(self.model.max_positions())
-    }
-
-    /// Prefills waiting requests (FIFO) while the batch and the KV budget allow.
+    /// Prefills waiting requests (FIFO) into free slots.
     fn admit(&mut self) {
         while self.running.len() < self.cfg.max_batch {
-            let Some(front) = self.waiting.front() else {
+            let Some(sub) = self.waiting.pop_front() else {
                 break;
             };
-            let need = self.reservation(&front.req);
-            if need > self.cfg.max_kv_positions {
-                let sub = self.waiting.pop_front().expect("front exists");
-                self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
-                let _ = sub.events.send(EngineEvent::Failed(format!(
-                    "request needs {need} KV positions (prompt {} + max_tokens {}), more than the engine's budget of {}",
-                    sub.req.prompt.len(),
-                    sub.req.max_tokens,
-                    self.cfg.max_kv_positions
-                )));
-                continue;
-            }
-            if self.kv_positions + need > self.cfg.max_kv_positions {
-                break; // wait for running sequences to finish
-            }
-            let sub = self.waiting.pop_front().expect("front exists");
             self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
             if sub.events.is_closed() {
                 self.stats.cancelled.fetch_add(1, Ordering::Relaxed);
                 continue;
             }
-            match self.prefill(sub.req, sub.events.clone(), need) {
-                Ok(Some(r)) => {
-                    self.kv_positions += need;
-                    self.running.push(r);
-                }
+            let need = sub.req.prompt.len() + sub.req.max_tokens;
+            if need > self.slots.capacity() {
+                let _ = sub.events.send(EngineEvent::Failed(format!(
+                    "request needs {need} KV positions (prompt {} + max_tokens {}), more than the engine's per-request budget of {}",
+                    sub.req.prompt.len(),
+                    sub.req.max_tokens,
+                    self.slots.capacity()
+                )));
+                continue;
+            }
+            match self.prefill(sub.req, sub.events.clone()) {
+                Ok(Some(r)) => self.running.push(r),
                 Ok(None) => {}
                 Err(e) => {
                     let _ = sub.events.send(EngineEvent::Failed(e.to_string()));
@@ -269,28 +278,12 @@ impl EngineLoop {
         }
     }
 
-    fn finish(
-        &self,
-        events: &UnboundedSender<EngineEvent>,
-        req: &GenerateRequest,
-        generated: usize,
-        reason: FinishReason,
-    ) {
-        self.stats.completed.fetch_add(1, Ordering::Relaxed);
-        let _ = events.send(EngineEvent::Finished {
-            reason,
-            prompt_tokens: req.prompt.len(),
-            completion_tokens: generated,
-            policy_version: self.stats.policy_version.load(Ordering::Relaxed),
-        });
-    }
-
-    /// Prefills one request and samples its first token; `None` if it already finished.
+    /// Prefills one request into the next free slot and samples its first token; `None`
+    /// if it already finished.
     fn prefill(
         &mut self,
         req: GenerateRequest,
         events: UnboundedSender<EngineEvent>,
-        capacity: usize,
     ) -> Result<Option<Running>, ModelError> {
         req.sampling.validate().map_err(ModelError::Invalid)?;
         let limit = self.model.max_positions();
@@ -307,10 +300,10 @@ impl EngineLoop {
             )));
         }
         if req.max_tokens == 0 {
-            self.finish(&events, &req, 0, FinishReason::Length);
+            finish(&self.stats, &events, &req, 0, FinishReason::Length);
             return Ok(None);
         }
-        let mut cache = self.model.new_cache(1, capacity)?;
+        let mut cache = self.slots.slot_view(self.running.len())?;
         let ids: Vec<i64> = req.prompt.iter().map(|&t| t as i64).collect();
         let input = Tensor::f_from_slice(&ids)?
             .f_view([1, -1])?
@@ -324,96 +317,133 @@ impl EngineLoop {
         let (id, lp) = sampling::sample(&row, &req.sampling, &mut rng, &req.prompt, &[]);
         let top = sampling::top_logprobs(&row, req.top_logprobs);
         let mut r = Running {
+            len: req.prompt.len(),
             req,
             events,
-            cache,
             rng,
             generated: 0,
             tokens: Vec::new(),
             last: id,
         };
-        Ok(if self.emit(&mut r, id, lp, top) {
-            None
-        } else {
-            Some(r)
-        })
+        Ok(
+            if emit(&self.stats, self.slots.capacity(), &mut r, id, lp, top) {
+                None
+            } else {
+                Some(r)
+            },
+        )
     }
 
-    /// Sends one token; returns true (after sending `Finished`) if the sequence is done.
-    fn emit(&self, r: &mut Running, id: u32, logprob: f64, top: Vec<(u32, f64)>) -> bool {
-        r.generated += 1;
-        r.last = id;
-        r.tokens.push(id);
-        self.stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
-        let _ = r.events.send(EngineEvent::Token { id, logprob, top });
-        let reason = if r.req.stop_token_ids.contains(&id) {
-            Some(FinishReason::Stop)
-        } else if r.generated >= r.req.max_tokens || r.cache.len() >= r.cache.capacity() {
-            Some(FinishReason::Length)
-        } else {
-            None
-        };
-        match reason {
-            Some(reason) => {
-                self.finish(&r.events, &r.req, r.generated, reason);
-                true
+    /// Removes the sequences at `gone` (any order), keeping slots `0..n` occupied by
+    /// moving the last sequence's positions into each freed slot.
+    fn remove(&mut self, mut gone: Vec<usize>) -> Result<(), ModelError> {
+        gone.sort_unstable_by(|a, b| b.cmp(a));
+        gone.dedup();
+        for i in gone {
+            let last = self.running.len() - 1;
+            if i != last {
+                self.slots.move_slot(last, i, self.running[last].len)?;
             }
-            None => false,
+            self.running.swap_remove(i);
         }
+        Ok(())
     }
 
     fn drop_cancelled(&mut self) {
-        let before = self.running.len();
-        let mut freed = 0;
-        self.running.retain(|r| {
-            let keep = !r.events.is_closed();
-            if !keep {
-                freed += r.cache.capacity();
-            }
-            keep
-        });
-        let n = before - self.running.len();
-        if n > 0 {
-            self.kv_positions -= freed;
-            self.stats.cancelled.fetch_add(n as u64, Ordering::Relaxed);
-            tracing::debug!(
-                cancelled = n,
-                "requesters went away; their sequences were dropped"
-            );
+        let gone: Vec<usize> = (0..self.running.len())
+            .filter(|&i| self.running[i].events.is_closed())
+            .collect();
+        if gone.is_empty() {
+            return;
+        }
+        self.stats
+            .cancelled
+            .fetch_add(gone.len() as u64, Ordering::Relaxed);
+        tracing::debug!(
+            cancelled = gone.len(),
+            "requesters went away; their sequences were dropped"
+        );
+        if let Err(e) = self.remove(gone) {
+            tracing::error!("compacting KV slots failed: {e}");
         }
     }
 
     /// One batched decode step for every running sequence.
     fn step(&mut self) -> Result<(), ModelError> {
         let ids: Vec<u32> = self.running.iter().map(|r| r.last).collect();
-        let logits = {
-            let mut caches: Vec<&mut KvCache> =
-                self.running.iter_mut().map(|r| &mut r.cache).collect();
-            self.model.decode_rows(&ids, &mut caches)?
-        };
+        let mut lens: Vec<usize> = self.running.iter().map(|r| r.len).collect();
+        let logits = self.model.decode_slots(&ids, &mut lens, &self.slots)?;
         let logits = logits.f_to_device(tch::Device::Cpu)?.f_contiguous()?;
-        let mut running = std::mem::take(&mut self.running);
-        let mut keep = Vec::with_capacity(running.len());
-        for (i, mut r) in running.drain(..).enumerate() {
+        let mut done = Vec::new();
+        let capacity = self.slots.capacity();
+        for (i, r) in self.running.iter_mut().enumerate() {
+            r.len = lens[i];
             let row = row_to_vec(&logits.f_get(i as i64)?)?;
             let (id, lp) =
                 sampling::sample(&row, &r.req.sampling, &mut r.rng, &r.req.prompt, &r.tokens);
             let top = sampling::top_logprobs(&row, r.req.top_logprobs);
-            if self.emit(&mut r, id, lp, top) {
-                self.kv_positions -= r.cache.capacity();
-            } else {
-                keep.push(r);
+            if emit(&self.stats, capacity, r, id, lp, top) {
+                done.push(i);
             }
         }
-        self.running = keep;
-        Ok(())
+        self.remove(done)
     }
 
     fn publish(&self) {
         self.stats
             .running
             .store(self.running.len(), Ordering::Relaxed);
-        let bytes: usize = self.running.iter().map(|r| r.cache.bytes()).sum();
-        self.stats.kv_bytes.store(bytes, Ordering::Relaxed);
+        let positions: usize = self.running.iter().map(|r| r.len).sum();
+        self.stats
+            .kv_bytes
+            .store(positions * self.bytes_per_position, Ordering::Relaxed);
+    }
+}
+
+#[cfg(feature = "torch")]
+fn finish(
+    stats: &EngineStats,
+    events: &UnboundedSender<EngineEvent>,
+    req: &GenerateRequest,
+    generated: usize,
+    reason: FinishReason,
+) {
+    stats.completed.fetch_add(1, Ordering::Relaxed);
+    let _ = events.send(EngineEvent::Finished {
+        reason,
+        prompt_tokens: req.prompt.len(),
+        completion_tokens: generated,
+        policy_version: stats.policy_version.load(Ordering::Relaxed),
+    });
+}
+
+/// Sends one token; returns true (after sending `Finished`) if the sequence is done.
+#[cfg(feature = "torch")]
+fn emit(
+    stats: &EngineStats,
+    capacity: usize,
+    r: &mut Running,
+    id: u32,
+    logprob: f64,
+    top: Vec<(u32, f64)>,
+) -> bool {
+    r.generated += 1;
+    r.last = id;
+    r.tokens.push(id);
+    stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
+    let _ = r.events.send(EngineEvent::Token { id, logprob, top });
+    let reason = if r.req.stop_token_ids.contains(&id) {
+        Some(FinishReason::Stop)
+    } else if r.generated >= r.req.max_tokens || r.len >= capacity {
+        Some(FinishReason::Length)
+    } else {
+        None
+    };
+    match reason {
+        Some(reason) => {
+            finish(stats, &r.events, &r.req, r.generated, reason);
+            true
+        }
+        None => false,
     }
 }

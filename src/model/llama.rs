@@ -101,6 +101,61 @@ impl KvCache {
     }
 }
 
+/// Key/value storage for many sequences at once: per layer one tensor
+/// [slots, kv_heads, capacity, head_dim]. Running sequences occupy slots `0..n`, so a decode
+/// step attends over one view of the first `n` slots with a length mask: one attention call
+/// per layer for the whole batch.
+pub struct SlotCache {
+    k: Vec<Tensor>,
+    v: Vec<Tensor>,
+    slots: usize,
+    capacity: usize,
+}
+
+impl SlotCache {
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+    /// Bytes held (allocated once, up front).
+    pub fn bytes(&self) -> usize {
+        self.k
+            .iter()
+            .chain(self.v.iter())
+            .map(|t| t.numel() * t.kind().elt_size_in_bytes())
+            .sum()
+    }
+    /// A batch-1 [`KvCache`] that writes into slot `s` (for prefill), empty.
+    pub fn slot_view(&self, s: usize) -> Result<KvCache, ModelError> {
+        if s >= self.slots {
+            return Err(ModelError::Invalid(format!("slot {s} of {}", self.slots)));
+        }
+        let view = |t: &Tensor| t.f_narrow(0, s as i64, 1);
+        Ok(KvCache {
+            k: self.k.iter().map(view).collect::<Result<_, _>>()?,
+            v: self.v.iter().map(view).collect::<Result<_, _>>()?,
+            len: 0,
+            capacity: self.capacity,
+            batch: 1,
+        })
+    }
+    /// Copies the first `len` positions of slot `from` into slot `to` (compaction).
+    pub fn move_slot(&mut self, from: usize, to: usize, len: usize) -> Result<(), ModelError> {
+        if from == to || len == 0 {
+            return Ok(());
+        }
+        for t in self.k.iter().chain(self.v.iter()) {
+            let src = t.f_narrow(0, from as i64, 1)?.f_narrow(2, 0, len as i64)?;
+            t.f_narrow(0, to as i64, 1)?
+                .f_narrow(2, 0, len as i64)?
+                .f_copy_(&src)?;
+        }
+        Ok(())
+    }
+}
+
 /// Which positions to compute logits for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Logits {
@@ -445,6 +500,134 @@ impl Llama {
             Logits::Last => x.f_select(1, t - 1)?,
             Logits::All => x,
         };
+        let x = self.rms_norm(&x, &self.norm)?;
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
+        Ok(self.linear(&x, head, None)?.f_to_kind(Kind::Float)?)
+    }
+
+    /// Storage for `slots` sequences of up to `capacity` positions each (zeroed).
+    pub fn new_slot_cache(&self, slots: usize, capacity: usize) -> Result<SlotCache, ModelError> {
+        let capacity = capacity.min(self.max_positions());
+        let shape = [
+            slots as i64,
+            self.config.num_key_value_heads as i64,
+            capacity as i64,
+            self.config.head_dim as i64,
+        ];
+        let opts = (self.act, self.device);
+        let mut k = Vec::with_capacity(self.layers.len());
+        let mut v = Vec::with_capacity(self.layers.len());
+        for _ in 0..self.layers.len() {
+            k.push(Tensor::f_zeros(shape, opts)?);
+            v.push(Tensor::f_zeros(shape, opts)?);
+        }
+        Ok(SlotCache {
+            k,
+            v,
+            slots,
+            capacity,
+        })
+    }
+
+    /// One decode step for the sequences in slots `0..ids.len()` of `cache`: row `i`
+    /// appends `ids[i]` at position `lens[i]` (then `lens[i]` grows by one) and gets that
+    /// sequence's next-token logits, float32 [rows, vocab]. Matrices and attention each
+    /// run once for the whole batch (attention over the longest row, masked per row).
+    pub fn decode_slots(
+        &self,
+        ids: &[u32],
+        lens: &mut [usize],
+        cache: &SlotCache,
+    ) -> Result<Tensor, ModelError> {
+        let b = ids.len();
+        if b == 0 || lens.len() != b || b > cache.slots {
+            return Err(ModelError::Invalid(format!(
+                "decode_slots: {b} tokens, {} lengths, {} slots",
+                lens.len(),
+                cache.slots
+            )));
+        }
+        if let Some(i) = lens.iter().position(|&l| l >= cache.capacity) {
+            return Err(ModelError::Invalid(format!(
+                "row {i}: slot is full ({} positions)",
+                cache.capacity
+            )));
+        }
+        let vocab = self.config.vocab_size as u32;
+        if let Some(bad) = ids.iter().find(|&&t| t >= vocab) {
+            return Err(ModelError::Invalid(format!(
+                "token id {bad} is outside the vocabulary of {vocab}"
+            )));
+        }
+        let c = &self.config;
+        let (nh, nkv, hd) = (
+            c.num_attention_heads as i64,
+            c.num_key_value_heads as i64,
+            c.head_dim as i64,
+        );
+        let inter = c.intermediate_size as i64;
+        let bi = b as i64;
+        let dev = self.device;
+        let tok: Vec<i64> = ids.iter().map(|&t| t as i64).collect();
+        let pos: Vec<i64> = lens.iter().map(|&l| l as i64).collect();
+        let max_len = pos.iter().copied().max().unwrap_or(0) + 1;
+        let tok = Tensor::f_from_slice(&tok)?.f_to_device(dev)?;
+        let pos_t = Tensor::f_from_slice(&pos)?.f_to_device(dev)?;
+        let rows_t = Tensor::f_arange(bi, (Kind::Int64, dev))?;
+        let rope = self.rope.f_index_select(0, &pos_t)?.f_unsqueeze(1)?;
+        // mask[i, 0, 0, j] = j <= pos[i]
+        let mask = Tensor::f_arange(max_len, (Kind::Int64, dev))?
+            .f_unsqueeze(0)?
+            .f_le_tensor(&pos_t.f_unsqueeze(1)?)?
+            .f_view([bi, 1, 1, max_len])?;
+        let mut x =
+            Tensor::f_embedding(&self.embed_tokens, &tok, -1, false, false)?.f_to_kind(self.act)?;
+        for (l, layer) in self.layers.iter().enumerate() {
+            let hn = self.rms_norm(&x, &layer.input_layernorm)?;
+            let qkv = self.linear(&hn, &layer.qkv_proj, layer.qkv_bias.as_ref())?;
+            let qk = qkv
+                .f_narrow(-1, 0, (nh + nkv) * hd)?
+                .f_view([bi, nh + nkv, hd / 2, 2])?;
+            let qk = apply_rope(&qk, &rope)?.f_view([bi, nh + nkv, hd])?;
+            let q = qk.f_narrow(1, 0, nh)?.f_unsqueeze(2)?;
+            let k = qk.f_narrow(1, nh, nkv)?;
+            let v = qkv
+                .f_narrow(-1, (nh + nkv) * hd, nkv * hd)?
+                .f_view([bi, nkv, hd])?;
+            let idx = [
+                Some(rows_t.shallow_clone()),
+                None,
+                Some(pos_t.shallow_clone()),
+            ];
+            let mut kc = cache.k[l].shallow_clone();
+            let mut vc = cache.v[l].shallow_clone();
+            let _ = kc.f_index_put_(&idx, &k, false)?;
+            let _ = vc.f_index_put_(&idx, &v, false)?;
+            let kk = cache.k[l].f_narrow(0, 0, bi)?.f_narrow(2, 0, max_len)?;
+            let vv = cache.v[l].f_narrow(0, 0, bi)?.f_narrow(2, 0, max_len)?;
+            let attn = Tensor::f_scaled_dot_product_attention(
+                &q,
+                &kk,
+                &vv,
+                Some(&mask),
+                0.0,
+                false,
+                None,
+                nkv != nh,
+            )?;
+            let attn = attn.f_reshape([bi, nh * hd])?;
+            x = x.f_add(&self.linear(&attn, &layer.o_proj, None)?)?;
+            let hn = self.rms_norm(&x, &layer.post_attention_layernorm)?;
+            let gu = self.linear(&hn, &layer.gate_up_proj, None)?;
+            let act = gu
+                .f_narrow(-1, 0, inter)?
+                .f_silu()?
+                .f_mul(&gu.f_narrow(-1, inter, inter)?)?;
+            x = x.f_add(&self.linear(&act, &layer.down_proj, None)?)?;
+        }
+        for l in lens.iter_mut() {
+            *l += 1;
+        }
         let x = self.rms_norm(&x, &self.norm)?;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
         Ok(self.linear(&x, head, None)?.f_to_kind(Kind::Float)?)

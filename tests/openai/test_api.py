@@ -222,7 +222,9 @@ class Errors(unittest.TestCase):
         with self.assertRaises(openai.BadRequestError) as cm:
             client().chat.completions.create(model=MODEL, messages=Q, max_tokens=9000)
         self.assert_error(cm.exception, 400, code="context_length_exceeded")
-        self.assertIn("8192", cm.exception.response.json()["error"]["message"])
+        message = cm.exception.response.json()["error"]["message"]
+        self.assertIn("maximum context length is", message)
+        self.assertIn("9037 tokens (37 in the prompt, 9000 for the completion)", message)
 
     def test_full_queue_is_429(self):
         results = []
