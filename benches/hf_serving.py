@@ -1,8 +1,8 @@
 """The peer side of `cargo bench --bench serving`: HF transformers (GGUF loader, float32)
-batched greedy `generate` of SmolLM2-135M-Instruct on the same prompt ids, 128 new tokens
+batched greedy `generate` (float32 or bfloat16) of SmolLM2-135M-Instruct on the same prompt ids, 128 new tokens
 each, at each concurrency (batch size), in the same run. Prints one JSON line.
 
-usage: python benches/hf_serving.py MODEL_DIR GGUF_FILE PROMPTS_JSON NEW_TOKENS CONCURRENCIES_JSON
+usage: python benches/hf_serving.py MODEL_DIR GGUF_FILE PROMPTS_JSON NEW_TOKENS CONCURRENCIES_JSON DTYPE
 PROMPTS_JSON: a list of token-id lists (at least max(concurrency) of them)
 """
 import json
@@ -12,10 +12,10 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
-model_dir, gguf_file, prompts_json, new_tokens, conc_json = sys.argv[1:6]
+model_dir, gguf_file, prompts_json, new_tokens, conc_json, dtype = sys.argv[1:7]
 new_tokens = int(new_tokens)
 prompts = json.loads(prompts_json)
-model = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=gguf_file, dtype=torch.float32).eval()
+model = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=gguf_file, dtype=getattr(torch, dtype)).eval()
 PAD = 2
 
 

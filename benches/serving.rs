@@ -1,7 +1,10 @@
 //! `cargo bench --bench serving`: generation throughput of the engine (continuous
-//! batching, float32, SmolLM2-135M-Instruct) at concurrency 1, 8, 32 and 64, 128 new
-//! tokens per request, against HF transformers' batched `generate` on the same prompt ids,
-//! same machine, same run; plus time to first token (p50, p99) at each concurrency.
+//! batching, SmolLM2-135M-Instruct) at concurrency 1, 8, 32 and 64, 128 new tokens per
+//! request, against HF transformers' batched `generate` on the same prompt ids, same
+//! machine, same run; plus time to first token (p50, p99) at each concurrency. Two
+//! precisions: float32 on both sides, then bfloat16 weights on both sides (ours keeps
+//! float32 activations; see src/model/llama.rs). float32 runs first: a bfloat16 model on
+//! CPU sets LibTorch to one intra-op thread for the rest of the process.
 //!
 //! Ours: all requests of a level are submitted at once to the engine thread (the same
 //! engine `agentjet-peer serve` runs, without HTTP); tokens/s is (requests x 128) / wall
@@ -33,37 +36,12 @@ fn main() {
     }
 }
 
-fn run() -> anyhow::Result<()> {
-    let python = std::env::var("AGENTJET_PYTHON").map_err(|_| {
-        anyhow::anyhow!(
-            "AGENTJET_PYTHON is not set: run `bash bootstrap/setup.sh --reference` first"
-        )
-    })?;
+type Level = (usize, f64, f64, f64);
+
+/// Our engine at every level: (concurrency, tok/s, ttft p50, ttft p99).
+fn ours(dtype: DType, prompts: &[Vec<u32>]) -> anyhow::Result<Vec<Level>> {
     let source = ModelSource::resolve("smollm2")?;
-    let loaded = load_model(&source, tch::Device::cuda_if_available(), DType::F32)?;
-    let card = loaded.card.clone();
-    let tmpl = card.chat_template("smollm2")?;
-    let topics = [
-        "a robot",
-        "the sea",
-        "a lost key",
-        "autumn",
-        "a small town",
-        "a violin",
-        "the moon",
-        "a train",
-    ];
-    let prompts: Vec<Vec<u32>> = (0..64)
-        .map(|i| {
-            let m = vec![json!({"role": "user", "content": format!("Write a story about {} (number {i}).", topics[i % topics.len()])})];
-            let text = tmpl.render(&ChatRequest {
-                messages: &m,
-                add_generation_prompt: true,
-                ..Default::default()
-            })?;
-            Ok(card.tokenizer.encode(&text)?)
-        })
-        .collect::<anyhow::Result<_>>()?;
+    let loaded = load_model(&source, tch::Device::cuda_if_available(), dtype)?;
     let engine = spawn_engine(
         loaded.model,
         EngineConfig {
@@ -72,12 +50,6 @@ fn run() -> anyhow::Result<()> {
             max_kv_positions: 64 * 256,
         },
     )?;
-    println!(
-        "serving bench: SmolLM2-135M-Instruct f32 on {:?}, {NEW_TOKENS} new tokens per request, prompts of {}-{} tokens",
-        tch::Device::cuda_if_available(),
-        prompts.iter().map(|p| p.len()).min().unwrap_or(0),
-        prompts.iter().map(|p| p.len()).max().unwrap_or(0)
-    );
     // Warm-up.
     let mut rx = engine.submit(GenerateRequest {
         prompt: prompts[0].clone(),
@@ -90,7 +62,7 @@ fn run() -> anyhow::Result<()> {
             break;
         }
     }
-    let mut ours = Vec::new();
+    let mut out = Vec::new();
     for &c in &LEVELS {
         let t0 = Instant::now();
         let rxs: Vec<_> = (0..c)
@@ -135,29 +107,32 @@ fn run() -> anyhow::Result<()> {
             c * NEW_TOKENS
         );
         let mut ttft: Vec<f64> = res.iter().map(|r| r.0.as_secs_f64()).collect();
-        ours.push((
+        out.push((
             c,
             tokens as f64 / wall,
             percentile(&mut ttft, 0.5),
             percentile(&mut ttft, 0.99),
         ));
         println!(
-            "  ours c={c}: {:.1} tok/s in {wall:.1}s",
+            "  ours {dtype:?} c={c}: {:.1} tok/s in {wall:.1}s",
             tokens as f64 / wall
         );
     }
-    drop(engine);
+    Ok(out)
+}
 
-    let out = Command::new(&python)
+fn hf(python: &str, prompts: &[Vec<u32>], dtype: &str) -> anyhow::Result<serde_json::Value> {
+    let out = Command::new(python)
         .arg(concat!(
             env!("CARGO_MANIFEST_DIR"),
             "/benches/hf_serving.py"
         ))
         .arg(cache_dir().join("models"))
         .arg(SMOLLM2_FILE)
-        .arg(serde_json::to_string(&prompts)?)
+        .arg(serde_json::to_string(prompts)?)
         .arg(NEW_TOKENS.to_string())
         .arg(serde_json::to_string(&LEVELS)?)
+        .arg(dtype)
         .env("TRANSFORMERS_VERBOSITY", "error")
         .env("TQDM_DISABLE", "1")
         .output()?;
@@ -167,31 +142,104 @@ fn run() -> anyhow::Result<()> {
         String::from_utf8_lossy(&out.stderr)
     );
     let stdout = String::from_utf8_lossy(&out.stdout);
-    let hf: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap_or("{}"))?;
+    Ok(serde_json::from_str(stdout.lines().last().unwrap_or("{}"))?)
+}
 
-    println!();
+fn report(prec: &str, ours: &[Level], hf: &serde_json::Value) {
+    println!("\n{prec}:");
     println!(
         "| concurrency | ours tok/s | HF tok/s | ratio | ours TTFT p50 / p99 (s) | HF TTFT (s) |"
     );
     println!(
         "|-------------|------------|----------|-------|-------------------------|-------------|"
     );
-    let mut results = Vec::new();
-    for &(c, tps, p50, p99) in &ours {
+    let mut lines = Vec::new();
+    for &(c, tps, p50, p99) in ours {
         let h = &hf[c.to_string()];
         let htps = h["tok_s"].as_f64().unwrap_or(0.0);
         let httft = h["ttft_s"].as_f64().unwrap_or(0.0);
         let ratio = if htps > 0.0 { tps / htps } else { 0.0 };
-        println!("| {c:>11} | {tps:>10.1} | {htps:>8.1} | {ratio:>4.2}x | {p50:>11.3} / {p99:<11.3} | {httft:>11.3} |");
-        results.push((c, tps, htps, ratio, p50, p99, httft));
-    }
-    println!("\ngoals: >= 3x HF at concurrency 32, >= 1.5x at concurrency 1");
-    for (c, tps, htps, ratio, p50, p99, httft) in results {
-        println!("RESULT serving tok_s_c{c} ours={tps:.2} peer={htps:.2} ratio={ratio:.2}");
+        println!(
+            "| {c:>11} | {tps:>10.1} | {htps:>8.1} | {ratio:>4.2}x | {p50:>11.3} / {p99:<11.3} | {httft:>11.3} |"
+        );
         let r50 = if p50 > 0.0 { httft / p50 } else { 0.0 };
         let r99 = if p99 > 0.0 { httft / p99 } else { 0.0 };
-        println!("RESULT serving ttft_p50_s_c{c} ours={p50:.4} peer={httft:.4} ratio={r50:.2}");
-        println!("RESULT serving ttft_p99_s_c{c} ours={p99:.4} peer={httft:.4} ratio={r99:.2}");
+        lines.push(format!(
+            "RESULT serving tok_s_{prec}_c{c} ours={tps:.2} peer={htps:.2} ratio={ratio:.2}"
+        ));
+        lines.push(format!(
+            "RESULT serving ttft_p50_s_{prec}_c{c} ours={p50:.4} peer={httft:.4} ratio={r50:.2}"
+        ));
+        lines.push(format!(
+            "RESULT serving ttft_p99_s_{prec}_c{c} ours={p99:.4} peer={httft:.4} ratio={r99:.2}"
+        ));
     }
+    for l in lines {
+        println!("{l}");
+    }
+}
+
+fn run() -> anyhow::Result<()> {
+    let python = std::env::var("AGENTJET_PYTHON").map_err(|_| {
+        anyhow::anyhow!(
+            "AGENTJET_PYTHON is not set: run `bash bootstrap/setup.sh --reference` first"
+        )
+    })?;
+    let card = agentjet::model::ModelCard::load(&ModelSource::resolve("smollm2")?)?;
+    let tmpl = card.chat_template("smollm2")?;
+    let topics = [
+        "a robot",
+        "the sea",
+        "a lost key",
+        "autumn",
+        "a small town",
+        "a violin",
+        "the moon",
+        "a train",
+    ];
+    let prompts: Vec<Vec<u32>> = (0..64)
+        .map(|i| {
+            let m = vec![json!({"role": "user", "content": format!("Write a story about {} (number {i}).", topics[i % topics.len()])})];
+            let text = tmpl.render(&ChatRequest {
+                messages: &m,
+                add_generation_prompt: true,
+                ..Default::default()
+            })?;
+            Ok(card.tokenizer.encode(&text)?)
+        })
+        .collect::<anyhow::Result<_>>()?;
+    println!(
+        "serving bench: SmolLM2-135M-Instruct on {:?}, {NEW_TOKENS} new tokens per request, prompts of {}-{} tokens",
+        tch::Device::cuda_if_available(),
+        prompts.iter().map(|p| p.len()).min().unwrap_or(0),
+        prompts.iter().map(|p| p.len()).max().unwrap_or(0)
+    );
+    let ours_f32 = ours(DType::F32, &prompts)?;
+    let hf_f32 = hf(&python, &prompts, "float32")?;
+    let hf_bf16 = hf(&python, &prompts, "bfloat16")?;
+    let ours_bf16 = ours(DType::BF16, &prompts)?;
+    println!("\ngoals: >= 3x HF at concurrency 32, >= 1.5x at concurrency 1");
+    report("f32", &ours_f32, &hf_f32);
+    report("bf16", &ours_bf16, &hf_bf16);
+    let vs = |c: usize| {
+        let o = ours_bf16
+            .iter()
+            .find(|l| l.0 == c)
+            .map(|l| l.1)
+            .unwrap_or(0.0);
+        let h = hf_f32[c.to_string()]["tok_s"].as_f64().unwrap_or(0.0);
+        if h > 0.0 {
+            o / h
+        } else {
+            0.0
+        }
+    };
+    println!(
+        "\nours bf16 vs HF f32: c1 {:.2}x, c8 {:.2}x, c32 {:.2}x, c64 {:.2}x",
+        vs(1),
+        vs(8),
+        vs(32),
+        vs(64)
+    );
     Ok(())
 }
