@@ -93,9 +93,9 @@ pub fn generate(
     Ok(out)
 }
 
-/// Generates for several prompts at once: each is prefilled on its own, then all
-/// unfinished sequences advance together, one batched decode step per token
-/// ([`Llama::decode_rows`]); a sequence leaves the batch as soon as it finishes. Results
+/// Generates for several prompts at once: each is prefilled on its own into a KV slot,
+/// then all unfinished sequences advance together, one batched decode step per token
+/// ([`Llama::decode_slots`]); a sequence leaves the batch as soon as it finishes. Results
 /// are in request order, each as `generate` would give it (same seeds, same stops).
 pub fn generate_batch(
     model: &Llama,
@@ -104,14 +104,6 @@ pub fn generate_batch(
     let _guard = tch::no_grad_guard();
     let limit = model.max_positions();
     let vocab = model.config.vocab_size as u32;
-    struct Seq {
-        cache: crate::model::llama::KvCache,
-        rng: Rng,
-        out: Generation,
-        done: bool,
-        last: u32,
-    }
-    let mut seqs = Vec::with_capacity(reqs.len());
     for (i, req) in reqs.iter().enumerate() {
         req.sampling
             .validate()
@@ -127,91 +119,105 @@ pub fn generate_batch(
                 "request {i}: prompt token id {bad} is outside the vocabulary of {vocab}"
             )));
         }
-        let mut cache = model.new_cache(1, (req.prompt.len() + req.max_tokens).min(limit))?;
-        let ids: Vec<i64> = req.prompt.iter().map(|&t| t as i64).collect();
+    }
+    if reqs.is_empty() {
+        return Ok(Vec::new());
+    }
+    let capacity = reqs
+        .iter()
+        .map(|r| r.prompt.len() + r.max_tokens)
+        .max()
+        .unwrap_or(1)
+        .min(limit);
+    let mut slots = model.new_slot_cache(reqs.len(), capacity)?;
+    struct Seq {
+        req: usize,
+        len: usize,
+        rng: Rng,
+        last: u32,
+    }
+    let mut outs: Vec<Generation> = Vec::with_capacity(reqs.len());
+    // `active[r]` lives in slot r.
+    let mut active: Vec<Seq> = Vec::new();
+    let done = |req: &GenerateRequest, out: &mut Generation, id: u32, len: usize| {
+        if req.stop_token_ids.contains(&id) {
+            out.finish_reason = FinishReason::Stop;
+            true
+        } else {
+            out.tokens.len() >= req.max_tokens || len >= capacity
+        }
+    };
+    for (i, req) in reqs.iter().enumerate() {
         let t0 = Instant::now();
-        let input = Tensor::f_from_slice(&ids)?
-            .f_view([1, -1])?
-            .f_to_device(model.device())?;
-        let logits = model.forward(&input, &mut cache, Logits::Last)?;
-        let mut rng = match req.seed {
-            Some(s) => Rng::seeded(s),
-            None => Rng::from_entropy(),
-        };
         let mut out = Generation {
             tokens: Vec::new(),
             logprobs: Vec::new(),
             finish_reason: FinishReason::Length,
-            prefill_time: t0.elapsed(),
+            prefill_time: Duration::ZERO,
             decode_time: Duration::ZERO,
         };
-        let mut done = req.max_tokens == 0;
-        let mut last = 0;
-        if !done {
-            let row = row_to_vec(&logits.f_select(0, 0)?)?;
-            let (id, lp) =
-                sampling::sample(&row, &req.sampling, &mut rng, &req.prompt, &out.tokens);
-            out.tokens.push(id);
-            out.logprobs.push(lp);
-            last = id;
-            if req.stop_token_ids.contains(&id) {
-                out.finish_reason = FinishReason::Stop;
-                done = true;
-            } else if out.tokens.len() >= req.max_tokens || cache.len() >= cache.capacity() {
-                done = true;
-            }
+        if req.max_tokens == 0 {
+            outs.push(out);
+            continue;
         }
-        seqs.push(Seq {
-            cache,
-            rng,
-            out,
-            done,
-            last,
-        });
+        let mut cache = slots.slot_view(active.len())?;
+        let ids: Vec<i64> = req.prompt.iter().map(|&t| t as i64).collect();
+        let input = Tensor::f_from_slice(&ids)?
+            .f_view([1, -1])?
+            .f_to_device(model.device())?;
+        let logits = model.forward(&input, &mut cache, Logits::Last)?;
+        out.prefill_time = t0.elapsed();
+        let mut rng = match req.seed {
+            Some(s) => Rng::seeded(s),
+            None => Rng::from_entropy(),
+        };
+        let row = row_to_vec(&logits.f_select(0, 0)?)?;
+        let (id, lp) = sampling::sample(&row, &req.sampling, &mut rng, &req.prompt, &[]);
+        out.tokens.push(id);
+        out.logprobs.push(lp);
+        let finished = done(req, &mut out, id, req.prompt.len());
+        outs.push(out);
+        if !finished {
+            active.push(Seq {
+                req: i,
+                len: req.prompt.len(),
+                rng,
+                last: id,
+            });
+        }
     }
     let t1 = Instant::now();
-    loop {
-        let active: Vec<usize> = (0..seqs.len()).filter(|&i| !seqs[i].done).collect();
-        if active.is_empty() {
-            break;
-        }
-        let ids: Vec<u32> = active.iter().map(|&i| seqs[i].last).collect();
-        let logits = {
-            // Same order as `active`: the unfinished sequences in request order.
-            let mut caches: Vec<&mut crate::model::llama::KvCache> = seqs
-                .iter_mut()
-                .filter(|s| !s.done)
-                .map(|s| &mut s.cache)
-                .collect();
-            model.decode_rows(&ids, &mut caches)?
-        };
-        let logits = logits.f_to_device(tch::Device::Cpu)?.f_contiguous()?;
-        for (r, &i) in active.iter().enumerate() {
-            let req = &reqs[i];
-            let seq = &mut seqs[i];
+    while !active.is_empty() {
+        let ids: Vec<u32> = active.iter().map(|s| s.last).collect();
+        let mut lens: Vec<usize> = active.iter().map(|s| s.len).collect();
+        let logits = model
+            .decode_slots(&ids, &mut lens, &slots)?
+            .f_to_device(tch::Device::Cpu)?
+            .f_contiguous()?;
+        let mut finished = Vec::new();
+        for (r, seq) in active.iter_mut().enumerate() {
+            seq.len = lens[r];
+            let req = &reqs[seq.req];
+            let out = &mut outs[seq.req];
             let row = row_to_vec(&logits.f_get(r as i64)?)?;
-            let (id, lp) = sampling::sample(
-                &row,
-                &req.sampling,
-                &mut seq.rng,
-                &req.prompt,
-                &seq.out.tokens,
-            );
-            seq.out.tokens.push(id);
-            seq.out.logprobs.push(lp);
+            let (id, lp) =
+                sampling::sample(&row, &req.sampling, &mut seq.rng, &req.prompt, &out.tokens);
+            out.tokens.push(id);
+            out.logprobs.push(lp);
             seq.last = id;
-            if req.stop_token_ids.contains(&id) {
-                seq.out.finish_reason = FinishReason::Stop;
-                seq.done = true;
-            } else if seq.out.tokens.len() >= req.max_tokens
-                || seq.cache.len() >= seq.cache.capacity()
-            {
-                seq.done = true;
+            if done(req, out, id, seq.len) {
+                out.decode_time = t1.elapsed();
+                finished.push(r);
             }
-            if seq.done {
-                seq.out.decode_time = t1.elapsed();
+        }
+        // Keep slots 0..n occupied: the last sequence moves into each freed slot.
+        for r in finished.into_iter().rev() {
+            let last = active.len() - 1;
+            if r != last {
+                slots.move_slot(last, r, active[last].len)?;
             }
+            active.swap_remove(r);
         }
     }
-    Ok(seqs.into_iter().map(|s| s.out).collect())
+    Ok(outs)
 }

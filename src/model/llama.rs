@@ -444,7 +444,6 @@ impl Llama {
         };
         let is_causal = t > 1 && start == 0;
         let h = c.hidden_size as i64;
-        let inter = c.intermediate_size as i64;
         // The residual stream as [tokens, hidden].
         let mut x =
             Tensor::f_embedding(&self.embed_tokens, &ids.f_reshape([-1])?, -1, false, false)?
@@ -485,14 +484,7 @@ impl Llama {
                 nkv != nh,
             )?;
             let attn = attn.f_transpose(1, 2)?.f_reshape([b * t, nh * hd])?;
-            x = x.f_add(&self.linear(&attn, &layer.o_proj, None)?)?;
-            let hn = self.rms_norm(&x, &layer.post_attention_layernorm)?;
-            let gu = self.linear(&hn, &layer.gate_up_proj, None)?;
-            let act = gu
-                .f_narrow(-1, 0, inter)?
-                .f_silu()?
-                .f_mul(&gu.f_narrow(-1, inter, inter)?)?;
-            x = x.f_add(&self.linear(&act, &layer.down_proj, None)?)?;
+            x = self.finish_layer(layer, &x, &attn)?;
         }
         let x = x.f_view([b, t, h])?;
         cache.len = end as usize;
@@ -500,9 +492,7 @@ impl Llama {
             Logits::Last => x.f_select(1, t - 1)?,
             Logits::All => x,
         };
-        let x = self.rms_norm(&x, &self.norm)?;
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
-        Ok(self.linear(&x, head, None)?.f_to_kind(Kind::Float)?)
+        self.head(&x)
     }
 
     /// Storage for `slots` sequences of up to `capacity` positions each (zeroed).
@@ -565,7 +555,6 @@ impl Llama {
             c.num_key_value_heads as i64,
             c.head_dim as i64,
         );
-        let inter = c.intermediate_size as i64;
         let bi = b as i64;
         let dev = self.device;
         let tok: Vec<i64> = ids.iter().map(|&t| t as i64).collect();
@@ -616,115 +605,36 @@ impl Llama {
                 nkv != nh,
             )?;
             let attn = attn.f_reshape([bi, nh * hd])?;
-            x = x.f_add(&self.linear(&attn, &layer.o_proj, None)?)?;
-            let hn = self.rms_norm(&x, &layer.post_attention_layernorm)?;
-            let gu = self.linear(&hn, &layer.gate_up_proj, None)?;
-            let act = gu
-                .f_narrow(-1, 0, inter)?
-                .f_silu()?
-                .f_mul(&gu.f_narrow(-1, inter, inter)?)?;
-            x = x.f_add(&self.linear(&act, &layer.down_proj, None)?)?;
+            x = self.finish_layer(layer, &x, &attn)?;
         }
         for l in lens.iter_mut() {
             *l += 1;
         }
-        let x = self.rms_norm(&x, &self.norm)?;
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
-        Ok(self.linear(&x, head, None)?.f_to_kind(Kind::Float)?)
+        self.head(&x)
     }
 
-    /// One decode step for several independent sequences at once: row `i` appends token
-    /// `ids[i]` to the sequence held in `caches[i]` (a batch-1 cache at its own length)
-    /// and gets that sequence's next-token logits, float32 [rows, vocab]. The matrix
-    /// multiplications run on all rows together (one read of the weights for the whole
-    /// batch); attention runs per row over that row's own cache, so sequences of any
-    /// lengths share a step. This is what continuous batching is built on.
-    pub fn decode_rows(
+    /// The rest of a decoder layer once attention is done: output projection and residual,
+    /// then the SwiGLU MLP and residual. `x` and `attn` are [rows, ..] alike.
+    fn finish_layer(
         &self,
-        ids: &[u32],
-        caches: &mut [&mut KvCache],
+        layer: &DecoderLayer,
+        x: &Tensor,
+        attn: &Tensor,
     ) -> Result<Tensor, ModelError> {
-        let b = ids.len();
-        if b == 0 || caches.len() != b {
-            return Err(ModelError::Invalid(format!(
-                "decode_rows wants one cache per token, got {b} tokens and {} caches",
-                caches.len()
-            )));
-        }
-        for (i, c) in caches.iter().enumerate() {
-            if c.batch != 1 || c.len >= c.capacity {
-                return Err(ModelError::Invalid(format!(
-                    "row {i}: cache of batch {} at {} of {} positions cannot take a token",
-                    c.batch, c.len, c.capacity
-                )));
-            }
-        }
-        let vocab = self.config.vocab_size as u32;
-        if let Some(bad) = ids.iter().find(|&&t| t >= vocab) {
-            return Err(ModelError::Invalid(format!(
-                "token id {bad} is outside the vocabulary of {vocab}"
-            )));
-        }
-        let c = &self.config;
-        let (nh, nkv, hd) = (
-            c.num_attention_heads as i64,
-            c.num_key_value_heads as i64,
-            c.head_dim as i64,
-        );
-        let inter = c.intermediate_size as i64;
-        let bi = b as i64;
-        let tok: Vec<i64> = ids.iter().map(|&t| t as i64).collect();
-        let pos: Vec<i64> = caches.iter().map(|c| c.len as i64).collect();
-        let tok = Tensor::f_from_slice(&tok)?.f_to_device(self.device)?;
-        let pos_t = Tensor::f_from_slice(&pos)?.f_to_device(self.device)?;
-        let rope = self.rope.f_index_select(0, &pos_t)?.f_unsqueeze(1)?;
-        let mut x =
-            Tensor::f_embedding(&self.embed_tokens, &tok, -1, false, false)?.f_to_kind(self.act)?;
-        for (l, layer) in self.layers.iter().enumerate() {
-            let hn = self.rms_norm(&x, &layer.input_layernorm)?;
-            let qkv = self.linear(&hn, &layer.qkv_proj, layer.qkv_bias.as_ref())?;
-            let qk = qkv
-                .f_narrow(-1, 0, (nh + nkv) * hd)?
-                .f_view([bi, nh + nkv, hd / 2, 2])?;
-            let qk = apply_rope(&qk, &rope)?.f_view([bi, nh + nkv, hd])?;
-            let v = qkv.f_narrow(-1, (nh + nkv) * hd, nkv * hd)?;
-            let mut rows = Vec::with_capacity(b);
-            for (i, cache) in caches.iter_mut().enumerate() {
-                let p = pos[i];
-                let row = qk.f_get(i as i64)?;
-                let q = row.f_narrow(0, 0, nh)?.f_view([1, nh, 1, hd])?;
-                let k = row.f_narrow(0, nh, nkv)?.f_view([1, nkv, 1, hd])?;
-                let vi = v.f_get(i as i64)?.f_view([1, nkv, 1, hd])?;
-                cache.k[l].f_narrow(2, p, 1)?.f_copy_(&k)?;
-                cache.v[l].f_narrow(2, p, 1)?.f_copy_(&vi)?;
-                let kk = cache.k[l].f_narrow(2, 0, p + 1)?;
-                let vv = cache.v[l].f_narrow(2, 0, p + 1)?;
-                let attn = Tensor::f_scaled_dot_product_attention(
-                    &q,
-                    &kk,
-                    &vv,
-                    None::<&Tensor>,
-                    0.0,
-                    false,
-                    None,
-                    nkv != nh,
-                )?;
-                rows.push(attn.f_view([1, nh * hd])?);
-            }
-            let attn = Tensor::f_cat(&rows, 0)?;
-            x = x.f_add(&self.linear(&attn, &layer.o_proj, None)?)?;
-            let hn = self.rms_norm(&x, &layer.post_attention_layernorm)?;
-            let gu = self.linear(&hn, &layer.gate_up_proj, None)?;
-            let act = gu
-                .f_narrow(-1, 0, inter)?
-                .f_silu()?
-                .f_mul(&gu.f_narrow(-1, inter, inter)?)?;
-            x = x.f_add(&self.linear(&act, &layer.down_proj, None)?)?;
-        }
-        for cache in caches.iter_mut() {
-            cache.len += 1;
-        }
-        let x = self.rms_norm(&x, &self.norm)?;
+        let inter = self.config.intermediate_size as i64;
+        let x = x.f_add(&self.linear(attn, &layer.o_proj, None)?)?;
+        let hn = self.rms_norm(&x, &layer.post_attention_layernorm)?;
+        let gu = self.linear(&hn, &layer.gate_up_proj, None)?;
+        let act = gu
+            .f_narrow(-1, 0, inter)?
+            .f_silu()?
+            .f_mul(&gu.f_narrow(-1, inter, inter)?)?;
+        Ok(x.f_add(&self.linear(&act, &layer.down_proj, None)?)?)
+    }
+
+    /// Final norm and LM head: float32 logits.
+    fn head(&self, x: &Tensor) -> Result<Tensor, ModelError> {
+        let x = self.rms_norm(x, &self.norm)?;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
         Ok(self.linear(&x, head, None)?.f_to_kind(Kind::Float)?)
     }
