@@ -371,6 +371,11 @@ impl Llama {
             let mut out_shape = size[..size.len() - 1].to_vec();
             out_shape.push(n);
             y.f_view(out_shape.as_slice())?
+        } else if self.device == Device::Cpu && rows > 0 {
+            // More rows: a bfloat16 GEMM (AMX/AVX-512 in oneDNN). LibTorch runs one
+            // intra-op thread in this mode, so the kernel pool's workers each take a share
+            // of W's rows.
+            split_bf16_gemm(&x.f_to_kind(w.kind())?, w)?.f_to_kind(x.kind())?
         } else {
             x.f_to_kind(w.kind())?
                 .f_linear(w, None::<&Tensor>)?
@@ -712,6 +717,51 @@ impl Llama {
             .map(|(_, t)| t.numel() as i64)
             .sum())
     }
+}
+
+/// A tensor handed to the kernel pool's workers for read-only use.
+struct SharedTensor(Tensor);
+// SAFETY: the workers only read it (narrow, matmul) while `split_bf16_gemm` waits for
+// them; LibTorch's reference counts are atomic.
+unsafe impl Sync for SharedTensor {}
+
+/// `x · wᵀ` on the CPU with the rows of `w` split across the kernel pool, each share a
+/// single-threaded LibTorch GEMM; the shares are concatenated along the last dimension.
+fn split_bf16_gemm(x: &Tensor, w: &Tensor) -> Result<Tensor, ModelError> {
+    let pool = agentjet_kernels::pool();
+    let workers = pool.workers() as i64;
+    let n = w.size()[0];
+    if workers <= 1 || n < 64 {
+        return Ok(x.f_linear(w, None::<&Tensor>)?);
+    }
+    let per = (n + workers - 1) / workers;
+    let xs: Vec<SharedTensor> = (0..workers)
+        .map(|_| SharedTensor(x.shallow_clone()))
+        .collect();
+    let ws: Vec<SharedTensor> = (0..workers)
+        .map(|_| SharedTensor(w.shallow_clone()))
+        .collect();
+    let parts: std::sync::Mutex<Vec<Option<Result<Tensor, tch::TchError>>>> =
+        std::sync::Mutex::new((0..workers).map(|_| None).collect());
+    pool.run(&|wi| {
+        let wi = wi as i64;
+        let j0 = (wi * per).min(n);
+        let len = per.min(n - j0);
+        if len == 0 {
+            return;
+        }
+        let part = ws[wi as usize]
+            .0
+            .f_narrow(0, j0, len)
+            .and_then(|wpart| xs[wi as usize].0.f_linear(&wpart, None::<&Tensor>));
+        parts.lock().unwrap_or_else(|p| p.into_inner())[wi as usize] = Some(part);
+    });
+    let parts = parts.into_inner().unwrap_or_else(|p| p.into_inner());
+    let mut outs = Vec::new();
+    for p in parts.into_iter().flatten() {
+        outs.push(p?);
+    }
+    Ok(Tensor::f_cat(&outs, -1)?)
 }
 
 /// Rotates adjacent pairs of `x` ([b, t, heads, head_dim / 2, 2]) by `rope`
