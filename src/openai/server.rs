@@ -33,6 +33,8 @@ pub struct ServerConfig {
     pub max_n: usize,
     /// Largest `top_logprobs`.
     pub max_top_logprobs: usize,
+    /// Largest request body in bytes (larger ones get 413 in OpenAI's error shape).
+    pub max_body_bytes: usize,
 }
 
 impl Default for ServerConfig {
@@ -41,6 +43,7 @@ impl Default for ServerConfig {
             default_max_tokens: 1024,
             max_n: 16,
             max_top_logprobs: 20,
+            max_body_bytes: 8 << 20,
         }
     }
 }
@@ -59,6 +62,7 @@ pub fn router(backend: Arc<dyn Backend>, cfg: ServerConfig) -> Router {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_nanos() as u64)
         .unwrap_or(1);
+    let body_limit = cfg.max_body_bytes;
     let state = Arc::new(AppState {
         backend,
         cfg,
@@ -72,6 +76,7 @@ pub fn router(backend: Arc<dyn Backend>, cfg: ServerConfig) -> Router {
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
+        .layer(axum::extract::DefaultBodyLimit::max(body_limit))
         .with_state(state)
 }
 
@@ -525,8 +530,40 @@ fn render_chat(
         .map_err(|e| ApiError::server(e.to_string()))
 }
 
-async fn chat_completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+/// The body, or the reason it could not be read (too large: 413) in OpenAI's shape.
+fn body_or_error(
+    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
+    limit: usize,
+) -> Result<Bytes, ApiError> {
+    body.map_err(|e| {
+        let status = e.status();
+        let message = if status == StatusCode::PAYLOAD_TOO_LARGE {
+            format!("request body exceeds the server's limit of {limit} bytes")
+        } else {
+            format!("cannot read the request body: {e}")
+        };
+        ApiError {
+            status,
+            message,
+            kind: "invalid_request_error",
+            param: Some("body".into()),
+            code: (status == StatusCode::PAYLOAD_TOO_LARGE).then_some("request_too_large"),
+        }
+    })
+}
+
+async fn chat_completions(
+    State(st): State<Arc<AppState>>,
+    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
+) -> Response {
     st.requests.fetch_add(1, Ordering::Relaxed);
+    let body = match body_or_error(body, st.cfg.max_body_bytes) {
+        Ok(b) => b,
+        Err(e) => {
+            st.errors.fetch_add(1, Ordering::Relaxed);
+            return e.into_response();
+        }
+    };
     match chat_inner(&st, body).await {
         Ok(r) => r,
         Err(e) => {
@@ -815,8 +852,18 @@ fn stream_chat(
     Sse::new(tokio_stream::wrappers::ReceiverStream::new(out))
 }
 
-async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+async fn completions(
+    State(st): State<Arc<AppState>>,
+    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
+) -> Response {
     st.requests.fetch_add(1, Ordering::Relaxed);
+    let body = match body_or_error(body, st.cfg.max_body_bytes) {
+        Ok(b) => b,
+        Err(e) => {
+            st.errors.fetch_add(1, Ordering::Relaxed);
+            return e.into_response();
+        }
+    };
     match completions_inner(&st, body).await {
         Ok(r) => r,
         Err(e) => {

@@ -218,6 +218,21 @@ class Errors(unittest.TestCase):
         self.assertEqual(cm.exception.code, 400)
         self.assertEqual(body["error"]["param"], "temperature")
 
+    def test_oversize_body_is_413_in_openai_shape(self):
+        # Just over the 8 MiB limit, so the few unread bytes fit the socket buffers and the
+        # client reads the answer rather than a reset.
+        big = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * ((8 << 20) + 1024)}]}).encode()
+        req = urllib.request.Request(BASE + "/chat/completions", data=big, method="POST",
+                                     headers={"content-type": "application/json"})
+        with self.assertRaises(urllib.error.HTTPError) as cm:
+            urllib.request.urlopen(req)
+        self.assertEqual(cm.exception.code, 413)
+        body = json.loads(cm.exception.read())
+        self.assertEqual(body["error"]["code"], "request_too_large")
+        # and the server still answers
+        r = client().chat.completions.create(model=MODEL, messages=Q, temperature=0, max_tokens=8)
+        self.assertTrue(r.choices[0].message.content)
+
     def test_context_too_long_says_the_limits(self):
         with self.assertRaises(openai.BadRequestError) as cm:
             client().chat.completions.create(model=MODEL, messages=Q, max_tokens=9000)
