@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 
 use safetensors::tensor::{Dtype, View};
 use serde_json::json;
-use tch::{Device, Kind, Tensor};
+use tch::{Device, Tensor};
 
 use super::llama::{DType, Llama};
 use super::weights::{GgufSource, SafetensorsSource};
@@ -207,9 +207,4 @@ fn write_into(dir: &Path, card: &ModelCard, model: &Llama, dtype: DType) -> Resu
         &serde_json::Value::Object(gen),
     )?;
     Ok(())
-}
-
-/// Converts a tensor to float32 on the CPU (for comparisons in tests and tools).
-pub fn to_cpu_f32(t: &Tensor) -> Result<Tensor, ModelError> {
-    Ok(t.f_to_device(Device::Cpu)?.f_to_kind(Kind::Float)?)
 }

@@ -87,18 +87,6 @@ impl KvCache {
     pub fn batch(&self) -> usize {
         self.batch
     }
-    /// Forgets the cached positions (the memory stays allocated for reuse).
-    pub fn clear(&mut self) {
-        self.len = 0;
-    }
-    /// Bytes held by the cache tensors.
-    pub fn bytes(&self) -> usize {
-        self.k
-            .iter()
-            .chain(self.v.iter())
-            .map(|t| t.numel() * t.kind().elt_size_in_bytes())
-            .sum()
-    }
 }
 
 /// Key/value storage for many sequences at once: per layer one tensor
@@ -707,15 +695,6 @@ impl Llama {
             out.push(("lm_head.weight".to_string(), head.shallow_clone()));
         }
         Ok(out)
-    }
-
-    /// Number of parameters (tied head counted once).
-    pub fn num_parameters(&self) -> Result<i64, ModelError> {
-        Ok(self
-            .hf_tensors()?
-            .iter()
-            .map(|(_, t)| t.numel() as i64)
-            .sum())
     }
 }
 

@@ -6,7 +6,6 @@
 //! LibTorch. Encoding never adds special tokens on its own: chat templates carry their
 //! own BOS, and `encode_with_bos` is the explicit way for raw prompts.
 
-use std::collections::HashSet;
 use std::path::Path;
 
 use serde_json::{json, Value as Json};
@@ -47,7 +46,6 @@ pub struct Tokenizer {
     pub unk: Option<SpecialToken>,
     /// Whether raw (non-chat) prompts start with BOS for this model.
     pub add_bos_token: bool,
-    special_ids: HashSet<u32>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -109,14 +107,6 @@ impl Tokenizer {
         unk: Option<SpecialToken>,
         add_bos_token: bool,
     ) -> Tokenizer {
-        let special_ids = inner
-            .get_added_tokens_decoder()
-            .iter()
-            .filter(|(_, t)| t.special)
-            .map(|(id, _)| *id)
-            .chain(bos.iter().map(|t| t.id))
-            .chain(eos.iter().map(|t| t.id))
-            .collect();
         Tokenizer {
             inner,
             bos,
@@ -124,7 +114,6 @@ impl Tokenizer {
             pad,
             unk,
             add_bos_token,
-            special_ids,
         }
     }
 
@@ -285,14 +274,6 @@ impl Tokenizer {
 
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
-    }
-
-    pub fn id_to_token(&self, id: u32) -> Option<String> {
-        self.inner.id_to_token(id)
-    }
-
-    pub fn is_special(&self, id: u32) -> bool {
-        self.special_ids.contains(&id)
     }
 
     /// Writes `tokenizer.json`.

@@ -128,10 +128,6 @@ impl SafetensorsSource {
         }
         Ok(SafetensorsSource { files, index })
     }
-
-    pub fn names(&self) -> impl Iterator<Item = &String> {
-        self.index.keys()
-    }
 }
 
 impl WeightSource for SafetensorsSource {
@@ -187,10 +183,6 @@ impl GgufSource {
             heads: config.num_attention_heads as i64,
             kv_heads: config.num_key_value_heads as i64,
         }
-    }
-
-    pub fn gguf(&self) -> &GgufFile {
-        &self.gguf
     }
 
     /// llama.cpp's name for an HF tensor name.
