@@ -12,13 +12,13 @@
 //! venv). The float32 runs come first: loading a bfloat16 model on CPU sets LibTorch to one
 //! intra-op thread for the rest of the process.
 
-use std::process::Command;
-
 use agentjet::engine::{generate, GenerateRequest, SamplingParams};
 use agentjet::model::checkpoint::load_model;
 use agentjet::model::llama::DType;
 use agentjet::model::{cache_dir, ChatRequest, ModelSource, SMOLLM2_FILE};
 use serde_json::json;
+
+mod peer;
 
 const NEW_TOKENS: usize = 128;
 const REPEATS: usize = 5;
@@ -69,29 +69,17 @@ fn ours(dtype: DType, prompt: &[u32]) -> anyhow::Result<Side> {
 }
 
 fn hf(python: &str, dtype: &str, prompt: &[u32]) -> anyhow::Result<Side> {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/hf_decode.py");
-    let out = Command::new(python)
-        .arg(script)
-        .arg(cache_dir().join("models"))
-        .arg(SMOLLM2_FILE)
-        .arg(serde_json::to_string(prompt)?)
-        .arg(NEW_TOKENS.to_string())
-        .arg(REPEATS.to_string())
-        .arg(dtype)
-        .env("TRANSFORMERS_VERBOSITY", "error")
-        .env("TQDM_DISABLE", "1")
-        .output()?;
-    anyhow::ensure!(
-        out.status.success(),
-        "HF transformers run failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let v: serde_json::Value = serde_json::from_str(
-        stdout
-            .lines()
-            .last()
-            .ok_or_else(|| anyhow::anyhow!("no output from hf_decode.py"))?,
+    let v = peer::run_peer(
+        python,
+        "hf_decode.py",
+        &[
+            cache_dir().join("models").display().to_string(),
+            SMOLLM2_FILE.to_string(),
+            serde_json::to_string(prompt)?,
+            NEW_TOKENS.to_string(),
+            REPEATS.to_string(),
+            dtype.to_string(),
+        ],
     )?;
     let nums = |key: &str| -> Vec<f64> {
         v[key]
@@ -111,18 +99,7 @@ fn shared_prefix(a: &[u32], b: &[u32]) -> usize {
 }
 
 fn run() -> anyhow::Result<()> {
-    let python = std::env::var("AGENTJET_PYTHON").map_err(|_| {
-        anyhow::anyhow!(
-            "AGENTJET_PYTHON is not set: run `bash bootstrap/setup.sh --reference` first"
-        )
-    })?;
-    let check = Command::new(&python)
-        .args(["-c", "import transformers, gguf, accelerate"])
-        .status()?;
-    anyhow::ensure!(
-        check.success(),
-        "transformers is not installed in {python}: run `bash bootstrap/setup.sh --reference`"
-    );
+    let python = peer::reference_python()?;
     let card = agentjet::model::ModelCard::load(&ModelSource::resolve("smollm2")?)?;
     let messages = vec![
         json!({"role": "user", "content": "Write a long story about a robot who learns to paint."}),

@@ -11,7 +11,6 @@
 //! time until the last one finishes. HF: one batch of the same prompts, left-padded;
 //! its first token arrives for the whole batch at once, so its p50 and p99 are the same.
 
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use agentjet::engine::{spawn_engine, EngineConfig, EngineEvent, GenerateRequest, SamplingParams};
@@ -19,6 +18,8 @@ use agentjet::model::checkpoint::load_model;
 use agentjet::model::llama::DType;
 use agentjet::model::{cache_dir, ChatRequest, ModelSource, SMOLLM2_FILE};
 use serde_json::json;
+
+mod peer;
 
 const NEW_TOKENS: usize = 128;
 const LEVELS: [usize; 4] = [1, 8, 32, 64];
@@ -122,27 +123,18 @@ fn ours(dtype: DType, prompts: &[Vec<u32>]) -> anyhow::Result<Vec<Level>> {
 }
 
 fn hf(python: &str, prompts: &[Vec<u32>], dtype: &str) -> anyhow::Result<serde_json::Value> {
-    let out = Command::new(python)
-        .arg(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/benches/hf_serving.py"
-        ))
-        .arg(cache_dir().join("models"))
-        .arg(SMOLLM2_FILE)
-        .arg(serde_json::to_string(prompts)?)
-        .arg(NEW_TOKENS.to_string())
-        .arg(serde_json::to_string(&LEVELS)?)
-        .arg(dtype)
-        .env("TRANSFORMERS_VERBOSITY", "error")
-        .env("TQDM_DISABLE", "1")
-        .output()?;
-    anyhow::ensure!(
-        out.status.success(),
-        "HF transformers run failed (run `bash bootstrap/setup.sh --reference`?):\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    Ok(serde_json::from_str(stdout.lines().last().unwrap_or("{}"))?)
+    peer::run_peer(
+        python,
+        "hf_serving.py",
+        &[
+            cache_dir().join("models").display().to_string(),
+            SMOLLM2_FILE.to_string(),
+            serde_json::to_string(prompts)?,
+            NEW_TOKENS.to_string(),
+            serde_json::to_string(&LEVELS)?,
+            dtype.to_string(),
+        ],
+    )
 }
 
 fn report(prec: &str, ours: &[Level], hf: &serde_json::Value) {
@@ -180,11 +172,7 @@ fn report(prec: &str, ours: &[Level], hf: &serde_json::Value) {
 }
 
 fn run() -> anyhow::Result<()> {
-    let python = std::env::var("AGENTJET_PYTHON").map_err(|_| {
-        anyhow::anyhow!(
-            "AGENTJET_PYTHON is not set: run `bash bootstrap/setup.sh --reference` first"
-        )
-    })?;
+    let python = peer::reference_python()?;
     let card = agentjet::model::ModelCard::load(&ModelSource::resolve("smollm2")?)?;
     let tmpl = card.chat_template("smollm2")?;
     let topics = [

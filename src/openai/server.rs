@@ -531,10 +531,7 @@ fn render_chat(
 }
 
 /// The body, or the reason it could not be read (too large: 413) in OpenAI's shape.
-fn body_or_error(
-    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
-    limit: usize,
-) -> Result<Bytes, ApiError> {
+fn body_or_error(body: Body, limit: usize) -> Result<Bytes, ApiError> {
     body.map_err(|e| {
         let status = e.status();
         let message = if status == StatusCode::PAYLOAD_TOO_LARGE {
@@ -552,25 +549,23 @@ fn body_or_error(
     })
 }
 
-async fn chat_completions(
-    State(st): State<Arc<AppState>>,
-    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
-) -> Response {
+/// Counts the request, and turns an error into its response (counting it too).
+fn answer(st: &AppState, result: Result<Response, ApiError>) -> Response {
+    result.unwrap_or_else(|e| {
+        st.errors.fetch_add(1, Ordering::Relaxed);
+        e.into_response()
+    })
+}
+
+type Body = Result<Bytes, axum::extract::rejection::BytesRejection>;
+
+async fn chat_completions(State(st): State<Arc<AppState>>, body: Body) -> Response {
     st.requests.fetch_add(1, Ordering::Relaxed);
-    let body = match body_or_error(body, st.cfg.max_body_bytes) {
-        Ok(b) => b,
-        Err(e) => {
-            st.errors.fetch_add(1, Ordering::Relaxed);
-            return e.into_response();
-        }
+    let result = match body_or_error(body, st.cfg.max_body_bytes) {
+        Ok(body) => chat_inner(&st, body).await,
+        Err(e) => Err(e),
     };
-    match chat_inner(&st, body).await {
-        Ok(r) => r,
-        Err(e) => {
-            st.errors.fetch_add(1, Ordering::Relaxed);
-            e.into_response()
-        }
-    }
+    answer(&st, result)
 }
 
 async fn chat_inner(st: &Arc<AppState>, body: Bytes) -> Result<Response, ApiError> {
@@ -852,25 +847,13 @@ fn stream_chat(
     Sse::new(tokio_stream::wrappers::ReceiverStream::new(out))
 }
 
-async fn completions(
-    State(st): State<Arc<AppState>>,
-    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
-) -> Response {
+async fn completions(State(st): State<Arc<AppState>>, body: Body) -> Response {
     st.requests.fetch_add(1, Ordering::Relaxed);
-    let body = match body_or_error(body, st.cfg.max_body_bytes) {
-        Ok(b) => b,
-        Err(e) => {
-            st.errors.fetch_add(1, Ordering::Relaxed);
-            return e.into_response();
-        }
+    let result = match body_or_error(body, st.cfg.max_body_bytes) {
+        Ok(body) => completions_inner(&st, body).await,
+        Err(e) => Err(e),
     };
-    match completions_inner(&st, body).await {
-        Ok(r) => r,
-        Err(e) => {
-            st.errors.fetch_add(1, Ordering::Relaxed);
-            e.into_response()
-        }
-    }
+    answer(&st, result)
 }
 
 async fn completions_inner(st: &Arc<AppState>, body: Bytes) -> Result<Response, ApiError> {
