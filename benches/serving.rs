@@ -49,6 +49,7 @@ fn ours(dtype: DType, prompts: &[Vec<u32>]) -> anyhow::Result<Vec<Level>> {
             max_batch: 64,
             max_queue: 256,
             max_kv_positions: 64 * 256,
+            ..EngineConfig::default()
         },
     )?;
     // Warm-up.

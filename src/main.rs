@@ -113,6 +113,9 @@ enum Command {
         /// KV-cache positions (prompt + max_tokens of running requests) at most.
         #[arg(long, default_value_t = 65536)]
         max_kv_positions: usize,
+        /// Prompt tokens prefilled together in one pass at most.
+        #[arg(long, default_value_t = 8192)]
+        max_prefill_tokens: usize,
         /// max_tokens for requests that give none.
         #[arg(long, default_value_t = 1024)]
         default_max_tokens: usize,
@@ -207,6 +210,7 @@ fn run(cli: Cli) -> Result<()> {
             max_batch,
             max_queue,
             max_kv_positions,
+            max_prefill_tokens,
             default_max_tokens,
         }) => torch_cmds::serve(
             &model,
@@ -217,6 +221,7 @@ fn run(cli: Cli) -> Result<()> {
                 max_batch,
                 max_queue,
                 max_kv_positions,
+                max_prefill_tokens,
             },
             default_max_tokens,
         ),

@@ -85,6 +85,7 @@ fn concurrent_requests_match_one_at_a_time_and_cancellation_frees_memory() {
             max_batch: 8,
             max_queue: 64,
             max_kv_positions: 4096,
+            ..EngineConfig::default()
         },
     )
     .unwrap();
@@ -154,6 +155,7 @@ fn full_queue_is_overloaded_and_bad_requests_fail_alone() {
             max_batch: 1,
             max_queue: 2,
             max_kv_positions: 300,
+            ..EngineConfig::default()
         },
     )
     .unwrap();
@@ -188,4 +190,59 @@ fn full_queue_is_overloaded_and_bad_requests_fail_alone() {
     );
     let (toks, _, _) = collect(engine.submit(request(2, 4)).unwrap());
     assert_eq!(toks.len(), 4);
+}
+
+#[test]
+fn n_choices_share_one_prefill_and_match_separate_seeds() {
+    let dir = tempfile::tempdir().unwrap();
+    let reference_model = tiny_model(dir.path());
+    let engine = spawn_engine(
+        tiny_model(dir.path()),
+        EngineConfig {
+            max_batch: 4,
+            max_queue: 8,
+            max_kv_positions: 2048,
+            ..EngineConfig::default()
+        },
+    )
+    .unwrap();
+    let req = |seed: u64| GenerateRequest {
+        seed: Some(seed),
+        ..request(3, 12) // sampled at temperature 0.9
+    };
+    let prompt_len = req(0).prompt.len() as u64;
+    // Three choices fit the batch: one prefill of the prompt.
+    let rxs = engine.submit_n(req(40), 3).unwrap();
+    let outs: Vec<_> = rxs.into_iter().map(collect).collect();
+    assert_eq!(
+        engine.stats.prefill_tokens.load(Ordering::Relaxed),
+        prompt_len
+    );
+    for (i, (toks, lps, end)) in outs.iter().enumerate() {
+        let single = generate(&reference_model, &req(40 + i as u64), |_, _| true).unwrap();
+        assert_eq!(toks, &single.tokens, "choice {i}");
+        for (a, b) in lps.iter().zip(&single.logprobs) {
+            assert!((a - b).abs() < 1e-4, "choice {i}: {a} vs {b}");
+        }
+        assert!(matches!(
+            end,
+            EngineEvent::Finished {
+                completion_tokens: 12,
+                ..
+            }
+        ));
+    }
+    // Different seeds sample different continuations.
+    assert!(outs[0].0 != outs[1].0 || outs[1].0 != outs[2].0);
+    // Six choices on a batch of four: two groups, two prefills; all still correct.
+    let rxs = engine.submit_n(req(50), 6).unwrap();
+    for (i, rx) in rxs.into_iter().enumerate() {
+        let (toks, _, _) = collect(rx);
+        let single = generate(&reference_model, &req(50 + i as u64), |_, _| true).unwrap();
+        assert_eq!(toks, single.tokens, "choice {i} of 6");
+    }
+    assert_eq!(
+        engine.stats.prefill_tokens.load(Ordering::Relaxed),
+        3 * prompt_len
+    );
 }

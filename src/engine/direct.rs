@@ -93,8 +93,8 @@ pub fn generate(
     Ok(out)
 }
 
-/// Generates for several prompts at once: each is prefilled on its own into a KV slot,
-/// then all unfinished sequences advance together, one batched decode step per token
+/// Generates for several prompts at once: all are prefilled together in one packed pass
+/// ([`Llama::prefill_slots`]), then all unfinished sequences advance together, one batched decode step per token
 /// ([`Llama::decode_slots`]); a sequence leaves the batch as soon as it finishes. Results
 /// are in request order, each as `generate` would give it (same seeds, same stops).
 pub fn generate_batch(
@@ -147,37 +147,52 @@ pub fn generate_batch(
             out.tokens.len() >= req.max_tokens || len >= capacity
         }
     };
+    // Every prompt is prefilled in one packed pass, into slot i for request i.
+    let t0 = Instant::now();
+    let todo: Vec<usize> = (0..reqs.len())
+        .filter(|&i| reqs[i].max_tokens > 0)
+        .collect();
+    let seqs: Vec<(usize, &[u32])> = todo.iter().map(|&i| (i, &reqs[i].prompt[..])).collect();
+    let logits = if seqs.is_empty() {
+        None
+    } else {
+        Some(
+            model
+                .prefill_slots(&seqs, &slots)?
+                .f_to_device(tch::Device::Cpu)?
+                .f_contiguous()?,
+        )
+    };
+    let prefill_time = t0.elapsed();
+    let mut row_of = vec![None; reqs.len()];
+    for (row, &i) in todo.iter().enumerate() {
+        row_of[i] = Some(row);
+    }
     for (i, req) in reqs.iter().enumerate() {
-        let t0 = Instant::now();
         let mut out = Generation {
             tokens: Vec::new(),
             logprobs: Vec::new(),
             finish_reason: FinishReason::Length,
-            prefill_time: Duration::ZERO,
+            prefill_time,
             decode_time: Duration::ZERO,
         };
-        if req.max_tokens == 0 {
+        let (Some(row), Some(logits)) = (row_of[i], logits.as_ref()) else {
             outs.push(out);
             continue;
-        }
-        let mut cache = slots.slot_view(active.len())?;
-        let ids: Vec<i64> = req.prompt.iter().map(|&t| t as i64).collect();
-        let input = Tensor::f_from_slice(&ids)?
-            .f_view([1, -1])?
-            .f_to_device(model.device())?;
-        let logits = model.forward(&input, &mut cache, Logits::Last)?;
-        out.prefill_time = t0.elapsed();
+        };
         let mut rng = match req.seed {
             Some(s) => Rng::seeded(s),
             None => Rng::from_entropy(),
         };
-        let row = row_to_vec(&logits.f_select(0, 0)?)?;
+        let row = row_to_vec(&logits.f_get(row as i64)?)?;
         let (id, lp) = sampling::sample(&row, &req.sampling, &mut rng, &req.prompt, &[]);
         out.tokens.push(id);
         out.logprobs.push(lp);
         let finished = done(req, &mut out, id, req.prompt.len());
         outs.push(out);
         if !finished {
+            // Slots 0..active.len() stay occupied: this prompt's keys move down.
+            slots.copy_slot(i, active.len(), req.prompt.len())?;
             active.push(Seq {
                 req: i,
                 len: req.prompt.len(),
@@ -214,7 +229,7 @@ pub fn generate_batch(
         for r in finished.into_iter().rev() {
             let last = active.len() - 1;
             if r != last {
-                slots.move_slot(last, r, active[last].len)?;
+                slots.copy_slot(last, r, active[last].len)?;
             }
             active.swap_remove(r);
         }

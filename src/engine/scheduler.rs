@@ -20,9 +20,8 @@ use super::{FinishReason, GenerateRequest};
 #[cfg(feature = "torch")]
 use {
     super::{direct::row_to_vec, sampling, Rng},
-    crate::model::llama::{Llama, Logits, SlotCache},
+    crate::model::llama::{Llama, SlotCache},
     crate::model::ModelError,
-    tch::Tensor,
 };
 
 /// Bounds of one engine; every one is a config value with a default.
@@ -35,6 +34,9 @@ pub struct EngineConfig {
     /// KV positions in all, split evenly into `max_batch` slots allocated at start; a
     /// request's prompt + max_tokens must fit one slot.
     pub max_kv_positions: usize,
+    /// Prompt tokens prefilled together in one packed pass at most (a longer single
+    /// prompt still goes alone).
+    pub max_prefill_tokens: usize,
 }
 
 impl Default for EngineConfig {
@@ -43,6 +45,7 @@ impl Default for EngineConfig {
             max_batch: 32,
             max_queue: 256,
             max_kv_positions: 65_536,
+            max_prefill_tokens: 8192,
         }
     }
 }
@@ -85,6 +88,10 @@ pub struct EngineStats {
     pub completed: AtomicU64,
     pub cancelled: AtomicU64,
     pub generated_tokens: AtomicU64,
+    /// Prompt tokens run through the model (a prompt shared by `n` choices counts once).
+    pub prefill_tokens: AtomicU64,
+    /// Packed prefill passes (each takes every prompt admitted at that moment).
+    pub prefill_passes: AtomicU64,
     pub policy_version: AtomicU64,
 }
 
@@ -92,8 +99,10 @@ pub struct EngineStats {
 /// starts one).
 #[cfg_attr(not(feature = "torch"), allow(dead_code))]
 pub(crate) struct Submission {
-    req: GenerateRequest,
-    events: UnboundedSender<EngineEvent>,
+    req: Arc<GenerateRequest>,
+    /// One sender per choice, with the choice's index (its seed is `seed + index`). The
+    /// choices share one prefill.
+    choices: Vec<(u64, UnboundedSender<EngineEvent>)>,
 }
 
 /// A cheap, cloneable handle to the engine thread.
@@ -101,6 +110,7 @@ pub(crate) struct Submission {
 pub struct EngineHandle {
     tx: SyncSender<Submission>,
     max_queue: usize,
+    max_batch: usize,
     /// The most positions (prompt + completion) one request can have: a KV slot's size.
     pub max_sequence: usize,
     pub stats: Arc<EngineStats>,
@@ -113,15 +123,43 @@ impl EngineHandle {
         &self,
         req: GenerateRequest,
     ) -> Result<UnboundedReceiver<EngineEvent>, EngineError> {
-        let (events, rx) = unbounded_channel();
-        match self.tx.try_send(Submission { req, events }) {
-            Ok(()) => {
-                self.stats.waiting.fetch_add(1, Ordering::Relaxed);
-                Ok(rx)
+        let mut rx = self.submit_n(req, 1)?;
+        Ok(rx.remove(0))
+    }
+
+    /// Queues `n` samples of one prompt (OpenAI's `n`): the prompt is prefilled once and
+    /// its KV cache shared; choice `i` samples with seed `seed + i`. Each receiver cancels
+    /// its own choice when dropped. Choices beyond the batch size go in further groups.
+    pub fn submit_n(
+        &self,
+        req: GenerateRequest,
+        n: usize,
+    ) -> Result<Vec<UnboundedReceiver<EngineEvent>>, EngineError> {
+        let req = Arc::new(req);
+        let mut out = Vec::with_capacity(n);
+        let mut index = 0u64;
+        while (index as usize) < n {
+            let take = (n - index as usize).min(self.max_batch);
+            let mut choices = Vec::with_capacity(take);
+            for i in 0..take as u64 {
+                let (events, rx) = unbounded_channel();
+                choices.push((index + i, events));
+                out.push(rx);
             }
-            Err(TrySendError::Full(_)) => Err(EngineError::Overloaded(self.max_queue)),
-            Err(TrySendError::Disconnected(_)) => Err(EngineError::Stopped),
+            index += take as u64;
+            // On a refusal, the receivers already made are dropped: those groups cancel.
+            match self.tx.try_send(Submission {
+                req: req.clone(),
+                choices,
+            }) {
+                Ok(()) => {
+                    self.stats.waiting.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(TrySendError::Full(_)) => return Err(EngineError::Overloaded(self.max_queue)),
+                Err(TrySendError::Disconnected(_)) => return Err(EngineError::Stopped),
+            }
         }
+        Ok(out)
     }
 }
 
@@ -143,6 +181,7 @@ pub fn spawn_engine(model: Llama, cfg: EngineConfig) -> Result<EngineHandle, Mod
     let handle = EngineHandle {
         tx,
         max_queue: cfg.max_queue.max(1),
+        max_batch: batch,
         max_sequence: slots.capacity(),
         stats: stats.clone(),
     };
@@ -160,6 +199,7 @@ pub fn spawn_engine(model: Llama, cfg: EngineConfig) -> Result<EngineHandle, Mod
                 model,
                 cfg: EngineConfig {
                     max_batch: batch,
+                    max_prefill_tokens: cfg.max_prefill_tokens.max(1),
                     ..cfg
                 },
                 rx,
@@ -179,7 +219,7 @@ pub fn spawn_engine(model: Llama, cfg: EngineConfig) -> Result<EngineHandle, Mod
 /// A running sequence; `running[i]` lives in KV slot `i`.
 #[cfg(feature = "torch")]
 struct Running {
-    req: GenerateRequest,
+    req: Arc<GenerateRequest>,
     events: UnboundedSender<EngineEvent>,
     /// Positions filled in its slot.
     len: usize,
@@ -247,91 +287,153 @@ impl EngineLoop {
         }
     }
 
-    /// Prefills waiting requests (FIFO) into free slots.
+    /// Why `req` cannot run here, if it cannot.
+    fn check(&self, req: &GenerateRequest) -> Result<(), String> {
+        req.sampling.validate()?;
+        let limit = self.model.max_positions();
+        let vocab = self.model.config.vocab_size as u32;
+        if req.prompt.is_empty() || req.prompt.len() >= limit {
+            return Err(format!(
+                "prompt of {} tokens does not fit the model's context of {limit}",
+                req.prompt.len()
+            ));
+        }
+        if let Some(bad) = req.prompt.iter().find(|&&t| t >= vocab) {
+            return Err(format!(
+                "prompt token id {bad} is outside the vocabulary of {vocab}"
+            ));
+        }
+        let need = req.prompt.len() + req.max_tokens;
+        if need > self.slots.capacity() {
+            return Err(format!(
+                "request needs {need} KV positions (prompt {} + max_tokens {}), more than the engine's per-request budget of {}",
+                req.prompt.len(),
+                req.max_tokens,
+                self.slots.capacity()
+            ));
+        }
+        Ok(())
+    }
+
+    /// Admits waiting requests (FIFO) while free slots last: all admitted prompts are
+    /// prefilled together in one packed pass, then each request's choices fork from its
+    /// prefilled slot and sample their first tokens.
     fn admit(&mut self) {
-        while self.running.len() < self.cfg.max_batch {
-            let Some(sub) = self.waiting.pop_front() else {
+        let mut free = self.cfg.max_batch - self.running.len();
+        let mut tokens = 0usize;
+        let mut group: Vec<Submission> = Vec::new();
+        while let Some(front) = self.waiting.front() {
+            let wanted = front.choices.iter().filter(|c| !c.1.is_closed()).count();
+            if wanted > free
+                || (!group.is_empty()
+                    && tokens + front.req.prompt.len() > self.cfg.max_prefill_tokens)
+            {
+                break;
+            }
+            let Some(mut sub) = self.waiting.pop_front() else {
                 break;
             };
             self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
-            if sub.events.is_closed() {
-                self.stats.cancelled.fetch_add(1, Ordering::Relaxed);
+            let before = sub.choices.len();
+            sub.choices.retain(|c| !c.1.is_closed());
+            self.stats
+                .cancelled
+                .fetch_add((before - sub.choices.len()) as u64, Ordering::Relaxed);
+            if sub.choices.is_empty() {
                 continue;
             }
-            let need = sub.req.prompt.len() + sub.req.max_tokens;
-            if need > self.slots.capacity() {
-                let _ = sub.events.send(EngineEvent::Failed(format!(
-                    "request needs {need} KV positions (prompt {} + max_tokens {}), more than the engine's per-request budget of {}",
-                    sub.req.prompt.len(),
-                    sub.req.max_tokens,
-                    self.slots.capacity()
-                )));
+            if let Err(e) = self.check(&sub.req) {
+                for (_, events) in &sub.choices {
+                    let _ = events.send(EngineEvent::Failed(e.clone()));
+                }
                 continue;
             }
-            match self.prefill(sub.req, sub.events.clone()) {
-                Ok(Some(r)) => self.running.push(r),
-                Ok(None) => {}
-                Err(e) => {
-                    let _ = sub.events.send(EngineEvent::Failed(e.to_string()));
+            if sub.req.max_tokens == 0 {
+                for (_, events) in &sub.choices {
+                    finish(&self.stats, events, &sub.req, 0, FinishReason::Length);
+                }
+                continue;
+            }
+            free -= sub.choices.len();
+            tokens += sub.req.prompt.len();
+            group.push(sub);
+        }
+        if group.is_empty() {
+            return;
+        }
+        if let Err(e) = self.prefill(&group) {
+            for sub in &group {
+                for (_, events) in &sub.choices {
+                    let _ = events.send(EngineEvent::Failed(e.to_string()));
                 }
             }
         }
     }
 
-    /// Prefills one request into the next free slot and samples its first token; `None`
-    /// if it already finished.
-    fn prefill(
-        &mut self,
-        req: GenerateRequest,
-        events: UnboundedSender<EngineEvent>,
-    ) -> Result<Option<Running>, ModelError> {
-        req.sampling.validate().map_err(ModelError::Invalid)?;
-        let limit = self.model.max_positions();
-        let vocab = self.model.config.vocab_size as u32;
-        if req.prompt.is_empty() || req.prompt.len() >= limit {
-            return Err(ModelError::Invalid(format!(
-                "prompt of {} tokens does not fit the model's context of {limit}",
-                req.prompt.len()
-            )));
+    /// Prefills `group` (which fits the free slots) and starts its choices running.
+    fn prefill(&mut self, group: &[Submission]) -> Result<(), ModelError> {
+        // Request j's prompt goes into the first slot of its block of choices.
+        let mut base = Vec::with_capacity(group.len());
+        let mut next = self.running.len();
+        for sub in group {
+            base.push(next);
+            next += sub.choices.len();
         }
-        if let Some(bad) = req.prompt.iter().find(|&&t| t >= vocab) {
-            return Err(ModelError::Invalid(format!(
-                "prompt token id {bad} is outside the vocabulary of {vocab}"
-            )));
+        let seqs: Vec<(usize, &[u32])> = group
+            .iter()
+            .zip(&base)
+            .map(|(sub, &slot)| (slot, &sub.req.prompt[..]))
+            .collect();
+        let logits = self
+            .model
+            .prefill_slots(&seqs, &self.slots)?
+            .f_to_device(tch::Device::Cpu)?
+            .f_contiguous()?;
+        self.stats.prefill_passes.fetch_add(1, Ordering::Relaxed);
+        self.stats.prefill_tokens.fetch_add(
+            seqs.iter().map(|s| s.1.len() as u64).sum(),
+            Ordering::Relaxed,
+        );
+        for (j, sub) in group.iter().enumerate() {
+            let row = row_to_vec(&logits.f_get(j as i64)?)?;
+            let top = sampling::top_logprobs(&row, sub.req.top_logprobs);
+            let len = sub.req.prompt.len();
+            for (index, events) in &sub.choices {
+                // Slots between running.len() and base[j] belong to choices that already
+                // finished, so the next running sequence's slot never holds data still
+                // needed.
+                let slot = self.running.len();
+                if slot != base[j] {
+                    self.slots.copy_slot(base[j], slot, len)?;
+                }
+                let mut rng = match sub.req.seed {
+                    Some(s) => Rng::seeded(s.wrapping_add(*index)),
+                    None => Rng::from_entropy(),
+                };
+                let (id, lp) =
+                    sampling::sample(&row, &sub.req.sampling, &mut rng, &sub.req.prompt, &[]);
+                let mut r = Running {
+                    len,
+                    req: sub.req.clone(),
+                    events: events.clone(),
+                    rng,
+                    generated: 0,
+                    tokens: Vec::new(),
+                    last: id,
+                };
+                if !emit(
+                    &self.stats,
+                    self.slots.capacity(),
+                    &mut r,
+                    id,
+                    lp,
+                    top.clone(),
+                ) {
+                    self.running.push(r);
+                }
+            }
         }
-        if req.max_tokens == 0 {
-            finish(&self.stats, &events, &req, 0, FinishReason::Length);
-            return Ok(None);
-        }
-        let mut cache = self.slots.slot_view(self.running.len())?;
-        let ids: Vec<i64> = req.prompt.iter().map(|&t| t as i64).collect();
-        let input = Tensor::f_from_slice(&ids)?
-            .f_view([1, -1])?
-            .f_to_device(self.model.device())?;
-        let logits = self.model.forward(&input, &mut cache, Logits::Last)?;
-        let row = row_to_vec(&logits.f_select(0, 0)?)?;
-        let mut rng = match req.seed {
-            Some(s) => Rng::seeded(s),
-            None => Rng::from_entropy(),
-        };
-        let (id, lp) = sampling::sample(&row, &req.sampling, &mut rng, &req.prompt, &[]);
-        let top = sampling::top_logprobs(&row, req.top_logprobs);
-        let mut r = Running {
-            len: req.prompt.len(),
-            req,
-            events,
-            rng,
-            generated: 0,
-            tokens: Vec::new(),
-            last: id,
-        };
-        Ok(
-            if emit(&self.stats, self.slots.capacity(), &mut r, id, lp, top) {
-                None
-            } else {
-                Some(r)
-            },
-        )
+        Ok(())
     }
 
     /// Removes the sequences at `gone` (any order), keeping slots `0..n` occupied by
@@ -342,7 +444,7 @@ impl EngineLoop {
         for i in gone {
             let last = self.running.len() - 1;
             if i != last {
-                self.slots.move_slot(last, i, self.running[last].len)?;
+                self.slots.copy_slot(last, i, self.running[last].len)?;
             }
             self.running.swap_remove(i);
         }

@@ -115,22 +115,9 @@ impl SlotCache {
             .map(|t| t.numel() * t.kind().elt_size_in_bytes())
             .sum()
     }
-    /// A batch-1 [`KvCache`] that writes into slot `s` (for prefill), empty.
-    pub fn slot_view(&self, s: usize) -> Result<KvCache, ModelError> {
-        if s >= self.slots {
-            return Err(ModelError::Invalid(format!("slot {s} of {}", self.slots)));
-        }
-        let view = |t: &Tensor| t.f_narrow(0, s as i64, 1);
-        Ok(KvCache {
-            k: self.k.iter().map(view).collect::<Result<_, _>>()?,
-            v: self.v.iter().map(view).collect::<Result<_, _>>()?,
-            len: 0,
-            capacity: self.capacity,
-            batch: 1,
-        })
-    }
-    /// Copies the first `len` positions of slot `from` into slot `to` (compaction).
-    pub fn move_slot(&mut self, from: usize, to: usize, len: usize) -> Result<(), ModelError> {
+    /// Copies the first `len` positions of slot `from` into slot `to` (compaction, and
+    /// forking one prefilled prompt into several sequences).
+    pub fn copy_slot(&mut self, from: usize, to: usize, len: usize) -> Result<(), ModelError> {
         if from == to || len == 0 {
             return Ok(());
         }
@@ -510,6 +497,117 @@ impl Llama {
             slots,
             capacity,
         })
+    }
+
+    /// Prefills several prompts at once, each into its own slot from position 0: the
+    /// prompts are packed into one row of tokens so every matrix runs once for all of them,
+    /// while attention stays causal within each prompt. Returns float32 logits of each
+    /// prompt's last position, [prompts, vocab], in the order given.
+    pub fn prefill_slots(
+        &self,
+        seqs: &[(usize, &[u32])],
+        cache: &SlotCache,
+    ) -> Result<Tensor, ModelError> {
+        if seqs.is_empty() {
+            return Err(ModelError::Invalid("prefill_slots: no prompts".into()));
+        }
+        let vocab = self.config.vocab_size as u32;
+        let mut used = vec![false; cache.slots];
+        let mut tok: Vec<i64> = Vec::new();
+        let mut pos: Vec<i64> = Vec::new();
+        let mut last: Vec<i64> = Vec::with_capacity(seqs.len());
+        for (i, &(slot, ids)) in seqs.iter().enumerate() {
+            if slot >= cache.slots || std::mem::replace(&mut used[slot], true) {
+                return Err(ModelError::Invalid(format!(
+                    "prompt {i}: slot {slot} is out of range or used twice ({} slots)",
+                    cache.slots
+                )));
+            }
+            if ids.is_empty() || ids.len() > cache.capacity {
+                return Err(ModelError::Invalid(format!(
+                    "prompt {i}: {} tokens do not fit a slot of {} positions",
+                    ids.len(),
+                    cache.capacity
+                )));
+            }
+            if let Some(bad) = ids.iter().find(|&&t| t >= vocab) {
+                return Err(ModelError::Invalid(format!(
+                    "prompt {i}: token id {bad} is outside the vocabulary of {vocab}"
+                )));
+            }
+            tok.extend(ids.iter().map(|&t| t as i64));
+            pos.extend(0..ids.len() as i64);
+            last.push(tok.len() as i64 - 1);
+        }
+        let c = &self.config;
+        let (nh, nkv, hd) = (
+            c.num_attention_heads as i64,
+            c.num_key_value_heads as i64,
+            c.head_dim as i64,
+        );
+        let dev = self.device;
+        let total = tok.len() as i64;
+        let tok = Tensor::f_from_slice(&tok)?.f_to_device(dev)?;
+        let pos_t = Tensor::f_from_slice(&pos)?.f_to_device(dev)?;
+        let rope = self.rope.f_index_select(0, &pos_t)?.f_unsqueeze(1)?;
+        let mut x =
+            Tensor::f_embedding(&self.embed_tokens, &tok, -1, false, false)?.f_to_kind(self.act)?;
+        let mut parts = Vec::with_capacity(seqs.len());
+        for (l, layer) in self.layers.iter().enumerate() {
+            let hn = self.rms_norm(&x, &layer.input_layernorm)?;
+            let qkv = self.linear(&hn, &layer.qkv_proj, layer.qkv_bias.as_ref())?;
+            let qk = qkv
+                .f_narrow(-1, 0, (nh + nkv) * hd)?
+                .f_view([total, nh + nkv, hd / 2, 2])?;
+            let qk = apply_rope(&qk, &rope)?.f_view([total, nh + nkv, hd])?;
+            let v = qkv
+                .f_narrow(-1, (nh + nkv) * hd, nkv * hd)?
+                .f_view([total, nkv, hd])?;
+            parts.clear();
+            let mut off = 0i64;
+            for &(slot, ids) in seqs {
+                let t = ids.len() as i64;
+                // [1, heads, t, hd]
+                let head_major =
+                    |x: &Tensor, from: i64, heads: i64| -> Result<Tensor, ModelError> {
+                        Ok(x.f_narrow(0, off, t)?
+                            .f_narrow(1, from, heads)?
+                            .f_transpose(0, 1)?
+                            .f_unsqueeze(0)?)
+                    };
+                let q = head_major(&qk, 0, nh)?;
+                let k = head_major(&qk, nh, nkv)?;
+                let vv = head_major(&v, 0, nkv)?;
+                cache.k[l]
+                    .f_narrow(0, slot as i64, 1)?
+                    .f_narrow(2, 0, t)?
+                    .f_copy_(&k)?;
+                cache.v[l]
+                    .f_narrow(0, slot as i64, 1)?
+                    .f_narrow(2, 0, t)?
+                    .f_copy_(&vv)?;
+                let attn = Tensor::f_scaled_dot_product_attention(
+                    &q,
+                    &k,
+                    &vv,
+                    None::<&Tensor>,
+                    0.0,
+                    t > 1,
+                    None,
+                    nkv != nh,
+                )?;
+                parts.push(
+                    attn.f_squeeze_dim(0)?
+                        .f_transpose(0, 1)?
+                        .f_reshape([t, nh * hd])?,
+                );
+                off += t;
+            }
+            let attn = Tensor::f_cat(&parts, 0)?;
+            x = self.finish_layer(layer, &x, &attn)?;
+        }
+        let last = Tensor::f_from_slice(&last)?.f_to_device(dev)?;
+        self.head(&x.f_index_select(0, &last)?)
     }
 
     /// One decode step for the sequences in slots `0..ids.len()` of `cache`: row `i`

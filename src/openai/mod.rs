@@ -36,12 +36,14 @@ pub trait Backend: Send + Sync + 'static {
     fn max_context(&self, model: &str) -> Option<usize>;
     /// False while starting up (answers 503).
     fn ready(&self) -> bool;
-    /// Starts one generation; its events stream back. Dropping the receiver cancels.
+    /// Starts `n` generations from one prompt (choice `i` seeded with `seed + i`); their
+    /// events stream back, one receiver per choice. Dropping a receiver cancels it.
     fn submit(
         &self,
         model: &str,
         req: GenerateRequest,
-    ) -> Result<UnboundedReceiver<EngineEvent>, EngineError>;
+        n: usize,
+    ) -> Result<Vec<UnboundedReceiver<EngineEvent>>, EngineError>;
     /// Extra Prometheus lines (engine gauges and counters).
     fn metrics(&self) -> String;
 }
@@ -71,8 +73,9 @@ impl Backend for LocalBackend {
         &self,
         _model: &str,
         req: GenerateRequest,
-    ) -> Result<UnboundedReceiver<EngineEvent>, EngineError> {
-        self.engine.submit(req)
+        n: usize,
+    ) -> Result<Vec<UnboundedReceiver<EngineEvent>>, EngineError> {
+        self.engine.submit_n(req, n)
     }
     fn metrics(&self) -> String {
         use std::sync::atomic::Ordering::Relaxed;
@@ -85,6 +88,8 @@ impl Backend for LocalBackend {
              # TYPE agentjet_engine_completed_total counter\nagentjet_engine_completed_total{{model=\"{m}\"}} {}\n\
              # TYPE agentjet_engine_cancelled_total counter\nagentjet_engine_cancelled_total{{model=\"{m}\"}} {}\n\
              # TYPE agentjet_engine_generated_tokens_total counter\nagentjet_engine_generated_tokens_total{{model=\"{m}\"}} {}\n\
+             # TYPE agentjet_engine_prefill_tokens_total counter\nagentjet_engine_prefill_tokens_total{{model=\"{m}\"}} {}\n\
+             # TYPE agentjet_engine_prefill_passes_total counter\nagentjet_engine_prefill_passes_total{{model=\"{m}\"}} {}\n\
              # TYPE agentjet_policy_version gauge\nagentjet_policy_version{{model=\"{m}\"}} {}\n",
             s.running.load(Relaxed),
             s.waiting.load(Relaxed),
@@ -92,6 +97,8 @@ impl Backend for LocalBackend {
             s.completed.load(Relaxed),
             s.cancelled.load(Relaxed),
             s.generated_tokens.load(Relaxed),
+            s.prefill_tokens.load(Relaxed),
+            s.prefill_passes.load(Relaxed),
             s.policy_version.load(Relaxed),
         )
     }

@@ -321,26 +321,23 @@ fn plan(
     })
 }
 
-/// Submits the plan's `n` generations (seeds `seed + i`); on a refusal, the ones already
-/// submitted are cancelled by dropping their receivers.
+/// Submits the plan's `n` generations as one request (one shared prefill; choice `i`
+/// samples with seed `seed + i`).
 fn submit(st: &AppState, p: &Plan) -> Result<Vec<UnboundedReceiver<EngineEvent>>, ApiError> {
-    (0..p.n)
-        .map(|i| {
-            st.backend
-                .submit(
-                    &p.model,
-                    GenerateRequest {
-                        prompt: p.prompt.clone(),
-                        max_tokens: p.max_tokens,
-                        sampling: p.sampling.clone(),
-                        seed: p.seed.map(|s| s.wrapping_add(i as u64)),
-                        stop_token_ids: p.card.generation.eos_token_ids.clone(),
-                        top_logprobs: p.top_logprobs.unwrap_or(0),
-                    },
-                )
-                .map_err(engine_error)
-        })
-        .collect()
+    st.backend
+        .submit(
+            &p.model,
+            GenerateRequest {
+                prompt: p.prompt.clone(),
+                max_tokens: p.max_tokens,
+                sampling: p.sampling.clone(),
+                seed: p.seed,
+                stop_token_ids: p.card.generation.eos_token_ids.clone(),
+                top_logprobs: p.top_logprobs.unwrap_or(0),
+            },
+            p.n,
+        )
+        .map_err(engine_error)
 }
 
 /// One choice being decoded: text, stop strings, ids, logprobs.
