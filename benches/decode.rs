@@ -52,6 +52,7 @@ fn ours(dtype: DType, prompt: &[u32]) -> anyhow::Result<Side> {
         // Fixed length on both sides: EOS does not stop (HF: min_new_tokens).
         stop_token_ids: vec![],
         top_logprobs: 0,
+        constraint: None,
     };
     generate(&loaded.model, &req, |_, _| true)?; // warm-up
     let mut runs = Vec::new();

@@ -358,6 +358,7 @@ mod torch_cmds {
             seed,
             stop_token_ids: card.generation.eos_token_ids.clone(),
             top_logprobs: 0,
+            constraint: None,
         };
         let mut decoder = StreamDecoder::new();
         let stdout = std::io::stdout();

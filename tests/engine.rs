@@ -6,8 +6,8 @@
 mod common;
 
 use agentjet::engine::{
-    generate, spawn_engine, EngineConfig, EngineError, EngineEvent, FinishReason, GenerateRequest,
-    SamplingParams,
+    generate, spawn_engine, Constraint, EngineConfig, EngineError, EngineEvent, FinishReason,
+    GenerateRequest, SamplingParams, TokenBytes, ToolSpec,
 };
 use agentjet::model::checkpoint::load_model;
 use agentjet::model::llama::{DType, Llama};
@@ -52,6 +52,7 @@ fn request(i: usize, max_tokens: usize) -> GenerateRequest {
         seed: Some(i as u64),
         stop_token_ids: vec![],
         top_logprobs: 0,
+        constraint: None,
     }
 }
 
@@ -245,4 +246,106 @@ fn n_choices_share_one_prefill_and_match_separate_seeds() {
         engine.stats.prefill_tokens.load(Ordering::Relaxed),
         3 * prompt_len
     );
+}
+
+/// A vocabulary of `n` tokens where a few ids spell pattern pieces and every other id is
+/// text that can never start a pattern (so a random model picks junk unless masked).
+fn pattern_vocab(n: usize, pieces: &[&str]) -> std::sync::Arc<TokenBytes> {
+    let mut v: Vec<Option<Box<[u8]>>> = (0..n)
+        .map(|i| Some(format!("junk{i}").into_bytes().into_boxed_slice()))
+        .collect();
+    v[0] = None; // a special token
+    for (k, p) in pieces.iter().enumerate() {
+        v[10 + k] = Some(p.as_bytes().to_vec().into_boxed_slice());
+    }
+    std::sync::Arc::new(TokenBytes(v))
+}
+
+fn specs(names: &[String]) -> Vec<ToolSpec> {
+    names
+        .iter()
+        .map(|n| ToolSpec {
+            name: n.clone(),
+            parameters: None,
+        })
+        .collect()
+}
+
+#[test]
+fn constrained_requests_follow_their_pattern_and_stop_when_complete() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let vocab_size = model.config.vocab_size;
+    let engine = spawn_engine(model, EngineConfig::default()).unwrap();
+    let pieces = [
+        "<tool_call>\n{\"name\": \"",
+        "get",
+        "_weather\"",
+        "_time\"",
+        ", \"arguments\": ",
+        "{",
+        "}",
+        "}\n</tool_call>",
+        "\n</tool_call>",
+    ];
+    let vocab = pattern_vocab(vocab_size, &pieces);
+    let text = |toks: &[u32]| -> String {
+        toks.iter()
+            .map(|&t| String::from_utf8(vocab.0[t as usize].clone().unwrap().into()).unwrap())
+            .collect()
+    };
+    // A forced tool call among two names, sampled: every choice is a well-formed call of
+    // one of them, ended as soon as it is complete.
+    let names = vec!["get_time".to_string(), "get_weather".to_string()];
+    let req = GenerateRequest {
+        constraint: Some(Constraint::tool_call(&specs(&names), vocab.clone()).unwrap()),
+        ..request(3, 64)
+    };
+    for (i, rx) in engine.submit_n(req, 4).unwrap().into_iter().enumerate() {
+        let (toks, _, end) = collect(rx);
+        let out = text(&toks);
+        assert!(
+            matches!(
+                end,
+                EngineEvent::Finished {
+                    reason: FinishReason::Stop,
+                    ..
+                }
+            ),
+            "choice {i}: {end:?} after {out:?}"
+        );
+        let (_, calls) = agentjet::openai::text::parse_tool_calls(&out, 1).unwrap();
+        assert!(names.contains(&calls[0].function.name), "{out:?}");
+        assert_eq!(calls[0].function.arguments, "{}");
+    }
+    // JSON mode with only braces in the vocabulary: only `{}` is possible.
+    let braces = pattern_vocab(vocab_size, &["{", "}"]);
+    let req = GenerateRequest {
+        constraint: Some(Constraint::json_object(braces.clone())),
+        ..request(5, 64)
+    };
+    let (toks, _, end) = collect(engine.submit(req).unwrap());
+    assert_eq!(toks, vec![10, 11]);
+    assert!(matches!(
+        end,
+        EngineEvent::Finished {
+            reason: FinishReason::Stop,
+            completion_tokens: 2,
+            ..
+        }
+    ));
+    // A pattern the vocabulary cannot spell fails that request with a reason, alone.
+    let req = GenerateRequest {
+        constraint: Some(
+            Constraint::tool_call(&specs(&["other".to_string()]), vocab.clone()).unwrap(),
+        ),
+        ..request(1, 64)
+    };
+    let (_, _, end) = collect(engine.submit(req).unwrap());
+    assert!(
+        matches!(&end, EngineEvent::Failed(m) if m.contains("no token")),
+        "{end:?}"
+    );
+    let (toks, _, _) = collect(engine.submit(request(2, 4)).unwrap());
+    assert_eq!(toks.len(), 4);
 }

@@ -353,6 +353,7 @@ fn batched_decode_gives_the_same_tokens_and_logprobs_as_one_at_a_time() {
                 seed: Some(100 + i as u64),
                 stop_token_ids: if i == 5 { vec![7, 9, 11, 13] } else { vec![] },
                 top_logprobs: 0,
+                constraint: None,
             })
             .collect();
         let batched = generate_batch(&m, &reqs).unwrap();

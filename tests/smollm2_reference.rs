@@ -110,6 +110,7 @@ fn greedy_tokens_and_logprobs_match_transformers() {
                 seed: None,
                 stop_token_ids: card.generation.eos_token_ids.clone(),
                 top_logprobs: 0,
+                constraint: None,
             },
             |_, _| true,
         )
@@ -261,6 +262,7 @@ fn batched_greedy_decode_gives_transformers_tokens() {
             seed: None,
             stop_token_ids: loaded.card.generation.eos_token_ids.clone(),
             top_logprobs: 0,
+            constraint: None,
         })
         .collect();
     let out = generate_batch(&loaded.model, &reqs).unwrap();

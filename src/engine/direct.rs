@@ -21,6 +21,16 @@ pub(crate) fn row_to_vec(logits: &Tensor) -> Result<Vec<f32>, ModelError> {
     Ok(v)
 }
 
+fn no_constraint(req: &GenerateRequest) -> Result<(), ModelError> {
+    match &req.constraint {
+        Some(c) => Err(ModelError::Invalid(format!(
+            "constrained decoding ({}) runs in the engine thread (`spawn_engine`, `serve`), not in direct generation",
+            c.describe
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// Generates from one prompt with a KV cache. `on_token(id, logprob)` runs after each
 /// token; returning `false` stops generation (finish reason `Cancelled`).
 pub fn generate(
@@ -29,6 +39,7 @@ pub fn generate(
     mut on_token: impl FnMut(u32, f64) -> bool,
 ) -> Result<Generation, ModelError> {
     req.sampling.validate().map_err(ModelError::Invalid)?;
+    no_constraint(req)?;
     if req.prompt.is_empty() {
         return Err(ModelError::Invalid("prompt is empty".into()));
     }
@@ -108,6 +119,7 @@ pub fn generate_batch(
         req.sampling
             .validate()
             .map_err(|e| ModelError::Invalid(format!("request {i}: {e}")))?;
+        no_constraint(req)?;
         if req.prompt.is_empty() || req.prompt.len() >= limit {
             return Err(ModelError::Invalid(format!(
                 "request {i}: prompt of {} tokens does not fit the model's context of {limit}",

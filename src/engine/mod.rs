@@ -7,6 +7,7 @@
 //! Owns: token ids in, token ids + logprobs out. Never renders chat or parses text beyond
 //! the stop decision it is given.
 
+pub mod constraint;
 pub mod sampling;
 pub mod scheduler;
 
@@ -14,6 +15,7 @@ use std::time::Duration;
 
 #[cfg(feature = "torch")]
 mod direct;
+pub use constraint::{Constraint, TokenBytes, ToolSpec};
 #[cfg(feature = "torch")]
 pub use direct::{generate, generate_batch};
 pub use sampling::{Rng, SamplingParams};
@@ -41,6 +43,9 @@ pub struct GenerateRequest {
     pub stop_token_ids: Vec<u32>,
     /// How many of the most likely alternatives to report with each token (0 = none).
     pub top_logprobs: usize,
+    /// A pattern the output must follow (JSON mode, forced tool calls); the output ends
+    /// when the pattern is complete. Only the engine thread runs constraints.
+    pub constraint: Option<Constraint>,
 }
 
 #[derive(Debug, Clone)]

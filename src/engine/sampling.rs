@@ -236,9 +236,35 @@ pub fn sample(
     prompt: &[u32],
     generated: &[u32],
 ) -> (u32, f64) {
+    sample_within(logits, None, params, rng, prompt, generated)
+}
+
+/// [`sample`], choosing only among tokens with `allowed[i]` (constrained decoding; at
+/// least one must be allowed). The logprob reported is still the model's, over the whole
+/// vocabulary.
+pub fn sample_within(
+    logits: &[f32],
+    allowed: Option<&[bool]>,
+    params: &SamplingParams,
+    rng: &mut Rng,
+    prompt: &[u32],
+    generated: &[u32],
+) -> (u32, f64) {
     let owned;
-    let choose_from: &[f32] = if params.changes_logits() {
-        owned = processed(logits, params, prompt, generated);
+    let choose_from: &[f32] = if params.changes_logits() || allowed.is_some() {
+        let mut v = if params.changes_logits() {
+            processed(logits, params, prompt, generated)
+        } else {
+            logits.to_vec()
+        };
+        if let Some(allowed) = allowed {
+            for (x, &ok) in v.iter_mut().zip(allowed) {
+                if !ok {
+                    *x = f32::NEG_INFINITY;
+                }
+            }
+        }
+        owned = v;
         &owned
     } else {
         logits

@@ -19,7 +19,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use super::{FinishReason, GenerateRequest};
 #[cfg(feature = "torch")]
 use {
-    super::{direct::row_to_vec, sampling, Rng},
+    super::{constraint::ConstraintState, direct::row_to_vec, sampling, Rng},
     crate::model::llama::{Llama, SlotCache},
     crate::model::ModelError,
 };
@@ -209,6 +209,7 @@ pub fn spawn_engine(model: Llama, cfg: EngineConfig) -> Result<EngineHandle, Mod
                 slots,
                 bytes_per_position,
                 disconnected: false,
+                allowed: Vec::new(),
             }
             .run()
         })
@@ -228,6 +229,8 @@ struct Running {
     /// The tokens generated so far (penalties look at them).
     tokens: Vec<u32>,
     last: u32,
+    /// Where the output is in the request's constraint, if it has one.
+    cstate: Option<ConstraintState>,
 }
 
 #[cfg(feature = "torch")]
@@ -241,6 +244,8 @@ struct EngineLoop {
     slots: SlotCache,
     bytes_per_position: usize,
     disconnected: bool,
+    /// Scratch for constrained decoding's vocabulary mask.
+    allowed: Vec<bool>,
 }
 
 #[cfg(feature = "torch")]
@@ -406,12 +411,10 @@ impl EngineLoop {
                 if slot != base[j] {
                     self.slots.copy_slot(base[j], slot, len)?;
                 }
-                let mut rng = match sub.req.seed {
+                let rng = match sub.req.seed {
                     Some(s) => Rng::seeded(s.wrapping_add(*index)),
                     None => Rng::from_entropy(),
                 };
-                let (id, lp) =
-                    sampling::sample(&row, &sub.req.sampling, &mut rng, &sub.req.prompt, &[]);
                 let mut r = Running {
                     len,
                     req: sub.req.clone(),
@@ -419,17 +422,25 @@ impl EngineLoop {
                     rng,
                     generated: 0,
                     tokens: Vec::new(),
-                    last: id,
+                    last: 0,
+                    cstate: sub.req.constraint.as_ref().map(|c| c.start()),
                 };
-                if !emit(
-                    &self.stats,
-                    self.slots.capacity(),
-                    &mut r,
-                    id,
-                    lp,
-                    top.clone(),
-                ) {
-                    self.running.push(r);
+                match pick(&row, &mut r, &mut self.allowed) {
+                    Ok((id, lp)) => {
+                        if !emit(
+                            &self.stats,
+                            self.slots.capacity(),
+                            &mut r,
+                            id,
+                            lp,
+                            top.clone(),
+                        ) {
+                            self.running.push(r);
+                        }
+                    }
+                    Err(e) => {
+                        let _ = r.events.send(EngineEvent::Failed(e));
+                    }
                 }
             }
         }
@@ -481,11 +492,17 @@ impl EngineLoop {
         for (i, r) in self.running.iter_mut().enumerate() {
             r.len = lens[i];
             let row = row_to_vec(&logits.f_get(i as i64)?)?;
-            let (id, lp) =
-                sampling::sample(&row, &r.req.sampling, &mut r.rng, &r.req.prompt, &r.tokens);
-            let top = sampling::top_logprobs(&row, r.req.top_logprobs);
-            if emit(&self.stats, capacity, r, id, lp, top) {
-                done.push(i);
+            match pick(&row, r, &mut self.allowed) {
+                Ok((id, lp)) => {
+                    let top = sampling::top_logprobs(&row, r.req.top_logprobs);
+                    if emit(&self.stats, capacity, r, id, lp, top) {
+                        done.push(i);
+                    }
+                }
+                Err(e) => {
+                    let _ = r.events.send(EngineEvent::Failed(e));
+                    done.push(i);
+                }
             }
         }
         self.remove(done)
@@ -519,6 +536,39 @@ fn finish(
     });
 }
 
+/// Samples `r`'s next token from `row`, within its constraint if it has one.
+#[cfg(feature = "torch")]
+fn pick(row: &[f32], r: &mut Running, allowed: &mut Vec<bool>) -> Result<(u32, f64), String> {
+    let req = &r.req;
+    match (&req.constraint, &mut r.cstate) {
+        (Some(c), Some(st)) => {
+            if c.mask(st, row.len(), allowed) == 0 {
+                return Err(format!(
+                    "no token of the vocabulary continues {} here",
+                    c.describe
+                ));
+            }
+            let (id, lp) = sampling::sample_within(
+                row,
+                Some(allowed),
+                &req.sampling,
+                &mut r.rng,
+                &req.prompt,
+                &r.tokens,
+            );
+            c.advance(st, id)?;
+            Ok((id, lp))
+        }
+        _ => Ok(sampling::sample(
+            row,
+            &req.sampling,
+            &mut r.rng,
+            &req.prompt,
+            &r.tokens,
+        )),
+    }
+}
+
 /// Sends one token; returns true (after sending `Finished`) if the sequence is done.
 #[cfg(feature = "torch")]
 fn emit(
@@ -534,7 +584,11 @@ fn emit(
     r.tokens.push(id);
     stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
     let _ = r.events.send(EngineEvent::Token { id, logprob, top });
-    let reason = if r.req.stop_token_ids.contains(&id) {
+    let complete = match (&r.req.constraint, &r.cstate) {
+        (Some(c), Some(st)) => c.is_complete(st),
+        _ => false,
+    };
+    let reason = if complete || r.req.stop_token_ids.contains(&id) {
         Some(FinishReason::Stop)
     } else if r.generated >= r.req.max_tokens || r.len >= capacity {
         Some(FinishReason::Length)

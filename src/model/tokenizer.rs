@@ -276,6 +276,43 @@ impl Tokenizer {
         self.inner.token_to_id(token)
     }
 
+    /// Every token's output bytes, for constrained decoding: byte-level BPE tokens through
+    /// GPT-2's byte <-> character table, SentencePiece-style tokens with `▁` as a space and
+    /// `<0xNN>` as one byte. Special tokens are `None`, as are ids past the tokenizer's
+    /// vocabulary up to `n` (a model's embedding can be padded).
+    pub fn token_bytes(&self, n: usize) -> crate::engine::TokenBytes {
+        let byte_level = self
+            .inner
+            .get_decoder()
+            .and_then(|d| serde_json::to_string(d).ok())
+            .is_some_and(|s| s.contains("ByteLevel"));
+        let mut unicode_to_byte = std::collections::HashMap::new();
+        for (b, c) in gpt2_byte_chars().into_iter().enumerate() {
+            unicode_to_byte.insert(c, b as u8);
+        }
+        let added = self.inner.get_added_tokens_decoder();
+        let bytes = (0..n as u32)
+            .map(|id| {
+                if let Some(a) = added.get(&id) {
+                    return (!a.special).then(|| a.content.as_bytes().into());
+                }
+                let tok = self.inner.id_to_token(id)?;
+                if byte_level {
+                    tok.chars()
+                        .map(|c| unicode_to_byte.get(&c).copied())
+                        .collect::<Option<Vec<u8>>>()
+                        .map(Vec::into_boxed_slice)
+                } else if let Some(hex) = tok.strip_prefix("<0x").and_then(|t| t.strip_suffix('>'))
+                {
+                    u8::from_str_radix(hex, 16).ok().map(|b| vec![b].into())
+                } else {
+                    Some(tok.replace('\u{2581}', " ").into_bytes().into())
+                }
+            })
+            .collect();
+        crate::engine::TokenBytes(bytes)
+    }
+
     /// Writes `tokenizer.json`.
     pub fn save(&self, path: &Path) -> Result<(), TokenizerError> {
         self.inner
@@ -342,4 +379,22 @@ impl StreamDecoder {
             Ok(None)
         }
     }
+}
+
+/// GPT-2's table from bytes to the printable characters byte-level BPE stores them as.
+fn gpt2_byte_chars() -> Vec<char> {
+    let printable =
+        |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+    let mut next = 256u32;
+    (0..256u32)
+        .map(|b| {
+            if printable(b) {
+                char::from_u32(b).unwrap_or('?')
+            } else {
+                let c = char::from_u32(next).unwrap_or('?');
+                next += 1;
+                c
+            }
+        })
+        .collect()
 }

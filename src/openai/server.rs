@@ -21,7 +21,10 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use super::text::{parse_tool_calls, StopMatcher};
 use super::types::*;
 use super::Backend;
-use crate::engine::{EngineError, EngineEvent, FinishReason, GenerateRequest, SamplingParams};
+use crate::engine::{
+    Constraint, EngineError, EngineEvent, FinishReason, GenerateRequest, SamplingParams,
+    TokenBytes, ToolSpec,
+};
 use crate::model::{ChatRequest, ModelCard, StreamDecoder};
 
 /// Limits of the facade.
@@ -54,6 +57,8 @@ struct AppState {
     next_id: AtomicU64,
     requests: AtomicU64,
     errors: AtomicU64,
+    /// Each model's token bytes, built on the first constrained request.
+    token_bytes: std::sync::Mutex<std::collections::HashMap<String, Arc<TokenBytes>>>,
 }
 
 /// The router with every route of the facade.
@@ -69,6 +74,7 @@ pub fn router(backend: Arc<dyn Backend>, cfg: ServerConfig) -> Router {
         next_id: AtomicU64::new(seed),
         requests: AtomicU64::new(0),
         errors: AtomicU64::new(0),
+        token_bytes: Default::default(),
     });
     Router::new()
         .route("/v1/chat/completions", post(chat_completions))
@@ -183,6 +189,7 @@ struct Plan {
     seed: Option<u64>,
     stops: Vec<String>,
     top_logprobs: Option<usize>,
+    constraint: Option<Constraint>,
 }
 
 struct Common<'a> {
@@ -318,6 +325,7 @@ fn plan(
         seed: c.seed.map(|s| s as u64),
         stops,
         top_logprobs,
+        constraint: None,
     })
 }
 
@@ -334,6 +342,7 @@ fn submit(st: &AppState, p: &Plan) -> Result<Vec<UnboundedReceiver<EngineEvent>>
                 seed: p.seed,
                 stop_token_ids: p.card.generation.eos_token_ids.clone(),
                 top_logprobs: p.top_logprobs.unwrap_or(0),
+                constraint: p.constraint.clone(),
             },
             p.n,
         )
@@ -492,6 +501,204 @@ fn extra_sampling(
     Ok(extra)
 }
 
+/// The model's token bytes (built once per model).
+fn token_bytes(st: &AppState, p: &Plan) -> Arc<TokenBytes> {
+    let mut cache = st.token_bytes.lock().unwrap_or_else(|e| e.into_inner());
+    cache
+        .entry(p.model.clone())
+        .or_insert_with(|| Arc::new(p.card.tokenizer.token_bytes(p.card.config.vocab_size)))
+        .clone()
+}
+
+/// What `response_format` asks for.
+enum JsonMode {
+    Text,
+    Object,
+    Schema(Json_),
+}
+
+fn json_mode(req: &ChatCompletionRequest) -> Result<JsonMode, ApiError> {
+    let Some(rf) = &req.response_format else {
+        return Ok(JsonMode::Text);
+    };
+    match rf.get("type").and_then(|t| t.as_str()) {
+        Some("text") => Ok(JsonMode::Text),
+        Some("json_object") => Ok(JsonMode::Object),
+        Some("json_schema") => {
+            let schema = rf
+                .get("json_schema")
+                .and_then(|j| j.get("schema"))
+                .filter(|s| s.get("type").and_then(|t| t.as_str()) == Some("object"))
+                .ok_or_else(|| {
+                    ApiError::bad(
+                        "response_format.json_schema.schema",
+                        "response_format json_schema needs json_schema.schema with \"type\": \"object\" at its root",
+                    )
+                })?;
+            Ok(JsonMode::Schema(schema.clone()))
+        }
+        _ => Err(ApiError::bad(
+            "response_format",
+            "response_format.type must be 'text', 'json_object' or 'json_schema'",
+        )),
+    }
+}
+
+/// Whether tool calls are parsed from the output (tools given and `tool_choice` is not
+/// "none"; the tools are shown to the model either way, as OpenAI does), and the function
+/// names a call is forced among (`tool_choice` "required": any tool; a named function:
+/// that one).
+fn tool_plan(req: &ChatCompletionRequest) -> Result<(bool, Vec<ToolSpec>), ApiError> {
+    let tools = req.tools.as_deref().unwrap_or(&[]);
+    let mut names = Vec::with_capacity(tools.len());
+    let mut specs = Vec::with_capacity(tools.len());
+    for (i, t) in tools.iter().enumerate() {
+        let name = t
+            .get("function")
+            .and_then(|f| f.get("name"))
+            .and_then(|n| n.as_str())
+            .filter(|n| !n.is_empty())
+            .ok_or_else(|| {
+                ApiError::bad(
+                    &format!("tools[{i}].function.name"),
+                    format!("tools[{i}] needs {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}"),
+                )
+            })?;
+        names.push(name.to_string());
+        specs.push(ToolSpec {
+            name: name.to_string(),
+            parameters: t.get("function").and_then(|f| f.get("parameters")).cloned(),
+        });
+    }
+    let choice = req.tool_choice.as_ref();
+    let forced = match choice {
+        None => vec![],
+        Some(Json_::String(c)) => match c.as_str() {
+            "none" => return Ok((false, vec![])),
+            "auto" => vec![],
+            "required" if names.is_empty() => {
+                return Err(ApiError::bad(
+                    "tool_choice",
+                    "tool_choice 'required' needs tools",
+                ))
+            }
+            "required" => specs,
+            other => return Err(ApiError::bad(
+                "tool_choice",
+                format!(
+                    "tool_choice must be 'none', 'auto', 'required' or a function, got '{other}'"
+                ),
+            )),
+        },
+        Some(obj) => {
+            let name = obj
+                .get("function")
+                .and_then(|f| f.get("name"))
+                .and_then(|n| n.as_str())
+                .ok_or_else(|| {
+                    ApiError::bad(
+                        "tool_choice",
+                        "tool_choice must be {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                    )
+                })?;
+            let Some(i) = names.iter().position(|n| n == name) else {
+                return Err(ApiError::bad(
+                    "tool_choice",
+                    format!("tool_choice names '{name}', which is not among the tools"),
+                ));
+            };
+            vec![specs.swap_remove(i)]
+        }
+    };
+    Ok((!names.is_empty(), forced))
+}
+
+/// The Hermes-style tool instructions (what Qwen2.5's template writes) for a model whose
+/// template knows nothing of tools.
+fn tool_system_text(tools: &[Json_]) -> String {
+    let mut s = String::from(
+        "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>",
+    );
+    for t in tools {
+        s.push('\n');
+        s.push_str(&t.to_string());
+    }
+    s.push_str("\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>");
+    s
+}
+
+/// Messages a template without tool support can render: the tool instructions join the
+/// system message; an assistant's `tool_calls` become the `<tool_call>` text the model
+/// wrote (arguments verbatim); a `tool` message becomes a user turn in
+/// `<tool_response>` tags; a null content becomes "".
+fn messages_without_tool_support(messages: &[Json_], tools: Option<&[Json_]>) -> Vec<Json_> {
+    let mut out: Vec<Json_> = Vec::with_capacity(messages.len() + 1);
+    if let Some(tools) = tools.filter(|t| !t.is_empty()) {
+        let text = tool_system_text(tools);
+        match messages.first() {
+            Some(m) if m.get("role").and_then(|r| r.as_str()) == Some("system") => {
+                let sys = m.get("content").and_then(|c| c.as_str()).unwrap_or("");
+                out.push(json!({"role": "system", "content": format!("{sys}\n\n{text}")}));
+            }
+            _ => out.push(json!({"role": "system", "content": text})),
+        }
+    }
+    for (i, m) in messages.iter().enumerate() {
+        if i == 0 && out.len() == 1 && m.get("role").and_then(|r| r.as_str()) == Some("system") {
+            continue;
+        }
+        let role = m.get("role").and_then(|r| r.as_str()).unwrap_or("");
+        let content = match m.get("content") {
+            Some(Json_::String(s)) => s.clone(),
+            Some(Json_::Null) | None => String::new(),
+            // Content parts: their text, joined.
+            Some(Json_::Array(parts)) => parts
+                .iter()
+                .filter_map(|p| p.get("text").and_then(|t| t.as_str()))
+                .collect::<Vec<_>>()
+                .join(""),
+            Some(other) => other.to_string(),
+        };
+        match role {
+            "assistant" => {
+                let mut text = content;
+                for call in m
+                    .get("tool_calls")
+                    .and_then(|c| c.as_array())
+                    .into_iter()
+                    .flatten()
+                {
+                    let f = call.get("function");
+                    let name = f
+                        .and_then(|f| f.get("name"))
+                        .cloned()
+                        .unwrap_or(Json_::Null);
+                    let args = f
+                        .and_then(|f| f.get("arguments"))
+                        .map(|a| match a {
+                            Json_::String(s) => s.clone(),
+                            other => other.to_string(),
+                        })
+                        .unwrap_or_else(|| "{}".into());
+                    if !text.is_empty() {
+                        text.push('\n');
+                    }
+                    text.push_str(&format!(
+                        "<tool_call>\n{{\"name\": {name}, \"arguments\": {args}}}\n</tool_call>"
+                    ));
+                }
+                out.push(json!({"role": "assistant", "content": text}));
+            }
+            "tool" => out.push(json!({
+                "role": "user",
+                "content": format!("<tool_response>\n{content}\n</tool_response>"),
+            })),
+            _ => out.push(json!({"role": role, "content": content})),
+        }
+    }
+    out
+}
+
 fn render_chat(
     card: &ModelCard,
     model: &str,
@@ -514,10 +721,29 @@ fn render_chat(
             format!("{e}; use /v1/completions for raw prompts"),
         )
     })?;
+    let tools = req.tools.as_deref().filter(|t| !t.is_empty());
+    let source = match (tools, &card.tool_use_template_source) {
+        (Some(_), Some(t)) => Some(t.as_str()),
+        _ => card.chat_template_source.as_deref(),
+    };
+    let knows_tools = source.is_some_and(|s| s.contains("tool_calls"));
+    let needs_rewrite = tools.is_some()
+        || req.messages.iter().any(|m| {
+            m.get("tool_calls").is_some()
+                || m.get("role").and_then(|r| r.as_str()) == Some("tool")
+                || !m.get("content").is_some_and(|c| c.is_string())
+        });
+    let rewritten;
+    let (messages, tools) = if knows_tools || !needs_rewrite {
+        (&req.messages[..], tools)
+    } else {
+        rewritten = messages_without_tool_support(&req.messages, tools);
+        (&rewritten[..], None)
+    };
     let text = tmpl
         .render(&ChatRequest {
-            messages: &req.messages,
-            tools: req.tools.as_deref(),
+            messages,
+            tools,
             add_generation_prompt: true,
             extra: None,
         })
@@ -568,17 +794,6 @@ async fn chat_completions(State(st): State<Arc<AppState>>, body: Body) -> Respon
 async fn chat_inner(st: &Arc<AppState>, body: Bytes) -> Result<Response, ApiError> {
     let req: ChatCompletionRequest = parse_body(&body)?;
     let (card, ctx) = resolve_model(st, &req.model)?;
-    if let Some(rf) = &req.response_format {
-        match rf.get("type").and_then(|t| t.as_str()) {
-            Some("text") | None => {}
-            Some(other) => {
-                return Err(ApiError::bad(
-                    "response_format",
-                    format!("response_format type '{other}' is not supported yet (constrained decoding is not built)"),
-                ))
-            }
-        }
-    }
     let extra = extra_sampling(
         &card,
         req.min_p,
@@ -587,13 +802,13 @@ async fn chat_inner(st: &Arc<AppState>, body: Bytes) -> Result<Response, ApiErro
         req.repetition_penalty,
         req.logit_bias.as_ref(),
     )?;
-    if let Some(Json_::String(choice)) = &req.tool_choice {
-        if choice == "required" && req.tools.as_ref().is_none_or(|t| t.is_empty()) {
-            return Err(ApiError::bad(
-                "tool_choice",
-                "tool_choice 'required' needs tools",
-            ));
-        }
+    let (tools_on, forced) = tool_plan(&req)?;
+    let json_mode = json_mode(&req)?;
+    if !matches!(json_mode, JsonMode::Text) && !forced.is_empty() {
+        return Err(ApiError::bad(
+            "response_format",
+            "a JSON response_format cannot be combined with a forced tool call (tool_choice)",
+        ));
     }
     let top_logprobs = match (req.logprobs, req.top_logprobs) {
         (_, Some(k)) if k < 0 || k as usize > st.cfg.max_top_logprobs => {
@@ -614,10 +829,8 @@ async fn chat_inner(st: &Arc<AppState>, body: Bytes) -> Result<Response, ApiErro
         (true, k) => Some(k.unwrap_or(0) as usize),
         (false, _) => None,
     };
-    let tools_on = req.tools.as_ref().is_some_and(|t| !t.is_empty())
-        && req.tool_choice.as_ref().and_then(|c| c.as_str()) != Some("none");
     let prompt = render_chat(&card, &req.model, &req)?;
-    let p = plan(
+    let mut p = plan(
         st,
         Common {
             model: &req.model,
@@ -635,6 +848,19 @@ async fn chat_inner(st: &Arc<AppState>, body: Bytes) -> Result<Response, ApiErro
         prompt,
         top_logprobs,
     )?;
+    match &json_mode {
+        JsonMode::Text => {}
+        JsonMode::Object => p.constraint = Some(Constraint::json_object(token_bytes(st, &p))),
+        JsonMode::Schema(schema) => {
+            p.constraint = Some(Constraint::json_schema(schema, token_bytes(st, &p)))
+        }
+    }
+    if !forced.is_empty() {
+        p.constraint = Some(
+            Constraint::tool_call(&forced, token_bytes(st, &p))
+                .map_err(|e| ApiError::bad("tool_choice", e))?,
+        );
+    }
     let rxs = submit(st, &p)?;
     let id = format!("chatcmpl-{:x}", st.next_id.fetch_add(1, Ordering::Relaxed));
     if req.stream {
@@ -856,9 +1082,6 @@ async fn completions(State(st): State<Arc<AppState>>, body: Body) -> Response {
 async fn completions_inner(st: &Arc<AppState>, body: Bytes) -> Result<Response, ApiError> {
     let req: CompletionRequest = parse_body(&body)?;
     let (card, ctx) = resolve_model(st, &req.model)?;
-    if req.stream {
-        return Err(ApiError::bad("stream", "streaming is not supported on /v1/completions yet; use /v1/chat/completions or stream: false"));
-    }
     let top = match req.logprobs {
         None => None,
         Some(k) if k < 0 || k as usize > st.cfg.max_top_logprobs => {
@@ -913,6 +1136,12 @@ async fn completions_inner(st: &Arc<AppState>, body: Bytes) -> Result<Response, 
         top,
     )?;
     let rxs = submit(st, &p)?;
+    let id = format!("cmpl-{:x}", st.next_id.fetch_add(1, Ordering::Relaxed));
+    if req.stream {
+        let include_usage = req.stream_options.as_ref().is_some_and(|o| o.include_usage);
+        let echo = req.echo.then_some(prompt_text);
+        return Ok(stream_completion(id, p, rxs, echo, include_usage).into_response());
+    }
     let states = futures_util::future::join_all(rxs.into_iter().map(|rx| {
         run_choice(
             rx,
@@ -931,29 +1160,128 @@ async fn completions_inner(st: &Arc<AppState>, body: Bytes) -> Result<Response, 
         if req.echo {
             text = format!("{prompt_text}{text}");
         }
-        let logprobs = top.map(|_| {
-            let mut offset = 0;
-            let mut offsets = Vec::new();
-            for l in &s.logprobs {
-                offsets.push(offset);
-                offset += l.token.len();
-            }
-            json!({
-                "tokens": s.logprobs.iter().map(|l| &l.token).collect::<Vec<_>>(),
-                "token_logprobs": s.logprobs.iter().map(|l| l.logprob).collect::<Vec<_>>(),
-                "top_logprobs": s.logprobs.iter().map(|l| l.top_logprobs.iter().map(|t| (t.token.clone(), json!(t.logprob))).collect::<serde_json::Map<_, _>>()).collect::<Vec<_>>(),
-                "text_offset": offsets,
-            })
-        });
+        let logprobs = top.map(|_| completion_logprobs(&s.logprobs, 0));
         choices.push(json!({"index": index, "text": text, "logprobs": logprobs, "finish_reason": s.finish.unwrap_or("stop"), "token_ids": s.tokens}));
     }
-    let id = format!("cmpl-{:x}", st.next_id.fetch_add(1, Ordering::Relaxed));
     Ok(Json(json!({
         "id": id, "object": "text_completion", "created": now(), "model": p.model, "choices": choices,
         "usage": {"prompt_tokens": p.prompt.len(), "completion_tokens": completion, "total_tokens": p.prompt.len() + completion},
         "agentjet": {"prompt_token_ids": p.prompt, "policy_version": version},
     }))
     .into_response())
+}
+
+/// The legacy completions `logprobs` object of some tokens whose text starts at `offset`.
+fn completion_logprobs(lps: &[TokenLogprob], mut offset: usize) -> Json_ {
+    let mut offsets = Vec::with_capacity(lps.len());
+    for l in lps {
+        offsets.push(offset);
+        offset += l.token.len();
+    }
+    json!({
+        "tokens": lps.iter().map(|l| &l.token).collect::<Vec<_>>(),
+        "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
+        "top_logprobs": lps.iter().map(|l| l.top_logprobs.iter().map(|t| (t.token.clone(), json!(t.logprob))).collect::<serde_json::Map<_, _>>()).collect::<Vec<_>>(),
+        "text_offset": offsets,
+    })
+}
+
+/// Streams a text completion: the echoed prompt first (if asked), text chunks as they
+/// become final (with their logprobs if asked), a last chunk per choice with its finish
+/// reason and token ids, the usage chunk if asked, then `[DONE]`.
+fn stream_completion(
+    id: String,
+    p: Plan,
+    rxs: Vec<UnboundedReceiver<EngineEvent>>,
+    echo: Option<String>,
+    include_usage: bool,
+) -> Sse<impl futures_util::Stream<Item = Result<Event, Infallible>>> {
+    let (tx, out) = tokio::sync::mpsc::channel::<Result<Event, Infallible>>(64);
+    let created = now();
+    let want_lp = p.top_logprobs.is_some();
+    tokio::spawn(async move {
+        let chunk = |index: usize, text: &str, logprobs: Json_, finish: Option<&str>| {
+            json!({"id": id, "object": "text_completion", "created": created, "model": p.model,
+                   "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]})
+        };
+        let n = rxs.len();
+        let mut offsets = vec![0usize; n];
+        if let Some(echo) = &echo {
+            for (i, offset) in offsets.iter_mut().enumerate() {
+                *offset = echo.len();
+                if tx
+                    .send(sse_json(&chunk(i, echo, Json_::Null, None)))
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+            }
+        }
+        let mut states: Vec<ChoiceState> = (0..n)
+            .map(|_| ChoiceState::new(p.card.clone(), p.stops.clone(), want_lp))
+            .collect();
+        let mut merged =
+            futures_util::stream::select_all(rxs.into_iter().enumerate().map(|(i, rx)| {
+                tokio_stream::wrappers::UnboundedReceiverStream::new(rx).map(move |ev| (i, ev))
+            }));
+        let (mut done, mut completion, mut version) = (0, 0, 0);
+        while done < n {
+            let Some((i, ev)) = merged.next().await else {
+                break;
+            };
+            let s = &mut states[i];
+            if s.finish.is_some() {
+                continue;
+            }
+            let (text, lps) = match s.on_event(ev) {
+                Ok(x) => x,
+                Err(e) => {
+                    let _ = tx
+                        .send(sse_json(
+                            &json!({"error": {"message": e.message, "type": e.kind}}),
+                        ))
+                        .await;
+                    return;
+                }
+            };
+            let lp_json = if want_lp && !lps.is_empty() {
+                completion_logprobs(&lps, offsets[i])
+            } else {
+                Json_::Null
+            };
+            if !text.is_empty() || !lp_json.is_null() {
+                offsets[i] += text.len();
+                if tx
+                    .send(sse_json(&chunk(i, &text, lp_json, None)))
+                    .await
+                    .is_err()
+                {
+                    return; // the client went away: dropping the receivers cancels
+                }
+            }
+            if let Some(finish) = s.finish {
+                done += 1;
+                completion += s.completion_tokens;
+                version = s.policy_version;
+                let mut last = chunk(i, "", Json_::Null, Some(finish));
+                last["choices"][0]["token_ids"] = json!(s.tokens);
+                if tx.send(sse_json(&last)).await.is_err() {
+                    return;
+                }
+            }
+        }
+        if include_usage {
+            let usage = json!({"id": id, "object": "text_completion", "created": created, "model": p.model, "choices": [],
+                "usage": {"prompt_tokens": p.prompt.len(), "completion_tokens": completion, "total_tokens": p.prompt.len() + completion},
+                "agentjet": {"prompt_token_ids": p.prompt, "policy_version": version}});
+            if tx.send(sse_json(&usage)).await.is_err() {
+                return;
+            }
+        }
+        let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
+    });
+    Sse::new(tokio_stream::wrappers::ReceiverStream::new(out))
 }
 
 async fn models(State(st): State<Arc<AppState>>) -> Response {

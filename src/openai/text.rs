@@ -93,11 +93,23 @@ pub fn parse_tool_calls(text: &str, id_seed: u64) -> Option<(String, Vec<ToolCal
             Some(end) => (&after[..end], &after[end + "</tool_call>".len()..]),
             None => (after, ""),
         };
-        let v: Json = serde_json::from_str(body.trim()).ok()?;
-        let name = v.get("name")?.as_str()?.to_string();
-        let arguments = match v.get("arguments").or_else(|| v.get("parameters")) {
-            Some(Json::String(s)) => s.clone(),
-            Some(other) => other.to_string(),
+        // The arguments are kept as the model wrote them (so that rendering the call back
+        // gives the same text), unless the model wrote them as a JSON string.
+        #[derive(serde::Deserialize)]
+        struct Call<'a> {
+            name: String,
+            #[serde(borrow, default)]
+            arguments: Option<&'a serde_json::value::RawValue>,
+            #[serde(borrow, default)]
+            parameters: Option<&'a serde_json::value::RawValue>,
+        }
+        let call: Call = serde_json::from_str(body.trim()).ok()?;
+        let name = call.name;
+        let arguments = match call.arguments.or(call.parameters) {
+            Some(raw) => match serde_json::from_str::<Json>(raw.get()).ok()? {
+                Json::String(s) => s,
+                _ => raw.get().to_string(),
+            },
             None => "{}".to_string(),
         };
         calls.push(ToolCall {
@@ -153,8 +165,7 @@ mod tests {
         assert_eq!(content, "Let me compute.");
         assert_eq!(calls.len(), 1);
         assert_eq!(calls[0].function.name, "calculator");
-        let args: Json = serde_json::from_str(&calls[0].function.arguments).unwrap();
-        assert_eq!(args["expression"], "12*7");
+        assert_eq!(calls[0].function.arguments, "{\"expression\": \"12*7\"}");
         assert!(parse_tool_calls("no calls here", 1).is_none());
         assert!(parse_tool_calls("<tool_call>not json</tool_call>", 1).is_none());
     }

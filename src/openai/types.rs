@@ -106,6 +106,8 @@ pub struct CompletionRequest {
     #[serde(default)]
     pub seed: Option<i64>,
     #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
+    #[serde(default)]
     pub echo: bool,
     /// How many top alternatives per token (0 = just the sampled token's logprob).
     #[serde(default)]

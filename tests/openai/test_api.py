@@ -128,6 +128,104 @@ class Chat(unittest.TestCase):
         e = c.completions.create(model=MODEL, prompt="Hello", temperature=0, max_tokens=3, echo=True)
         self.assertTrue(e.choices[0].text.startswith("Hello"))
 
+    def test_completions_streaming_equals_non_streaming(self):
+        args = dict(model=MODEL, prompt="Once upon a time", temperature=0.8, seed=11, max_tokens=20, logprobs=1)
+        whole = client().completions.create(**args)
+        parts, lps, finish, usage = [], [], None, None
+        for chunk in client().completions.create(stream=True, stream_options={"include_usage": True}, **args):
+            if chunk.usage:
+                usage = chunk.usage
+            for c in chunk.choices:
+                parts.append(c.text)
+                if c.logprobs:
+                    lps += c.logprobs.token_logprobs
+                if c.finish_reason:
+                    finish = c.finish_reason
+                    token_ids = c.model_extra["token_ids"]
+        self.assertEqual("".join(parts), whole.choices[0].text)
+        self.assertEqual(token_ids, whole.choices[0].model_extra["token_ids"])
+        self.assertEqual(lps, whole.choices[0].logprobs.token_logprobs)
+        self.assertEqual(finish, whole.choices[0].finish_reason)
+        self.assertEqual(usage.completion_tokens, whole.usage.completion_tokens)
+        echoed = "".join(c.text for chunk in client().completions.create(
+            model=MODEL, prompt="Hello", temperature=0, max_tokens=3, echo=True, stream=True) for c in chunk.choices)
+        self.assertTrue(echoed.startswith("Hello") and len(echoed) > len("Hello"))
+
+    def test_json_object_mode_always_parses(self):
+        msgs = [{"role": "user", "content": "Describe a cat as a JSON object with keys name, age and colors."}]
+        r = client().chat.completions.create(model=MODEL, messages=msgs, response_format={"type": "json_object"},
+                                             temperature=1.0, seed=5, n=4, max_tokens=200)
+        for c in r.choices:
+            self.assertEqual(c.finish_reason, "stop", c.message.content)
+            self.assertIsInstance(json.loads(c.message.content), dict, c.message.content)
+        # streamed text equals the non-streamed text for the same seed
+        one = dict(model=MODEL, messages=msgs, response_format={"type": "json_object"}, temperature=1.0, seed=6,
+                   max_tokens=200)
+        whole = client().chat.completions.create(**one).choices[0].message.content
+        streamed = "".join(c.delta.content or "" for chunk in client().chat.completions.create(stream=True, **one)
+                           for c in chunk.choices)
+        self.assertEqual(streamed, whole)
+        self.assertIsInstance(json.loads(whole), dict)
+
+    def test_json_schema_response_format(self):
+        schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"},
+                                                   "indoor": {"type": "boolean"}, "color": {"enum": ["black", "white", "orange"]}}}
+        r = client().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Describe a cat."}], temperature=0.7, seed=2, n=3,
+            max_tokens=120, response_format={"type": "json_schema", "json_schema": {"name": "cat", "schema": schema}})
+        for c in r.choices:
+            self.assertEqual(c.finish_reason, "stop", c.message.content)
+            v = json.loads(c.message.content)
+            self.assertEqual(list(v), ["name", "age", "indoor", "color"], c.message.content)
+            self.assertLessEqual(len(v["name"]), 24)
+            self.assertIsInstance(v["name"], str)
+            self.assertIsInstance(v["age"], int)
+            self.assertIsInstance(v["indoor"], bool)
+            self.assertIn(v["color"], ["black", "white", "orange"])
+
+    def test_tool_round_trip(self):
+        """tools -> tool_calls -> tool message -> answer. SmolLM2's template has no tool
+        support: the server writes the Hermes tool instructions into the system message,
+        tool_choice forces a well-formed call, and the call and the tool's answer are
+        rendered back in the same format."""
+        tools = [{"type": "function", "function": {
+            "name": "get_weather", "description": "Current weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+            {"type": "function", "function": {"name": "get_time", "description": "Current time in a city",
+                                              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+        msgs = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+        c = client()
+        first = c.chat.completions.create(model=MODEL, messages=msgs, tools=tools, temperature=0, max_tokens=80,
+                                          tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        choice = first.choices[0]
+        self.assertEqual(choice.finish_reason, "tool_calls")
+        call = choice.message.tool_calls[0]
+        self.assertEqual(call.type, "function")
+        self.assertEqual(call.function.name, "get_weather")
+        self.assertIsInstance(json.loads(call.function.arguments), dict)
+        # "required": any of the tools, streamed as a tool_calls delta
+        streamed_calls, finish = [], None
+        for chunk in c.chat.completions.create(model=MODEL, messages=msgs, tools=tools, temperature=0,
+                                               max_tokens=80, tool_choice="required", stream=True):
+            for ch in chunk.choices:
+                streamed_calls += ch.delta.tool_calls or []
+                finish = ch.finish_reason or finish
+        self.assertEqual(finish, "tool_calls")
+        self.assertIn(streamed_calls[0].function.name, ("get_weather", "get_time"))
+        self.assertIsInstance(json.loads(streamed_calls[0].function.arguments), dict)
+        # the tool answers; the model answers in text
+        msgs2 = msgs + [choice.message.model_dump(exclude_none=True),
+                        {"role": "tool", "tool_call_id": call.id, "content": "{\"temperature_c\": 18, \"sky\": \"sunny\"}"}]
+        second = c.chat.completions.create(model=MODEL, messages=msgs2, tools=tools, tool_choice="none",
+                                           temperature=0, max_tokens=40)
+        answer = second.choices[0].message
+        self.assertTrue(answer.content and answer.content.strip(), answer)
+        # The second prompt extends the first: the conversation so far renders the same.
+        p1 = first.model_extra["agentjet"]["prompt_token_ids"]
+        p2 = second.model_extra["agentjet"]["prompt_token_ids"]
+        self.assertEqual(p2[:len(p1)], p1)
+        self.assertGreater(len(p2), len(p1) + len(choice.model_extra["token_ids"]))
+
 
 class Load(unittest.TestCase):
     def test_64_streams_with_a_third_disconnecting(self):
@@ -195,7 +293,13 @@ class Errors(unittest.TestCase):
         for kwargs, param in [(dict(temperature=5), "temperature"), (dict(top_p=0), "top_p"), (dict(n=0), "n"),
                               (dict(max_tokens=0), "max_tokens"), (dict(logprobs=True, top_logprobs=50), "top_logprobs"),
                               (dict(presence_penalty=3), "presence_penalty"), (dict(logit_bias={"abc": 1}), "logit_bias"),
-                              (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}), "response_format")]:
+                              (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+                               "response_format.json_schema.schema"),
+                              (dict(response_format={"type": "yaml"}), "response_format"),
+                              (dict(tool_choice="required"), "tool_choice"),
+                              (dict(tools=[{"type": "function", "function": {"name": "f"}}],
+                                    tool_choice={"type": "function", "function": {"name": "g"}}), "tool_choice"),
+                              (dict(tools=[{"type": "function"}]), "tools[0].function.name")]:
             with self.assertRaises(openai.BadRequestError) as cm:
                 client().chat.completions.create(model=MODEL, messages=Q, **kwargs)
             self.assert_error(cm.exception, 400, param)
