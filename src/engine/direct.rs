@@ -57,6 +57,7 @@ pub fn generate(
         )));
     }
     let _guard = tch::no_grad_guard();
+    model.prepare_thread();
     let capacity = (req.prompt.len() + req.max_tokens).min(limit);
     let mut cache = model.new_cache(1, capacity)?;
     let mut rng = match req.seed {
@@ -113,6 +114,7 @@ pub fn generate_batch(
     reqs: &[GenerateRequest],
 ) -> Result<Vec<Generation>, ModelError> {
     let _guard = tch::no_grad_guard();
+    model.prepare_thread();
     let limit = model.max_positions();
     let vocab = model.config.vocab_size as u32;
     for (i, req) in reqs.iter().enumerate() {

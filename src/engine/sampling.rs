@@ -142,13 +142,24 @@ pub fn top_logprobs(logits: &[f32], k: usize) -> Vec<(u32, f64)> {
     if k == 0 || logits.is_empty() {
         return Vec::new();
     }
+    top_logprobs_given(logits, k, log_sum_exp(logits))
+}
+
+/// `log Σ exp(logits)`, in float64.
+pub fn log_sum_exp(logits: &[f32]) -> f64 {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let log_z = max
-        + logits
-            .iter()
-            .map(|&l| (l as f64 - max).exp())
-            .sum::<f64>()
-            .ln();
+    max + logits
+        .iter()
+        .map(|&l| (l as f64 - max).exp())
+        .sum::<f64>()
+        .ln()
+}
+
+/// [`top_logprobs`] with the log-sum-exp of `logits` given.
+pub fn top_logprobs_given(logits: &[f32], k: usize, log_z: f64) -> Vec<(u32, f64)> {
+    if k == 0 || logits.is_empty() {
+        return Vec::new();
+    }
     let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
     let k = k.min(idx.len());
     let cmp = |a: &u32, b: &u32| {
@@ -236,14 +247,15 @@ pub fn sample(
     prompt: &[u32],
     generated: &[u32],
 ) -> (u32, f64) {
-    sample_within(logits, None, params, rng, prompt, generated)
+    sample_within(logits, None, None, params, rng, prompt, generated)
 }
 
 /// [`sample`], choosing only among tokens with `allowed[i]` (constrained decoding; at
 /// least one must be allowed). The logprob reported is still the model's, over the whole
-/// vocabulary.
+/// vocabulary (`log_z`, the log-sum-exp of `logits`, if the caller has it already).
 pub fn sample_within(
     logits: &[f32],
+    log_z: Option<f64>,
     allowed: Option<&[bool]>,
     params: &SamplingParams,
     rng: &mut Rng,
@@ -274,7 +286,11 @@ pub fn sample_within(
     } else {
         sample_tempered(choose_from, params, rng)
     };
-    (id as u32, logprob_of(logits, id))
+    let logprob = match log_z {
+        Some(z) => logits[id] as f64 - z,
+        None => logprob_of(logits, id),
+    };
+    (id as u32, logprob)
 }
 
 fn sample_tempered(logits: &[f32], params: &SamplingParams, rng: &mut Rng) -> usize {

@@ -19,7 +19,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use super::{FinishReason, GenerateRequest};
 #[cfg(feature = "torch")]
 use {
-    super::{constraint::ConstraintState, direct::row_to_vec, sampling, Rng},
+    super::{constraint::ConstraintState, sampling, Rng},
     crate::model::llama::{Llama, SlotCache},
     crate::model::ModelError,
 };
@@ -252,6 +252,7 @@ struct EngineLoop {
 impl EngineLoop {
     fn run(mut self) {
         let _guard = tch::no_grad_guard();
+        self.model.prepare_thread();
         loop {
             self.pull();
             if self.running.is_empty() && self.waiting.is_empty() {
@@ -389,19 +390,15 @@ impl EngineLoop {
             .zip(&base)
             .map(|(sub, &slot)| (slot, &sub.req.prompt[..]))
             .collect();
-        let logits = self
-            .model
-            .prefill_slots(&seqs, &self.slots)?
-            .f_to_device(tch::Device::Cpu)?
-            .f_contiguous()?;
+        let logits = Rows::new(&self.model.prefill_slots(&seqs, &self.slots)?)?;
         self.stats.prefill_passes.fetch_add(1, Ordering::Relaxed);
         self.stats.prefill_tokens.fetch_add(
             seqs.iter().map(|s| s.1.len() as u64).sum(),
             Ordering::Relaxed,
         );
         for (j, sub) in group.iter().enumerate() {
-            let row = row_to_vec(&logits.f_get(j as i64)?)?;
-            let top = sampling::top_logprobs(&row, sub.req.top_logprobs);
+            let (row, log_z) = logits.row(j);
+            let top = sampling::top_logprobs_given(row, sub.req.top_logprobs, log_z);
             let len = sub.req.prompt.len();
             for (index, events) in &sub.choices {
                 // Slots between running.len() and base[j] belong to choices that already
@@ -425,7 +422,7 @@ impl EngineLoop {
                     last: 0,
                     cstate: sub.req.constraint.as_ref().map(|c| c.start()),
                 };
-                match pick(&row, &mut r, &mut self.allowed) {
+                match pick(row, log_z, &mut r, &mut self.allowed) {
                     Ok((id, lp)) => {
                         if !emit(
                             &self.stats,
@@ -485,16 +482,15 @@ impl EngineLoop {
     fn step(&mut self) -> Result<(), ModelError> {
         let ids: Vec<u32> = self.running.iter().map(|r| r.last).collect();
         let mut lens: Vec<usize> = self.running.iter().map(|r| r.len).collect();
-        let logits = self.model.decode_slots(&ids, &mut lens, &self.slots)?;
-        let logits = logits.f_to_device(tch::Device::Cpu)?.f_contiguous()?;
+        let logits = Rows::new(&self.model.decode_slots(&ids, &mut lens, &self.slots)?)?;
         let mut done = Vec::new();
         let capacity = self.slots.capacity();
         for (i, r) in self.running.iter_mut().enumerate() {
             r.len = lens[i];
-            let row = row_to_vec(&logits.f_get(i as i64)?)?;
-            match pick(&row, r, &mut self.allowed) {
+            let (row, log_z) = logits.row(i);
+            match pick(row, log_z, r, &mut self.allowed) {
                 Ok((id, lp)) => {
-                    let top = sampling::top_logprobs(&row, r.req.top_logprobs);
+                    let top = sampling::top_logprobs_given(row, r.req.top_logprobs, log_z);
                     if emit(&self.stats, capacity, r, id, lp, top) {
                         done.push(i);
                     }
@@ -536,9 +532,55 @@ fn finish(
     });
 }
 
+/// A step's logits on the host, one copy for all rows, with each row's log-sum-exp
+/// (computed by LibTorch for all rows at once, vectorised, in float64).
+#[cfg(feature = "torch")]
+struct Rows {
+    data: Vec<f32>,
+    log_z: Vec<f64>,
+    vocab: usize,
+}
+
+#[cfg(feature = "torch")]
+impl Rows {
+    fn new(logits: &tch::Tensor) -> Result<Rows, ModelError> {
+        let logits = logits
+            .f_to_device(tch::Device::Cpu)?
+            .f_to_kind(tch::Kind::Float)?
+            .f_contiguous()?;
+        let size = logits.size();
+        let [rows, vocab] = size[..] else {
+            return Err(ModelError::Invalid(format!(
+                "logits of shape {size:?}, wanted [rows, vocab]"
+            )));
+        };
+        let (rows, vocab) = (rows as usize, vocab as usize);
+        let mut data = vec![0f32; rows * vocab];
+        logits.f_copy_data(&mut data, rows * vocab)?;
+        let lz = logits
+            .f_to_kind(tch::Kind::Double)?
+            .f_logsumexp([-1i64].as_slice(), false)?;
+        let mut log_z = vec![0f64; rows];
+        lz.f_copy_data(&mut log_z, rows)?;
+        Ok(Rows { data, log_z, vocab })
+    }
+
+    fn row(&self, i: usize) -> (&[f32], f64) {
+        (
+            &self.data[i * self.vocab..(i + 1) * self.vocab],
+            self.log_z[i],
+        )
+    }
+}
+
 /// Samples `r`'s next token from `row`, within its constraint if it has one.
 #[cfg(feature = "torch")]
-fn pick(row: &[f32], r: &mut Running, allowed: &mut Vec<bool>) -> Result<(u32, f64), String> {
+fn pick(
+    row: &[f32],
+    log_z: f64,
+    r: &mut Running,
+    allowed: &mut Vec<bool>,
+) -> Result<(u32, f64), String> {
     let req = &r.req;
     match (&req.constraint, &mut r.cstate) {
         (Some(c), Some(st)) => {
@@ -550,6 +592,7 @@ fn pick(row: &[f32], r: &mut Running, allowed: &mut Vec<bool>) -> Result<(u32, f
             }
             let (id, lp) = sampling::sample_within(
                 row,
+                Some(log_z),
                 Some(allowed),
                 &req.sampling,
                 &mut r.rng,
@@ -559,8 +602,10 @@ fn pick(row: &[f32], r: &mut Running, allowed: &mut Vec<bool>) -> Result<(u32, f
             c.advance(st, id)?;
             Ok((id, lp))
         }
-        _ => Ok(sampling::sample(
+        _ => Ok(sampling::sample_within(
             row,
+            Some(log_z),
+            None,
             &req.sampling,
             &mut r.rng,
             &req.prompt,

@@ -583,12 +583,14 @@ fn tool_plan(req: &ChatCompletionRequest) -> Result<(bool, Vec<ToolSpec>), ApiEr
                 ))
             }
             "required" => specs,
-            other => return Err(ApiError::bad(
-                "tool_choice",
-                format!(
+            other => {
+                return Err(ApiError::bad(
+                    "tool_choice",
+                    format!(
                     "tool_choice must be 'none', 'auto', 'required' or a function, got '{other}'"
                 ),
-            )),
+                ))
+            }
         },
         Some(obj) => {
             let name = obj
