@@ -17,8 +17,11 @@
 //! - [`model`]: the Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) with a KV cache,
 //!   loaders for GGUF (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) and HF
 //!   safetensors directories, the tokenizer, chat templates, and HF-compatible checkpoints.
-//! - [`engine`]: sampling and single-stream generation (continuous batching comes with the
-//!   engine issue).
+//! - [`engine`]: the engine thread (continuous batching, packed prefill, shared-prefill
+//!   `n`, constrained decoding), sampling, and direct generation.
+//! - [`openai`]: the OpenAI-compatible facade over any backend.
+//! - [`timeline`]: calls, episodes, token-exact merged timelines, content-addressed
+//!   fragments, and the per-call / linear / tree training layouts.
 //!
 //! Only `model`, `engine`, `train`, `collective` and `kernels` touch LibTorch, and only
 //! behind the `torch` cargo feature (on by default): `cargo build --no-default-features`
@@ -28,3 +31,4 @@ pub mod model;
 pub mod openai;
 
 pub mod engine;
+pub mod timeline;

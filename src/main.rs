@@ -119,6 +119,11 @@ enum Command {
         /// max_tokens for requests that give none.
         #[arg(long, default_value_t = 1024)]
         default_max_tokens: usize,
+        /// Track chat calls per episode (the API key names the episode): each call
+        /// extends the exact token ids of the episode's previous call (token-in-token-out),
+        /// and breaks are counted in /metrics.
+        #[arg(long)]
+        track_episodes: bool,
     },
     /// Save a model as an HF-compatible checkpoint directory.
     Export {
@@ -212,6 +217,7 @@ fn run(cli: Cli) -> Result<()> {
             max_kv_positions,
             max_prefill_tokens,
             default_max_tokens,
+            track_episodes,
         }) => torch_cmds::serve(
             &model,
             &host,
@@ -223,7 +229,11 @@ fn run(cli: Cli) -> Result<()> {
                 max_kv_positions,
                 max_prefill_tokens,
             },
-            default_max_tokens,
+            agentjet::openai::server::ServerConfig {
+                default_max_tokens,
+                track_episodes,
+                ..Default::default()
+            },
         ),
         #[cfg(not(feature = "torch"))]
         Some(Command::Generate { .. } | Command::Export { .. } | Command::Serve { .. }) => bail!(
@@ -415,9 +425,9 @@ mod torch_cmds {
         port: u16,
         served_model_name: Option<String>,
         engine_cfg: agentjet::engine::EngineConfig,
-        default_max_tokens: usize,
+        server_cfg: agentjet::openai::server::ServerConfig,
     ) -> Result<()> {
-        use agentjet::openai::server::{router, ServerConfig};
+        use agentjet::openai::server::router;
         use agentjet::openai::LocalBackend;
         use std::sync::Arc;
         let loaded = load(args)?;
@@ -433,13 +443,7 @@ mod torch_cmds {
             engine,
             max_context,
         });
-        let app = router(
-            backend,
-            ServerConfig {
-                default_max_tokens,
-                ..Default::default()
-            },
-        );
+        let app = router(backend, server_cfg);
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()

@@ -41,7 +41,7 @@ fn serve(extra: &[&str]) -> Server {
 #[test]
 fn openai_python_sdk_suite_passes_against_live_serve() {
     common::smollm2_path();
-    let main = serve(&[]);
+    let main = serve(&["--track-episodes"]);
     let tight = serve(&["--max-batch", "1", "--max-queue", "1"]);
     let out = Command::new(common::python())
         .args(["-m", "unittest", "-v"])

@@ -495,6 +495,97 @@ impl Llama {
         self.head(&x)
     }
 
+    /// Every parameter tensor (fused as stored: qkv and gate/up are one matrix each; a
+    /// tied head is not repeated), for training.
+    pub fn parameters(&self) -> Vec<Tensor> {
+        let mut p = vec![self.embed_tokens.shallow_clone()];
+        for l in &self.layers {
+            p.push(l.input_layernorm.shallow_clone());
+            p.push(l.post_attention_layernorm.shallow_clone());
+            p.push(l.qkv_proj.shallow_clone());
+            if let Some(b) = &l.qkv_bias {
+                p.push(b.shallow_clone());
+            }
+            p.push(l.o_proj.shallow_clone());
+            p.push(l.gate_up_proj.shallow_clone());
+            p.push(l.down_proj.shallow_clone());
+        }
+        p.push(self.norm.shallow_clone());
+        if let Some(h) = &self.lm_head {
+            p.push(h.shallow_clone());
+        }
+        p
+    }
+
+    /// Makes every parameter require gradients (or not).
+    pub fn set_trainable(&mut self, on: bool) {
+        for mut t in self.parameters() {
+            let _ = t.requires_grad_(on);
+        }
+    }
+
+    /// The training forward of one packed row (see `timeline::layout`): `ids` and
+    /// `positions` are [n] int64, `mask` is [n, n] bool (true: row i may attend to j).
+    /// Sequences packed side by side or as a prefix tree each see only their own tokens,
+    /// at their own positions. No KV cache; differentiable. Returns float32 logits [n, vocab].
+    pub fn forward_row(
+        &self,
+        ids: &Tensor,
+        positions: &Tensor,
+        mask: &Tensor,
+    ) -> Result<Tensor, ModelError> {
+        let n = ids.size().first().copied().unwrap_or(0);
+        if ids.dim() != 1 || positions.size() != [n] || mask.size() != [n, n] || n == 0 {
+            return Err(ModelError::Invalid(format!(
+                "forward_row wants ids [n], positions [n], mask [n, n]; got {:?}, {:?}, {:?}",
+                ids.size(),
+                positions.size(),
+                mask.size()
+            )));
+        }
+        let c = &self.config;
+        let (nh, nkv, hd) = (
+            c.num_attention_heads as i64,
+            c.num_key_value_heads as i64,
+            c.head_dim as i64,
+        );
+        let rope = self.rope.f_index_select(0, positions)?.f_unsqueeze(1)?;
+        let mask = mask.f_view([1, 1, n, n])?;
+        let mut x =
+            Tensor::f_embedding(&self.embed_tokens, ids, -1, false, false)?.f_to_kind(self.act)?;
+        for layer in &self.layers {
+            let hn = self.rms_norm(&x, &layer.input_layernorm)?;
+            let qkv = self.linear(&hn, &layer.qkv_proj, layer.qkv_bias.as_ref())?;
+            let qk = qkv
+                .f_narrow(-1, 0, (nh + nkv) * hd)?
+                .f_view([n, nh + nkv, hd / 2, 2])?;
+            let qk = apply_rope(&qk, &rope)?.f_view([n, nh + nkv, hd])?;
+            let q = qk.f_narrow(1, 0, nh)?.f_transpose(0, 1)?.f_unsqueeze(0)?;
+            let k = qk.f_narrow(1, nh, nkv)?.f_transpose(0, 1)?.f_unsqueeze(0)?;
+            let v = qkv
+                .f_narrow(-1, (nh + nkv) * hd, nkv * hd)?
+                .f_view([n, nkv, hd])?
+                .f_transpose(0, 1)?
+                .f_unsqueeze(0)?;
+            let attn = Tensor::f_scaled_dot_product_attention(
+                &q,
+                &k,
+                &v,
+                Some(&mask),
+                0.0,
+                false,
+                None,
+                nkv != nh,
+            )?;
+            let attn = attn
+                .f_squeeze_dim(0)?
+                .f_transpose(0, 1)?
+                .f_reshape([n, nh * hd])?;
+            x = self.finish_layer(layer, &x, &attn)?;
+        }
+        self.head(&x)
+    }
+
     /// Storage for `slots` sequences of up to `capacity` positions each (zeroed).
     pub fn new_slot_cache(&self, slots: usize, capacity: usize) -> Result<SlotCache, ModelError> {
         let capacity = capacity.min(self.max_positions());

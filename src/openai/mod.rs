@@ -17,6 +17,7 @@
 
 pub mod server;
 pub mod text;
+pub mod track;
 pub mod types;
 
 use std::sync::Arc;

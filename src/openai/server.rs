@@ -19,12 +19,14 @@ use serde_json::{json, Value as Json_};
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::text::{parse_tool_calls, StopMatcher};
+use super::track::{Outcome, Tracker};
 use super::types::*;
 use super::Backend;
 use crate::engine::{
     Constraint, EngineError, EngineEvent, FinishReason, GenerateRequest, SamplingParams,
     TokenBytes, ToolSpec,
 };
+use crate::model::chat_template::ChatTemplate;
 use crate::model::{ChatRequest, ModelCard, StreamDecoder};
 
 /// Limits of the facade.
@@ -38,6 +40,11 @@ pub struct ServerConfig {
     pub max_top_logprobs: usize,
     /// Largest request body in bytes (larger ones get 413 in OpenAI's error shape).
     pub max_body_bytes: usize,
+    /// Track chat calls per episode (the bearer token names the episode): token-in-token-out
+    /// prompts and recorded calls (see `openai::track`).
+    pub track_episodes: bool,
+    /// Episodes tracked at most (the least recently used is dropped first).
+    pub max_tracked_episodes: usize,
 }
 
 impl Default for ServerConfig {
@@ -47,6 +54,8 @@ impl Default for ServerConfig {
             max_n: 16,
             max_top_logprobs: 20,
             max_body_bytes: 8 << 20,
+            track_episodes: false,
+            max_tracked_episodes: 4096,
         }
     }
 }
@@ -57,6 +66,7 @@ struct AppState {
     next_id: AtomicU64,
     requests: AtomicU64,
     errors: AtomicU64,
+    tracker: Option<Tracker>,
     /// Each model's token bytes, built on the first constrained request.
     token_bytes: std::sync::Mutex<std::collections::HashMap<String, Arc<TokenBytes>>>,
 }
@@ -68,7 +78,11 @@ pub fn router(backend: Arc<dyn Backend>, cfg: ServerConfig) -> Router {
         .map(|d| d.as_nanos() as u64)
         .unwrap_or(1);
     let body_limit = cfg.max_body_bytes;
+    let tracker = cfg
+        .track_episodes
+        .then(|| Tracker::new(cfg.max_tracked_episodes));
     let state = Arc::new(AppState {
+        tracker,
         backend,
         cfg,
         next_id: AtomicU64::new(seed),
@@ -355,6 +369,8 @@ struct ChoiceState {
     decoder: StreamDecoder,
     stop: StopMatcher,
     tokens: Vec<u32>,
+    /// The engine's logprob of every token (kept for the tracker whether asked or not).
+    raw_logprobs: Vec<f32>,
     logprobs: Vec<TokenLogprob>,
     want_logprobs: bool,
     finish: Option<&'static str>,
@@ -369,6 +385,7 @@ impl ChoiceState {
             decoder: StreamDecoder::new(),
             stop: StopMatcher::new(stops),
             tokens: Vec::new(),
+            raw_logprobs: Vec::new(),
             logprobs: Vec::new(),
             want_logprobs,
             finish: None,
@@ -390,6 +407,7 @@ impl ChoiceState {
                     return Ok((String::new(), vec![]));
                 }
                 self.tokens.push(id);
+                self.raw_logprobs.push(logprob as f32);
                 let mut new_lps = Vec::new();
                 if self.want_logprobs {
                     let tok = self.token_text(id);
@@ -701,58 +719,81 @@ fn messages_without_tool_support(messages: &[Json_], tools: Option<&[Json_]>) ->
     out
 }
 
-fn render_chat(
-    card: &ModelCard,
-    model: &str,
-    req: &ChatCompletionRequest,
-) -> Result<Vec<u32>, ApiError> {
-    if req.messages.is_empty() {
-        return Err(ApiError::bad("messages", "messages must not be empty"));
-    }
-    for (i, m) in req.messages.iter().enumerate() {
-        if m.get("role").and_then(|r| r.as_str()).is_none() {
-            return Err(ApiError::bad(
-                &format!("messages[{i}].role"),
-                format!("messages[{i}] has no string 'role'"),
-            ));
+/// How a request's messages are rendered: the model's template, the tools, and whether
+/// messages are rewritten for a template without tool support (decided once per request,
+/// so that every rendering of one request agrees).
+struct ChatRenderer {
+    tmpl: ChatTemplate,
+    tools: Option<Vec<Json_>>,
+    rewrite: bool,
+}
+
+impl ChatRenderer {
+    fn new(card: &ModelCard, model: &str, req: &ChatCompletionRequest) -> Result<Self, ApiError> {
+        if req.messages.is_empty() {
+            return Err(ApiError::bad("messages", "messages must not be empty"));
         }
-    }
-    let tmpl = card.chat_template(model).map_err(|e| {
-        ApiError::bad(
-            "messages",
-            format!("{e}; use /v1/completions for raw prompts"),
-        )
-    })?;
-    let tools = req.tools.as_deref().filter(|t| !t.is_empty());
-    let source = match (tools, &card.tool_use_template_source) {
-        (Some(_), Some(t)) => Some(t.as_str()),
-        _ => card.chat_template_source.as_deref(),
-    };
-    let knows_tools = source.is_some_and(|s| s.contains("tool_calls"));
-    let needs_rewrite = tools.is_some()
-        || req.messages.iter().any(|m| {
-            m.get("tool_calls").is_some()
-                || m.get("role").and_then(|r| r.as_str()) == Some("tool")
-                || !m.get("content").is_some_and(|c| c.is_string())
-        });
-    let rewritten;
-    let (messages, tools) = if knows_tools || !needs_rewrite {
-        (&req.messages[..], tools)
-    } else {
-        rewritten = messages_without_tool_support(&req.messages, tools);
-        (&rewritten[..], None)
-    };
-    let text = tmpl
-        .render(&ChatRequest {
-            messages,
-            tools,
-            add_generation_prompt: true,
-            extra: None,
+        for (i, m) in req.messages.iter().enumerate() {
+            if m.get("role").and_then(|r| r.as_str()).is_none() {
+                return Err(ApiError::bad(
+                    &format!("messages[{i}].role"),
+                    format!("messages[{i}] has no string 'role'"),
+                ));
+            }
+        }
+        let tmpl = card.chat_template(model).map_err(|e| {
+            ApiError::bad(
+                "messages",
+                format!("{e}; use /v1/completions for raw prompts"),
+            )
+        })?;
+        let tools = req.tools.as_deref().filter(|t| !t.is_empty());
+        let source = match (tools, &card.tool_use_template_source) {
+            (Some(_), Some(t)) => Some(t.as_str()),
+            _ => card.chat_template_source.as_deref(),
+        };
+        let knows_tools = source.is_some_and(|s| s.contains("tool_calls"));
+        let needs_rewrite = tools.is_some()
+            || req.messages.iter().any(|m| {
+                m.get("tool_calls").is_some()
+                    || m.get("role").and_then(|r| r.as_str()) == Some("tool")
+                    || !m.get("content").is_some_and(|c| c.is_string())
+            });
+        Ok(ChatRenderer {
+            tmpl,
+            tools: tools.map(<[Json_]>::to_vec),
+            rewrite: !knows_tools && needs_rewrite,
         })
-        .map_err(|e| ApiError::bad("messages", e.to_string()))?;
-    card.tokenizer
-        .encode(&text)
-        .map_err(|e| ApiError::server(e.to_string()))
+    }
+
+    fn render(&self, messages: &[Json_], add_generation_prompt: bool) -> Result<String, String> {
+        let rewritten;
+        let (messages, tools) = if self.rewrite {
+            rewritten = messages_without_tool_support(messages, self.tools.as_deref());
+            (&rewritten[..], None)
+        } else {
+            (messages, self.tools.as_deref())
+        };
+        self.tmpl
+            .render(&ChatRequest {
+                messages,
+                tools,
+                add_generation_prompt,
+                extra: None,
+            })
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// The episode a request belongs to, when tracking: its bearer token.
+fn episode_of(st: &AppState, headers: &axum::http::HeaderMap) -> Option<String> {
+    st.tracker.as_ref()?;
+    let auth = headers
+        .get(axum::http::header::AUTHORIZATION)?
+        .to_str()
+        .ok()?;
+    let token = auth.strip_prefix("Bearer ").unwrap_or(auth).trim();
+    (!token.is_empty()).then(|| token.to_string())
 }
 
 /// The body, or the reason it could not be read (too large: 413) in OpenAI's shape.
@@ -784,16 +825,25 @@ fn answer(st: &AppState, result: Result<Response, ApiError>) -> Response {
 
 type Body = Result<Bytes, axum::extract::rejection::BytesRejection>;
 
-async fn chat_completions(State(st): State<Arc<AppState>>, body: Body) -> Response {
+async fn chat_completions(
+    State(st): State<Arc<AppState>>,
+    headers: axum::http::HeaderMap,
+    body: Body,
+) -> Response {
     st.requests.fetch_add(1, Ordering::Relaxed);
+    let episode = episode_of(&st, &headers);
     let result = match body_or_error(body, st.cfg.max_body_bytes) {
-        Ok(body) => chat_inner(&st, body).await,
+        Ok(body) => chat_inner(&st, body, episode).await,
         Err(e) => Err(e),
     };
     answer(&st, result)
 }
 
-async fn chat_inner(st: &Arc<AppState>, body: Bytes) -> Result<Response, ApiError> {
+async fn chat_inner(
+    st: &Arc<AppState>,
+    body: Bytes,
+    episode: Option<String>,
+) -> Result<Response, ApiError> {
     let req: ChatCompletionRequest = parse_body(&body)?;
     let (card, ctx) = resolve_model(st, &req.model)?;
     let extra = extra_sampling(
@@ -831,7 +881,40 @@ async fn chat_inner(st: &Arc<AppState>, body: Bytes) -> Result<Response, ApiErro
         (true, k) => Some(k.unwrap_or(0) as usize),
         (false, _) => None,
     };
-    let prompt = render_chat(&card, &req.model, &req)?;
+    let renderer = ChatRenderer::new(&card, &req.model, &req)?;
+    let render = |m: &[Json_], g: bool| renderer.render(m, g);
+    let (prompt, tracked) = match (&st.tracker, &episode) {
+        (Some(t), Some(ep)) => {
+            let (ids, outcome, text) = t
+                .prompt(ep, &req.model, &card, &req.messages, &render)
+                .map_err(|e| ApiError::bad("messages", e))?;
+            (ids, Some((ep.clone(), outcome, text)))
+        }
+        _ => {
+            let text = render(&req.messages, true).map_err(|e| ApiError::bad("messages", e))?;
+            let ids = card
+                .tokenizer
+                .encode(&text)
+                .map_err(|e| ApiError::server(e.to_string()))?;
+            (ids, None)
+        }
+    };
+    let timeline = tracked.as_ref().map(|t| match &t.1 {
+        Outcome::First => "first",
+        Outcome::Continued => "continued",
+        Outcome::Break(_) => "break",
+    });
+    // Records the finished call in the episode's timeline.
+    let on_done = tracked.map(|(ep, _, text)| {
+        let st = st.clone();
+        let model = req.model.clone();
+        let messages = req.messages.clone();
+        move |prompt: &[u32], choices: Vec<(Vec<u32>, Vec<f32>)>, version: u64| {
+            if let Some(t) = &st.tracker {
+                t.record(&ep, &model, &messages, text, prompt, choices, version);
+            }
+        }
+    });
     let mut p = plan(
         st,
         Common {
@@ -867,7 +950,10 @@ async fn chat_inner(st: &Arc<AppState>, body: Bytes) -> Result<Response, ApiErro
     let id = format!("chatcmpl-{:x}", st.next_id.fetch_add(1, Ordering::Relaxed));
     if req.stream {
         let include_usage = req.stream_options.as_ref().is_some_and(|o| o.include_usage);
-        return Ok(stream_chat(id, p, rxs, include_usage, tools_on).into_response());
+        let on_done = on_done.map(|f| Box::new(f) as OnDone);
+        return Ok(
+            stream_chat(id, p, rxs, include_usage, tools_on, on_done, timeline).into_response(),
+        );
     }
     let mut choices = Vec::with_capacity(p.n);
     let mut usage_completion = 0;
@@ -879,8 +965,19 @@ async fn chat_inner(st: &Arc<AppState>, body: Bytes) -> Result<Response, ApiErro
         )
     }))
     .await;
+    let states: Vec<ChoiceState> = states.into_iter().collect::<Result<_, _>>()?;
+    if let Some(f) = on_done {
+        let version = states.first().map_or(0, |s| s.policy_version);
+        f(
+            &p.prompt,
+            states
+                .iter()
+                .map(|s| (s.tokens.clone(), s.raw_logprobs.clone()))
+                .collect(),
+            version,
+        );
+    }
     for (index, s) in states.into_iter().enumerate() {
-        let s = s?;
         usage_completion += s.completion_tokens;
         version = s.policy_version;
         let text = s.stop.text().to_string();
@@ -923,6 +1020,7 @@ async fn chat_inner(st: &Arc<AppState>, body: Bytes) -> Result<Response, ApiErro
         agentjet: AgentjetExtension {
             prompt_token_ids: p.prompt.clone(),
             policy_version: version,
+            timeline: timeline.map(str::to_string),
         },
     };
     Ok(Json(resp).into_response())
@@ -936,12 +1034,18 @@ fn sse_json(v: &Json_) -> Result<Event, Infallible> {
 /// final, a last chunk per choice with its finish reason (and the token-id extension),
 /// the usage chunk if asked, then `[DONE]`. With tools on, a choice's text is held until
 /// it ends so that a tool call is sent as `tool_calls`, not as raw text.
+/// Called once a tracked call is complete: (prompt ids, each choice's ids and logprobs,
+/// policy version).
+type OnDone = Box<dyn FnOnce(&[u32], Vec<(Vec<u32>, Vec<f32>)>, u64) + Send>;
+
 fn stream_chat(
     id: String,
     p: Plan,
     rxs: Vec<UnboundedReceiver<EngineEvent>>,
     include_usage: bool,
     tools_on: bool,
+    on_done: Option<OnDone>,
+    timeline: Option<&'static str>,
 ) -> Sse<impl futures_util::Stream<Item = Result<Event, Infallible>>> {
     let (tx, out) = tokio::sync::mpsc::channel::<Result<Event, Infallible>>(64);
     let created = now();
@@ -1059,10 +1163,26 @@ fn stream_chat(
                 }
             }
         }
+        if let Some(f) = on_done {
+            if done == states.len() {
+                f(
+                    &p.prompt,
+                    states
+                        .iter()
+                        .map(|s| (s.tokens.clone(), s.raw_logprobs.clone()))
+                        .collect(),
+                    version,
+                );
+            }
+        }
         if include_usage {
+            let mut agentjet = json!({"prompt_token_ids": p.prompt, "policy_version": version});
+            if let Some(t) = timeline {
+                agentjet["timeline"] = json!(t);
+            }
             let usage = json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": p.model, "choices": [],
                 "usage": {"prompt_tokens": p.prompt.len(), "completion_tokens": completion, "total_tokens": p.prompt.len() + completion},
-                "agentjet": {"prompt_token_ids": p.prompt, "policy_version": version}});
+                "agentjet": agentjet});
             if tx.send(sse_json(&usage)).await.is_err() {
                 return;
             }
@@ -1315,6 +1435,25 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
         st.errors.load(Ordering::Relaxed),
         st.backend.metrics()
     );
+    let mut text = text;
+    if let Some(t) = &st.tracker {
+        text.push_str("# TYPE agentjet_timeline_calls_total counter\n");
+        for (model, c) in t.counts() {
+            for (outcome, n) in [
+                ("first", c.first),
+                ("continued", c.continued),
+                ("break", c.breaks),
+            ] {
+                text.push_str(&format!(
+                    "agentjet_timeline_calls_total{{model=\"{model}\",outcome=\"{outcome}\"}} {n}\n"
+                ));
+            }
+        }
+        text.push_str(&format!(
+            "# TYPE agentjet_tracked_episodes gauge\nagentjet_tracked_episodes {}\n",
+            t.episodes()
+        ));
+    }
     (
         [(
             axum::http::header::CONTENT_TYPE,

@@ -189,6 +189,9 @@ pub struct ChatChoice {
 pub struct AgentjetExtension {
     pub prompt_token_ids: Vec<u32>,
     pub policy_version: u64,
+    /// With episode tracking: how the prompt was built ("first", "continued", "break").
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub timeline: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize)]

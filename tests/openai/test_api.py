@@ -226,6 +226,33 @@ class Chat(unittest.TestCase):
         self.assertEqual(p2[:len(p1)], p1)
         self.assertGreater(len(p2), len(p1) + len(choice.model_extra["token_ids"]))
 
+    def test_episode_calls_extend_the_exact_ids(self):
+        """The server runs with --track-episodes: the API key names the episode, and a
+        call that repeats the conversation plus the model's answer extends the previous
+        prompt and completion ids exactly (token-in-token-out)."""
+        c = openai.OpenAI(base_url=BASE, api_key="episode-ttio-1", max_retries=0, timeout=120)
+        m1 = [{"role": "user", "content": "Name a fruit."}]
+        r1 = c.chat.completions.create(model=MODEL, messages=m1, temperature=0, max_tokens=24)
+        self.assertEqual(r1.model_extra["agentjet"]["timeline"], "first")
+        p1 = r1.model_extra["agentjet"]["prompt_token_ids"]
+        c1 = r1.choices[0].model_extra["token_ids"]
+        m2 = m1 + [{"role": "assistant", "content": r1.choices[0].message.content},
+                   {"role": "user", "content": "Another one?"}]
+        r2 = c.chat.completions.create(model=MODEL, messages=m2, temperature=0, max_tokens=24)
+        self.assertEqual(r2.model_extra["agentjet"]["timeline"], "continued")
+        p2 = r2.model_extra["agentjet"]["prompt_token_ids"]
+        self.assertEqual(p2[:len(p1) + len(c1)], p1 + c1)
+        # An agent that edits the answer breaks the timeline, and the break is counted.
+        m3 = m2 + [{"role": "assistant", "content": "Something else entirely."},
+                   {"role": "user", "content": "Ok."}]
+        r3 = c.chat.completions.create(model=MODEL, messages=m3, temperature=0, max_tokens=8)
+        self.assertEqual(r3.model_extra["agentjet"]["timeline"], "break")
+        with urllib.request.urlopen(BASE.replace("/v1", "") + "/metrics") as m:
+            text = m.read().decode()
+        self.assertIn('agentjet_timeline_calls_total{model="smollm2",outcome="continued"}', text)
+        breaks = [l for l in text.splitlines() if 'outcome="break"' in l]
+        self.assertTrue(breaks and int(breaks[0].split()[-1]) >= 1, breaks)
+
 
 class Load(unittest.TestCase):
     def test_64_streams_with_a_third_disconnecting(self):

@@ -1,0 +1,246 @@
+//! Token-in-token-out tracking of an episode's chat calls.
+//!
+//! Each call of an episode (named by the request's bearer token, which the client hands its
+//! agent) is remembered with its exact prompt ids and the ids the model sampled. When the
+//! next request of that episode repeats the earlier messages and adds the model's answer
+//! and new messages, only what is new is tokenised: the prompt is the previous prompt ids,
+//! then the previous completion ids exactly as sampled, then the tokens of the new text.
+//! So a training sequence holds exactly what the model saw and produced, with no
+//! re-tokenisation drift, and calls merge into one timeline.
+//!
+//! Continuing is only done when it is exact: the earlier messages are equal, the template
+//! renders the history as a prefix of the new prompt, and the model's completion text
+//! appears verbatim where the answer is rendered. Anything else (a template that rewrites
+//! history, such as one that strips earlier reasoning; an agent that edited the answer; a
+//! stop string that cut it) is a break: the whole prompt is rendered and tokenised afresh,
+//! and the break is counted per model, so the continuity rate of a model and template is
+//! visible in `/metrics`. Timelines never merge across a break (see `timeline`).
+//!
+//! Owns: per-episode prompt state and the recorded calls. Bounded: at most
+//! `max_episodes` episodes are tracked (the least recently used is dropped first).
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use serde_json::Value as Json;
+
+use crate::model::ModelCard;
+use crate::timeline::Call;
+
+/// How a prompt was built.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// The episode's first call of this model.
+    First,
+    /// Extended the previous call's exact ids.
+    Continued,
+    /// Rendered afresh; the reason the previous ids could not be kept.
+    Break(String),
+}
+
+/// One earlier call: what was rendered, and every choice's sampled ids.
+struct Previous {
+    messages: Vec<Json>,
+    prompt_text: String,
+    prompt_ids: Vec<u32>,
+    choices: Vec<Vec<u32>>,
+}
+
+#[derive(Default)]
+struct EpisodeState {
+    previous: HashMap<String, Previous>,
+    calls: Vec<Call>,
+    last_use: u64,
+}
+
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Counts {
+    pub first: u64,
+    pub continued: u64,
+    pub breaks: u64,
+}
+
+pub struct Tracker {
+    max_episodes: usize,
+    inner: Mutex<Inner>,
+}
+
+#[derive(Default)]
+struct Inner {
+    episodes: HashMap<String, EpisodeState>,
+    counts: HashMap<String, Counts>,
+    clock: u64,
+}
+
+/// Renders messages with the request's template and tools: `(messages, add_generation_prompt)`.
+pub type Render<'a> = dyn Fn(&[Json], bool) -> Result<String, String> + 'a;
+
+impl Tracker {
+    pub fn new(max_episodes: usize) -> Tracker {
+        Tracker {
+            max_episodes: max_episodes.max(1),
+            inner: Mutex::new(Inner::default()),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The prompt ids for `messages` in `episode` (see the module docs), how they were
+    /// built, and the rendered text (to pass back to [`Tracker::record`]).
+    pub fn prompt(
+        &self,
+        episode: &str,
+        model: &str,
+        card: &ModelCard,
+        messages: &[Json],
+        render: &Render<'_>,
+    ) -> Result<(Vec<u32>, Outcome, String), String> {
+        let text = render(messages, true)?;
+        let fresh = |text: &str| card.tokenizer.encode(text).map_err(|e| e.to_string());
+        let outcome = {
+            let inner = self.lock();
+            match inner
+                .episodes
+                .get(episode)
+                .and_then(|e| e.previous.get(model))
+            {
+                None => Err(Outcome::First),
+                Some(prev) => continue_ids(prev, card, messages, &text, render),
+            }
+        };
+        let (ids, outcome) = match outcome {
+            Ok(ids) => (ids, Outcome::Continued),
+            Err(o) => (fresh(&text)?, o),
+        };
+        let mut inner = self.lock();
+        let c = inner.counts.entry(model.to_string()).or_default();
+        match &outcome {
+            Outcome::First => c.first += 1,
+            Outcome::Continued => c.continued += 1,
+            Outcome::Break(reason) => {
+                c.breaks += 1;
+                tracing::info!(episode, model, reason, "timeline break");
+            }
+        }
+        Ok((ids, outcome, text))
+    }
+
+    /// Records a finished call: its messages and rendering (for the next call), and one
+    /// [`Call`] per choice with `(ids, logprobs)` (for the episode's timeline).
+    #[allow(clippy::too_many_arguments)]
+    pub fn record(
+        &self,
+        episode: &str,
+        model: &str,
+        messages: &[Json],
+        prompt_text: String,
+        prompt_ids: &[u32],
+        choices: Vec<(Vec<u32>, Vec<f32>)>,
+        policy_version: u64,
+    ) {
+        let mut inner = self.lock();
+        inner.clock += 1;
+        let clock = inner.clock;
+        if !inner.episodes.contains_key(episode) && inner.episodes.len() >= self.max_episodes {
+            if let Some(oldest) = inner
+                .episodes
+                .iter()
+                .min_by_key(|(_, e)| e.last_use)
+                .map(|(k, _)| k.clone())
+            {
+                tracing::warn!(
+                    episode = oldest,
+                    "tracker full: dropping the least recently used episode"
+                );
+                inner.episodes.remove(&oldest);
+            }
+        }
+        let e = inner.episodes.entry(episode.to_string()).or_default();
+        e.last_use = clock;
+        for (ids, logprobs) in &choices {
+            e.calls.push(Call {
+                model: model.to_string(),
+                prompt_ids: prompt_ids.to_vec(),
+                completion_ids: ids.clone(),
+                logprobs: logprobs.clone(),
+                policy_version,
+                signature: Vec::new(),
+            });
+        }
+        e.previous.insert(
+            model.to_string(),
+            Previous {
+                messages: messages.to_vec(),
+                prompt_text,
+                prompt_ids: prompt_ids.to_vec(),
+                choices: choices.into_iter().map(|c| c.0).collect(),
+            },
+        );
+    }
+
+    /// The calls recorded for `episode`, removing it.
+    pub fn take(&self, episode: &str) -> Option<Vec<Call>> {
+        self.lock().episodes.remove(episode).map(|e| e.calls)
+    }
+
+    /// Per-model counts of first calls, continued calls and breaks.
+    pub fn counts(&self) -> Vec<(String, Counts)> {
+        let mut v: Vec<_> = self
+            .lock()
+            .counts
+            .iter()
+            .map(|(k, c)| (k.clone(), c.clone()))
+            .collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    }
+
+    pub fn episodes(&self) -> usize {
+        self.lock().episodes.len()
+    }
+}
+
+/// The previous ids extended by the new text, or why they cannot be.
+fn continue_ids(
+    prev: &Previous,
+    card: &ModelCard,
+    messages: &[Json],
+    text: &str,
+    render: &Render<'_>,
+) -> Result<Vec<u32>, Outcome> {
+    let brk = |why: &str| Outcome::Break(why.to_string());
+    let n = prev.messages.len();
+    if messages.len() <= n || messages[..n] != prev.messages[..] {
+        return Err(brk("the earlier messages changed"));
+    }
+    if messages[n].get("role").and_then(|r| r.as_str()) != Some("assistant") {
+        return Err(brk("the model's answer is not the next message"));
+    }
+    let history = render(&messages[..=n], false).map_err(Outcome::Break)?;
+    if !history.starts_with(&prev.prompt_text) || !text.starts_with(&history) {
+        return Err(brk("the template renders the history differently"));
+    }
+    let answer = &history[prev.prompt_text.len()..];
+    for ids in &prev.choices {
+        let sampled = card
+            .tokenizer
+            .decode(ids, false)
+            .map_err(|e| Outcome::Break(e.to_string()))?;
+        if let Some(trailer) = answer.strip_prefix(sampled.as_str()) {
+            let suffix = format!("{trailer}{}", &text[history.len()..]);
+            let tail = card
+                .tokenizer
+                .encode(&suffix)
+                .map_err(|e| Outcome::Break(e.to_string()))?;
+            let mut out = prev.prompt_ids.clone();
+            out.extend_from_slice(ids);
+            out.extend(tail);
+            return Ok(out);
+        }
+    }
+    Err(brk(
+        "the answer in the messages is not the text the model sampled",
+    ))
+}
