@@ -32,3 +32,5 @@ pub mod openai;
 
 pub mod engine;
 pub mod timeline;
+#[cfg(feature = "torch")]
+pub mod train;

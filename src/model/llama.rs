@@ -527,12 +527,14 @@ impl Llama {
     /// The training forward of one packed row (see `timeline::layout`): `ids` and
     /// `positions` are [n] int64, `mask` is [n, n] bool (true: row i may attend to j).
     /// Sequences packed side by side or as a prefix tree each see only their own tokens,
-    /// at their own positions. No KV cache; differentiable. Returns float32 logits [n, vocab].
+    /// at their own positions. No KV cache; differentiable. Returns float32 logits of the
+    /// row indices in `rows` ([m], int64; repeats allowed), or of every token: [m or n, vocab].
     pub fn forward_row(
         &self,
         ids: &Tensor,
         positions: &Tensor,
         mask: &Tensor,
+        rows: Option<&Tensor>,
     ) -> Result<Tensor, ModelError> {
         let n = ids.size().first().copied().unwrap_or(0);
         if ids.dim() != 1 || positions.size() != [n] || mask.size() != [n, n] || n == 0 {
@@ -583,7 +585,10 @@ impl Llama {
                 .f_reshape([n, nh * hd])?;
             x = self.finish_layer(layer, &x, &attn)?;
         }
-        self.head(&x)
+        match rows {
+            Some(r) => self.head(&x.f_index_select(0, r)?),
+            None => self.head(&x),
+        }
     }
 
     /// Storage for `slots` sequences of up to `capacity` positions each (zeroed).

@@ -19,6 +19,7 @@
 
 pub mod fragment;
 pub mod layout;
+pub mod synth;
 
 use std::collections::BTreeMap;
 

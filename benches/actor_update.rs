@@ -1,0 +1,181 @@
+//! `cargo bench --bench actor_update [-- FLAGS]`: the actor-update time of one batch of
+//! multi-turn episodes under the three training layouts (see `timeline::layout`):
+//! per call (every call's prompt + completion on its own, what training without merging
+//! costs), linear (AgentJet's merge: the calls of an episode that extend each other form
+//! one sequence) and tree (the episodes of a group also share their common prefix, so
+//! the group prompt is computed once).
+//!
+//! Each layout runs the real default model (SmolLM2-135M-Instruct, float32, on the CPU
+//! here): forward over every packed row, the token-level policy-gradient surrogate
+//! `-Σ advantage * logprob / sampled tokens`, backward, then one AdamW step. The trace is
+//! synthetic and AppWorld-shaped (`timeline::synth`); flags (defaults in brackets):
+//!
+//! ```text
+//! --groups N [1]  --group-size N [4]  --turns N [8]  --prompt N [200]
+//! --env N [40]  --gen N [15]  --break-p P [0]  --row-tokens N [2048]  --seed N [1]
+//! ```
+//!
+//! The defaults finish in a few minutes on a 2-core CPU; AppWorld's own shape is about
+//! `--turns 20 --prompt 300 --env 60 --gen 20 --group-size 8` (per call alone is then
+//! ~180k tokens: hours here, minutes on a GPU).
+//!
+//! Prints each layout's token count and time, the ratios, and `RESULT` lines, where the
+//! "peer" is the layout being improved on (per call for linear, linear for tree).
+
+use std::time::Instant;
+
+use agentjet::model::checkpoint::load_model;
+use agentjet::model::llama::{DType, Llama};
+use agentjet::model::ModelSource;
+use agentjet::timeline::layout::{pack, Layout, PackedRow};
+use agentjet::timeline::synth::{trace, TraceShape};
+use agentjet::train::optim::{AdamW, AdamWConfig};
+use tch::{Kind, Tensor};
+
+fn flag(args: &[String], name: &str) -> Option<String> {
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1).cloned())
+}
+
+fn parse<T: std::str::FromStr>(args: &[String], name: &str, default: T) -> anyhow::Result<T> {
+    match flag(args, name) {
+        None => Ok(default),
+        Some(v) => v
+            .parse()
+            .map_err(|_| anyhow::anyhow!("{name}: cannot parse {v:?}")),
+    }
+}
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("actor_update bench failed: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+/// One actor update over `rows`: forward, loss, backward per row (gradients accumulate),
+/// then the optimizer step. Returns (seconds, loss).
+fn update(model: &Llama, opt: &mut AdamW, rows: &[PackedRow]) -> anyhow::Result<(f64, f64)> {
+    let t0 = Instant::now();
+    let total: usize = rows.iter().map(|r| r.targets.len()).sum();
+    let mut loss_sum = 0.0;
+    for row in rows {
+        let n = row.len() as i64;
+        let ids = Tensor::from_slice(&row.tokens.iter().map(|&t| t as i64).collect::<Vec<_>>());
+        let pos = Tensor::from_slice(&row.positions.iter().map(|&t| t as i64).collect::<Vec<_>>());
+        let mask = Tensor::from_slice(&row.attention_mask()).view([n, n]);
+        let from = Tensor::from_slice(
+            &row.targets
+                .iter()
+                .map(|t| t.from as i64)
+                .collect::<Vec<_>>(),
+        );
+        let tok = Tensor::from_slice(
+            &row.targets
+                .iter()
+                .map(|t| t.token as i64)
+                .collect::<Vec<_>>(),
+        );
+        let adv = Tensor::from_slice(&row.targets.iter().map(|t| t.advantage).collect::<Vec<_>>());
+        // Logits only where a sampled token is predicted.
+        let logits = model.forward_row(&ids, &pos, &mask, Some(&from))?;
+        let lp = logits
+            .log_softmax(-1, Kind::Float)
+            .gather(1, &tok.unsqueeze(1), false)
+            .squeeze_dim(1);
+        let loss = -(&lp * adv).sum(Kind::Float) / total as f64;
+        loss.backward();
+        loss_sum += loss.double_value(&[]);
+    }
+    opt.step();
+    Ok((t0.elapsed().as_secs_f64(), loss_sum))
+}
+
+fn run() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let shape = TraceShape {
+        groups: parse(&args, "--groups", 1)?,
+        group_size: parse(&args, "--group-size", 4)?,
+        turns: parse(&args, "--turns", 8)?,
+        prompt_tokens: parse(&args, "--prompt", 200)?,
+        env_tokens: parse(&args, "--env", 40)?,
+        gen_tokens: parse(&args, "--gen", 15)?,
+        break_p: parse(&args, "--break-p", 0.0)?,
+        seed: parse(&args, "--seed", 1)?,
+        vocab: 49152,
+    };
+    let row_tokens: usize = parse(&args, "--row-tokens", 2048)?;
+    println!("actor_update bench: {shape:?}, rows of at most {row_tokens} tokens");
+    let episodes = trace(&shape);
+    let batch: Vec<_> = episodes
+        .iter()
+        .enumerate()
+        .map(|(i, e)| (e, if i % 2 == 0 { 1.0f32 } else { -1.0 }))
+        .collect();
+    let source = ModelSource::resolve("smollm2")?;
+    let mut model = load_model(&source, tch::Device::cuda_if_available(), DType::F32)?.model;
+    model.set_trainable(true);
+    println!("model on {:?}", model.device());
+    let mut opt = AdamW::new(
+        model.parameters(),
+        AdamWConfig {
+            lr: 1e-7,
+            ..Default::default()
+        },
+    );
+    // Warm-up (first-use allocations and kernel selection), untimed: one update on the
+    // first episode's first call.
+    let first = agentjet::timeline::Episode {
+        calls: episodes[0].calls[..1].to_vec(),
+        ..episodes[0].clone()
+    };
+    update(
+        &model,
+        &mut opt,
+        &pack("policy", &[(&first, 1.0)], Layout::Linear, row_tokens)?,
+    )?;
+    let mut results = Vec::new();
+    for layout in [Layout::PerCall, Layout::Linear, Layout::Tree] {
+        let rows = pack("policy", &batch, layout, row_tokens)?;
+        let tokens: usize = rows.iter().map(PackedRow::len).sum();
+        let targets: usize = rows.iter().map(|r| r.targets.len()).sum();
+        let (secs, loss) = update(&model, &mut opt, &rows)?;
+        println!(
+            "  {:>8}: {} rows, {tokens} tokens, {targets} sampled, {secs:.2} s (loss {loss:.4})",
+            layout.name(),
+            rows.len()
+        );
+        results.push((layout, tokens, secs));
+    }
+    let (_, tok_call, t_call) = results[0];
+    let (_, tok_lin, t_lin) = results[1];
+    let (_, tok_tree, t_tree) = results[2];
+    let token_ratio = tok_call as f64 / tok_lin as f64;
+    let speedup = t_call / t_lin;
+    println!(
+        "linear vs per call: {token_ratio:.2}x fewer tokens, {speedup:.2}x faster ({:.0}% of the token ratio)",
+        100.0 * speedup / token_ratio
+    );
+    println!(
+        "tree vs linear: {:.2}x fewer tokens, {:.2}x faster",
+        tok_lin as f64 / tok_tree as f64,
+        t_lin / t_tree
+    );
+    println!("goals: linear >= 6.25x per call and within 85% of the token ratio; tree >= 1.5x linear on groups");
+    println!("RESULT actor_update time_s_linear_vs_per_call ours={t_lin:.3} peer={t_call:.3} ratio={speedup:.2}");
+    println!(
+        "RESULT actor_update time_s_tree_vs_linear ours={t_tree:.3} peer={t_lin:.3} ratio={:.2}",
+        t_lin / t_tree
+    );
+    println!("RESULT actor_update tokens_linear_vs_per_call ours={tok_lin} peer={tok_call} ratio={token_ratio:.2}");
+    println!(
+        "RESULT actor_update tokens_tree_vs_linear ours={tok_tree} peer={tok_lin} ratio={:.2}",
+        tok_lin as f64 / tok_tree as f64
+    );
+    println!(
+        "RESULT actor_update speedup_share_of_token_ratio ours={:.3}",
+        speedup / token_ratio
+    );
+    Ok(())
+}
