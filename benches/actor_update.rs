@@ -61,10 +61,8 @@ fn update(model: &Llama, opt: &mut AdamW, rows: &[PackedRow]) -> anyhow::Result<
     let total: usize = rows.iter().map(|r| r.targets.len()).sum();
     let mut loss_sum = 0.0;
     for row in rows {
-        let n = row.len() as i64;
         let ids = Tensor::from_slice(&row.tokens.iter().map(|&t| t as i64).collect::<Vec<_>>());
         let pos = Tensor::from_slice(&row.positions.iter().map(|&t| t as i64).collect::<Vec<_>>());
-        let mask = Tensor::from_slice(&row.attention_mask()).view([n, n]);
         let from = Tensor::from_slice(
             &row.targets
                 .iter()
@@ -79,7 +77,7 @@ fn update(model: &Llama, opt: &mut AdamW, rows: &[PackedRow]) -> anyhow::Result<
         );
         let adv = Tensor::from_slice(&row.targets.iter().map(|t| t.advantage).collect::<Vec<_>>());
         // Logits only where a sampled token is predicted.
-        let logits = model.forward_row(&ids, &pos, &mask, Some(&from))?;
+        let logits = model.forward_row(&ids, &pos, &row.parent, Some(&from))?;
         let lp = logits
             .log_softmax(-1, Kind::Float)
             .gather(1, &tok.unsqueeze(1), false)

@@ -210,11 +210,9 @@ fn evaluate(model: &Llama, rows: &[PackedRow]) -> (HashMap<SampleKey, f64>, Tens
     let mut loss = Tensor::from(0f64);
     let total: usize = rows.iter().map(|r| r.targets.len()).sum();
     for row in rows {
-        let n = row.len() as i64;
         let ids = Tensor::from_slice(&row.tokens.iter().map(|&t| t as i64).collect::<Vec<_>>());
         let pos = Tensor::from_slice(&row.positions.iter().map(|&t| t as i64).collect::<Vec<_>>());
-        let mask = Tensor::from_slice(&row.attention_mask()).view([n, n]);
-        let logits = model.forward_row(&ids, &pos, &mask, None).unwrap();
+        let logits = model.forward_row(&ids, &pos, &row.parent, None).unwrap();
         let logsm = logits.log_softmax(-1, Kind::Double);
         let from = Tensor::from_slice(
             &row.targets

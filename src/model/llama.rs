@@ -525,26 +525,32 @@ impl Llama {
     }
 
     /// The training forward of one packed row (see `timeline::layout`): `ids` and
-    /// `positions` are [n] int64, `mask` is [n, n] bool (true: row i may attend to j).
-    /// Sequences packed side by side or as a prefix tree each see only their own tokens,
-    /// at their own positions. No KV cache; differentiable. Returns float32 logits of the
-    /// row indices in `rows` ([m], int64; repeats allowed), or of every token: [m or n, vocab].
+    /// `positions` are [n] int64; `parent[i]` is the row index of token i's predecessor in
+    /// its sequence (-1 for a first token). Sequences packed side by side, or sharing
+    /// prefixes as a tree, each see only their own tokens, at their own positions.
+    ///
+    /// Attention runs per segment (a maximal run of tokens each following the one before
+    /// it): a segment's queries attend to its ancestors' tokens and causally within
+    /// itself, so the cost is that of the sequences, not of the row squared. No KV cache;
+    /// differentiable. Returns float32 logits of the row indices in `rows` ([m], int64;
+    /// repeats allowed), or of every token: [m or n, vocab].
     pub fn forward_row(
         &self,
         ids: &Tensor,
         positions: &Tensor,
-        mask: &Tensor,
+        parent: &[i32],
         rows: Option<&Tensor>,
     ) -> Result<Tensor, ModelError> {
         let n = ids.size().first().copied().unwrap_or(0);
-        if ids.dim() != 1 || positions.size() != [n] || mask.size() != [n, n] || n == 0 {
+        if ids.dim() != 1 || positions.size() != [n] || parent.len() as i64 != n || n == 0 {
             return Err(ModelError::Invalid(format!(
-                "forward_row wants ids [n], positions [n], mask [n, n]; got {:?}, {:?}, {:?}",
+                "forward_row wants ids [n], positions [n] and n parents; got {:?}, {:?}, {}",
                 ids.size(),
                 positions.size(),
-                mask.size()
+                parent.len()
             )));
         }
+        let segments = row_segments(parent, self.device)?;
         let c = &self.config;
         let (nh, nkv, hd) = (
             c.num_attention_heads as i64,
@@ -552,9 +558,9 @@ impl Llama {
             c.head_dim as i64,
         );
         let rope = self.rope.f_index_select(0, positions)?.f_unsqueeze(1)?;
-        let mask = mask.f_view([1, 1, n, n])?;
         let mut x =
             Tensor::f_embedding(&self.embed_tokens, ids, -1, false, false)?.f_to_kind(self.act)?;
+        let mut parts = Vec::with_capacity(segments.len());
         for layer in &self.layers {
             let hn = self.rms_norm(&x, &layer.input_layernorm)?;
             let qkv = self.linear(&hn, &layer.qkv_proj, layer.qkv_bias.as_ref())?;
@@ -562,27 +568,48 @@ impl Llama {
                 .f_narrow(-1, 0, (nh + nkv) * hd)?
                 .f_view([n, nh + nkv, hd / 2, 2])?;
             let qk = apply_rope(&qk, &rope)?.f_view([n, nh + nkv, hd])?;
-            let q = qk.f_narrow(1, 0, nh)?.f_transpose(0, 1)?.f_unsqueeze(0)?;
-            let k = qk.f_narrow(1, nh, nkv)?.f_transpose(0, 1)?.f_unsqueeze(0)?;
+            let q = qk.f_narrow(1, 0, nh)?;
+            let k = qk.f_narrow(1, nh, nkv)?;
             let v = qkv
                 .f_narrow(-1, (nh + nkv) * hd, nkv * hd)?
-                .f_view([n, nkv, hd])?
-                .f_transpose(0, 1)?
-                .f_unsqueeze(0)?;
-            let attn = Tensor::f_scaled_dot_product_attention(
-                &q,
-                &k,
-                &v,
-                Some(&mask),
-                0.0,
-                false,
-                None,
-                nkv != nh,
-            )?;
-            let attn = attn
-                .f_squeeze_dim(0)?
-                .f_transpose(0, 1)?
-                .f_reshape([n, nh * hd])?;
+                .f_view([n, nkv, hd])?;
+            parts.clear();
+            for seg in &segments {
+                let heads_first = |t: Tensor| -> Result<Tensor, ModelError> {
+                    Ok(t.f_transpose(0, 1)?.f_unsqueeze(0)?)
+                };
+                let qs = heads_first(q.f_narrow(0, seg.start, seg.len)?)?;
+                let (ks, vs) = match &seg.keys {
+                    None => (
+                        heads_first(k.f_narrow(0, seg.start, seg.len)?)?,
+                        heads_first(v.f_narrow(0, seg.start, seg.len)?)?,
+                    ),
+                    Some(idx) => (
+                        heads_first(k.f_index_select(0, idx)?)?,
+                        heads_first(v.f_index_select(0, idx)?)?,
+                    ),
+                };
+                let attn = Tensor::f_scaled_dot_product_attention(
+                    &qs,
+                    &ks,
+                    &vs,
+                    seg.mask.as_ref(),
+                    0.0,
+                    seg.mask.is_none() && seg.len > 1,
+                    None,
+                    nkv != nh,
+                )?;
+                parts.push(
+                    attn.f_squeeze_dim(0)?
+                        .f_transpose(0, 1)?
+                        .f_reshape([seg.len, nh * hd])?,
+                );
+            }
+            let attn = if parts.len() == 1 {
+                parts[0].shallow_clone()
+            } else {
+                Tensor::f_cat(&parts, 0)?
+            };
             x = self.finish_layer(layer, &x, &attn)?;
         }
         match rows {
@@ -965,6 +992,65 @@ fn split_bf16_gemm(x: &Tensor, w: &Tensor) -> Result<Tensor, ModelError> {
         outs.push(p?);
     }
     Ok(Tensor::f_cat(&outs, -1)?)
+}
+
+/// A run of row tokens `start..start + len`, each following the one before it, and what
+/// its queries attend to.
+struct RowSegment {
+    start: i64,
+    len: i64,
+    /// Row indices of the keys (ancestors by depth, then the segment), when the segment
+    /// has ancestors; `None`: the segment alone, causally.
+    keys: Option<Tensor>,
+    /// [len, keys] bool: every ancestor, and the segment causally (bottom-right aligned).
+    mask: Option<Tensor>,
+}
+
+/// The segments of a packed row given each token's parent (see `Llama::forward_row`).
+fn row_segments(parent: &[i32], device: Device) -> Result<Vec<RowSegment>, ModelError> {
+    let n = parent.len();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < n {
+        let p = parent[i];
+        if p >= i as i32 || p < -1 {
+            return Err(ModelError::Invalid(format!(
+                "token {i} has parent {p}: parents must come before their children"
+            )));
+        }
+        let mut j = i + 1;
+        while j < n && parent[j] == j as i32 - 1 {
+            j += 1;
+        }
+        let len = (j - i) as i64;
+        let (keys, mask) = if p < 0 {
+            (None, None)
+        } else {
+            let mut anc = Vec::new();
+            let mut a = p;
+            while a >= 0 {
+                anc.push(a as i64);
+                a = parent[a as usize];
+            }
+            anc.reverse();
+            let a_len = anc.len() as i64;
+            anc.extend(i as i64..j as i64);
+            let keys = Tensor::f_from_slice(&anc)?.f_to_device(device)?;
+            // query t sees key c iff c < a_len + t + 1
+            let q_pos = Tensor::f_arange(len, (Kind::Int64, device))?.f_unsqueeze(1)?;
+            let k_pos = Tensor::f_arange(a_len + len, (Kind::Int64, device))?.f_unsqueeze(0)?;
+            let mask = k_pos.f_le_tensor(&q_pos.f_add_scalar(a_len)?)?;
+            (Some(keys), Some(mask))
+        };
+        out.push(RowSegment {
+            start: i as i64,
+            len,
+            keys,
+            mask,
+        });
+        i = j;
+    }
+    Ok(out)
 }
 
 /// One LibTorch (OpenMP) thread on the calling thread and on every kernel-pool worker.
