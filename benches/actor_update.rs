@@ -11,11 +11,12 @@
 //! synthetic and AppWorld-shaped (`timeline::synth`); flags (defaults in brackets):
 //!
 //! ```text
-//! --groups N [1]  --group-size N [4]  --turns N [8]  --prompt N [200]
-//! --env N [40]  --gen N [15]  --break-p P [0]  --row-tokens N [2048]  --seed N [1]
+//! --groups N [1]  --group-size N [4]  --turns N [12]  --prompt N [600]
+//! --env N [30]  --gen N [10]  --break-p P [0]  --row-tokens N [4096]  --seed N [1]
 //! ```
 //!
-//! The defaults finish in a few minutes on a 2-core CPU; AppWorld's own shape is about
+//! The defaults (a group of 4 episodes of 12 turns on a 600-token prompt) finish in about
+//! five minutes on a 2-core CPU; AppWorld's own shape is about
 //! `--turns 20 --prompt 300 --env 60 --gen 20 --group-size 8` (per call alone is then
 //! ~180k tokens: hours here, minutes on a GPU).
 //!
@@ -30,6 +31,7 @@ use agentjet::model::ModelSource;
 use agentjet::timeline::layout::{pack, Layout, PackedRow};
 use agentjet::timeline::synth::{trace, TraceShape};
 use agentjet::train::optim::{AdamW, AdamWConfig};
+use agentjet::train::target_logprobs;
 use tch::{Kind, Tensor};
 
 fn flag(args: &[String], name: &str) -> Option<String> {
@@ -55,39 +57,22 @@ fn main() {
 }
 
 /// One actor update over `rows`: forward, loss, backward per row (gradients accumulate),
-/// then the optimizer step. Returns (seconds, loss).
-fn update(model: &Llama, opt: &mut AdamW, rows: &[PackedRow]) -> anyhow::Result<(f64, f64)> {
+/// then the optimizer step. Returns (seconds, of which the optimizer step, loss).
+fn update(model: &Llama, opt: &mut AdamW, rows: &[PackedRow]) -> anyhow::Result<(f64, f64, f64)> {
     let t0 = Instant::now();
     let total: usize = rows.iter().map(|r| r.targets.len()).sum();
     let mut loss_sum = 0.0;
     for row in rows {
-        let ids = Tensor::from_slice(&row.tokens.iter().map(|&t| t as i64).collect::<Vec<_>>());
-        let pos = Tensor::from_slice(&row.positions.iter().map(|&t| t as i64).collect::<Vec<_>>());
-        let from = Tensor::from_slice(
-            &row.targets
-                .iter()
-                .map(|t| t.from as i64)
-                .collect::<Vec<_>>(),
-        );
-        let tok = Tensor::from_slice(
-            &row.targets
-                .iter()
-                .map(|t| t.token as i64)
-                .collect::<Vec<_>>(),
-        );
         let adv = Tensor::from_slice(&row.targets.iter().map(|t| t.advantage).collect::<Vec<_>>());
-        // Logits only where a sampled token is predicted.
-        let logits = model.forward_row(&ids, &pos, &row.parent, Some(&from))?;
-        let lp = logits
-            .log_softmax(-1, Kind::Float)
-            .gather(1, &tok.unsqueeze(1), false)
-            .squeeze_dim(1);
+        let lp = target_logprobs(model, row)?;
         let loss = -(&lp * adv).sum(Kind::Float) / total as f64;
         loss.backward();
         loss_sum += loss.double_value(&[]);
     }
+    let t_opt = Instant::now();
     opt.step();
-    Ok((t0.elapsed().as_secs_f64(), loss_sum))
+    let opt_secs = t_opt.elapsed().as_secs_f64();
+    Ok((t0.elapsed().as_secs_f64(), opt_secs, loss_sum))
 }
 
 fn run() -> anyhow::Result<()> {
@@ -95,15 +80,15 @@ fn run() -> anyhow::Result<()> {
     let shape = TraceShape {
         groups: parse(&args, "--groups", 1)?,
         group_size: parse(&args, "--group-size", 4)?,
-        turns: parse(&args, "--turns", 8)?,
-        prompt_tokens: parse(&args, "--prompt", 200)?,
-        env_tokens: parse(&args, "--env", 40)?,
-        gen_tokens: parse(&args, "--gen", 15)?,
+        turns: parse(&args, "--turns", 12)?,
+        prompt_tokens: parse(&args, "--prompt", 600)?,
+        env_tokens: parse(&args, "--env", 30)?,
+        gen_tokens: parse(&args, "--gen", 10)?,
         break_p: parse(&args, "--break-p", 0.0)?,
         seed: parse(&args, "--seed", 1)?,
         vocab: 49152,
     };
-    let row_tokens: usize = parse(&args, "--row-tokens", 2048)?;
+    let row_tokens: usize = parse(&args, "--row-tokens", 4096)?;
     println!("actor_update bench: {shape:?}, rows of at most {row_tokens} tokens");
     let episodes = trace(&shape);
     let batch: Vec<_> = episodes
@@ -138,9 +123,9 @@ fn run() -> anyhow::Result<()> {
         let rows = pack("policy", &batch, layout, row_tokens)?;
         let tokens: usize = rows.iter().map(PackedRow::len).sum();
         let targets: usize = rows.iter().map(|r| r.targets.len()).sum();
-        let (secs, loss) = update(&model, &mut opt, &rows)?;
+        let (secs, opt_secs, loss) = update(&model, &mut opt, &rows)?;
         println!(
-            "  {:>8}: {} rows, {tokens} tokens, {targets} sampled, {secs:.2} s (loss {loss:.4})",
+            "  {:>8}: {} rows, {tokens} tokens, {targets} sampled, {secs:.2} s (optimizer step {opt_secs:.2} s; loss {loss:.4})",
             layout.name(),
             rows.len()
         );

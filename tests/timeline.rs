@@ -21,6 +21,7 @@ use agentjet::timeline::fragment::{
 };
 use agentjet::timeline::layout::{pack, Layout, PackedRow, SampleKey};
 use agentjet::timeline::{Call, Episode, EpisodeStatus};
+use agentjet::train::target_logprobs;
 use common::*;
 use tch::{Device, Kind, Tensor};
 
@@ -210,26 +211,7 @@ fn evaluate(model: &Llama, rows: &[PackedRow]) -> (HashMap<SampleKey, f64>, Tens
     let mut loss = Tensor::from(0f64);
     let total: usize = rows.iter().map(|r| r.targets.len()).sum();
     for row in rows {
-        let ids = Tensor::from_slice(&row.tokens.iter().map(|&t| t as i64).collect::<Vec<_>>());
-        let pos = Tensor::from_slice(&row.positions.iter().map(|&t| t as i64).collect::<Vec<_>>());
-        let logits = model.forward_row(&ids, &pos, &row.parent, None).unwrap();
-        let logsm = logits.log_softmax(-1, Kind::Double);
-        let from = Tensor::from_slice(
-            &row.targets
-                .iter()
-                .map(|t| t.from as i64)
-                .collect::<Vec<_>>(),
-        );
-        let tok = Tensor::from_slice(
-            &row.targets
-                .iter()
-                .map(|t| t.token as i64)
-                .collect::<Vec<_>>(),
-        );
-        let lp = logsm
-            .index_select(0, &from)
-            .gather(1, &tok.unsqueeze(1), false)
-            .squeeze_dim(1);
+        let lp = target_logprobs(model, row).unwrap().to_kind(Kind::Double);
         let adv = Tensor::from_slice(
             &row.targets
                 .iter()

@@ -85,20 +85,24 @@ impl AdamW {
                 if !g.defined() {
                     continue;
                 }
-                let g_eff = if clip != 1.0 {
-                    &g * clip
-                } else {
-                    g.shallow_clone()
-                };
+                // In place, few passes over memory: the step is a fixed cost of every
+                // update, over every parameter.
+                if clip != 1.0 {
+                    let _ = g.g_mul_scalar_(clip);
+                }
                 let mut p = p.shallow_clone();
                 if p.dim() > 1 && self.cfg.weight_decay != 0.0 {
                     let _ = p.g_mul_scalar_(1.0 - lr * self.cfg.weight_decay);
                 }
-                let _ = m.g_mul_scalar_(b1).g_add_(&(&g_eff * (1.0 - b1)));
-                let _ = v.g_mul_scalar_(b2).g_add_(&(g_eff.square() * (1.0 - b2)));
-                let denom = (&*v / bc2).sqrt() + self.cfg.eps;
-                let update = (&*m / bc1) / denom * lr;
-                let _ = p.g_sub_(&update);
+                let _ = m.lerp_(&g, 1.0 - b1);
+                let _ = v.g_mul_scalar_(b2);
+                let _ = v.addcmul_(&(&g * (1.0 - b2)), &g);
+                // p -= lr * (m / bc1) / (sqrt(v / bc2) + eps)
+                let mut denom = v.sqrt();
+                let _ = denom.g_mul_scalar_(1.0 / bc2.sqrt());
+                let _ = denom.g_add_scalar_(self.cfg.eps);
+                let _ = denom.g_mul_scalar_(-bc1 / lr);
+                let _ = p.addcdiv_(m, &denom);
                 let _ = g.zero_();
             }
         });
