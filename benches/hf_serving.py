@@ -15,7 +15,9 @@ from transformers import AutoModelForCausalLM
 model_dir, gguf_file, prompts_json, new_tokens, conc_json, dtype = sys.argv[1:7]
 new_tokens = int(new_tokens)
 prompts = json.loads(prompts_json)
-model = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=gguf_file, dtype=getattr(torch, dtype)).eval()
+# The same device as ours: CUDA when there is one (ours takes it then too), else the CPU.
+device = "cuda" if torch.cuda.is_available() else "cpu"
+model = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=gguf_file, dtype=getattr(torch, dtype)).eval().to(device)
 PAD = 2
 
 
@@ -31,10 +33,15 @@ def batch(ids_list):
 
 def run(c, n):
     ids, mask = batch(prompts[:c])
+    ids, mask = ids.to(device), mask.to(device)
+    if device == "cuda":
+        torch.cuda.synchronize()
     t = time.perf_counter()
     with torch.no_grad():
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
                        do_sample=False, pad_token_id=PAD)
+    if device == "cuda":
+        torch.cuda.synchronize()
     return time.perf_counter() - t
 
 
