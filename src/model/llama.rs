@@ -531,7 +531,9 @@ impl Llama {
     ///
     /// Attention runs per segment (a maximal run of tokens each following the one before
     /// it): a segment's queries attend to its ancestors' tokens and causally within
-    /// itself, so the cost is that of the sequences, not of the row squared. No KV cache;
+    /// itself, so the cost is that of the sequences, not of the row squared. (A segment
+    /// with ancestors recomputes its ancestors' attention rows to stay on the causal
+    /// kernel; their projections and MLPs are not recomputed.) No KV cache;
     /// differentiable. Returns float32 logits of the row indices in `rows` ([m], int64;
     /// repeats allowed), or of every token: [m or n, vocab].
     pub fn forward_row(
@@ -578,13 +580,17 @@ impl Llama {
                 let heads_first = |t: Tensor| -> Result<Tensor, ModelError> {
                     Ok(t.f_transpose(0, 1)?.f_unsqueeze(0)?)
                 };
-                let qs = heads_first(q.f_narrow(0, seg.start, seg.len)?)?;
-                let (ks, vs) = match &seg.keys {
+                // A segment with ancestors runs causally over ancestors + itself (queries
+                // of the ancestors included, their outputs dropped): the causal kernel is
+                // much faster than an explicit bottom-right mask, forward and backward.
+                let (qs, ks, vs) = match &seg.keys {
                     None => (
+                        heads_first(q.f_narrow(0, seg.start, seg.len)?)?,
                         heads_first(k.f_narrow(0, seg.start, seg.len)?)?,
                         heads_first(v.f_narrow(0, seg.start, seg.len)?)?,
                     ),
                     Some(idx) => (
+                        heads_first(q.f_index_select(0, idx)?)?,
                         heads_first(k.f_index_select(0, idx)?)?,
                         heads_first(v.f_index_select(0, idx)?)?,
                     ),
@@ -593,12 +599,13 @@ impl Llama {
                     &qs,
                     &ks,
                     &vs,
-                    seg.mask.as_ref(),
+                    None::<&Tensor>,
                     0.0,
-                    seg.mask.is_none() && seg.len > 1,
+                    seg.ancestors + seg.len > 1,
                     None,
                     nkv != nh,
-                )?;
+                )?
+                .f_narrow(2, seg.ancestors, seg.len)?;
                 parts.push(
                     attn.f_squeeze_dim(0)?
                         .f_transpose(0, 1)?
@@ -999,11 +1006,11 @@ fn split_bf16_gemm(x: &Tensor, w: &Tensor) -> Result<Tensor, ModelError> {
 struct RowSegment {
     start: i64,
     len: i64,
-    /// Row indices of the keys (ancestors by depth, then the segment), when the segment
-    /// has ancestors; `None`: the segment alone, causally.
+    /// Row indices of the ancestors by depth, then of the segment, when the segment has
+    /// ancestors; `None`: the segment alone.
     keys: Option<Tensor>,
-    /// [len, keys] bool: every ancestor, and the segment causally (bottom-right aligned).
-    mask: Option<Tensor>,
+    /// How many ancestors.
+    ancestors: i64,
 }
 
 /// The segments of a packed row given each token's parent (see `Llama::forward_row`).
@@ -1023,8 +1030,8 @@ fn row_segments(parent: &[i32], device: Device) -> Result<Vec<RowSegment>, Model
             j += 1;
         }
         let len = (j - i) as i64;
-        let (keys, mask) = if p < 0 {
-            (None, None)
+        let (keys, ancestors) = if p < 0 {
+            (None, 0)
         } else {
             let mut anc = Vec::new();
             let mut a = p;
@@ -1036,17 +1043,13 @@ fn row_segments(parent: &[i32], device: Device) -> Result<Vec<RowSegment>, Model
             let a_len = anc.len() as i64;
             anc.extend(i as i64..j as i64);
             let keys = Tensor::f_from_slice(&anc)?.f_to_device(device)?;
-            // query t sees key c iff c < a_len + t + 1
-            let q_pos = Tensor::f_arange(len, (Kind::Int64, device))?.f_unsqueeze(1)?;
-            let k_pos = Tensor::f_arange(a_len + len, (Kind::Int64, device))?.f_unsqueeze(0)?;
-            let mask = k_pos.f_le_tensor(&q_pos.f_add_scalar(a_len)?)?;
-            (Some(keys), Some(mask))
+            (Some(keys), a_len)
         };
         out.push(RowSegment {
             start: i as i64,
             len,
             keys,
-            mask,
+            ancestors,
         });
         i = j;
     }
