@@ -2,7 +2,7 @@
 //! `agentjet-peer generate` runs) or a fixed set of prompts decoded together
 //! ([`generate_batch`]). The engine thread reuses the same steps.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use tch::{Kind, Tensor};
 
@@ -19,6 +19,27 @@ pub(crate) fn row_to_vec(logits: &Tensor) -> Result<Vec<f32>, ModelError> {
     let mut v = vec![0f32; n];
     t.f_copy_data(&mut v, n)?;
     Ok(v)
+}
+
+/// Why `req` cannot run on `model`, if it cannot: bad sampling parameters, a prompt that
+/// is empty or leaves no room in the context, or a token outside the vocabulary. (The
+/// engine thread and both direct paths share this.)
+pub(crate) fn check_request(model: &Llama, req: &GenerateRequest) -> Result<(), String> {
+    req.sampling.validate()?;
+    let limit = model.max_positions();
+    if req.prompt.is_empty() || req.prompt.len() >= limit {
+        return Err(format!(
+            "prompt of {} tokens does not fit the model's context of {limit}",
+            req.prompt.len()
+        ));
+    }
+    let vocab = model.config.vocab_size as u32;
+    if let Some(bad) = req.prompt.iter().find(|&&t| t >= vocab) {
+        return Err(format!(
+            "prompt token id {bad} is outside the vocabulary of {vocab}"
+        ));
+    }
+    Ok(())
 }
 
 fn no_constraint(req: &GenerateRequest) -> Result<(), ModelError> {
@@ -38,24 +59,9 @@ pub fn generate(
     req: &GenerateRequest,
     mut on_token: impl FnMut(u32, f64) -> bool,
 ) -> Result<Generation, ModelError> {
-    req.sampling.validate().map_err(ModelError::Invalid)?;
+    check_request(model, req).map_err(ModelError::Invalid)?;
     no_constraint(req)?;
-    if req.prompt.is_empty() {
-        return Err(ModelError::Invalid("prompt is empty".into()));
-    }
     let limit = model.max_positions();
-    if req.prompt.len() >= limit {
-        return Err(ModelError::Invalid(format!(
-            "prompt of {} tokens leaves no room in the model's context of {limit}",
-            req.prompt.len()
-        )));
-    }
-    let vocab = model.config.vocab_size as u32;
-    if let Some(bad) = req.prompt.iter().find(|&&t| t >= vocab) {
-        return Err(ModelError::Invalid(format!(
-            "prompt token id {bad} is outside the vocabulary of {vocab}"
-        )));
-    }
     let _guard = tch::no_grad_guard();
     model.prepare_thread();
     let capacity = (req.prompt.len() + req.max_tokens).min(limit);
@@ -73,13 +79,7 @@ pub fn generate(
     let mut logits = model.forward(&input, &mut cache, Logits::Last)?;
     let prefill_time = t0.elapsed();
     let t1 = Instant::now();
-    let mut out = Generation {
-        tokens: Vec::new(),
-        logprobs: Vec::new(),
-        finish_reason: FinishReason::Length,
-        prefill_time,
-        decode_time: Duration::ZERO,
-    };
+    let mut out = Generation::started(prefill_time);
     while out.tokens.len() < req.max_tokens {
         let row = row_to_vec(&logits.f_select(0, 0)?)?;
         let (id, lp) = sampling::sample(&row, &req.sampling, &mut rng, &req.prompt, &out.tokens);
@@ -116,23 +116,9 @@ pub fn generate_batch(
     let _guard = tch::no_grad_guard();
     model.prepare_thread();
     let limit = model.max_positions();
-    let vocab = model.config.vocab_size as u32;
     for (i, req) in reqs.iter().enumerate() {
-        req.sampling
-            .validate()
-            .map_err(|e| ModelError::Invalid(format!("request {i}: {e}")))?;
+        check_request(model, req).map_err(|e| ModelError::Invalid(format!("request {i}: {e}")))?;
         no_constraint(req)?;
-        if req.prompt.is_empty() || req.prompt.len() >= limit {
-            return Err(ModelError::Invalid(format!(
-                "request {i}: prompt of {} tokens does not fit the model's context of {limit}",
-                req.prompt.len()
-            )));
-        }
-        if let Some(bad) = req.prompt.iter().find(|&&t| t >= vocab) {
-            return Err(ModelError::Invalid(format!(
-                "request {i}: prompt token id {bad} is outside the vocabulary of {vocab}"
-            )));
-        }
     }
     if reqs.is_empty() {
         return Ok(Vec::new());
@@ -183,13 +169,7 @@ pub fn generate_batch(
         row_of[i] = Some(row);
     }
     for (i, req) in reqs.iter().enumerate() {
-        let mut out = Generation {
-            tokens: Vec::new(),
-            logprobs: Vec::new(),
-            finish_reason: FinishReason::Length,
-            prefill_time,
-            decode_time: Duration::ZERO,
-        };
+        let mut out = Generation::started(prefill_time);
         let (Some(row), Some(logits)) = (row_of[i], logits.as_ref()) else {
             outs.push(out);
             continue;

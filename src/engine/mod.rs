@@ -59,6 +59,17 @@ pub struct Generation {
 }
 
 impl Generation {
+    /// No tokens yet, after a prefill that took `prefill_time`.
+    pub fn started(prefill_time: Duration) -> Generation {
+        Generation {
+            tokens: Vec::new(),
+            logprobs: Vec::new(),
+            finish_reason: FinishReason::Length,
+            prefill_time,
+            decode_time: Duration::ZERO,
+        }
+    }
+
     /// Decode speed: tokens after the first, per second of decode time.
     pub fn decode_tokens_per_s(&self) -> f64 {
         let n = self.tokens.len().saturating_sub(1) as f64;

@@ -19,7 +19,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use super::{FinishReason, GenerateRequest};
 #[cfg(feature = "torch")]
 use {
-    super::{constraint::ConstraintState, sampling, Rng},
+    super::{constraint::ConstraintState, direct::check_request, sampling, Rng},
     crate::model::llama::{Llama, SlotCache},
     crate::model::ModelError,
 };
@@ -295,20 +295,7 @@ impl EngineLoop {
 
     /// Why `req` cannot run here, if it cannot.
     fn check(&self, req: &GenerateRequest) -> Result<(), String> {
-        req.sampling.validate()?;
-        let limit = self.model.max_positions();
-        let vocab = self.model.config.vocab_size as u32;
-        if req.prompt.is_empty() || req.prompt.len() >= limit {
-            return Err(format!(
-                "prompt of {} tokens does not fit the model's context of {limit}",
-                req.prompt.len()
-            ));
-        }
-        if let Some(bad) = req.prompt.iter().find(|&&t| t >= vocab) {
-            return Err(format!(
-                "prompt token id {bad} is outside the vocabulary of {vocab}"
-            ));
-        }
+        check_request(&self.model, req)?;
         let need = req.prompt.len() + req.max_tokens;
         if need > self.slots.capacity() {
             return Err(format!(

@@ -313,11 +313,16 @@ impl Llama {
         self.rope.size()[0] as usize
     }
 
-    /// An empty cache for `batch` rows of up to `capacity` positions.
-    pub fn new_cache(&self, batch: usize, capacity: usize) -> Result<KvCache, ModelError> {
+    /// Zeroed per-layer key and value tensors [rows, kv_heads, capacity, head_dim], the
+    /// capacity capped at the model's context.
+    fn zeroed_kv(
+        &self,
+        rows: usize,
+        capacity: usize,
+    ) -> Result<(Vec<Tensor>, Vec<Tensor>, usize), ModelError> {
         let capacity = capacity.min(self.max_positions());
         let shape = [
-            batch as i64,
+            rows as i64,
             self.config.num_key_value_heads as i64,
             capacity as i64,
             self.config.head_dim as i64,
@@ -329,6 +334,12 @@ impl Llama {
             k.push(Tensor::f_zeros(shape, opts)?);
             v.push(Tensor::f_zeros(shape, opts)?);
         }
+        Ok((k, v, capacity))
+    }
+
+    /// An empty cache for `batch` rows of up to `capacity` positions.
+    pub fn new_cache(&self, batch: usize, capacity: usize) -> Result<KvCache, ModelError> {
+        let (k, v, capacity) = self.zeroed_kv(batch, capacity)?;
         Ok(KvCache {
             k,
             v,
@@ -627,20 +638,7 @@ impl Llama {
 
     /// Storage for `slots` sequences of up to `capacity` positions each (zeroed).
     pub fn new_slot_cache(&self, slots: usize, capacity: usize) -> Result<SlotCache, ModelError> {
-        let capacity = capacity.min(self.max_positions());
-        let shape = [
-            slots as i64,
-            self.config.num_key_value_heads as i64,
-            capacity as i64,
-            self.config.head_dim as i64,
-        ];
-        let opts = (self.act, self.device);
-        let mut k = Vec::with_capacity(self.layers.len());
-        let mut v = Vec::with_capacity(self.layers.len());
-        for _ in 0..self.layers.len() {
-            k.push(Tensor::f_zeros(shape, opts)?);
-            v.push(Tensor::f_zeros(shape, opts)?);
-        }
+        let (k, v, capacity) = self.zeroed_kv(slots, capacity)?;
         Ok(SlotCache {
             k,
             v,
