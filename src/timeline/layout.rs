@@ -9,7 +9,7 @@
 //!
 //! A row is a forest: every token has a parent (the token before it in its sequence) or
 //! none, a position (its depth, for rotary embeddings), and attends to itself and its
-//! ancestors only ([`PackedRow::attention_mask`]). So the three layouts run through one
+//! ancestors only (see `Llama::forward_row`). So the three layouts run through one
 //! forward pass and give each sampled token the same logprob: the same tokens precede it at
 //! the same positions. A [`Target`] is one sampled token: predicted from its parent's
 //! output, named by a [`SampleKey`], with its behaviour logprob and advantage (a shared tree
@@ -61,20 +61,6 @@ impl PackedRow {
 
     pub fn is_empty(&self) -> bool {
         self.tokens.is_empty()
-    }
-
-    /// `mask[i * n + j]`: token `i` attends to token `j` (itself or an ancestor).
-    pub fn attention_mask(&self) -> Vec<bool> {
-        let n = self.len();
-        let mut mask = vec![false; n * n];
-        for i in 0..n {
-            let mut j = i as i32;
-            while j >= 0 {
-                mask[i * n + j as usize] = true;
-                j = self.parent[j as usize];
-            }
-        }
-        mask
     }
 }
 
@@ -287,6 +273,20 @@ mod tests {
         }
     }
 
+    /// `mask[i * n + j]`: token `i` attends to token `j` (itself or an ancestor).
+    fn attention_mask(row: &PackedRow) -> Vec<bool> {
+        let n = row.len();
+        let mut mask = vec![false; n * n];
+        for i in 0..n {
+            let mut j = i as i32;
+            while j >= 0 {
+                mask[i * n + j as usize] = true;
+                j = row.parent[j as usize];
+            }
+        }
+        mask
+    }
+
     #[test]
     fn layouts_share_what_they_should_and_masks_follow_parents() {
         let a = episode(&[1, 2, 3], &[(&[4], &[5, 6]), (&[7], &[8])]);
@@ -307,7 +307,7 @@ mod tests {
         assert_eq!(fives.len(), 2);
         assert_eq!(fives[0].from, fives[1].from);
         assert_ne!(fives[0].advantage, fives[1].advantage);
-        let mask = t.attention_mask();
+        let mask = attention_mask(t);
         let n = t.len();
         let nine = t.tokens.iter().position(|&x| x == 9).unwrap();
         let six = t.tokens.iter().position(|&x| x == 6).unwrap();
