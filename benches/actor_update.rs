@@ -13,6 +13,7 @@
 //! ```text
 //! --groups N [1]  --group-size N [4]  --turns N [12]  --prompt N [600]
 //! --env N [30]  --gen N [10]  --break-p P [0]  --row-tokens N [4096]  --seed N [1]
+//! --model SPEC [smollm2]  (a GGUF file or HF directory of another Llama-family model)
 //! ```
 //!
 //! The defaults (a group of 4 episodes of 12 turns on a 600-token prompt) finish in about
@@ -63,7 +64,8 @@ fn update(model: &Llama, opt: &mut AdamW, rows: &[PackedRow]) -> anyhow::Result<
     let total: usize = rows.iter().map(|r| r.targets.len()).sum();
     let mut loss_sum = 0.0;
     for row in rows {
-        let adv = Tensor::from_slice(&row.targets.iter().map(|t| t.advantage).collect::<Vec<_>>());
+        let adv = Tensor::from_slice(&row.targets.iter().map(|t| t.advantage).collect::<Vec<_>>())
+            .to_device(model.device());
         let lp = target_logprobs(model, row)?;
         let loss = -(&lp * adv).sum(Kind::Float) / total as f64;
         loss.backward();
@@ -71,6 +73,9 @@ fn update(model: &Llama, opt: &mut AdamW, rows: &[PackedRow]) -> anyhow::Result<
     }
     let t_opt = Instant::now();
     opt.step();
+    if let tch::Device::Cuda(i) = model.device() {
+        tch::Cuda::synchronize(i as i64);
+    }
     let opt_secs = t_opt.elapsed().as_secs_f64();
     Ok((t0.elapsed().as_secs_f64(), opt_secs, loss_sum))
 }
@@ -96,10 +101,10 @@ fn run() -> anyhow::Result<()> {
         .enumerate()
         .map(|(i, e)| (e, if i % 2 == 0 { 1.0f32 } else { -1.0 }))
         .collect();
-    let source = ModelSource::resolve("smollm2")?;
+    let source = ModelSource::resolve(&flag(&args, "--model").unwrap_or_else(|| "smollm2".into()))?;
     let mut model = load_model(&source, tch::Device::cuda_if_available(), DType::F32)?.model;
     model.set_trainable(true);
-    println!("model on {:?}", model.device());
+    println!("{} on {:?}", source.display_name(), model.device());
     let mut opt = AdamW::new(
         model.parameters(),
         AdamWConfig {

@@ -15,7 +15,7 @@
 use agentjet::engine::{generate, GenerateRequest, SamplingParams};
 use agentjet::model::checkpoint::load_model;
 use agentjet::model::llama::DType;
-use agentjet::model::{cache_dir, ChatRequest, ModelSource, SMOLLM2_FILE};
+use agentjet::model::{ChatRequest, ModelSource};
 use serde_json::json;
 
 mod peer;
@@ -70,12 +70,13 @@ fn ours(dtype: DType, prompt: &[u32]) -> anyhow::Result<Side> {
 }
 
 fn hf(python: &str, dtype: &str, prompt: &[u32]) -> anyhow::Result<Side> {
+    let (dir, file) = peer::hf_model_args(&ModelSource::resolve("smollm2")?);
     let v = peer::run_peer(
         python,
         "hf_decode.py",
         &[
-            cache_dir().join("models").display().to_string(),
-            SMOLLM2_FILE.to_string(),
+            dir,
+            file,
             serde_json::to_string(prompt)?,
             NEW_TOKENS.to_string(),
             REPEATS.to_string(),
@@ -100,7 +101,7 @@ fn shared_prefix(a: &[u32], b: &[u32]) -> usize {
 }
 
 fn run() -> anyhow::Result<()> {
-    let python = peer::reference_python()?;
+    let python = peer::reference_python(true)?;
     let card = agentjet::model::ModelCard::load(&ModelSource::resolve("smollm2")?)?;
     let messages = vec![
         json!({"role": "user", "content": "Write a long story about a robot who learns to paint."}),

@@ -1,8 +1,10 @@
-"""The peer side of `cargo bench --bench serving`: HF transformers (GGUF loader, float32)
-batched greedy `generate` (float32 or bfloat16) of SmolLM2-135M-Instruct on the same prompt ids, 128 new tokens
-each, at each concurrency (batch size), in the same run. Prints one JSON line.
+"""The peer side of `cargo bench --bench serving`: HF transformers batched greedy `generate`
+(float32 or bfloat16) of SmolLM2-135M-Instruct (or the bench's --model) on the same prompt
+ids, 128 new tokens each, at each concurrency (batch size), in the same run. Prints one
+JSON line.
 
 usage: python benches/hf_serving.py MODEL_DIR GGUF_FILE PROMPTS_JSON NEW_TOKENS CONCURRENCIES_JSON DTYPE
+GGUF_FILE: the GGUF file inside MODEL_DIR, or "" for an HF model directory
 PROMPTS_JSON: a list of token-id lists (at least max(concurrency) of them)
 """
 import json
@@ -17,7 +19,7 @@ new_tokens = int(new_tokens)
 prompts = json.loads(prompts_json)
 # The same device as ours: CUDA when there is one (ours takes it then too), else the CPU.
 device = "cuda" if torch.cuda.is_available() else "cpu"
-model = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=gguf_file, dtype=getattr(torch, dtype)).eval().to(device)
+model = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=gguf_file or None, dtype=getattr(torch, dtype)).eval().to(device)
 PAD = 2
 
 

@@ -10,13 +10,17 @@
 //! engine `agentjet-peer serve` runs, without HTTP); tokens/s is (requests x 128) / wall
 //! time until the last one finishes. HF: one batch of the same prompts, left-padded;
 //! its first token arrives for the whole batch at once, so its p50 and p99 are the same.
+//!
+//! `-- --model SPEC` runs another model on both sides (a GGUF file or an HF directory;
+//! default `smollm2`), e.g. a random-weight copy of SmolLM2 made by
+//! `benches/random_model.py` where the real weights cannot be copied.
 
 use std::time::{Duration, Instant};
 
 use agentjet::engine::{spawn_engine, EngineConfig, EngineEvent, GenerateRequest, SamplingParams};
 use agentjet::model::checkpoint::load_model;
 use agentjet::model::llama::DType;
-use agentjet::model::{cache_dir, ChatRequest, ModelSource, SMOLLM2_FILE};
+use agentjet::model::{ChatRequest, ModelSource};
 use serde_json::json;
 
 mod peer;
@@ -40,9 +44,8 @@ fn main() {
 type Level = (usize, f64, f64, f64);
 
 /// Our engine at every level: (concurrency, tok/s, ttft p50, ttft p99).
-fn ours(dtype: DType, prompts: &[Vec<u32>]) -> anyhow::Result<Vec<Level>> {
-    let source = ModelSource::resolve("smollm2")?;
-    let loaded = load_model(&source, tch::Device::cuda_if_available(), dtype)?;
+fn ours(source: &ModelSource, dtype: DType, prompts: &[Vec<u32>]) -> anyhow::Result<Vec<Level>> {
+    let loaded = load_model(source, tch::Device::cuda_if_available(), dtype)?;
     let engine = spawn_engine(
         loaded.model,
         EngineConfig {
@@ -123,13 +126,19 @@ fn ours(dtype: DType, prompts: &[Vec<u32>]) -> anyhow::Result<Vec<Level>> {
     Ok(out)
 }
 
-fn hf(python: &str, prompts: &[Vec<u32>], dtype: &str) -> anyhow::Result<serde_json::Value> {
+fn hf(
+    python: &str,
+    source: &ModelSource,
+    prompts: &[Vec<u32>],
+    dtype: &str,
+) -> anyhow::Result<serde_json::Value> {
+    let (dir, file) = peer::hf_model_args(source);
     peer::run_peer(
         python,
         "hf_serving.py",
         &[
-            cache_dir().join("models").display().to_string(),
-            SMOLLM2_FILE.to_string(),
+            dir,
+            file,
             serde_json::to_string(prompts)?,
             NEW_TOKENS.to_string(),
             serde_json::to_string(&LEVELS)?,
@@ -173,8 +182,15 @@ fn report(prec: &str, ours: &[Level], hf: &serde_json::Value) {
 }
 
 fn run() -> anyhow::Result<()> {
-    let python = peer::reference_python()?;
-    let card = agentjet::model::ModelCard::load(&ModelSource::resolve("smollm2")?)?;
+    let args: Vec<String> = std::env::args().collect();
+    let spec = args
+        .iter()
+        .position(|a| a == "--model")
+        .and_then(|i| args.get(i + 1).cloned())
+        .unwrap_or_else(|| "smollm2".into());
+    let source = ModelSource::resolve(&spec)?;
+    let python = peer::reference_python(matches!(source, ModelSource::Gguf(_)))?;
+    let card = agentjet::model::ModelCard::load(&source)?;
     let tmpl = card.chat_template("smollm2")?;
     let topics = [
         "a robot",
@@ -198,15 +214,16 @@ fn run() -> anyhow::Result<()> {
         })
         .collect::<anyhow::Result<_>>()?;
     println!(
-        "serving bench: SmolLM2-135M-Instruct on {:?}, {NEW_TOKENS} new tokens per request, prompts of {}-{} tokens",
+        "serving bench: {} on {:?}, {NEW_TOKENS} new tokens per request, prompts of {}-{} tokens",
+        source.display_name(),
         tch::Device::cuda_if_available(),
         prompts.iter().map(|p| p.len()).min().unwrap_or(0),
         prompts.iter().map(|p| p.len()).max().unwrap_or(0)
     );
-    let ours_f32 = ours(DType::F32, &prompts)?;
-    let hf_f32 = hf(&python, &prompts, "float32")?;
-    let hf_bf16 = hf(&python, &prompts, "bfloat16")?;
-    let ours_bf16 = ours(DType::BF16, &prompts)?;
+    let ours_f32 = ours(&source, DType::F32, &prompts)?;
+    let hf_f32 = hf(&python, &source, &prompts, "float32")?;
+    let hf_bf16 = hf(&python, &source, &prompts, "bfloat16")?;
+    let ours_bf16 = ours(&source, DType::BF16, &prompts)?;
     println!("\ngoals: >= 3x HF at concurrency 32, >= 1.5x at concurrency 1");
     report("f32", &ours_f32, &hf_f32);
     report("bf16", &ours_bf16, &hf_bf16);

@@ -531,6 +531,11 @@ struct Rows {
 #[cfg(feature = "torch")]
 impl Rows {
     fn new(logits: &tch::Tensor) -> Result<Rows, ModelError> {
+        // log Z where the logits are (on a GPU: one small copy back, no host pass).
+        let lz = logits
+            .f_to_kind(tch::Kind::Double)?
+            .f_logsumexp([-1i64].as_slice(), false)?
+            .f_to_device(tch::Device::Cpu)?;
         let logits = logits
             .f_to_device(tch::Device::Cpu)?
             .f_to_kind(tch::Kind::Float)?
@@ -544,9 +549,6 @@ impl Rows {
         let (rows, vocab) = (rows as usize, vocab as usize);
         let mut data = vec![0f32; rows * vocab];
         logits.f_copy_data(&mut data, rows * vocab)?;
-        let lz = logits
-            .f_to_kind(tch::Kind::Double)?
-            .f_logsumexp([-1i64].as_slice(), false)?;
         let mut log_z = vec![0f64; rows];
         lz.f_copy_data(&mut log_z, rows)?;
         Ok(Rows { data, log_z, vocab })
