@@ -15,10 +15,16 @@
 //!   LibTorch with one intra-op thread (the model code does this for bfloat16 on CPU),
 //!   otherwise OpenMP's spinning workers and ours fight over the same cores.
 //!
+//! - [`logprobs`] (feature `torch`): token log-probabilities and entropies of an output
+//!   layer, forward and backward, a chunk of rows at a time, so training never holds a
+//!   float32 [tokens x vocabulary] log-softmax (tch; runs on the tensors' device).
+//!
 //! Must never allocate per call beyond rayon's task bookkeeping, and never panic on shapes
 //! a caller can get wrong: shape mismatches are [`KernelError`]s.
 
 mod bf16_matmul;
+#[cfg(feature = "torch")]
+pub mod logprobs;
 mod pool;
 
 pub use bf16_matmul::{matmul_bf16, simd_level, MAX_ROWS};

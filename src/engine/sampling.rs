@@ -25,6 +25,15 @@ impl Rng {
         }
     }
 
+    /// The generator's state (for checkpoints); [`Rng::from_state`] continues from it.
+    pub fn state(&self) -> [u64; 4] {
+        self.s
+    }
+
+    pub fn from_state(s: [u64; 4]) -> Rng {
+        Rng { s }
+    }
+
     /// A seed from the clock, for requests that gave none.
     pub fn from_entropy() -> Rng {
         let t = std::time::SystemTime::now()

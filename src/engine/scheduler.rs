@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 #[cfg(feature = "torch")]
 use std::sync::mpsc::{self, Receiver, TryRecvError};
 use std::sync::mpsc::{SyncSender, TrySendError};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
@@ -64,6 +64,8 @@ pub enum EngineEvent {
         reason: FinishReason,
         prompt_tokens: usize,
         completion_tokens: usize,
+        /// The policy version the request started on (the oldest that sampled any of
+        /// its tokens; see [`EngineHandle::update_weights`]).
         policy_version: u64,
     },
     Failed(String),
@@ -105,6 +107,17 @@ pub(crate) struct Submission {
     choices: Vec<(u64, UnboundedSender<EngineEvent>)>,
 }
 
+impl Submission {
+    /// No request: only wakes an idle engine thread (for a weight update).
+    #[cfg_attr(not(feature = "torch"), allow(dead_code))]
+    fn wake() -> Submission {
+        Submission {
+            req: Arc::new(GenerateRequest::default()),
+            choices: Vec::new(),
+        }
+    }
+}
+
 /// A cheap, cloneable handle to the engine thread.
 #[derive(Clone)]
 pub struct EngineHandle {
@@ -114,9 +127,54 @@ pub struct EngineHandle {
     /// The most positions (prompt + completion) one request can have: a KV slot's size.
     pub max_sequence: usize,
     pub stats: Arc<EngineStats>,
+    #[cfg_attr(not(feature = "torch"), allow(dead_code))]
+    weights: Arc<Mutex<Option<WeightUpdate>>>,
 }
 
+/// New weights for the engine's model, applied between two decode steps.
+pub(crate) struct WeightUpdate {
+    #[cfg_attr(not(feature = "torch"), allow(dead_code))]
+    params: Vec<SendTensor>,
+    #[cfg_attr(not(feature = "torch"), allow(dead_code))]
+    version: u64,
+    #[cfg_attr(not(feature = "torch"), allow(dead_code))]
+    done: std::sync::mpsc::Sender<Result<(), String>>,
+}
+
+/// A tensor handed to the engine thread (tch tensors are `Send`; this keeps the type
+/// LibTorch-free for client builds).
+#[cfg(feature = "torch")]
+pub(crate) type SendTensor = tch::Tensor;
+#[cfg(not(feature = "torch"))]
+pub(crate) type SendTensor = ();
+
 impl EngineHandle {
+    /// Serves new weights from the next decode step on, without a restart: the engine
+    /// copies `params` (in [`Llama::parameters`] order, same shapes; any dtype or device)
+    /// into its model between two steps, sets the policy version to `version`, and this
+    /// returns once it has (requests in flight continue on the new weights). The caller
+    /// must not change `params` until this returns.
+    #[cfg(feature = "torch")]
+    pub fn update_weights(&self, params: &[tch::Tensor], version: u64) -> Result<(), String> {
+        let (done, wait) = std::sync::mpsc::channel();
+        let update = WeightUpdate {
+            params: params.iter().map(|p| p.shallow_clone()).collect(),
+            version,
+            done,
+        };
+        {
+            let mut slot = self.weights.lock().unwrap_or_else(|p| p.into_inner());
+            if slot.is_some() {
+                return Err("another weight update is in progress".into());
+            }
+            *slot = Some(update);
+        }
+        // Wake an idle engine (it also looks between steps).
+        let _ = self.tx.try_send(Submission::wake());
+        wait.recv()
+            .map_err(|_| "the engine stopped before taking the weights".to_string())?
+    }
+
     /// Queues a request; its events arrive on the returned receiver. Dropping the
     /// receiver cancels the request.
     pub fn submit(
@@ -178,12 +236,14 @@ pub fn spawn_engine(model: Llama, cfg: EngineConfig) -> Result<EngineHandle, Mod
     };
     let (tx, rx) = mpsc::sync_channel(cfg.max_queue.max(1));
     let stats = Arc::new(EngineStats::default());
+    let weights = Arc::new(Mutex::new(None));
     let handle = EngineHandle {
         tx,
         max_queue: cfg.max_queue.max(1),
         max_batch: batch,
         max_sequence: slots.capacity(),
         stats: stats.clone(),
+        weights: weights.clone(),
     };
     let bytes_per_position = slots.bytes() / (batch * slots.capacity()).max(1);
     tracing::info!(
@@ -204,6 +264,7 @@ pub fn spawn_engine(model: Llama, cfg: EngineConfig) -> Result<EngineHandle, Mod
                 },
                 rx,
                 stats,
+                weights,
                 waiting: VecDeque::new(),
                 running: Vec::new(),
                 slots,
@@ -231,6 +292,8 @@ struct Running {
     last: u32,
     /// Where the output is in the request's constraint, if it has one.
     cstate: Option<ConstraintState>,
+    /// The policy version when it started (weights updated mid-request sample the rest).
+    version: u64,
 }
 
 #[cfg(feature = "torch")]
@@ -239,6 +302,7 @@ struct EngineLoop {
     cfg: EngineConfig,
     rx: Receiver<Submission>,
     stats: Arc<EngineStats>,
+    weights: Arc<Mutex<Option<WeightUpdate>>>,
     waiting: VecDeque<Submission>,
     running: Vec<Running>,
     slots: SlotCache,
@@ -254,13 +318,15 @@ impl EngineLoop {
         let _guard = tch::no_grad_guard();
         self.model.prepare_thread();
         loop {
+            self.take_weights();
             self.pull();
             if self.running.is_empty() && self.waiting.is_empty() {
                 if self.disconnected {
                     return;
                 }
-                // Idle: block for the next request.
+                // Idle: block for the next request (or a weight update's wake-up).
                 match self.rx.recv() {
+                    Ok(sub) if sub.choices.is_empty() => continue,
                     Ok(sub) => self.waiting.push_back(sub),
                     Err(_) => return,
                 }
@@ -279,10 +345,53 @@ impl EngineLoop {
         }
     }
 
+    /// Applies a pending weight update (between two steps).
+    fn take_weights(&mut self) {
+        let Some(update) = self
+            .weights
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        else {
+            return;
+        };
+        let mine = self.model.parameters();
+        let result = if mine.len() != update.params.len() {
+            Err(format!(
+                "weight update has {} tensors, the served model {}",
+                update.params.len(),
+                mine.len()
+            ))
+        } else if let Some(i) = (0..mine.len()).find(|&i| mine[i].size() != update.params[i].size())
+        {
+            Err(format!(
+                "weight update tensor {i} is {:?}, the served model's {:?}",
+                update.params[i].size(),
+                mine[i].size()
+            ))
+        } else {
+            let copied = (|| -> Result<(), tch::TchError> {
+                for (mut dst, src) in mine.into_iter().zip(&update.params) {
+                    dst.f_copy_(&src.f_detach()?)?;
+                }
+                Ok(())
+            })();
+            copied.map_err(|e| format!("copying the new weights failed: {e}"))
+        };
+        if result.is_ok() {
+            self.stats
+                .policy_version
+                .store(update.version, Ordering::Relaxed);
+            tracing::info!(version = update.version, "serving new weights");
+        }
+        let _ = update.done.send(result);
+    }
+
     /// Moves queued submissions into the local waiting list while the batch has room.
     fn pull(&mut self) {
         while self.running.len() + self.waiting.len() < self.cfg.max_batch {
             match self.rx.try_recv() {
+                Ok(sub) if sub.choices.is_empty() => {}
                 Ok(sub) => self.waiting.push_back(sub),
                 Err(TryRecvError::Empty) => break,
                 Err(TryRecvError::Disconnected) => {
@@ -343,7 +452,15 @@ impl EngineLoop {
             }
             if sub.req.max_tokens == 0 {
                 for (_, events) in &sub.choices {
-                    finish(&self.stats, events, &sub.req, 0, FinishReason::Length);
+                    let version = self.stats.policy_version.load(Ordering::Relaxed);
+                    finish(
+                        &self.stats,
+                        events,
+                        &sub.req,
+                        0,
+                        FinishReason::Length,
+                        version,
+                    );
                 }
                 continue;
             }
@@ -408,6 +525,7 @@ impl EngineLoop {
                     tokens: Vec::new(),
                     last: 0,
                     cstate: sub.req.constraint.as_ref().map(|c| c.start()),
+                    version: self.stats.policy_version.load(Ordering::Relaxed),
                 };
                 match pick(row, log_z, &mut r, &mut self.allowed) {
                     Ok((id, lp)) => {
@@ -509,13 +627,14 @@ fn finish(
     req: &GenerateRequest,
     generated: usize,
     reason: FinishReason,
+    version: u64,
 ) {
     stats.completed.fetch_add(1, Ordering::Relaxed);
     let _ = events.send(EngineEvent::Finished {
         reason,
         prompt_tokens: req.prompt.len(),
         completion_tokens: generated,
-        policy_version: stats.policy_version.load(Ordering::Relaxed),
+        policy_version: version,
     });
 }
 
@@ -631,7 +750,7 @@ fn emit(
     };
     match reason {
         Some(reason) => {
-            finish(stats, &r.events, &r.req, r.generated, reason);
+            finish(stats, &r.events, &r.req, r.generated, reason, r.version);
             true
         }
         None => false,

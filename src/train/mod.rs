@@ -2,7 +2,11 @@
 //! (group buffer, advantages, GRPO-family losses, policy versions, checkpoints) builds on it
 //! in the trainer issue.
 
+pub mod checkpoint;
+pub mod groups;
+pub mod loss;
 pub mod optim;
+pub mod trainer;
 
 use tch::{Kind, Tensor};
 

@@ -54,6 +54,44 @@ impl AdamW {
         self.step
     }
 
+    /// The moments (first, second) per parameter, for checkpoints.
+    pub fn moments(&self) -> (&[Tensor], &[Tensor]) {
+        (&self.m, &self.v)
+    }
+
+    /// Restores moments and the step count (from a checkpoint): shapes must match.
+    pub fn restore(&mut self, m: &[Tensor], v: &[Tensor], step: i64) -> Result<(), String> {
+        if m.len() != self.params.len() || v.len() != self.params.len() {
+            return Err(format!(
+                "optimizer state has {}/{} moments for {} parameters",
+                m.len(),
+                v.len(),
+                self.params.len()
+            ));
+        }
+        no_grad(|| {
+            for (i, (dst, src)) in self
+                .m
+                .iter_mut()
+                .chain(self.v.iter_mut())
+                .zip(m.iter().chain(v))
+                .enumerate()
+            {
+                if dst.size() != src.size() {
+                    return Err(format!(
+                        "optimizer moment {i} is {:?}, the parameter's {:?}",
+                        src.size(),
+                        dst.size()
+                    ));
+                }
+                dst.f_copy_(src).map_err(|e| e.to_string())?;
+            }
+            Ok(())
+        })?;
+        self.step = step;
+        Ok(())
+    }
+
     /// The global norm of the current gradients (0 for parameters without one).
     pub fn grad_norm(&self) -> f64 {
         let mut sq = 0.0;

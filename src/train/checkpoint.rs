@@ -1,0 +1,240 @@
+//! Trainer checkpoints and the run directory.
+//!
+//! A run directory holds `metrics.jsonl` (one [`StepMetrics`] per line, appended after
+//! each step) and `checkpoint/`, the latest checkpoint:
+//!
+//! - `model/`: the policy as an HF-compatible checkpoint (safetensors + config +
+//!   tokenizer), loadable by transformers and by `agentjet-peer --model`;
+//! - `optimizer.safetensors`: AdamW's moments (`m.<i>`, `v.<i>` in parameter order);
+//! - `state.json`: step, policy version, optimizer step count, the trainer's settings and
+//!   whatever the caller adds (its RNG state, data position, ...).
+//!
+//! A checkpoint is written to `checkpoint.tmp/` and renamed over the old one, so a kill at
+//! any moment leaves either the old checkpoint or the new one, never half of one.
+//! [`RunDir::resume`] restores a trainer and truncates `metrics.jsonl` to the steps the
+//! checkpoint covers, so a resumed run appends exactly the steps that follow (none lost,
+//! none repeated).
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use tch::Tensor;
+
+use super::trainer::{StepMetrics, Trainer};
+use crate::model::checkpoint::{load_model, save_checkpoint};
+use crate::model::llama::DType;
+use crate::model::{ModelCard, ModelSource};
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SavedState {
+    pub step: u64,
+    pub version: u64,
+    pub optimizer_steps: i64,
+    /// The trainer's settings when saved (for the record; the resuming run's own apply).
+    pub trainer: serde_json::Value,
+    /// The caller's own state.
+    pub extra: serde_json::Value,
+}
+
+pub struct RunDir {
+    pub dir: PathBuf,
+}
+
+fn io(path: &Path, e: impl std::fmt::Display) -> String {
+    format!("{}: {e}", path.display())
+}
+
+impl RunDir {
+    /// Opens (creating) a run directory.
+    pub fn open(dir: &Path) -> Result<RunDir, String> {
+        std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
+        Ok(RunDir {
+            dir: dir.to_path_buf(),
+        })
+    }
+
+    pub fn metrics_path(&self) -> PathBuf {
+        self.dir.join("metrics.jsonl")
+    }
+
+    pub fn checkpoint_path(&self) -> PathBuf {
+        self.dir.join("checkpoint")
+    }
+
+    /// Appends one step's metrics (one JSON line, flushed).
+    pub fn append(&self, m: &StepMetrics) -> Result<(), String> {
+        let path = self.metrics_path();
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .map_err(|e| io(&path, e))?;
+        let line = serde_json::to_string(m).map_err(|e| io(&path, e))?;
+        writeln!(f, "{line}").map_err(|e| io(&path, e))?;
+        f.flush().map_err(|e| io(&path, e))
+    }
+
+    /// Every step's metrics so far.
+    pub fn metrics(&self) -> Result<Vec<StepMetrics>, String> {
+        let path = self.metrics_path();
+        let text = match std::fs::read_to_string(&path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(io(&path, e)),
+        };
+        text.lines()
+            .enumerate()
+            .filter(|(_, l)| !l.trim().is_empty())
+            .map(|(i, l)| {
+                serde_json::from_str(l).map_err(|e| io(&path, format!("line {}: {e}", i + 1)))
+            })
+            .collect()
+    }
+
+    /// Writes the trainer's checkpoint (replacing the previous one atomically).
+    pub fn save(
+        &self,
+        trainer: &Trainer,
+        card: &ModelCard,
+        extra: serde_json::Value,
+    ) -> Result<(), String> {
+        let tmp = self.dir.join("checkpoint.tmp");
+        if tmp.exists() {
+            std::fs::remove_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
+        }
+        std::fs::create_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
+        save_checkpoint(&tmp.join("model"), card, &trainer.model, DType::F32)
+            .map_err(|e| e.to_string())?;
+        let (m, v) = trainer.opt.moments();
+        let named: Vec<(String, Tensor)> = m
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (format!("m.{i}"), t.shallow_clone()))
+            .chain(
+                v.iter()
+                    .enumerate()
+                    .map(|(i, t)| (format!("v.{i}"), t.shallow_clone())),
+            )
+            .collect();
+        let opt_path = tmp.join("optimizer.safetensors");
+        Tensor::write_safetensors(&named, &opt_path).map_err(|e| io(&opt_path, e))?;
+        let state = SavedState {
+            step: trainer.steps(),
+            version: trainer.version(),
+            optimizer_steps: trainer.opt.steps(),
+            trainer: serde_json::json!({
+                "loss": trainer.cfg.loss,
+                "lr": trainer.cfg.optim.lr,
+                "warmup_steps": trainer.cfg.warmup_steps,
+                "schedule": trainer.cfg.schedule,
+                "layout": trainer.cfg.layout.name(),
+                "micro_batch_tokens": trainer.cfg.micro_batch_tokens,
+                "max_staleness": trainer.cfg.max_staleness,
+            }),
+            extra,
+        };
+        let state_path = tmp.join("state.json");
+        std::fs::write(
+            &state_path,
+            serde_json::to_vec_pretty(&state).map_err(|e| io(&state_path, e))?,
+        )
+        .map_err(|e| io(&state_path, e))?;
+        let dst = self.checkpoint_path();
+        let old = self.dir.join("checkpoint.old");
+        if dst.exists() {
+            if old.exists() {
+                std::fs::remove_dir_all(&old).map_err(|e| io(&old, e))?;
+            }
+            std::fs::rename(&dst, &old).map_err(|e| io(&dst, e))?;
+        }
+        std::fs::rename(&tmp, &dst).map_err(|e| io(&tmp, e))?;
+        if old.exists() {
+            std::fs::remove_dir_all(&old).map_err(|e| io(&old, e))?;
+        }
+        Ok(())
+    }
+
+    /// The checkpoint to resume from: `checkpoint/`, or `checkpoint.old/` when a kill came
+    /// between the two renames of [`RunDir::save`].
+    fn latest(&self) -> Option<PathBuf> {
+        [self.checkpoint_path(), self.dir.join("checkpoint.old")]
+            .into_iter()
+            .find(|p| p.join("state.json").is_file())
+    }
+
+    /// Restores `trainer` (weights, optimizer, step, version) from the latest checkpoint
+    /// and cuts `metrics.jsonl` back to its steps. Returns the saved state (with the
+    /// caller's `extra`), or `None` when the run has no checkpoint yet.
+    pub fn resume(&self, trainer: &mut Trainer) -> Result<Option<SavedState>, String> {
+        let Some(ck) = self.latest() else {
+            return Ok(None);
+        };
+        let state_path = ck.join("state.json");
+        let state: SavedState =
+            serde_json::from_slice(&std::fs::read(&state_path).map_err(|e| io(&state_path, e))?)
+                .map_err(|e| io(&state_path, e))?;
+        let loaded = load_model(
+            &ModelSource::HfDir(ck.join("model")),
+            trainer.model.device(),
+            DType::F32,
+        )
+        .map_err(|e| e.to_string())?
+        .model;
+        let (mine, theirs) = (trainer.model.parameters(), loaded.parameters());
+        if mine.len() != theirs.len() {
+            return Err(format!(
+                "{}: the checkpoint's model has {} tensors, the trainer's {}",
+                ck.display(),
+                theirs.len(),
+                mine.len()
+            ));
+        }
+        tch::no_grad(|| -> Result<(), String> {
+            for (i, (mut d, s)) in mine.into_iter().zip(&theirs).enumerate() {
+                if d.size() != s.size() {
+                    return Err(format!(
+                        "{}: tensor {i} is {:?}, the trainer's {:?}",
+                        ck.display(),
+                        s.size(),
+                        d.size()
+                    ));
+                }
+                d.f_copy_(s).map_err(|e| e.to_string())?;
+            }
+            Ok(())
+        })?;
+        let opt_path = ck.join("optimizer.safetensors");
+        let named = Tensor::read_safetensors(&opt_path).map_err(|e| io(&opt_path, e))?;
+        let n = trainer.model.parameters().len();
+        let get = |prefix: &str| -> Result<Vec<Tensor>, String> {
+            (0..n)
+                .map(|i| {
+                    let key = format!("{prefix}.{i}");
+                    named
+                        .iter()
+                        .find(|(k, _)| *k == key)
+                        .map(|(_, t)| t.to_device(trainer.model.device()))
+                        .ok_or_else(|| io(&opt_path, format!("{key} is missing")))
+                })
+                .collect()
+        };
+        let (m, v) = (get("m")?, get("v")?);
+        trainer.opt.restore(&m, &v, state.optimizer_steps)?;
+        trainer.set_counters(state.step, state.version);
+        // Steps after the checkpoint will be run again: drop their lines.
+        let kept: Vec<StepMetrics> = self
+            .metrics()?
+            .into_iter()
+            .filter(|m| m.step <= state.step)
+            .collect();
+        let path = self.metrics_path();
+        let mut text = String::new();
+        for m in &kept {
+            text.push_str(&serde_json::to_string(m).map_err(|e| io(&path, e))?);
+            text.push('\n');
+        }
+        std::fs::write(&path, text).map_err(|e| io(&path, e))?;
+        Ok(Some(state))
+    }
+}

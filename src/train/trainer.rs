@@ -1,0 +1,458 @@
+//! One RL optimizer step over trainable groups.
+//!
+//! 1. The groups' episodes are packed into rows under a token budget (micro-batches) in the
+//!    configured layout (tree by default: each group's shared prefix computed once).
+//! 2. Staleness: sampled tokens of calls more than `max_staleness` policy versions behind
+//!    the current one are not trained on (their tokens stay as context); the dropped calls
+//!    are counted, and every call's staleness goes into a histogram.
+//! 3. Each row: the model's final hidden states at the target positions, then token
+//!    log-probabilities and entropies through the chunked kernel
+//!    ([`agentjet_kernels::logprobs`]), never a [tokens x vocabulary] log-softmax at once;
+//!    the loss ([`super::loss`]) on those [T] vectors gives ∂L/∂lp and ∂L/∂H; the kernel's
+//!    backward turns them into ∂L/∂h and ∂L/∂W_out, and one backward pass carries ∂L/∂h
+//!    through the model. Gradients accumulate over the rows (normalised by the whole
+//!    batch's counts, so the sum is the batch gradient).
+//! 4. AdamW at the scheduled learning rate (linear warmup, then constant or cosine); the
+//!    policy version goes up by one.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+use tch::{Kind, Tensor};
+
+use super::groups::{Group, ReadyReport};
+use super::loss::{policy_loss, BatchCounts, LossConfig, LossInputs, LossSums};
+use super::optim::{AdamW, AdamWConfig};
+use crate::model::llama::Llama;
+use crate::timeline::layout::{pack, Layout, PackedRow};
+
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum Schedule {
+    Constant,
+    /// Cosine from the base rate down to `min_ratio` x base over `total_steps`.
+    Cosine {
+        total_steps: u64,
+        min_ratio: f64,
+    },
+}
+
+/// The learning rate of step `step` (0-based): linear warmup over `warmup` steps from
+/// base / warmup, then the schedule.
+pub fn learning_rate(base: f64, warmup: u64, schedule: Schedule, step: u64) -> f64 {
+    if step < warmup {
+        return base * (step + 1) as f64 / warmup as f64;
+    }
+    match schedule {
+        Schedule::Constant => base,
+        Schedule::Cosine {
+            total_steps,
+            min_ratio,
+        } => {
+            let span = total_steps.saturating_sub(warmup).max(1) as f64;
+            let t = ((step - warmup) as f64 / span).min(1.0);
+            let cos = 0.5 * (1.0 + (std::f64::consts::PI * t).cos());
+            base * (min_ratio + (1.0 - min_ratio) * cos)
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct TrainerConfig {
+    /// The model name whose calls are trained (an episode may call several).
+    pub model_name: String,
+    pub loss: LossConfig,
+    pub optim: AdamWConfig,
+    pub warmup_steps: u64,
+    pub schedule: Schedule,
+    pub layout: Layout,
+    /// Tokens per packed row (micro-batch); gradients accumulate over the rows.
+    pub micro_batch_tokens: usize,
+    /// Rows of logits the log-probability kernel holds at once.
+    pub logprob_chunk: i64,
+    /// Calls more than this many versions behind are not trained on (none: no bound).
+    pub max_staleness: Option<u64>,
+}
+
+impl Default for TrainerConfig {
+    fn default() -> Self {
+        TrainerConfig {
+            model_name: "policy".into(),
+            loss: LossConfig::default(),
+            optim: AdamWConfig::default(),
+            warmup_steps: 0,
+            schedule: Schedule::Constant,
+            layout: Layout::Tree,
+            micro_batch_tokens: 4096,
+            logprob_chunk: 512,
+            max_staleness: Some(4),
+        }
+    }
+}
+
+/// What one step did (one line of `metrics.jsonl`).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct StepMetrics {
+    pub step: u64,
+    /// The policy version after the step.
+    pub version: u64,
+    /// Over every finished episode the step saw (groups trained and groups skipped).
+    pub reward_mean: f64,
+    pub reward_std: f64,
+    /// Task accuracy, where the task reports one (set by the caller).
+    pub accuracy: Option<f64>,
+    pub loss: f64,
+    /// Mean k3 KL to the reference (when there is one).
+    pub kl: Option<f64>,
+    pub entropy: f64,
+    pub clip_frac: f64,
+    pub is_weight_mean: f64,
+    pub is_capped_frac: f64,
+    pub grad_norm: f64,
+    pub lr: f64,
+    /// Sampled tokens trained on.
+    pub tokens_trained: usize,
+    /// Row tokens run through the model.
+    pub tokens_computed: usize,
+    pub tokens_per_s: f64,
+    pub seconds: f64,
+    pub groups: usize,
+    pub episodes: usize,
+    pub skipped_groups: usize,
+    pub dropped_short_groups: usize,
+    pub aborted_episodes: usize,
+    pub dropped_stale_calls: usize,
+    /// Calls by staleness (versions behind at training time).
+    pub staleness: BTreeMap<u64, usize>,
+    /// False when nothing was trainable (no optimizer step, version unchanged).
+    pub trained: bool,
+}
+
+impl StepMetrics {
+    /// One compact progress line.
+    pub fn line(&self) -> String {
+        let acc = self
+            .accuracy
+            .map(|a| format!(" acc {:.3}", a))
+            .unwrap_or_default();
+        let kl = self.kl.map(|k| format!(" kl {k:.4}")).unwrap_or_default();
+        format!(
+            "step {:>4} v{} reward {:.3}±{:.3}{acc} loss {:+.4}{kl} ent {:.3} clip {:.3} gnorm {:.3} lr {:.2e} tok {} ({:.0}/s) groups {} skip {} stale {} {:.1}s",
+            self.step,
+            self.version,
+            self.reward_mean,
+            self.reward_std,
+            self.loss,
+            self.entropy,
+            self.clip_frac,
+            self.grad_norm,
+            self.lr,
+            self.tokens_trained,
+            self.tokens_per_s,
+            self.groups,
+            self.skipped_groups,
+            self.dropped_stale_calls,
+            self.seconds
+        )
+    }
+}
+
+pub struct Trainer {
+    pub model: Llama,
+    /// The frozen reference for the KL term (needed when `loss.kl_coef` is not 0).
+    pub reference: Option<Llama>,
+    pub opt: AdamW,
+    pub cfg: TrainerConfig,
+    version: u64,
+    step: u64,
+}
+
+impl Trainer {
+    /// Trains `model` (made trainable here); `reference` is needed for a KL term.
+    pub fn new(
+        mut model: Llama,
+        reference: Option<Llama>,
+        cfg: TrainerConfig,
+    ) -> Result<Trainer, String> {
+        if cfg.loss.kl_coef != 0.0 && reference.is_none() {
+            return Err("kl_coef is set: a reference model is needed".into());
+        }
+        model.set_trainable(true);
+        let opt = AdamW::new(model.parameters(), cfg.optim.clone());
+        Ok(Trainer {
+            model,
+            reference,
+            opt,
+            cfg,
+            version: 0,
+            step: 0,
+        })
+    }
+
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    pub fn steps(&self) -> u64 {
+        self.step
+    }
+
+    /// Restores counters (from a checkpoint).
+    pub fn set_counters(&mut self, step: u64, version: u64) {
+        self.step = step;
+        self.version = version;
+    }
+
+    /// One optimizer step over `groups` (from [`super::groups::GroupBuffer::take_ready`],
+    /// whose report is folded into the metrics).
+    pub fn step(&mut self, groups: &[Group], report: &ReadyReport) -> Result<StepMetrics, String> {
+        let t0 = Instant::now();
+        let mut m = StepMetrics {
+            step: self.step,
+            groups: groups.len(),
+            episodes: groups.iter().map(|g| g.episodes.len()).sum(),
+            skipped_groups: report.skipped_equal,
+            dropped_short_groups: report.dropped_short,
+            aborted_episodes: report.aborted,
+            ..Default::default()
+        };
+        let rewards: Vec<f64> = groups
+            .iter()
+            .flat_map(|g| {
+                g.episodes
+                    .iter()
+                    .filter_map(|e| e.reward_for(&self.cfg.model_name))
+            })
+            .chain(report.skipped_rewards.iter().copied())
+            .collect();
+        if !rewards.is_empty() {
+            let n = rewards.len() as f64;
+            m.reward_mean = rewards.iter().sum::<f64>() / n;
+            m.reward_std = (rewards
+                .iter()
+                .map(|r| (r - m.reward_mean).powi(2))
+                .sum::<f64>()
+                / n)
+                .sqrt();
+        }
+        let batch: Vec<(&crate::timeline::Episode, f32)> = groups
+            .iter()
+            .flat_map(|g| {
+                g.episodes
+                    .iter()
+                    .zip(&g.advantages)
+                    .map(|(e, &a)| (e, a as f32))
+            })
+            .collect();
+        let mut rows = if batch.is_empty() {
+            Vec::new()
+        } else {
+            pack(
+                &self.cfg.model_name,
+                &batch,
+                self.cfg.layout,
+                self.cfg.micro_batch_tokens,
+            )
+            .map_err(|e| format!("packing the batch: {e}"))?
+        };
+        // Staleness: per call (episode, call index), versions behind now.
+        let mut calls: HashMap<(u32, u32), u64> = HashMap::new();
+        for r in &rows {
+            for t in &r.targets {
+                calls.insert((t.key.episode, t.key.call), t.version);
+            }
+        }
+        let now = self.version;
+        for v in calls.values() {
+            *m.staleness.entry(now.saturating_sub(*v)).or_default() += 1;
+        }
+        if let Some(max) = self.cfg.max_staleness {
+            m.dropped_stale_calls = calls
+                .values()
+                .filter(|&&v| now.saturating_sub(v) > max)
+                .count();
+            for r in &mut rows {
+                r.targets.retain(|t| now.saturating_sub(t.version) <= max);
+            }
+            rows.retain(|r| !r.targets.is_empty());
+        }
+        // Sequences (episodes) and their target counts over the whole batch.
+        let mut seq_of: BTreeMap<u32, i64> = BTreeMap::new();
+        let mut seq_len: HashMap<u32, usize> = HashMap::new();
+        for r in &rows {
+            for t in &r.targets {
+                let next = seq_of.len() as i64;
+                seq_of.entry(t.key.episode).or_insert(next);
+                *seq_len.entry(t.key.episode).or_default() += 1;
+            }
+        }
+        let counts = BatchCounts {
+            tokens: rows.iter().map(|r| r.targets.len()).sum::<usize>() as f64,
+            seqs: seq_of.len() as f64,
+        };
+        m.tokens_trained = counts.tokens as usize;
+        m.tokens_computed = rows.iter().map(PackedRow::len).sum();
+        m.lr = learning_rate(
+            self.cfg.optim.lr,
+            self.cfg.warmup_steps,
+            self.cfg.schedule,
+            self.step,
+        );
+        if rows.is_empty() {
+            // Nothing trainable: the step counts (the schedule moves on), the weights and
+            // the version stay.
+            self.step += 1;
+            m.step = self.step;
+            m.version = self.version;
+            m.seconds = t0.elapsed().as_secs_f64();
+            return Ok(m);
+        }
+        let mut sums = LossSums::default();
+        let mut loss_total = 0.0;
+        for row in &rows {
+            let (loss, s) = self.row_backward(row, &seq_of, &seq_len, counts)?;
+            loss_total += loss;
+            sums.add(&s);
+        }
+        self.opt.cfg.lr = m.lr;
+        m.grad_norm = self.opt.step();
+        self.step += 1;
+        self.version += 1;
+        if let tch::Device::Cuda(i) = self.model.device() {
+            tch::Cuda::synchronize(i as i64);
+        }
+        let n = sums.tokens.max(1.0);
+        m.trained = true;
+        m.step = self.step;
+        m.version = self.version;
+        m.loss = loss_total;
+        m.entropy = sums.entropy / n;
+        m.kl = self.reference.as_ref().map(|_| sums.kl / n);
+        m.clip_frac = sums.clipped / n;
+        m.is_weight_mean = sums.is_weight / n;
+        m.is_capped_frac = sums.is_capped / n;
+        m.seconds = t0.elapsed().as_secs_f64();
+        m.tokens_per_s = m.tokens_computed as f64 / m.seconds.max(1e-9);
+        Ok(m)
+    }
+
+    /// Forward, loss and backward of one row; returns its share of the loss and its sums.
+    fn row_backward(
+        &self,
+        row: &PackedRow,
+        seq_of: &BTreeMap<u32, i64>,
+        seq_len: &HashMap<u32, usize>,
+        counts: BatchCounts,
+    ) -> Result<(f64, LossSums), String> {
+        let dev = self.model.device();
+        let long = |v: Vec<i64>| Tensor::from_slice(&v).to_device(dev);
+        let float = |v: Vec<f32>| Tensor::from_slice(&v).to_device(dev);
+        let ids = long(row.tokens.iter().map(|&t| t as i64).collect());
+        let pos = long(row.positions.iter().map(|&p| p as i64).collect());
+        let from = long(row.targets.iter().map(|t| t.from as i64).collect());
+        let tok = long(row.targets.iter().map(|t| t.token as i64).collect());
+        let seq = long(row.targets.iter().map(|t| seq_of[&t.key.episode]).collect());
+        let lens = float(
+            row.targets
+                .iter()
+                .map(|t| seq_len[&t.key.episode] as f32)
+                .collect(),
+        );
+        let beh = float(row.targets.iter().map(|t| t.behaviour_logprob).collect());
+        let adv = float(row.targets.iter().map(|t| t.advantage).collect());
+        let err = |e: crate::model::ModelError| e.to_string();
+        let h = self
+            .model
+            .forward_row_hidden(&ids, &pos, &row.parent, Some(&from))
+            .map_err(err)?;
+        let w = self.model.output_weight();
+        let hd = h.detach();
+        let wd = w.detach();
+        let chunk = self.cfg.logprob_chunk;
+        let out = agentjet_kernels::logprobs::token_logprobs(&hd, &wd, &tok, chunk, true)?;
+        let reference = match &self.reference {
+            Some(r) => {
+                let _g = tch::no_grad_guard();
+                let rh = r
+                    .forward_row_hidden(&ids, &pos, &row.parent, Some(&from))
+                    .map_err(err)?;
+                Some(
+                    agentjet_kernels::logprobs::token_logprobs(
+                        &rh,
+                        r.output_weight(),
+                        &tok,
+                        chunk,
+                        false,
+                    )?
+                    .logprobs,
+                )
+            }
+            _ => None,
+        };
+        let lp_leaf = out.logprobs.detach().set_requires_grad(true);
+        let ent_leaf = out
+            .entropy
+            .as_ref()
+            .map(|e| e.detach().set_requires_grad(true));
+        let (loss, sums) = policy_loss(
+            &self.cfg.loss,
+            &LossInputs {
+                logprobs: &lp_leaf,
+                old_logprobs: None,
+                behaviour_logprobs: &beh,
+                advantages: &adv,
+                seq: &seq,
+                seq_count: seq_of.len() as i64,
+                seq_len: &lens,
+                reference_logprobs: reference.as_ref(),
+                entropy: ent_leaf.as_ref(),
+            },
+            counts,
+        )?;
+        let mut leaves = vec![&lp_leaf];
+        if let (Some(e), true) = (&ent_leaf, self.cfg.loss.entropy_coef != 0.0) {
+            leaves.push(e);
+        }
+        let grads = Tensor::run_backward(&[&loss], &leaves, false, false);
+        let g_ent = if grads.len() > 1 && grads[1].defined() {
+            Some(&grads[1])
+        } else {
+            None
+        };
+        let g_lp = if grads[0].defined() {
+            grads[0].shallow_clone()
+        } else {
+            lp_leaf.zeros_like()
+        };
+        let (gh, gw) = agentjet_kernels::logprobs::token_logprobs_backward(
+            &hd, &wd, &tok, &g_lp, g_ent, chunk,
+        )?;
+        // One backward through the model: ∂L/∂h into the layers, ∂L/∂W_out into the head
+        // (the embedding too when tied).
+        let surrogate = (&h * gh).sum(Kind::Float) + (w * gw).sum(Kind::Float);
+        surrogate.backward();
+        Ok((loss.double_value(&[]), sums))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn warmup_then_cosine() {
+        let cos = Schedule::Cosine {
+            total_steps: 12,
+            min_ratio: 0.1,
+        };
+        assert!((learning_rate(1.0, 2, cos, 0) - 0.5).abs() < 1e-12);
+        assert!((learning_rate(1.0, 2, cos, 1) - 1.0).abs() < 1e-12);
+        assert!((learning_rate(1.0, 2, cos, 2) - 1.0).abs() < 1e-12);
+        // Halfway through the 10 cosine steps: 0.1 + 0.9 * 0.5.
+        assert!((learning_rate(1.0, 2, cos, 7) - 0.55).abs() < 1e-12);
+        assert!((learning_rate(1.0, 2, cos, 12) - 0.1).abs() < 1e-12);
+        assert!((learning_rate(1.0, 2, cos, 50) - 0.1).abs() < 1e-12);
+        assert_eq!(learning_rate(3e-4, 0, Schedule::Constant, 9), 3e-4);
+    }
+}
