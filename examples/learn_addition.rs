@@ -1,0 +1,485 @@
+//! `cargo run --release --example learn_addition [-- FLAGS]`: GRPO on 2-digit addition with
+//! SmolLM2-135M-Instruct, through the same engine (continuous batching, policy versions)
+//! and trainer (tree-packed timelines, chunked logprobs, AdamW) a server runs.
+//!
+//! Each step samples `--tasks` additions `a + b` (a, b in 10..=99, from `--seed`), asks each
+//! `--group` times at temperature 1 ("What is a + b? Answer with the number only.", chat
+//! template, at most `--max-tokens`), rewards 1 when the last number in the answer is
+//! a + b (else 0: the model tends to restate the operands before answering), and takes
+//! one GRPO step on the groups with signal; the engine serves the new weights from its
+//! next decode step. A held-out set (`--eval` tasks, from
+//! another seed, never trained on) is answered greedily before training, every
+//! `--eval-every` steps and at the end: that accuracy is the result.
+//!
+//! The run directory (`--run-dir`, default `runs/learn_addition`) gets `metrics.jsonl`
+//! (one line per step), `checkpoint/` (every `--checkpoint-every` steps and on SIGTERM;
+//! `--resume` continues from it) and `reward.svg` (training reward and held-out accuracy
+//! by step). The run stops after `--steps` steps or `--minutes` of wall time.
+//!
+//! ```text
+//! --steps N [1000]  --minutes M [55]  --tasks N [8]  --group N [8]  --lr X [1e-5]
+//! --max-tokens N [32]  --eval N [100]  --eval-every N [25]  --checkpoint-every N [25]
+//! --seed N [0]  --run-dir DIR  --resume  --loss grpo|dr_grpo|rloo [grpo]
+//! ```
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use agentjet::engine::{
+    spawn_engine, EngineConfig, EngineEvent, EngineHandle, GenerateRequest, Rng, SamplingParams,
+};
+use agentjet::model::checkpoint::load_model;
+use agentjet::model::llama::DType;
+use agentjet::model::{ChatRequest, ModelCard, ModelSource};
+use agentjet::timeline::{Call, Episode, EpisodeStatus};
+use agentjet::train::checkpoint::RunDir;
+use agentjet::train::groups::{AdvantageKind, GroupBuffer, GroupConfig};
+use agentjet::train::optim::AdamWConfig;
+use agentjet::train::trainer::{StepMetrics, Trainer, TrainerConfig};
+use serde_json::json;
+
+struct Args {
+    steps: u64,
+    minutes: f64,
+    tasks: usize,
+    group: usize,
+    lr: f64,
+    max_tokens: usize,
+    eval: usize,
+    eval_every: u64,
+    checkpoint_every: u64,
+    seed: u64,
+    run_dir: PathBuf,
+    resume: bool,
+    advantage: AdvantageKind,
+}
+
+fn parse_args() -> anyhow::Result<Args> {
+    let v: Vec<String> = std::env::args().skip(1).collect();
+    let get = |name: &str| {
+        v.iter()
+            .position(|a| a == name)
+            .and_then(|i| v.get(i + 1).cloned())
+    };
+    fn num<T: std::str::FromStr>(name: &str, s: Option<String>, d: T) -> anyhow::Result<T> {
+        match s {
+            None => Ok(d),
+            Some(s) => s
+                .parse()
+                .map_err(|_| anyhow::anyhow!("{name}: cannot parse {s:?}")),
+        }
+    }
+    let known = [
+        "--steps",
+        "--minutes",
+        "--tasks",
+        "--group",
+        "--lr",
+        "--max-tokens",
+        "--eval",
+        "--eval-every",
+        "--checkpoint-every",
+        "--seed",
+        "--run-dir",
+        "--loss",
+    ];
+    let mut i = 0;
+    while i < v.len() {
+        if known.contains(&v[i].as_str()) {
+            i += 2;
+        } else if v[i] == "--resume" || v[i] == "--bench" {
+            i += 1;
+        } else {
+            anyhow::bail!("unknown flag {:?} (see the example's docs)", v[i]);
+        }
+    }
+    Ok(Args {
+        steps: num("--steps", get("--steps"), 1000)?,
+        minutes: num("--minutes", get("--minutes"), 55.0)?,
+        tasks: num("--tasks", get("--tasks"), 8)?,
+        group: num("--group", get("--group"), 8)?,
+        lr: num("--lr", get("--lr"), 1e-5)?,
+        max_tokens: num("--max-tokens", get("--max-tokens"), 32)?,
+        eval: num("--eval", get("--eval"), 100)?,
+        eval_every: num("--eval-every", get("--eval-every"), 25)?,
+        checkpoint_every: num("--checkpoint-every", get("--checkpoint-every"), 25)?,
+        seed: num("--seed", get("--seed"), 0)?,
+        run_dir: get("--run-dir")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from("runs/learn_addition")),
+        resume: v.iter().any(|a| a == "--resume"),
+        advantage: get("--loss")
+            .map(|s| s.parse().map_err(anyhow::Error::msg))
+            .transpose()?
+            .unwrap_or(AdvantageKind::Grpo),
+    })
+}
+
+/// The last integer in `text` (the model tends to restate the operands first).
+fn last_number(text: &str) -> Option<i64> {
+    let b = text.as_bytes();
+    let end = b.iter().rposition(|c| c.is_ascii_digit())? + 1;
+    let start = b[..end]
+        .iter()
+        .rposition(|c| !c.is_ascii_digit())
+        .map_or(0, |s| s + 1);
+    let n: i64 = text[start..end].parse().ok()?;
+    Some(if start > 0 && b[start - 1] == b'-' { -n } else { n })
+}
+
+struct Task {
+    a: i64,
+    b: i64,
+    prompt: Vec<u32>,
+}
+
+fn make_task(card: &ModelCard, a: i64, b: i64) -> anyhow::Result<Task> {
+    let tmpl = card.chat_template("smollm2")?;
+    let messages =
+        vec![json!({"role": "user", "content": format!("What is {a} + {b}? Answer with the number only.")})];
+    let text = tmpl.render(&ChatRequest {
+        messages: &messages,
+        add_generation_prompt: true,
+        ..Default::default()
+    })?;
+    Ok(Task {
+        a,
+        b,
+        prompt: card.tokenizer.encode(&text)?,
+    })
+}
+
+fn pair(rng: &mut Rng) -> (i64, i64) {
+    (
+        10 + (rng.next_u64() % 90) as i64,
+        10 + (rng.next_u64() % 90) as i64,
+    )
+}
+
+/// Samples `n` answers of every task at once; returns per task (ids, logprobs, version).
+#[allow(clippy::type_complexity)]
+fn sample(
+    engine: &EngineHandle,
+    tasks: &[Task],
+    n: usize,
+    temperature: f64,
+    max_tokens: usize,
+    stop: &[u32],
+    seed: u64,
+) -> anyhow::Result<Vec<Vec<(Vec<u32>, Vec<f32>, u64)>>> {
+    let mut all = Vec::new();
+    for (i, t) in tasks.iter().enumerate() {
+        all.push(engine.submit_n(
+            GenerateRequest {
+                prompt: t.prompt.clone(),
+                max_tokens,
+                sampling: if temperature == 0.0 {
+                    SamplingParams::greedy()
+                } else {
+                    SamplingParams {
+                        temperature,
+                        ..Default::default()
+                    }
+                },
+                seed: Some(seed.wrapping_mul(1_000_003).wrapping_add(i as u64 * 101)),
+                stop_token_ids: stop.to_vec(),
+                ..Default::default()
+            },
+            n,
+        )?);
+    }
+    let mut out = Vec::new();
+    for rxs in all {
+        let mut task = Vec::new();
+        for mut rx in rxs {
+            let (mut ids, mut lps, mut version) = (Vec::new(), Vec::new(), 0);
+            while let Some(ev) = rx.blocking_recv() {
+                match ev {
+                    EngineEvent::Token { id, logprob, .. } => {
+                        ids.push(id);
+                        lps.push(logprob as f32);
+                    }
+                    EngineEvent::Finished { policy_version, .. } => {
+                        version = policy_version;
+                        break;
+                    }
+                    EngineEvent::Failed(e) => anyhow::bail!("generation failed: {e}"),
+                }
+            }
+            task.push((ids, lps, version));
+        }
+        out.push(task);
+    }
+    Ok(out)
+}
+
+fn correct(card: &ModelCard, t: &Task, ids: &[u32]) -> bool {
+    let text = card.tokenizer.decode(ids, true).unwrap_or_default();
+    last_number(&text) == Some(t.a + t.b)
+}
+
+/// Greedy accuracy on `tasks`.
+fn evaluate(
+    engine: &EngineHandle,
+    card: &ModelCard,
+    tasks: &[Task],
+    max_tokens: usize,
+    stop: &[u32],
+) -> anyhow::Result<f64> {
+    let mut right = 0;
+    for chunk in tasks.chunks(32) {
+        let out = sample(engine, chunk, 1, 0.0, max_tokens, stop, 0)?;
+        for (t, o) in chunk.iter().zip(&out) {
+            right += correct(card, t, &o[0].0) as usize;
+        }
+    }
+    Ok(right as f64 / tasks.len().max(1) as f64)
+}
+
+/// The reward curve (mean training reward per step, held-out accuracy where measured).
+fn write_svg(path: &std::path::Path, metrics: &[StepMetrics], before: f64) -> anyhow::Result<()> {
+    let (w, h, pad) = (720.0, 360.0, 40.0);
+    let last = metrics.last().map_or(1, |m| m.step.max(1)) as f64;
+    let x = |s: u64| pad + (w - 2.0 * pad) * s as f64 / last;
+    let y = |v: f64| h - pad - (h - 2.0 * pad) * v.clamp(0.0, 1.0);
+    let reward: Vec<String> = metrics
+        .iter()
+        .map(|m| format!("{:.1},{:.1}", x(m.step), y(m.reward_mean)))
+        .collect();
+    let acc: Vec<String> = std::iter::once(format!("{:.1},{:.1}", x(0), y(before)))
+        .chain(
+            metrics
+                .iter()
+                .filter_map(|m| m.accuracy.map(|a| format!("{:.1},{:.1}", x(m.step), y(a)))),
+        )
+        .collect();
+    let mut svg = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n\
+         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
+         <text x=\"{pad}\" y=\"20\">learn_addition: SmolLM2-135M-Instruct, GRPO (reward: blue = training mean, red = held-out greedy accuracy)</text>\n\
+         <line x1=\"{pad}\" y1=\"{b}\" x2=\"{r}\" y2=\"{b}\" stroke=\"black\"/>\n\
+         <line x1=\"{pad}\" y1=\"{pad}\" x2=\"{pad}\" y2=\"{b}\" stroke=\"black\"/>\n\
+         <text x=\"5\" y=\"{b}\">0</text><text x=\"5\" y=\"{t}\">1</text>\n\
+         <text x=\"{r}\" y=\"{lb}\" text-anchor=\"end\">step {last}</text>\n",
+        b = h - pad,
+        r = w - pad,
+        t = pad + 4.0,
+        lb = h - 10.0,
+    );
+    svg.push_str(&format!(
+        "<polyline fill=\"none\" stroke=\"steelblue\" stroke-width=\"1.5\" points=\"{}\"/>\n",
+        reward.join(" ")
+    ));
+    svg.push_str(&format!(
+        "<polyline fill=\"none\" stroke=\"crimson\" stroke-width=\"2\" points=\"{}\"/>\n",
+        acc.join(" ")
+    ));
+    for p in &acc {
+        let (px, py) = p.split_once(',').unwrap_or(("0", "0"));
+        svg.push_str(&format!(
+            "<circle cx=\"{px}\" cy=\"{py}\" r=\"3\" fill=\"crimson\"/>\n"
+        ));
+    }
+    svg.push_str("</svg>\n");
+    std::fs::write(path, svg)?;
+    Ok(())
+}
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("learn_addition failed: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> anyhow::Result<()> {
+    let args = parse_args()?;
+    let t0 = Instant::now();
+    let term = Arc::new(AtomicBool::new(false));
+    signal_hook::flag::register(signal_hook::consts::SIGTERM, term.clone())?;
+    signal_hook::flag::register(signal_hook::consts::SIGINT, term.clone())?;
+    let source = ModelSource::resolve("smollm2")?;
+    let loaded = load_model(&source, tch::Device::cuda_if_available(), DType::F32)?;
+    let card = loaded.card.clone();
+    let stop = card.generation.eos_token_ids.clone();
+    let run_dir = RunDir::open(&args.run_dir).map_err(anyhow::Error::msg)?;
+    if !args.resume && run_dir.checkpoint_path().exists() {
+        anyhow::bail!(
+            "{} already has a checkpoint: pass --resume to continue it, or another --run-dir",
+            args.run_dir.display()
+        );
+    }
+    if !args.resume {
+        let _ = std::fs::remove_file(run_dir.metrics_path());
+    }
+    let mut trainer = Trainer::new(
+        loaded.model,
+        None,
+        TrainerConfig {
+            optim: AdamWConfig {
+                lr: args.lr,
+                weight_decay: 0.0,
+                ..Default::default()
+            },
+            warmup_steps: 5,
+            max_staleness: Some(1),
+            micro_batch_tokens: 2048,
+            ..TrainerConfig::default()
+        },
+    )
+    .map_err(anyhow::Error::msg)?;
+    let mut rng = Rng::seeded(args.seed);
+    if args.resume {
+        match run_dir.resume(&mut trainer).map_err(anyhow::Error::msg)? {
+            Some(state) => {
+                let s: Vec<u64> = serde_json::from_value(state.extra["rng"].clone())?;
+                rng = Rng::from_state([s[0], s[1], s[2], s[3]]);
+                println!("resumed at step {} (version {})", state.step, state.version);
+            }
+            None => println!("--resume: no checkpoint in {}, starting fresh", args.run_dir.display()),
+        }
+    }
+    let engine_model = load_model(&source, tch::Device::cuda_if_available(), DType::F32)?.model;
+    let engine = spawn_engine(
+        engine_model,
+        EngineConfig {
+            max_batch: 64,
+            max_queue: 256,
+            max_kv_positions: 64 * 128,
+            ..EngineConfig::default()
+        },
+    )?;
+    engine
+        .update_weights(&trainer.model.parameters(), trainer.version())
+        .map_err(anyhow::Error::msg)?;
+    // The held-out set: its own seed; training never draws one of its pairs.
+    let mut eval_rng = Rng::seeded(args.seed ^ 0x5eed_e7a1);
+    let mut held: HashSet<(i64, i64)> = HashSet::new();
+    let mut eval_tasks = Vec::new();
+    while eval_tasks.len() < args.eval {
+        let (a, b) = pair(&mut eval_rng);
+        if held.insert((a, b)) {
+            eval_tasks.push(make_task(&card, a, b)?);
+        }
+    }
+    println!(
+        "learn_addition: SmolLM2-135M-Instruct on {:?}; {} tasks x {} samples per step, lr {}, held-out {} tasks; run dir {}",
+        trainer.model.device(),
+        args.tasks,
+        args.group,
+        args.lr,
+        args.eval,
+        args.run_dir.display()
+    );
+    let before = evaluate(&engine, &card, &eval_tasks, args.max_tokens, &stop)?;
+    println!(
+        "held-out greedy accuracy before training (step {}): {:.1}%",
+        trainer.steps(),
+        100.0 * before
+    );
+    let mut buffer = GroupBuffer::new(
+        GroupConfig {
+            num_repeat: args.group,
+            min_episodes: 2,
+            timeout: std::time::Duration::from_secs(3600),
+        },
+        "policy",
+        args.advantage,
+    );
+    let mut last_acc = before;
+    while trainer.steps() < args.steps && t0.elapsed().as_secs_f64() < args.minutes * 60.0 {
+        let step = trainer.steps();
+        let mut tasks = Vec::new();
+        while tasks.len() < args.tasks {
+            let (a, b) = pair(&mut rng);
+            if !held.contains(&(a, b)) {
+                tasks.push(make_task(&card, a, b)?);
+            }
+        }
+        let out = sample(
+            &engine,
+            &tasks,
+            args.group,
+            1.0,
+            args.max_tokens,
+            &stop,
+            rng.next_u64(),
+        )?;
+        for (ti, (t, samples)) in tasks.iter().zip(out).enumerate() {
+            for (si, (ids, lps, version)) in samples.into_iter().enumerate() {
+                let reward = if correct(&card, t, &ids) { 1.0 } else { 0.0 };
+                buffer
+                    .add(Episode {
+                        id: format!("s{step}-t{ti}-{si}"),
+                        task_id: format!("{}+{}", t.a, t.b),
+                        group_id: format!("s{step}-t{ti}"),
+                        calls: vec![Call {
+                            model: "policy".into(),
+                            prompt_ids: t.prompt.clone(),
+                            completion_ids: ids,
+                            logprobs: lps,
+                            policy_version: version,
+                            signature: vec![],
+                        }],
+                        reward: Some(reward),
+                        rewards: Default::default(),
+                        status: EpisodeStatus::Finished,
+                    })
+                    .map_err(anyhow::Error::msg)?;
+            }
+        }
+        let (groups, report) = buffer.take_ready(Instant::now());
+        let mut m = trainer
+            .step(&groups, &report)
+            .map_err(anyhow::Error::msg)?;
+        engine
+            .update_weights(&trainer.model.parameters(), trainer.version())
+            .map_err(anyhow::Error::msg)?;
+        if args.eval_every > 0 && trainer.steps() % args.eval_every == 0 {
+            last_acc = evaluate(&engine, &card, &eval_tasks, args.max_tokens, &stop)?;
+            m.accuracy = Some(last_acc);
+        }
+        println!("{}", m.line());
+        run_dir.append(&m).map_err(anyhow::Error::msg)?;
+        let stop_now = term.load(Ordering::Relaxed);
+        if stop_now || trainer.steps() % args.checkpoint_every.max(1) == 0 {
+            run_dir
+                .save(&trainer, &card, json!({"rng": rng.state()}))
+                .map_err(anyhow::Error::msg)?;
+        }
+        if stop_now {
+            println!("stopped by signal after step {}; checkpoint saved", trainer.steps());
+            return Ok(());
+        }
+    }
+    let after = if trainer.steps() % args.eval_every.max(1) == 0 && args.eval_every > 0 {
+        last_acc
+    } else {
+        evaluate(&engine, &card, &eval_tasks, args.max_tokens, &stop)?
+    };
+    run_dir
+        .save(&trainer, &card, json!({"rng": rng.state()}))
+        .map_err(anyhow::Error::msg)?;
+    let mut metrics = run_dir.metrics().map_err(anyhow::Error::msg)?;
+    if let Some(last) = metrics.last_mut() {
+        last.accuracy = Some(after);
+    }
+    let svg = args.run_dir.join("reward.svg");
+    write_svg(&svg, &metrics, before)?;
+    println!(
+        "held-out greedy accuracy: before {:.1}%, after {:.1}% ({} steps, {:.1} min); curve: {}",
+        100.0 * before,
+        100.0 * after,
+        trainer.steps(),
+        t0.elapsed().as_secs_f64() / 60.0,
+        svg.display()
+    );
+    println!(
+        "RESULT learn_addition heldout_accuracy ours={after:.3} peer={before:.3} ratio={:.2}",
+        after / before.max(1e-9)
+    );
+    Ok(())
+}
