@@ -127,7 +127,11 @@ fn last_number(text: &str) -> Option<i64> {
         .rposition(|c| !c.is_ascii_digit())
         .map_or(0, |s| s + 1);
     let n: i64 = text[start..end].parse().ok()?;
-    Some(if start > 0 && b[start - 1] == b'-' { -n } else { n })
+    Some(if start > 0 && b[start - 1] == b'-' {
+        -n
+    } else {
+        n
+    })
 }
 
 struct Task {
@@ -138,8 +142,9 @@ struct Task {
 
 fn make_task(card: &ModelCard, a: i64, b: i64) -> anyhow::Result<Task> {
     let tmpl = card.chat_template("smollm2")?;
-    let messages =
-        vec![json!({"role": "user", "content": format!("What is {a} + {b}? Answer with the number only.")})];
+    let messages = vec![
+        json!({"role": "user", "content": format!("What is {a} + {b}? Answer with the number only.")}),
+    ];
     let text = tmpl.render(&ChatRequest {
         messages: &messages,
         add_generation_prompt: true,
@@ -339,7 +344,10 @@ fn run() -> anyhow::Result<()> {
                 rng = Rng::from_state([s[0], s[1], s[2], s[3]]);
                 println!("resumed at step {} (version {})", state.step, state.version);
             }
-            None => println!("--resume: no checkpoint in {}, starting fresh", args.run_dir.display()),
+            None => println!(
+                "--resume: no checkpoint in {}, starting fresh",
+                args.run_dir.display()
+            ),
         }
     }
     let engine_model = load_model(&source, tch::Device::cuda_if_available(), DType::F32)?.model;
@@ -432,9 +440,7 @@ fn run() -> anyhow::Result<()> {
             }
         }
         let (groups, report) = buffer.take_ready(Instant::now());
-        let mut m = trainer
-            .step(&groups, &report)
-            .map_err(anyhow::Error::msg)?;
+        let mut m = trainer.step(&groups, &report).map_err(anyhow::Error::msg)?;
         engine
             .update_weights(&trainer.model.parameters(), trainer.version())
             .map_err(anyhow::Error::msg)?;
@@ -451,7 +457,10 @@ fn run() -> anyhow::Result<()> {
                 .map_err(anyhow::Error::msg)?;
         }
         if stop_now {
-            println!("stopped by signal after step {}; checkpoint saved", trainer.steps());
+            println!(
+                "stopped by signal after step {}; checkpoint saved",
+                trainer.steps()
+            );
             return Ok(());
         }
     }
