@@ -29,7 +29,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use agentjet::engine::{
-    spawn_engine, EngineConfig, EngineEvent, EngineHandle, GenerateRequest, Rng, SamplingParams,
+    spawn_engine, Completed, EngineConfig, EngineHandle, GenerateRequest, Rng, SamplingParams,
 };
 use agentjet::model::checkpoint::load_model;
 use agentjet::model::llama::DType;
@@ -200,21 +200,9 @@ fn sample(
     for rxs in all {
         let mut task = Vec::new();
         for mut rx in rxs {
-            let (mut ids, mut lps, mut version) = (Vec::new(), Vec::new(), 0);
-            while let Some(ev) = rx.blocking_recv() {
-                match ev {
-                    EngineEvent::Token { id, logprob, .. } => {
-                        ids.push(id);
-                        lps.push(logprob as f32);
-                    }
-                    EngineEvent::Finished { policy_version, .. } => {
-                        version = policy_version;
-                        break;
-                    }
-                    EngineEvent::Failed(e) => anyhow::bail!("generation failed: {e}"),
-                }
-            }
-            task.push((ids, lps, version));
+            let c = Completed::collect(&mut rx).map_err(anyhow::Error::msg)?;
+            let lps = c.logprobs.iter().map(|&l| l as f32).collect();
+            task.push((c.tokens, lps, c.policy_version));
         }
         out.push(task);
     }
@@ -337,11 +325,15 @@ fn run() -> anyhow::Result<()> {
     )
     .map_err(anyhow::Error::msg)?;
     let mut rng = Rng::seeded(args.seed);
+    // The accuracy before any training, kept in the checkpoint so a resumed run reports it.
+    let mut before: Option<f64> = None;
     if args.resume {
         match run_dir.resume(&mut trainer).map_err(anyhow::Error::msg)? {
             Some(state) => {
-                let s: Vec<u64> = serde_json::from_value(state.extra["rng"].clone())?;
-                rng = Rng::from_state([s[0], s[1], s[2], s[3]]);
+                let s: [u64; 4] = serde_json::from_value(state.extra["rng"].clone())
+                    .map_err(|e| anyhow::anyhow!("checkpoint state.json: rng: {e}"))?;
+                rng = Rng::from_state(s);
+                before = state.extra["before"].as_f64();
                 println!("resumed at step {} (version {})", state.step, state.version);
             }
             None => println!(
@@ -382,10 +374,12 @@ fn run() -> anyhow::Result<()> {
         args.eval,
         args.run_dir.display()
     );
-    let before = evaluate(&engine, &card, &eval_tasks, args.max_tokens, &stop)?;
+    let before = match before {
+        Some(b) => b,
+        None => evaluate(&engine, &card, &eval_tasks, args.max_tokens, &stop)?,
+    };
     println!(
-        "held-out greedy accuracy before training (step {}): {:.1}%",
-        trainer.steps(),
+        "held-out greedy accuracy before training: {:.1}%",
         100.0 * before
     );
     let mut buffer = GroupBuffer::new(
@@ -453,7 +447,11 @@ fn run() -> anyhow::Result<()> {
         let stop_now = term.load(Ordering::Relaxed);
         if stop_now || trainer.steps() % args.checkpoint_every.max(1) == 0 {
             run_dir
-                .save(&trainer, &card, json!({"rng": rng.state()}))
+                .save(
+                    &trainer,
+                    &card,
+                    json!({"rng": rng.state(), "before": before}),
+                )
                 .map_err(anyhow::Error::msg)?;
         }
         if stop_now {
@@ -470,7 +468,11 @@ fn run() -> anyhow::Result<()> {
         evaluate(&engine, &card, &eval_tasks, args.max_tokens, &stop)?
     };
     run_dir
-        .save(&trainer, &card, json!({"rng": rng.state()}))
+        .save(
+            &trainer,
+            &card,
+            json!({"rng": rng.state(), "before": before}),
+        )
         .map_err(anyhow::Error::msg)?;
     let mut metrics = run_dir.metrics().map_err(anyhow::Error::msg)?;
     if let Some(last) = metrics.last_mut() {

@@ -5,10 +5,8 @@
 
 mod common;
 
-use agentjet::engine::{spawn_engine, EngineConfig, EngineEvent, GenerateRequest, SamplingParams};
-use agentjet::model::checkpoint::load_model;
+use agentjet::engine::{spawn_engine, Completed, EngineConfig, GenerateRequest, SamplingParams};
 use agentjet::model::llama::{DType, Llama, Logits};
-use agentjet::model::ModelSource;
 use agentjet::timeline::layout::{pack, Layout, PackedRow};
 use agentjet::timeline::synth::{trace, TraceShape};
 use agentjet::train::optim::{AdamW, AdamWConfig};
@@ -26,16 +24,11 @@ fn cuda() -> Option<Device> {
 }
 
 fn tiny(dir: &std::path::Path, device: Device, dtype: DType) -> Llama {
-    if !dir.join("config.json").exists() {
-        Tiny {
-            max_pos: 512,
-            ..Tiny::default()
-        }
-        .write_hf_dir(dir);
+    Tiny {
+        max_pos: 512,
+        ..Tiny::default()
     }
-    load_model(&ModelSource::HfDir(dir.to_path_buf()), device, dtype)
-        .unwrap()
-        .model
+    .load(dir, device, dtype)
 }
 
 fn logprobs_all(m: &Llama, ids: &[i64]) -> Tensor {
@@ -88,18 +81,8 @@ fn serve(model: Llama, reqs: &[GenerateRequest]) -> Vec<(Vec<u32>, Vec<f64>)> {
         .collect();
     rxs.into_iter()
         .map(|mut rx| {
-            let (mut toks, mut lps) = (Vec::new(), Vec::new());
-            loop {
-                match rx.blocking_recv().expect("stream ended without Finished") {
-                    EngineEvent::Token { id, logprob, .. } => {
-                        toks.push(id);
-                        lps.push(logprob);
-                    }
-                    EngineEvent::Finished { .. } => break,
-                    EngineEvent::Failed(e) => panic!("request failed on the engine: {e}"),
-                }
-            }
-            (toks, lps)
+            let c = Completed::collect(&mut rx).expect("request failed on the engine");
+            (c.tokens, c.logprobs)
         })
         .collect()
 }

@@ -9,28 +9,17 @@ use agentjet::engine::{
     generate, spawn_engine, Constraint, EngineConfig, EngineError, EngineEvent, FinishReason,
     GenerateRequest, SamplingParams, TokenBytes, ToolSpec,
 };
-use agentjet::model::checkpoint::load_model;
 use agentjet::model::llama::{DType, Llama};
-use agentjet::model::ModelSource;
 use common::*;
 use std::sync::atomic::Ordering;
 use tch::Device;
 
 fn tiny_model(dir: &std::path::Path) -> Llama {
-    if !dir.join("config.json").exists() {
-        Tiny {
-            max_pos: 512,
-            ..Tiny::default()
-        }
-        .write_hf_dir(dir);
+    Tiny {
+        max_pos: 512,
+        ..Tiny::default()
     }
-    load_model(
-        &ModelSource::HfDir(dir.to_path_buf()),
-        Device::Cpu,
-        DType::F32,
-    )
-    .unwrap()
-    .model
+    .load(dir, Device::Cpu, DType::F32)
 }
 
 fn request(i: usize, max_tokens: usize) -> GenerateRequest {

@@ -8,7 +8,7 @@ mod common;
 use std::time::Instant;
 
 use agentjet::engine::{
-    spawn_engine, EngineConfig, EngineEvent, EngineHandle, GenerateRequest, Rng, SamplingParams,
+    spawn_engine, Completed, EngineConfig, EngineHandle, GenerateRequest, Rng, SamplingParams,
 };
 use agentjet::model::checkpoint::load_model;
 use agentjet::model::llama::{DType, Llama};
@@ -23,21 +23,61 @@ use tch::Device;
 const TARGETS: std::ops::Range<u32> = 100..130;
 
 fn tiny(dir: &std::path::Path) -> Llama {
-    if !dir.join("config.json").exists() {
-        Tiny {
-            max_pos: 128,
-            seed: 11,
-            ..Tiny::default()
-        }
-        .write_hf_dir(dir);
+    Tiny {
+        max_pos: 128,
+        seed: 11,
+        ..Tiny::default()
     }
-    load_model(
-        &ModelSource::HfDir(dir.to_path_buf()),
-        Device::Cpu,
-        DType::F32,
+    .load(dir, Device::Cpu, DType::F32)
+}
+
+/// The toy run's pieces, shared by the learning test and the kill/resume child.
+fn toy_trainer(model: Llama) -> Trainer {
+    Trainer::new(
+        model,
+        None,
+        TrainerConfig {
+            optim: AdamWConfig {
+                lr: 1e-2,
+                weight_decay: 0.0,
+                ..Default::default()
+            },
+            max_staleness: Some(0),
+            ..TrainerConfig::default()
+        },
     )
     .unwrap()
-    .model
+}
+
+fn toy_engine(model: Llama) -> EngineHandle {
+    spawn_engine(
+        model,
+        EngineConfig {
+            max_batch: 64,
+            max_queue: 64,
+            max_kv_positions: 64 * 16,
+            ..EngineConfig::default()
+        },
+    )
+    .unwrap()
+}
+
+fn toy_prompts() -> Vec<Vec<u32>> {
+    let mut rng = Rng::seeded(3);
+    (0..8)
+        .map(|_| (0..6).map(|_| 3 + (rng.next_u64() % 290) as u32).collect())
+        .collect()
+}
+
+fn toy_buffer() -> GroupBuffer {
+    GroupBuffer::new(
+        GroupConfig {
+            num_repeat: 8,
+            ..Default::default()
+        },
+        "policy",
+        AdvantageKind::Grpo,
+    )
 }
 
 /// Samples `per_task` episodes of each prompt through the engine.
@@ -65,20 +105,9 @@ fn rollouts(
             )
             .unwrap();
         for (i, mut rx) in rxs.into_iter().enumerate() {
-            let (mut ids, mut lps, mut version) = (Vec::new(), Vec::new(), None);
-            while let Some(ev) = rx.blocking_recv() {
-                match ev {
-                    EngineEvent::Token { id, logprob, .. } => {
-                        ids.push(id);
-                        lps.push(logprob as f32);
-                    }
-                    EngineEvent::Finished { policy_version, .. } => {
-                        version = Some(policy_version);
-                        break;
-                    }
-                    EngineEvent::Failed(e) => panic!("rollout failed: {e}"),
-                }
-            }
+            let c = Completed::collect(&mut rx).expect("rollout");
+            let (ids, lps) = (c.tokens, c.logprobs.iter().map(|&l| l as f32).collect());
+            let version = c.policy_version;
             let reward = if TARGETS.contains(&ids[0]) { 1.0 } else { 0.0 };
             out.push(Episode {
                 id: format!("s{step}-t{task}-{i}"),
@@ -89,7 +118,7 @@ fn rollouts(
                     prompt_ids: prompt.clone(),
                     completion_ids: ids,
                     logprobs: lps,
-                    policy_version: version.expect("finished"),
+                    policy_version: version,
                     signature: vec![],
                 }],
                 reward: Some(reward),
@@ -105,42 +134,10 @@ fn rollouts(
 fn a_tiny_model_learns_the_toy_task_through_engine_and_trainer() {
     let t0 = Instant::now();
     let dir = tempfile::tempdir().unwrap();
-    let engine = spawn_engine(
-        tiny(dir.path()),
-        EngineConfig {
-            max_batch: 64,
-            max_queue: 64,
-            max_kv_positions: 64 * 16,
-            ..EngineConfig::default()
-        },
-    )
-    .unwrap();
-    let mut trainer = Trainer::new(
-        tiny(dir.path()),
-        None,
-        TrainerConfig {
-            optim: AdamWConfig {
-                lr: 1e-2,
-                weight_decay: 0.0,
-                ..Default::default()
-            },
-            max_staleness: Some(0),
-            ..TrainerConfig::default()
-        },
-    )
-    .unwrap();
-    let mut rng = Rng::seeded(3);
-    let prompts: Vec<Vec<u32>> = (0..8)
-        .map(|_| (0..6).map(|_| 3 + (rng.next_u64() % 290) as u32).collect())
-        .collect();
-    let mut buffer = GroupBuffer::new(
-        GroupConfig {
-            num_repeat: 8,
-            ..Default::default()
-        },
-        "policy",
-        AdvantageKind::Grpo,
-    );
+    let engine = toy_engine(tiny(dir.path()));
+    let mut trainer = toy_trainer(tiny(dir.path()));
+    let prompts = toy_prompts();
+    let mut buffer = toy_buffer();
     let mut history: Vec<StepMetrics> = Vec::new();
     for step in 0..60u64 {
         let episodes = rollouts(&engine, &prompts, 8, step);
@@ -220,19 +217,7 @@ fn toy_child(root: &std::path::Path) {
     let src = root.join("model");
     let loaded = load_model(&ModelSource::HfDir(src.clone()), Device::Cpu, DType::F32).unwrap();
     let card = loaded.card.clone();
-    let mut trainer = Trainer::new(
-        loaded.model,
-        None,
-        TrainerConfig {
-            optim: AdamWConfig {
-                lr: 1e-2,
-                ..Default::default()
-            },
-            max_staleness: Some(0),
-            ..TrainerConfig::default()
-        },
-    )
-    .unwrap();
+    let mut trainer = toy_trainer(loaded.model);
     let run = agentjet::train::checkpoint::RunDir::open(&root.join("run")).unwrap();
     let resumed = run.resume(&mut trainer).unwrap();
     eprintln!(
@@ -240,31 +225,12 @@ fn toy_child(root: &std::path::Path) {
         trainer.steps(),
         resumed.is_some()
     );
-    let engine = spawn_engine(
-        tiny(&src),
-        EngineConfig {
-            max_batch: 64,
-            max_queue: 64,
-            max_kv_positions: 64 * 16,
-            ..EngineConfig::default()
-        },
-    )
-    .unwrap();
+    let engine = toy_engine(tiny(&src));
     engine
         .update_weights(&trainer.model.parameters(), trainer.version())
         .unwrap();
-    let mut rng = Rng::seeded(3);
-    let prompts: Vec<Vec<u32>> = (0..8)
-        .map(|_| (0..6).map(|_| 3 + (rng.next_u64() % 290) as u32).collect())
-        .collect();
-    let mut buffer = GroupBuffer::new(
-        GroupConfig {
-            num_repeat: 8,
-            ..Default::default()
-        },
-        "policy",
-        AdvantageKind::Grpo,
-    );
+    let prompts = toy_prompts();
+    let mut buffer = toy_buffer();
     while trainer.steps() < TOY_STEPS {
         for e in rollouts(&engine, &prompts, 8, trainer.steps()) {
             buffer.add(e).unwrap();

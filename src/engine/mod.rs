@@ -21,7 +21,7 @@ pub use direct::{generate, generate_batch};
 pub use sampling::{Rng, SamplingParams};
 #[cfg(feature = "torch")]
 pub use scheduler::spawn_engine;
-pub use scheduler::{EngineConfig, EngineError, EngineEvent, EngineHandle, EngineStats};
+pub use scheduler::{Completed, EngineConfig, EngineError, EngineEvent, EngineHandle, EngineStats};
 
 /// Why generation ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -71,6 +71,47 @@ pub enum EngineEvent {
     Failed(String),
 }
 
+/// A request's whole output, gathered from its event stream.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Completed {
+    pub tokens: Vec<u32>,
+    /// Each token's log-probability under the policy that sampled it.
+    pub logprobs: Vec<f64>,
+    pub reason: FinishReason,
+    /// The policy version the request started on.
+    pub policy_version: u64,
+}
+
+impl Completed {
+    /// Blocks until the request's stream ends; a failed request is its error message.
+    /// Not for async contexts (it blocks the thread).
+    pub fn collect(rx: &mut UnboundedReceiver<EngineEvent>) -> Result<Completed, String> {
+        let (mut tokens, mut logprobs) = (Vec::new(), Vec::new());
+        loop {
+            match rx.blocking_recv() {
+                Some(EngineEvent::Token { id, logprob, .. }) => {
+                    tokens.push(id);
+                    logprobs.push(logprob);
+                }
+                Some(EngineEvent::Finished {
+                    reason,
+                    policy_version,
+                    ..
+                }) => {
+                    return Ok(Completed {
+                        tokens,
+                        logprobs,
+                        reason,
+                        policy_version,
+                    })
+                }
+                Some(EngineEvent::Failed(e)) => return Err(e),
+                None => return Err("the engine ended the stream without finishing it".into()),
+            }
+        }
+    }
+}
+
 /// Why a request was not taken.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum EngineError {

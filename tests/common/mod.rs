@@ -50,6 +50,25 @@ impl Tiny {
         self.hidden / self.heads
     }
 
+    /// Writes this model to `dir` unless a model is already there, and loads it.
+    pub fn load(
+        &self,
+        dir: &Path,
+        device: tch::Device,
+        dtype: agentjet::model::llama::DType,
+    ) -> agentjet::model::llama::Llama {
+        if !dir.join("config.json").exists() {
+            self.write_hf_dir(dir);
+        }
+        agentjet::model::checkpoint::load_model(
+            &agentjet::model::ModelSource::HfDir(dir.to_path_buf()),
+            device,
+            dtype,
+        )
+        .unwrap()
+        .model
+    }
+
     /// Random weights under HF names (float32, uniform with std 0.08 so logits are not
     /// flat). Drawn from our own seeded generator, not LibTorch's global one, so tests
     /// running in parallel threads always get the same weights for the same `seed`.
