@@ -375,13 +375,23 @@ fn run() -> anyhow::Result<()> {
         args.run_dir.display()
     );
     let before = match before {
-        Some(b) => b,
-        None => evaluate(&engine, &card, &eval_tasks, args.max_tokens, &stop)?,
+        Some(b) => {
+            println!(
+                "held-out greedy accuracy before training (from the checkpoint): {:.1}%",
+                100.0 * b
+            );
+            b
+        }
+        None => {
+            let b = evaluate(&engine, &card, &eval_tasks, args.max_tokens, &stop)?;
+            println!(
+                "held-out greedy accuracy at step {} (before this run's training): {:.1}%",
+                trainer.steps(),
+                100.0 * b
+            );
+            b
+        }
     };
-    println!(
-        "held-out greedy accuracy before training: {:.1}%",
-        100.0 * before
-    );
     let mut buffer = GroupBuffer::new(
         GroupConfig {
             num_repeat: args.group,
