@@ -34,7 +34,7 @@ use agentjet::engine::{
 use agentjet::model::checkpoint::load_model;
 use agentjet::model::llama::DType;
 use agentjet::model::{ChatRequest, ModelCard, ModelSource};
-use agentjet::timeline::{Call, Episode, EpisodeStatus};
+use agentjet::timeline::{Call, Episode};
 use agentjet::train::checkpoint::RunDir;
 use agentjet::train::groups::{AdvantageKind, GroupBuffer, GroupConfig};
 use agentjet::train::optim::AdamWConfig;
@@ -424,22 +424,13 @@ fn run() -> anyhow::Result<()> {
             for (si, (ids, lps, version)) in samples.into_iter().enumerate() {
                 let reward = if correct(&card, t, &ids) { 1.0 } else { 0.0 };
                 buffer
-                    .add(Episode {
-                        id: format!("s{step}-t{ti}-{si}"),
-                        task_id: format!("{}+{}", t.a, t.b),
-                        group_id: format!("s{step}-t{ti}"),
-                        calls: vec![Call {
-                            model: "policy".into(),
-                            prompt_ids: t.prompt.clone(),
-                            completion_ids: ids,
-                            logprobs: lps,
-                            policy_version: version,
-                            signature: vec![],
-                        }],
-                        reward: Some(reward),
-                        rewards: Default::default(),
-                        status: EpisodeStatus::Finished,
-                    })
+                    .add(Episode::single_call(
+                        format!("s{step}-t{ti}-{si}"),
+                        format!("{}+{}", t.a, t.b),
+                        format!("s{step}-t{ti}"),
+                        Call::new("policy", t.prompt.clone(), ids, lps, version),
+                        reward,
+                    ))
                     .map_err(anyhow::Error::msg)?;
             }
         }
@@ -498,9 +489,14 @@ fn run() -> anyhow::Result<()> {
         t0.elapsed().as_secs_f64() / 60.0,
         svg.display()
     );
-    println!(
-        "RESULT learn_addition heldout_accuracy ours={after:.3} peer={before:.3} ratio={:.2}",
-        after / before.max(1e-9)
-    );
+    // The "peer" is the model before training; no ratio when it scored 0.
+    if before > 0.0 {
+        println!(
+            "RESULT learn_addition heldout_accuracy ours={after:.3} peer={before:.3} ratio={:.2}",
+            after / before
+        );
+    } else {
+        println!("RESULT learn_addition heldout_accuracy ours={after:.3} peer={before:.3}");
+    }
     Ok(())
 }

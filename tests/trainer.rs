@@ -13,7 +13,7 @@ use agentjet::engine::{
 use agentjet::model::checkpoint::load_model;
 use agentjet::model::llama::{DType, Llama};
 use agentjet::model::ModelSource;
-use agentjet::timeline::{Call, Episode, EpisodeStatus};
+use agentjet::timeline::{Call, Episode};
 use agentjet::train::groups::{AdvantageKind, GroupBuffer, GroupConfig};
 use agentjet::train::optim::AdamWConfig;
 use agentjet::train::trainer::{StepMetrics, Trainer, TrainerConfig};
@@ -109,22 +109,13 @@ fn rollouts(
             let (ids, lps) = (c.tokens, c.logprobs.iter().map(|&l| l as f32).collect());
             let version = c.policy_version;
             let reward = if TARGETS.contains(&ids[0]) { 1.0 } else { 0.0 };
-            out.push(Episode {
-                id: format!("s{step}-t{task}-{i}"),
-                task_id: format!("t{task}"),
-                group_id: format!("s{step}-t{task}"),
-                calls: vec![Call {
-                    model: "policy".into(),
-                    prompt_ids: prompt.clone(),
-                    completion_ids: ids,
-                    logprobs: lps,
-                    policy_version: version,
-                    signature: vec![],
-                }],
-                reward: Some(reward),
-                rewards: Default::default(),
-                status: EpisodeStatus::Finished,
-            });
+            out.push(Episode::single_call(
+                format!("s{step}-t{task}-{i}"),
+                format!("t{task}"),
+                format!("s{step}-t{task}"),
+                Call::new("policy", prompt.clone(), ids, lps, version),
+                reward,
+            ));
         }
     }
     out

@@ -48,6 +48,24 @@ pub struct Call {
 }
 
 impl Call {
+    /// An unsigned call: what the engine sampled for `prompt_ids`.
+    pub fn new(
+        model: &str,
+        prompt_ids: Vec<u32>,
+        completion_ids: Vec<u32>,
+        logprobs: Vec<f32>,
+        policy_version: u64,
+    ) -> Call {
+        Call {
+            model: model.to_string(),
+            prompt_ids,
+            completion_ids,
+            logprobs,
+            policy_version,
+            signature: Vec::new(),
+        }
+    }
+
     fn check(&self, index: usize) -> Result<(), TimelineError> {
         let bad = |problem: String| TimelineError::BadCall {
             call: index,
@@ -97,6 +115,25 @@ pub struct Episode {
 }
 
 impl Episode {
+    /// A finished single-turn episode: one call and its reward.
+    pub fn single_call(
+        id: String,
+        task_id: String,
+        group_id: String,
+        call: Call,
+        reward: f64,
+    ) -> Episode {
+        Episode {
+            id,
+            task_id,
+            group_id,
+            calls: vec![call],
+            reward: Some(reward),
+            rewards: BTreeMap::new(),
+            status: EpisodeStatus::Finished,
+        }
+    }
+
     /// The reward `model` gets for this episode.
     pub fn reward_for(&self, model: &str) -> Option<f64> {
         self.rewards.get(model).copied().or(self.reward)
