@@ -16,6 +16,7 @@
 //! --model SPEC [smollm2]  (a GGUF file or HF directory of another Llama-family model)
 //! --layouts LIST [per-call,linear,tree]  (e.g. `linear,tree` skips the slow per-call run)
 //! --rounds N [3]  (linear and tree run N times, interleaved; each time is the median)
+//! --bf16  (matrix products in bfloat16 over the float32 weights: the trainer's bf16 option)
 //! ```
 //!
 //! The defaults (a group of 4 episodes of 12 turns on a 600-token prompt) finish in about
@@ -106,7 +107,16 @@ fn run() -> anyhow::Result<()> {
     let source = ModelSource::resolve(&flag(&args, "--model").unwrap_or_else(|| "smollm2".into()))?;
     let mut model = load_model(&source, tch::Device::cuda_if_available(), DType::F32)?.model;
     model.set_trainable(true);
-    println!("{} on {:?}", source.display_name(), model.device());
+    let bf16 = args.iter().any(|a| a == "--bf16");
+    if bf16 {
+        model.set_compute_kind(Some(Kind::BFloat16))?;
+    }
+    println!(
+        "{} on {:?}{}",
+        source.display_name(),
+        model.device(),
+        if bf16 { ", bf16 matrix products" } else { "" }
+    );
     let mut opt = AdamW::new(
         model.parameters(),
         AdamWConfig {

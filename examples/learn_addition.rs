@@ -20,6 +20,7 @@
 //! --steps N [1000]  --minutes M [55]  --tasks N [8]  --group N [8]  --lr X [1e-5]
 //! --max-tokens N [32]  --eval N [100]  --eval-every N [25]  --checkpoint-every N [25]
 //! --seed N [0]  --run-dir DIR  --resume  --loss grpo|dr_grpo|rloo [grpo]
+//! --bf16  (train with bfloat16 matrix products over float32 master weights)
 //! ```
 
 use std::collections::HashSet;
@@ -90,7 +91,7 @@ fn parse_args() -> anyhow::Result<Args> {
     while i < v.len() {
         if known.contains(&v[i].as_str()) {
             i += 2;
-        } else if v[i] == "--resume" || v[i] == "--bench" {
+        } else if v[i] == "--resume" || v[i] == "--bench" || v[i] == "--bf16" {
             i += 1;
         } else {
             anyhow::bail!("unknown flag {:?} (see the example's docs)", v[i]);
@@ -320,6 +321,7 @@ fn run() -> anyhow::Result<()> {
             warmup_steps: 5,
             max_staleness: Some(1),
             micro_batch_tokens: 2048,
+            bf16: std::env::args().any(|a| a == "--bf16"),
             ..TrainerConfig::default()
         },
     )

@@ -342,3 +342,81 @@ fn training_killed_mid_run_resumes_without_losing_or_repeating_a_step() {
         );
     }
 }
+
+/// The bf16 option: matrix products in bfloat16 over float32 master weights give the
+/// float32 step's entropy and gradient norm to within bfloat16 rounding, and update the
+/// float32 weights.
+#[test]
+fn bf16_option_trains_float32_weights_close_to_the_float32_step() {
+    use agentjet::timeline::synth::{trace, TraceShape};
+    use agentjet::train::groups::{advantages, Group, ReadyReport};
+    let dir = tempfile::tempdir().unwrap();
+    let episodes = trace(&TraceShape {
+        groups: 2,
+        group_size: 4,
+        turns: 3,
+        prompt_tokens: 20,
+        env_tokens: 5,
+        gen_tokens: 4,
+        break_p: 0.0,
+        vocab: 290,
+        seed: 9,
+    });
+    let groups: Vec<Group> = episodes
+        .chunks(4)
+        .enumerate()
+        .map(|(g, eps)| Group {
+            group_id: format!("g{g}"),
+            episodes: eps.to_vec(),
+            advantages: advantages(AdvantageKind::Grpo, &[1.0, 0.0, 0.5, 0.0]).unwrap(),
+        })
+        .collect();
+    let mut results = Vec::new();
+    for bf16 in [false, true] {
+        let mut t = Trainer::new(
+            tiny(dir.path()),
+            None,
+            TrainerConfig {
+                bf16,
+                ..TrainerConfig::default()
+            },
+        )
+        .unwrap();
+        let before: Vec<tch::Tensor> = t
+            .model
+            .parameters()
+            .iter()
+            .map(|p| p.detach().copy())
+            .collect();
+        let m = t.step(&groups, &ReadyReport::default()).unwrap();
+        assert!(m.trained && m.tokens_trained > 0);
+        let moved = t
+            .model
+            .parameters()
+            .iter()
+            .zip(&before)
+            .filter(|(p, b)| max_abs_diff(p, b) > 0.0)
+            .count();
+        assert!(moved > 0 && t.model.parameters()[0].kind() == tch::Kind::Float);
+        results.push(m);
+    }
+    let (a, b) = (&results[0], &results[1]);
+    eprintln!(
+        "f32 step: entropy {} grad norm {}; bf16: {} / {}",
+        a.entropy, a.grad_norm, b.entropy, b.grad_norm
+    );
+    // Not the same arithmetic (the option is on), yet close.
+    assert_ne!(a.grad_norm, b.grad_norm, "bf16 compute changed nothing");
+    assert!(
+        (a.entropy - b.entropy).abs() < 0.02 * a.entropy.max(1.0),
+        "entropy {} vs {}",
+        a.entropy,
+        b.entropy
+    );
+    assert!(
+        (a.grad_norm - b.grad_norm).abs() < 0.05 * a.grad_norm,
+        "grad norm {} vs {}",
+        a.grad_norm,
+        b.grad_norm
+    );
+}

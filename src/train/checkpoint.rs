@@ -131,6 +131,7 @@ impl RunDir {
                 "layout": trainer.cfg.layout.name(),
                 "micro_batch_tokens": trainer.cfg.micro_batch_tokens,
                 "max_staleness": trainer.cfg.max_staleness,
+                "bf16": trainer.cfg.bf16,
             }),
             extra,
         };

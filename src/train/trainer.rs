@@ -73,6 +73,9 @@ pub struct TrainerConfig {
     pub logprob_chunk: i64,
     /// Calls more than this many versions behind are not trained on (none: no bound).
     pub max_staleness: Option<u64>,
+    /// Mixed precision: matrix products in bfloat16 over float32 master weights (the
+    /// optimizer, norms, attention softmax and the token logprobs stay float32).
+    pub bf16: bool,
 }
 
 impl Default for TrainerConfig {
@@ -87,6 +90,7 @@ impl Default for TrainerConfig {
             micro_batch_tokens: 4096,
             logprob_chunk: 512,
             max_staleness: Some(4),
+            bf16: false,
         }
     }
 }
@@ -179,6 +183,11 @@ impl Trainer {
             return Err("kl_coef is set: a reference model is needed".into());
         }
         model.set_trainable(true);
+        if cfg.bf16 {
+            model
+                .set_compute_kind(Some(Kind::BFloat16))
+                .map_err(|e| e.to_string())?;
+        }
         let opt = AdamW::new(model.parameters(), cfg.optim.clone());
         Ok(Trainer {
             model,
