@@ -394,6 +394,16 @@ fn run() -> anyhow::Result<()> {
             b
         }
     };
+    // A checkpoint carries the task RNG and the pre-training accuracy with the trainer.
+    let save = |trainer: &Trainer, rng: &Rng| -> anyhow::Result<()> {
+        run_dir
+            .save(
+                trainer,
+                &card,
+                json!({"rng": rng.state(), "before": before}),
+            )
+            .map_err(anyhow::Error::msg)
+    };
     let mut buffer = GroupBuffer::new(
         GroupConfig {
             num_repeat: args.group,
@@ -449,13 +459,7 @@ fn run() -> anyhow::Result<()> {
         run_dir.append(&m).map_err(anyhow::Error::msg)?;
         let stop_now = term.load(Ordering::Relaxed);
         if stop_now || trainer.steps() % args.checkpoint_every.max(1) == 0 {
-            run_dir
-                .save(
-                    &trainer,
-                    &card,
-                    json!({"rng": rng.state(), "before": before}),
-                )
-                .map_err(anyhow::Error::msg)?;
+            save(&trainer, &rng)?;
         }
         if stop_now {
             println!(
@@ -470,13 +474,7 @@ fn run() -> anyhow::Result<()> {
     } else {
         evaluate(&engine, &card, &eval_tasks, args.max_tokens, &stop)?
     };
-    run_dir
-        .save(
-            &trainer,
-            &card,
-            json!({"rng": rng.state(), "before": before}),
-        )
-        .map_err(anyhow::Error::msg)?;
+    save(&trainer, &rng)?;
     let mut metrics = run_dir.metrics().map_err(anyhow::Error::msg)?;
     if let Some(last) = metrics.last_mut() {
         last.accuracy = Some(after);

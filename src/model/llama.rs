@@ -582,11 +582,10 @@ impl Llama {
         parent: &[i32],
         rows: Option<&Tensor>,
     ) -> Result<Tensor, ModelError> {
-        let x = self.row_states(ids, positions, parent)?;
-        match rows {
-            Some(r) => self.head(&x.f_index_select(0, r)?),
-            None => self.head(&x),
-        }
+        let h = self.forward_row_hidden(ids, positions, parent, rows)?;
+        Ok(self
+            .linear(&h, self.output_weight(), None)?
+            .f_to_kind(Kind::Float)?)
     }
 
     /// [`Llama::forward_row`] up to the output layer: the final-normed hidden states (the
