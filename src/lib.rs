@@ -31,6 +31,9 @@ pub mod model;
 pub mod openai;
 
 pub mod engine;
+pub mod swarm;
 pub mod timeline;
+#[cfg(feature = "torch")]
+pub mod server;
 #[cfg(feature = "torch")]
 pub mod train;

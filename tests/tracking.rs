@@ -59,7 +59,11 @@ impl Conversation<'_> {
             messages,
             text,
             &ids,
-            vec![(completion.clone(), lps)],
+            vec![agentjet::openai::server::ChoiceRecord {
+                tokens: completion.clone(),
+                logprobs: lps,
+                signed: Vec::new(),
+            }],
             7,
         );
         (ids, outcome, completion)

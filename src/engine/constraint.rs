@@ -97,7 +97,7 @@ enum Scan {
 const LITERALS: [&[u8]; 3] = [b"true", b"false", b"null"];
 
 /// What a JSON value segment accepts at its top level.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum ValueKind {
     Any,
     Object,
@@ -394,7 +394,7 @@ impl JsonState {
 }
 
 /// One piece of a pattern.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 enum Segment {
     Literal(Vec<u8>),
     /// One of these byte strings (prefix-free), each then going on at its segment.
@@ -517,7 +517,77 @@ pub struct ToolSpec {
     pub parameters: Option<Json>,
 }
 
+/// A constraint's pattern without the vocabulary: what crosses the wire (the serving peer
+/// pairs it with its own tokenizer's bytes). Built only by [`Constraint::pattern`]; one
+/// received from a peer is checked by [`Constraint::from_pattern`].
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ConstraintPattern {
+    segments: Vec<Segment>,
+    pub describe: String,
+}
+
+/// Segments a received pattern may have at most.
+const MAX_PATTERN_SEGMENTS: usize = 4096;
+
 impl Constraint {
+    pub fn pattern(&self) -> ConstraintPattern {
+        ConstraintPattern {
+            segments: self.segments.to_vec(),
+            describe: self.describe.clone(),
+        }
+    }
+
+    /// A constraint from a pattern a peer sent, refused if it is not one that
+    /// [`Constraint::pattern`] could have produced (so that running it cannot fail).
+    pub fn from_pattern(p: ConstraintPattern, vocab: Arc<TokenBytes>) -> Result<Constraint, String> {
+        let n = p.segments.len();
+        if n == 0 || n > MAX_PATTERN_SEGMENTS {
+            return Err(format!(
+                "a constraint pattern needs 1 to {MAX_PATTERN_SEGMENTS} segments, got {n}"
+            ));
+        }
+        for (i, s) in p.segments.iter().enumerate() {
+            match s {
+                Segment::Literal(l) if l.is_empty() => {
+                    return Err(format!("constraint segment {i}: empty literal"))
+                }
+                Segment::Switch(alts) => {
+                    if alts.is_empty() || alts.len() > 64 {
+                        return Err(format!(
+                            "constraint segment {i}: a switch needs 1 to 64 alternatives, got {}",
+                            alts.len()
+                        ));
+                    }
+                    for (a, next) in alts {
+                        if a.is_empty() || *next > n || *next <= i {
+                            return Err(format!(
+                                "constraint segment {i}: an alternative is empty or goes to \
+                                 segment {next} (must be after {i}, at most {n})"
+                            ));
+                        }
+                    }
+                    for (x, (a, _)) in alts.iter().enumerate() {
+                        if alts
+                            .iter()
+                            .enumerate()
+                            .any(|(y, (b, _))| x != y && b.starts_with(a))
+                        {
+                            return Err(format!(
+                                "constraint segment {i}: alternatives are not prefix-free"
+                            ));
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        Ok(Constraint {
+            segments: p.segments.into(),
+            vocab,
+            describe: p.describe.chars().take(200).collect(),
+        })
+    }
+
     /// Exactly one JSON object (leading whitespace allowed).
     pub fn json_object(vocab: Arc<TokenBytes>) -> Constraint {
         Constraint {

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 #[cfg(feature = "torch")]
 mod direct;
-pub use constraint::{Constraint, TokenBytes, ToolSpec};
+pub use constraint::{Constraint, ConstraintPattern, TokenBytes, ToolSpec};
 #[cfg(feature = "torch")]
 pub use direct::{generate, generate_batch};
 pub use sampling::{Rng, SamplingParams};
@@ -24,7 +24,7 @@ pub use scheduler::spawn_engine;
 pub use scheduler::{Completed, EngineConfig, EngineError, EngineEvent, EngineHandle, EngineStats};
 
 /// Why generation ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum FinishReason {
     /// A stop token was produced (it is included in the output).
     Stop,

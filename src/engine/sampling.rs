@@ -63,7 +63,7 @@ impl Rng {
 }
 
 /// How to pick tokens.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SamplingParams {
     /// 0 means greedy.
     pub temperature: f64,

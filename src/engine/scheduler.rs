@@ -69,6 +69,15 @@ pub enum EngineEvent {
         policy_version: u64,
     },
     Failed(String),
+    /// From a remote server (the swarm), just before the token it covers: the server's
+    /// signature over the call whose prompt is the request's prompt plus this choice's
+    /// tokens before `start`, and whose completion is the tokens `start..upto`.
+    Signed {
+        start: usize,
+        upto: usize,
+        policy_version: u64,
+        signature: Vec<u8>,
+    },
 }
 
 /// A request's whole output, gathered from its event stream.
@@ -106,6 +115,7 @@ impl Completed {
                     })
                 }
                 Some(EngineEvent::Failed(e)) => return Err(e),
+                Some(EngineEvent::Signed { .. }) => {}
                 None => return Err("the engine ended the stream without finishing it".into()),
             }
         }

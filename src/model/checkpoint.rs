@@ -11,7 +11,6 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use safetensors::tensor::{Dtype, View};
-use serde_json::json;
 use tch::{Device, Tensor};
 
 use super::llama::{DType, Llama};
@@ -99,11 +98,6 @@ fn io_err(path: &Path, e: impl std::fmt::Display) -> ModelError {
     }
 }
 
-fn write_json(path: &Path, v: &serde_json::Value) -> Result<(), ModelError> {
-    let text = serde_json::to_string_pretty(v).expect("json");
-    std::fs::write(path, text + "\n").map_err(|e| io_err(path, e))
-}
-
 /// Writes `model` and `card` to `dir` as an HF checkpoint in `dtype`. `dir` must not exist
 /// yet (or be empty).
 pub fn save_checkpoint(
@@ -162,49 +156,5 @@ fn write_into(dir: &Path, card: &ModelCard, model: &Llama, dtype: DType) -> Resu
     )
     .map_err(|e| io_err(&st_path, e))?;
 
-    write_json(
-        &dir.join("config.json"),
-        &card.config.to_hf_json(dtype.hf_name()),
-    )?;
-    card.tokenizer.save(&dir.join("tokenizer.json"))?;
-    let mut tok_cfg = card.tokenizer.hf_config_fields();
-    tok_cfg.insert(
-        "model_max_length".into(),
-        json!(card.config.max_position_embeddings),
-    );
-    match (&card.chat_template_source, &card.tool_use_template_source) {
-        (Some(c), Some(t)) => {
-            tok_cfg.insert(
-                "chat_template".into(),
-                json!([{"name": "default", "template": c}, {"name": "tool_use", "template": t}]),
-            );
-        }
-        (Some(c), None) => {
-            tok_cfg.insert("chat_template".into(), json!(c));
-        }
-        _ => {}
-    }
-    write_json(
-        &dir.join("tokenizer_config.json"),
-        &serde_json::Value::Object(tok_cfg),
-    )?;
-    let mut gen = serde_json::Map::new();
-    if let Some(b) = card.config.bos_token_id {
-        gen.insert("bos_token_id".into(), json!(b));
-    }
-    gen.insert("eos_token_id".into(), json!(card.generation.eos_token_ids));
-    if let Some(t) = card.generation.temperature {
-        gen.insert("temperature".into(), json!(t));
-    }
-    if let Some(p) = card.generation.top_p {
-        gen.insert("top_p".into(), json!(p));
-    }
-    if let Some(k) = card.generation.top_k {
-        gen.insert("top_k".into(), json!(k));
-    }
-    write_json(
-        &dir.join("generation_config.json"),
-        &serde_json::Value::Object(gen),
-    )?;
-    Ok(())
+    card.write_card_files(dir, dtype.hf_name())
 }

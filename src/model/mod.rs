@@ -173,6 +173,66 @@ pub(crate) fn read_json(path: &Path) -> Result<Json, ModelError> {
 }
 
 impl ModelCard {
+    /// Writes the card as the non-weight files of an HF model directory (config.json,
+    /// tokenizer.json, tokenizer_config.json with the chat template,
+    /// generation_config.json): what checkpoints hold besides the weights, and what the
+    /// swarm ships to clients as the model card ([`ModelCard::from_hf_dir`] reads it back).
+    pub fn write_card_files(&self, dir: &Path, torch_dtype: &str) -> Result<(), ModelError> {
+        use serde_json::json;
+        let write_json = |path: &Path, v: &Json| -> Result<(), ModelError> {
+            let text = serde_json::to_string_pretty(v).expect("json");
+            std::fs::write(path, text + "\n").map_err(|e| ModelError::Io {
+                path: path.to_path_buf(),
+                problem: e.to_string(),
+            })
+        };
+    write_json(
+        &dir.join("config.json"),
+        &self.config.to_hf_json(torch_dtype),
+    )?;
+    self.tokenizer.save(&dir.join("tokenizer.json"))?;
+    let mut tok_cfg = self.tokenizer.hf_config_fields();
+    tok_cfg.insert(
+        "model_max_length".into(),
+        json!(self.config.max_position_embeddings),
+    );
+    match (&self.chat_template_source, &self.tool_use_template_source) {
+        (Some(c), Some(t)) => {
+            tok_cfg.insert(
+                "chat_template".into(),
+                json!([{"name": "default", "template": c}, {"name": "tool_use", "template": t}]),
+            );
+        }
+        (Some(c), None) => {
+            tok_cfg.insert("chat_template".into(), json!(c));
+        }
+        _ => {}
+    }
+    write_json(
+        &dir.join("tokenizer_config.json"),
+        &Json::Object(tok_cfg),
+    )?;
+    let mut gen = serde_json::Map::new();
+    if let Some(b) = self.config.bos_token_id {
+        gen.insert("bos_token_id".into(), json!(b));
+    }
+    gen.insert("eos_token_id".into(), json!(self.generation.eos_token_ids));
+    if let Some(t) = self.generation.temperature {
+        gen.insert("temperature".into(), json!(t));
+    }
+    if let Some(p) = self.generation.top_p {
+        gen.insert("top_p".into(), json!(p));
+    }
+    if let Some(k) = self.generation.top_k {
+        gen.insert("top_k".into(), json!(k));
+    }
+    write_json(
+        &dir.join("generation_config.json"),
+        &Json::Object(gen),
+    )?;
+        Ok(())
+    }
+
     pub fn load(source: &ModelSource) -> Result<ModelCard, ModelError> {
         match source {
             ModelSource::Gguf(path) => ModelCard::from_gguf(&GgufFile::open(path)?),

@@ -376,6 +376,26 @@ struct ChoiceState {
     finish: Option<&'static str>,
     policy_version: u64,
     completion_tokens: usize,
+    /// Signed calls covering the tokens (remote servers): `(start, upto, version, sig)`.
+    signed: Vec<SignedPart>,
+    /// A signature that covers the token about to arrive.
+    pending_sig: Option<SignedPart>,
+}
+
+/// Tokens `start..upto` of a choice as one call a server signed.
+#[derive(Debug, Clone)]
+pub struct SignedPart {
+    pub start: usize,
+    pub upto: usize,
+    pub policy_version: u64,
+    pub signature: Vec<u8>,
+}
+
+/// One finished choice as the tracker records it.
+pub struct ChoiceRecord {
+    pub tokens: Vec<u32>,
+    pub logprobs: Vec<f32>,
+    pub signed: Vec<SignedPart>,
 }
 
 impl ChoiceState {
@@ -391,6 +411,17 @@ impl ChoiceState {
             finish: None,
             policy_version: 0,
             completion_tokens: 0,
+            signed: Vec::new(),
+            pending_sig: None,
+        }
+    }
+
+    /// What the tracker records: the tokens and the signed calls covering them.
+    fn record(&self) -> ChoiceRecord {
+        ChoiceRecord {
+            tokens: self.tokens.clone(),
+            logprobs: self.raw_logprobs.clone(),
+            signed: self.signed.clone(),
         }
     }
 
@@ -402,12 +433,36 @@ impl ChoiceState {
     /// entries. Sets `finish` when the choice is done.
     fn on_event(&mut self, ev: EngineEvent) -> Result<(String, Vec<TokenLogprob>), ApiError> {
         match ev {
+            EngineEvent::Signed {
+                start,
+                upto,
+                policy_version,
+                signature,
+            } => {
+                if self.finish.is_none() {
+                    self.pending_sig = Some(SignedPart {
+                        start,
+                        upto,
+                        policy_version,
+                        signature,
+                    });
+                }
+                Ok((String::new(), vec![]))
+            }
             EngineEvent::Token { id, logprob, top } => {
                 if self.finish.is_some() {
                     return Ok((String::new(), vec![]));
                 }
                 self.tokens.push(id);
                 self.raw_logprobs.push(logprob as f32);
+                if let Some(p) = self.pending_sig.take() {
+                    if p.upto == self.tokens.len() && p.start < p.upto {
+                        match self.signed.last_mut() {
+                            Some(last) if last.start == p.start => *last = p,
+                            _ => self.signed.push(p),
+                        }
+                    }
+                }
                 let mut new_lps = Vec::new();
                 if self.want_logprobs {
                     let tok = self.token_text(id);
@@ -909,7 +964,7 @@ async fn chat_inner(
         let st = st.clone();
         let model = req.model.clone();
         let messages = req.messages.clone();
-        move |prompt: &[u32], choices: Vec<(Vec<u32>, Vec<f32>)>, version: u64| {
+        move |prompt: &[u32], choices: Vec<ChoiceRecord>, version: u64| {
             if let Some(t) = &st.tracker {
                 t.record(&ep, &model, &messages, text, prompt, choices, version);
             }
@@ -970,10 +1025,7 @@ async fn chat_inner(
         let version = states.first().map_or(0, |s| s.policy_version);
         f(
             &p.prompt,
-            states
-                .iter()
-                .map(|s| (s.tokens.clone(), s.raw_logprobs.clone()))
-                .collect(),
+            states.iter().map(ChoiceState::record).collect(),
             version,
         );
     }
@@ -1036,7 +1088,7 @@ fn sse_json(v: &Json_) -> Result<Event, Infallible> {
 /// it ends so that a tool call is sent as `tool_calls`, not as raw text.
 /// Called once a tracked call is complete: (prompt ids, each choice's ids and logprobs,
 /// policy version).
-type OnDone = Box<dyn FnOnce(&[u32], Vec<(Vec<u32>, Vec<f32>)>, u64) + Send>;
+type OnDone = Box<dyn FnOnce(&[u32], Vec<ChoiceRecord>, u64) + Send>;
 
 fn stream_chat(
     id: String,
@@ -1167,10 +1219,7 @@ fn stream_chat(
             if done == states.len() {
                 f(
                     &p.prompt,
-                    states
-                        .iter()
-                        .map(|s| (s.tokens.clone(), s.raw_logprobs.clone()))
-                        .collect(),
+                    states.iter().map(ChoiceState::record).collect(),
                     version,
                 );
             }

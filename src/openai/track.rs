@@ -24,6 +24,7 @@ use std::sync::Mutex;
 
 use serde_json::Value as Json;
 
+use super::server::ChoiceRecord;
 use crate::model::ModelCard;
 use crate::timeline::Call;
 
@@ -137,7 +138,7 @@ impl Tracker {
         messages: &[Json],
         prompt_text: String,
         prompt_ids: &[u32],
-        choices: Vec<(Vec<u32>, Vec<f32>)>,
+        choices: Vec<ChoiceRecord>,
         policy_version: u64,
     ) {
         let mut inner = self.lock();
@@ -159,15 +160,38 @@ impl Tracker {
         }
         let e = inner.episodes.entry(episode.to_string()).or_default();
         e.last_use = clock;
-        for (ids, logprobs) in &choices {
-            e.calls.push(Call {
-                model: model.to_string(),
-                prompt_ids: prompt_ids.to_vec(),
-                completion_ids: ids.clone(),
-                logprobs: logprobs.clone(),
-                policy_version,
-                signature: Vec::new(),
-            });
+        for c in &choices {
+            if c.signed.is_empty() {
+                // A local engine: the call as sampled, unsigned.
+                e.calls.push(Call::new(
+                    model,
+                    prompt_ids.to_vec(),
+                    c.tokens.clone(),
+                    c.logprobs.clone(),
+                    policy_version,
+                ));
+                continue;
+            }
+            // A remote server signed the tokens as one call, or (after a fail-over) as
+            // consecutive calls, each extending the previous one. Tokens no signature
+            // covers are left out (only the tail can be).
+            for p in &c.signed {
+                let upto = p.upto.min(c.tokens.len());
+                if p.start >= upto {
+                    continue;
+                }
+                let mut prompt = prompt_ids.to_vec();
+                prompt.extend_from_slice(&c.tokens[..p.start]);
+                let mut call = Call::new(
+                    model,
+                    prompt,
+                    c.tokens[p.start..upto].to_vec(),
+                    c.logprobs[p.start..upto].to_vec(),
+                    p.policy_version,
+                );
+                call.signature = p.signature.clone();
+                e.calls.push(call);
+            }
         }
         e.previous.insert(
             model.to_string(),
@@ -175,7 +199,7 @@ impl Tracker {
                 messages: messages.to_vec(),
                 prompt_text,
                 prompt_ids: prompt_ids.to_vec(),
-                choices: choices.into_iter().map(|c| c.0).collect(),
+                choices: choices.into_iter().map(|c| c.tokens).collect(),
             },
         );
     }

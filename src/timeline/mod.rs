@@ -203,7 +203,7 @@ impl Branch {
 }
 
 /// An episode's calls of one model, merged.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Timeline {
     pub model: String,
     pub branches: Vec<Branch>,

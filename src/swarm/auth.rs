@@ -1,0 +1,222 @@
+//! Access control: the swarm key.
+//!
+//! A swarm may be closed by a 32-byte secret shared out of band (`--swarm-key FILE`).
+//! libp2p's private-network transport only covers TCP, so the check is made above the
+//! transport, for QUIC and TCP alike: when a connection comes up each side opens
+//! `/agentjet/auth/1` and sends `blake3::keyed_hash(key, "agentjet-auth-1" ‖ its peer id ‖
+//! the other's peer id)`. The connection's own handshake (TLS for QUIC, noise for TCP)
+//! already proves both peer ids, so the proof cannot be replayed by anyone else or towards
+//! anyone else, and no nonce is needed.
+//!
+//! Until a peer has proved the key it gets no service on any AgentJet protocol (every
+//! stream is refused with a reason), its gossip is rejected (not forwarded either), it is
+//! not put in the DHT's routing table and its provider records are not stored; a peer that
+//! has not proved the key within the auth timeout is disconnected. Every refusal is
+//! logged with the peer id. Gossip is additionally MACed with the key, so a status relayed
+//! through members still has to come from a key holder.
+//!
+//! A peer started without `--swarm-key` runs an open swarm: it accepts everyone (and is
+//! refused by peers that have a key).
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use libp2p::PeerId;
+use tokio::sync::Notify;
+
+/// The shared secret of a closed swarm.
+#[derive(Clone, PartialEq, Eq)]
+pub struct SwarmKey([u8; 32]);
+
+impl std::fmt::Debug for SwarmKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SwarmKey(..)")
+    }
+}
+
+const KEY_HEADER: &str = "/key/swarm/psk/1.0.0/";
+
+impl SwarmKey {
+    pub fn from_bytes(b: [u8; 32]) -> SwarmKey {
+        SwarmKey(b)
+    }
+
+    /// A fresh random key.
+    pub fn generate() -> SwarmKey {
+        let mut b = [0u8; 32];
+        getrandom(&mut b);
+        SwarmKey(b)
+    }
+
+    /// Parses the text of a key file: IPFS's format (`/key/swarm/psk/1.0.0/`, `/base16/`,
+    /// 64 hex digits) or the 64 hex digits alone.
+    pub fn parse(text: &str) -> Result<SwarmKey, String> {
+        let lines: Vec<&str> = text
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+            .collect();
+        let hex = match lines.as_slice() {
+            [h] => *h,
+            [KEY_HEADER, "/base16/", h] => *h,
+            _ => {
+                return Err(format!(
+                    "expected 64 hex digits, or the three lines `{KEY_HEADER}`, `/base16/`, \
+                     64 hex digits"
+                ))
+            }
+        };
+        if hex.len() != 64 || !hex.bytes().all(|c| c.is_ascii_hexdigit()) {
+            return Err(format!(
+                "the key must be 64 hex digits (32 bytes), got {} characters",
+                hex.len()
+            ));
+        }
+        let mut b = [0u8; 32];
+        for (i, byte) in b.iter_mut().enumerate() {
+            *byte = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).map_err(|e| e.to_string())?;
+        }
+        Ok(SwarmKey(b))
+    }
+
+    pub fn load(path: &Path) -> Result<SwarmKey, String> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("reading swarm key {}: {e}", path.display()))?;
+        SwarmKey::parse(&text).map_err(|e| format!("swarm key {}: {e}", path.display()))
+    }
+
+    /// The key file text (IPFS's format).
+    pub fn to_file_text(&self) -> String {
+        let hex: String = self.0.iter().map(|b| format!("{b:02x}")).collect();
+        format!("{KEY_HEADER}\n/base16/\n{hex}\n")
+    }
+
+    /// What `from` sends `to` to prove the key.
+    pub fn proof(&self, from: &PeerId, to: &PeerId) -> [u8; 32] {
+        let mut h = blake3::Hasher::new_keyed(&self.0);
+        h.update(b"agentjet-auth-1");
+        h.update(&from.to_bytes());
+        h.update(&to.to_bytes());
+        *h.finalize().as_bytes()
+    }
+
+    /// The MAC of a gossip payload.
+    pub fn mac(&self, payload: &[u8]) -> [u8; 32] {
+        let mut h = blake3::Hasher::new_keyed(&self.0);
+        h.update(b"agentjet-gossip-1");
+        h.update(payload);
+        *h.finalize().as_bytes()
+    }
+}
+
+/// Fills `buf` with OS randomness (via the identity crate's key generation, which already
+/// depends on the OS source).
+fn getrandom(buf: &mut [u8]) {
+    for chunk in buf.chunks_mut(32) {
+        let k = libp2p::identity::Keypair::generate_ed25519();
+        let seed = blake3::hash(&k.to_protobuf_encoding().unwrap_or_default());
+        chunk.copy_from_slice(&seed.as_bytes()[..chunk.len()]);
+    }
+}
+
+/// Where a connected peer stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PeerAuth {
+    Pending,
+    Member,
+    Denied(String),
+}
+
+/// Which peers proved the key; shared by the event loop and every protocol handler.
+pub struct AuthTable {
+    key: Option<SwarmKey>,
+    peers: Mutex<HashMap<PeerId, PeerAuth>>,
+    changed: Notify,
+}
+
+impl AuthTable {
+    pub fn new(key: Option<SwarmKey>) -> AuthTable {
+        AuthTable {
+            key,
+            peers: Mutex::new(HashMap::new()),
+            changed: Notify::new(),
+        }
+    }
+
+    pub fn key(&self) -> Option<&SwarmKey> {
+        self.key.as_ref()
+    }
+
+    pub fn is_open(&self) -> bool {
+        self.key.is_none()
+    }
+
+    pub fn state(&self, peer: &PeerId) -> PeerAuth {
+        if self.key.is_none() {
+            return PeerAuth::Member;
+        }
+        self.peers
+            .lock()
+            .map(|p| p.get(peer).cloned().unwrap_or(PeerAuth::Pending))
+            .unwrap_or(PeerAuth::Pending)
+    }
+
+    pub fn is_member(&self, peer: &PeerId) -> bool {
+        self.state(peer) == PeerAuth::Member
+    }
+
+    pub fn set(&self, peer: PeerId, state: PeerAuth) {
+        if let Ok(mut p) = self.peers.lock() {
+            p.insert(peer, state);
+        }
+        self.changed.notify_waiters();
+    }
+
+    pub fn forget(&self, peer: &PeerId) {
+        if let Ok(mut p) = self.peers.lock() {
+            p.remove(peer);
+        }
+    }
+
+    /// Waits until `peer` has proved the key (its proof may still be in flight when its
+    /// first request arrives); the refusal reason otherwise.
+    pub async fn wait_member(&self, peer: &PeerId, timeout: Duration) -> Result<(), String> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let notified = self.changed.notified();
+            match self.state(peer) {
+                PeerAuth::Member => return Ok(()),
+                PeerAuth::Denied(why) => return Err(why),
+                PeerAuth::Pending => {}
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return Err(format!(
+                    "no proof of the swarm key within {:.0} s",
+                    timeout.as_secs_f64()
+                ));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_files_parse_and_proofs_bind_both_peers() {
+        let k = SwarmKey::generate();
+        assert_eq!(SwarmKey::parse(&k.to_file_text()).unwrap(), k);
+        let hex = k.to_file_text().lines().nth(2).unwrap().to_string();
+        assert_eq!(SwarmKey::parse(&hex).unwrap(), k);
+        assert!(SwarmKey::parse("abc").unwrap_err().contains("64 hex digits"));
+        assert!(SwarmKey::parse(&"zz".repeat(32)).is_err());
+        assert_ne!(SwarmKey::generate(), k);
+        let (a, b) = (PeerId::random(), PeerId::random());
+        assert_ne!(k.proof(&a, &b), k.proof(&b, &a));
+        assert_ne!(k.proof(&a, &b), SwarmKey::generate().proof(&a, &b));
+        assert_eq!(k.proof(&a, &b), k.proof(&a, &b));
+    }
+}
