@@ -30,6 +30,7 @@
 pub mod model;
 pub mod openai;
 
+pub mod client;
 pub mod engine;
 pub mod swarm;
 pub mod timeline;

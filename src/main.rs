@@ -6,12 +6,92 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 
+mod peer;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Role {
     /// Host trainable models on this machine (GPU or CPU) and train them.
     Server,
-    /// Run agents on tasks against the swarm's models.
+    /// Run agents on tasks against the swarm's models (today: the local OpenAI proxy).
     Client,
+    /// Only relay gossip and the DHT: a bootstrap peer any other can join through.
+    Peer,
+}
+
+/// Options of `--role`.
+#[derive(Debug, Clone, clap::Args)]
+struct SwarmArgs {
+    /// Address to listen on (repeatable). Default: QUIC and TCP on all interfaces, port
+    /// 4001 for servers and plain peers, a free port for clients.
+    #[arg(long = "listen", value_name = "MULTIADDR")]
+    listen: Vec<String>,
+    /// A peer to join through (repeatable), e.g. /ip4/10.0.0.5/udp/4001/quic-v1/p2p/12D3...
+    #[arg(long = "bootstrap", value_name = "MULTIADDR")]
+    bootstrap: Vec<String>,
+    /// A file of bootstrap addresses, one per line (default: bootstrap/peers.txt if it exists).
+    #[arg(long)]
+    bootstrap_file: Option<PathBuf>,
+    /// Identity key, episodes, caches: one directory per peer (default:
+    /// ~/.local/share/agentjet/<role>). Peers side by side on one machine need their own.
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    /// The swarm key file (a closed swarm: peers without the key get no service).
+    #[arg(long)]
+    swarm_key: Option<PathBuf>,
+    /// Provider record lifetime in seconds (a dead server disappears within two).
+    #[arg(long, default_value_t = 30.0)]
+    provider_ttl: f64,
+    /// Seconds between status gossip messages.
+    #[arg(long, default_value_t = 2.0)]
+    status_interval: f64,
+    /// Seconds of silence after which a QUIC connection is dead.
+    #[arg(long, default_value_t = 3.0)]
+    idle_timeout: f64,
+    /// Largest protocol message accepted, bytes.
+    #[arg(long, default_value_t = 16 << 20)]
+    max_message_bytes: usize,
+    /// Concurrent streams one peer may have open with this one, per protocol.
+    #[arg(long, default_value_t = 256)]
+    max_streams_per_peer: usize,
+    /// New streams per second one peer may open (sustained).
+    #[arg(long, default_value_t = 500.0)]
+    max_requests_per_s: f64,
+}
+
+/// Options of `--role server` and `--role client`.
+#[derive(Debug, Clone, clap::Args)]
+struct RoleArgs {
+    /// Server: the model to host (`smollm2`, a GGUF file, or an HF directory). Client: the
+    /// model name(s) to reach (repeatable).
+    #[arg(long = "model")]
+    models: Vec<String>,
+    /// Server: the name the swarm knows the model by (default: the --model argument).
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// `auto` (CUDA when available), `cpu`, `cuda` or `cuda:N` (server).
+    #[arg(long, default_value = "auto")]
+    device: String,
+    /// `f32` or `bf16` (server); default f32 on CPU, bf16 on CUDA.
+    #[arg(long)]
+    dtype: Option<String>,
+    /// Server: also serve the OpenAI-compatible HTTP API at HOST:PORT.
+    #[arg(long, value_name = "HOST:PORT")]
+    http: Option<String>,
+    /// Server: sequences decoded together at most.
+    #[arg(long, default_value_t = 32)]
+    max_batch: usize,
+    /// Server: requests waiting beyond the batch before refusing (the client re-routes).
+    #[arg(long, default_value_t = 256)]
+    max_queue: usize,
+    /// Server: KV-cache positions at most.
+    #[arg(long, default_value_t = 65536)]
+    max_kv_positions: usize,
+    /// Client: port of the local OpenAI-compatible proxy on 127.0.0.1 (0 = a free one).
+    #[arg(long, default_value_t = 0)]
+    proxy_port: u16,
+    /// Client: seconds to wait for a provider of each model at start.
+    #[arg(long, default_value_t = 120.0)]
+    wait: f64,
 }
 
 const EXAMPLES: &str = "\
@@ -25,9 +105,10 @@ Examples:
   # save as an HF checkpoint (loads in transformers and back here)
   agentjet-peer export --model smollm2 --out ./smollm2-hf
 
-  # the swarm (arrives with the swarm issue)
+  # the swarm: a server prints its address; anyone joins through it
   agentjet-peer --role server --model smollm2
-  agentjet-peer --role client --bootstrap /ip4/127.0.0.1/udp/4001/quic-v1/p2p/<peer id> --tasks tasks.jsonl --agent \"python my_agent.py\"";
+  agentjet-peer --role client --bootstrap /ip4/127.0.0.1/udp/4001/quic-v1/p2p/<peer id> --proxy-port 8080
+  agentjet-peer status --bootstrap /ip4/127.0.0.1/udp/4001/quic-v1/p2p/<peer id>";
 
 /// AgentJet-RS peer: a peer-to-peer elastic swarm for RL of LLM agents.
 #[derive(Debug, Parser)]
@@ -36,6 +117,12 @@ struct Cli {
     /// Join the swarm in this role.
     #[arg(long, value_enum)]
     role: Option<Role>,
+
+    #[command(flatten)]
+    swarm: SwarmArgs,
+
+    #[command(flatten)]
+    role_args: RoleArgs,
 
     /// Log filter (tracing's EnvFilter syntax), e.g. `info` or `agentjet=debug`.
     #[arg(long, env = "AGENTJET_LOG", default_value = "warn", global = true)]
@@ -133,6 +220,23 @@ enum Command {
         #[arg(long)]
         out: PathBuf,
     },
+    /// Join a swarm briefly and print its peers as a table.
+    Status {
+        /// A peer of the swarm (repeatable).
+        #[arg(long = "bootstrap", value_name = "MULTIADDR", required = true)]
+        bootstrap: Vec<String>,
+        /// The swarm key file, for a closed swarm.
+        #[arg(long)]
+        swarm_key: Option<PathBuf>,
+        /// Seconds to listen for status gossip.
+        #[arg(long, default_value_t = 6.0)]
+        wait: f64,
+    },
+    /// Write a new random swarm key to a file (share it with every peer of the swarm).
+    SwarmKey {
+        #[arg(long)]
+        out: PathBuf,
+    },
     /// Print what a model is: architecture, sizes, special tokens, chat template.
     Info {
         /// `smollm2`, a GGUF file, or an HF model directory.
@@ -158,16 +262,26 @@ fn main() {
 
 fn run(cli: Cli) -> Result<()> {
     if let Some(role) = cli.role {
-        let r = match role {
-            Role::Server => "server",
-            Role::Client => "client",
-        };
-        bail!(
-            "`--role {r}` needs the swarm, which is not built yet (it arrives with the swarm issue); \
-             `agentjet-peer generate` runs the model on this machine today"
-        );
+        if cli.command.is_some() {
+            bail!("--role runs a peer; it does not combine with a subcommand");
+        }
+        return peer::run(role, &cli.swarm, &cli.role_args);
     }
     match cli.command {
+        Some(Command::Status {
+            bootstrap,
+            swarm_key,
+            wait,
+        }) => peer::status(&bootstrap, swarm_key.as_deref(), wait),
+        Some(Command::SwarmKey { out }) => {
+            if out.exists() {
+                bail!("{} exists; not overwriting a swarm key", out.display());
+            }
+            std::fs::write(&out, agentjet::swarm::SwarmKey::generate().to_file_text())
+                .with_context(|| format!("writing {}", out.display()))?;
+            println!("wrote a new swarm key to {}", out.display());
+            Ok(())
+        }
         None => {
             use clap::CommandFactory;
             Cli::command().print_help()?;
@@ -277,7 +391,7 @@ fn info(spec: &str) -> Result<()> {
 }
 
 #[cfg(feature = "torch")]
-mod torch_cmds {
+pub(crate) mod torch_cmds {
     use super::*;
     use agentjet::engine::{self, GenerateRequest, SamplingParams};
     use agentjet::model::checkpoint::{load_model, save_checkpoint, LoadedModel};

@@ -309,6 +309,7 @@ impl ServedModel {
                         id,
                         logprob,
                         top,
+                        policy_version: h.version(),
                         signature: self.swarm.sign(&h.digest()),
                     }]
                 }

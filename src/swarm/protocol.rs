@@ -78,6 +78,8 @@ pub enum InferFrame {
         id: u32,
         logprob: f64,
         top: Vec<(u32, f64)>,
+        /// The policy version the signature names (the one the choice started on).
+        policy_version: u64,
         /// [`super::sign::CallSignature`] (postcard) over the call with the choice's
         /// tokens so far, this one included, as its completion.
         signature: Vec<u8>,

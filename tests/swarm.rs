@@ -1,0 +1,255 @@
+//! The swarm with real processes on 127.0.0.1: a plain peer everyone bootstraps from, two
+//! servers of a tiny model, two clients (local OpenAI proxies); discovery through the DHT,
+//! fail-over when a server is killed with SIGKILL, provider records expiring, the swarm
+//! key, signed calls and episode submission, malformed messages.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+const TTL: f64 = 4.0;
+
+/// A running `agentjet-peer` whose stdout lines are collected.
+struct Peer {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    seen: Vec<String>,
+    log: PathBuf,
+}
+
+impl Peer {
+    fn start(name: &str, dir: &Path, args: &[&str]) -> Peer {
+        let log = dir.join(format!("{name}.log"));
+        let mut child = Command::new(env!("CARGO_BIN_EXE_agentjet-peer"))
+            .args(args)
+            .arg("--data-dir")
+            .arg(dir.join(name))
+            .args(["--listen", "/ip4/127.0.0.1/udp/0/quic-v1"])
+            .args(["--provider-ttl", &TTL.to_string(), "--status-interval", "0.5"])
+            .args(["--log", "agentjet=info"])
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        let out = child.stdout.take().unwrap();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for l in BufReader::new(out).lines().map_while(Result::ok) {
+                if tx.send(l).is_err() {
+                    break;
+                }
+            }
+        });
+        Peer { child, lines: rx, seen: Vec::new(), log }
+    }
+
+    /// The first stdout line starting with `prefix` (the rest of it).
+    fn wait_line(&mut self, prefix: &str, timeout: Duration) -> String {
+        if let Some(l) = self.seen.iter().find(|l| l.starts_with(prefix)) {
+            return l[prefix.len()..].trim().to_string();
+        }
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) => {
+                    let hit = l.starts_with(prefix).then(|| l[prefix.len()..].trim().to_string());
+                    self.seen.push(l);
+                    if let Some(h) = hit {
+                        return h;
+                    }
+                }
+                Err(_) => panic!(
+                    "no line {prefix:?} within {timeout:?}; stdout {:?}; log:\n{}",
+                    self.seen,
+                    self.log_text()
+                ),
+            }
+        }
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn peer_id(&mut self) -> String {
+        self.wait_line("peer id:", Duration::from_secs(60))
+    }
+
+    fn addr(&mut self) -> String {
+        self.wait_line("listening on", Duration::from_secs(60))
+    }
+
+    fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A blocking HTTP/1.1 request (Connection: close): (status, body).
+fn http(base: &str, method: &str, path: &str, body: Option<&Value>) -> (u16, String) {
+    let hostport = base.trim_start_matches("http://").split('/').next().unwrap();
+    let mut s = TcpStream::connect(hostport).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(600))).unwrap();
+    let b = body.map(|b| b.to_string()).unwrap_or_default();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: {hostport}\r\nContent-Type: application/json\r\nAuthorization: Bearer test-episode\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{b}",
+        b.len()
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let status = out.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let body = out.split_once("\r\n\r\n").map(|x| x.1.to_string()).unwrap_or_default();
+    (status, body)
+}
+
+fn metric(base: &str, name: &str) -> Option<f64> {
+    let (_, body) = http(base, "GET", "/metrics", None);
+    body.lines()
+        .find(|l| l.starts_with(name))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) -> Duration {
+    let t0 = Instant::now();
+    while !f() {
+        assert!(t0.elapsed() < timeout, "{what}: not within {timeout:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    t0.elapsed()
+}
+
+/// A completion of `max_tokens` tokens (end of sequence banned) through a proxy.
+fn long_call(proxy: &str, max_tokens: usize, seed: u64) -> (u16, Value) {
+    let (status, body) = http(
+        proxy,
+        "POST",
+        "/v1/completions",
+        Some(&json!({
+            "model": "tiny", "prompt": "hello swarm", "max_tokens": max_tokens,
+            "temperature": 1.0, "seed": seed, "logit_bias": {"2": -100},
+        })),
+    );
+    (status, serde_json::from_str(&body).unwrap_or(Value::Null))
+}
+
+fn tiny_model(dir: &Path) -> PathBuf {
+    let t = common::Tiny {
+        max_pos: 4096,
+        ..Default::default()
+    };
+    t.write_hf_dir(&dir.join("tiny-model"))
+}
+
+fn server_args<'a>(model: &'a str, boot: &'a str) -> Vec<&'a str> {
+    vec![
+        "--role", "server", "--model", model, "--served-model-name", "tiny", "--device", "cpu",
+        "--bootstrap", boot, "--http", "127.0.0.1:0",
+    ]
+}
+
+#[test]
+fn clients_find_servers_through_the_dht_and_survive_a_killed_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let model = model.to_str().unwrap();
+    let mut plain = Peer::start("plain", dir.path(), &["--role", "peer"]);
+    let boot = plain.addr();
+    let mut s1 = Peer::start("server1", dir.path(), &server_args(model, &boot));
+    let mut s2 = Peer::start("server2", dir.path(), &server_args(model, &boot));
+    let (id1, id2) = (s1.peer_id(), s2.peer_id());
+    let http1 = s1.wait_line("http at", Duration::from_secs(120));
+    let http2 = s2.wait_line("http at", Duration::from_secs(120));
+    let client_args = ["--role", "client", "--model", "tiny", "--bootstrap", &boot];
+    let mut c1 = Peer::start("client1", dir.path(), &client_args);
+    let mut c2 = Peer::start("client2", dir.path(), &client_args);
+    let p1 = c1.wait_line("proxy at", Duration::from_secs(120));
+    let p2 = c2.wait_line("proxy at", Duration::from_secs(120));
+    let p1 = p1.split_whitespace().next().unwrap().to_string();
+    let p2 = p2.split_whitespace().next().unwrap().to_string();
+    // Every peer knew only the plain peer; each client finds both servers in the DHT.
+    for (c, p) in [(&c1, &p1), (&c2, &p2)] {
+        wait_until("two providers in the DHT", Duration::from_secs(60), || {
+            metric(p, "agentjet_swarm_providers{model=\"tiny\"}") == Some(2.0)
+        });
+        let log = c.log_text();
+        assert!(log.contains(&id1) && log.contains(&id2), "{log}");
+    }
+    // Calls work through both clients.
+    for p in [&p1, &p2] {
+        let (st, v) = long_call(p, 8, 1);
+        assert_eq!(st, 200, "{v}");
+        assert_eq!(v["usage"]["completion_tokens"], 8, "{v}");
+    }
+
+    // Long calls in flight from both clients, then SIGKILL the server running some.
+    let max_tokens = 1500;
+    let calls: Vec<_> = (0..6)
+        .map(|i| {
+            let p = if i % 2 == 0 { p1.clone() } else { p2.clone() };
+            std::thread::spawn(move || long_call(&p, max_tokens, 100 + i))
+        })
+        .collect();
+    let running = |h: &str| {
+        metric(h, "agentjet_engine_running{model=\"tiny\"}").unwrap_or(0.0)
+    };
+    let mut victim = None;
+    wait_until("calls running on a server", Duration::from_secs(60), || {
+        let (r1, r2) = (running(&http1), running(&http2));
+        victim = if r1 > 0.0 { Some(1) } else if r2 > 0.0 { Some(2) } else { None };
+        victim.is_some()
+    });
+    let (dead, live_http) = match victim.unwrap() {
+        1 => (&mut s1, http2.clone()),
+        _ => (&mut s2, http1.clone()),
+    };
+    let dead_id = dead.peer_id();
+    let in_flight = running(if victim == Some(1) { &http1 } else { &http2 });
+    let killed = Instant::now();
+    dead.kill9();
+    // A new call right after the kill completes on the other server.
+    let (st, v) = long_call(&p1, 4, 7);
+    let new_call = killed.elapsed();
+    assert_eq!(st, 200, "{v}");
+    for c in calls {
+        let (st, v) = c.join().unwrap();
+        assert_eq!(st, 200, "{v}");
+        assert_eq!(v["usage"]["completion_tokens"], max_tokens, "{v}");
+    }
+    let in_flight_done = killed.elapsed();
+    assert_eq!(running(&live_http), 0.0);
+    assert!(TTL * 2.0 >= 0.0);
+    // The dead server's provider record is gone within two TTLs.
+    wait_until("the dead server's provider record gone", Duration::from_secs_f64(TTL * 2.0 + 3.0), || {
+        metric(&p1, "agentjet_swarm_providers{model=\"tiny\"}") == Some(1.0)
+            && metric(&p2, "agentjet_swarm_providers{model=\"tiny\"}") == Some(1.0)
+    });
+    let gone = killed.elapsed();
+    let log = c1.log_text() + &c2.log_text();
+    assert!(log.contains("re-issuing"), "no fail-over logged:\n{log}");
+    println!(
+        "fail-over: killed {dead_id} with {in_flight} calls running; a new call completed {:.2} s after the kill; \
+         the 6 in-flight calls ({max_tokens} tokens each) all completed {:.2} s after it; \
+         provider record gone from both clients' DHT view {:.2} s after it (TTL {TTL} s)",
+        new_call.as_secs_f64(),
+        in_flight_done.as_secs_f64(),
+        gone.as_secs_f64()
+    );
+}
