@@ -32,9 +32,9 @@ pub mod openai;
 
 pub mod client;
 pub mod engine;
-pub mod swarm;
-pub mod timeline;
 #[cfg(feature = "torch")]
 pub mod server;
+pub mod swarm;
+pub mod timeline;
 #[cfg(feature = "torch")]
 pub mod train;

@@ -4,8 +4,8 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use anyhow::{anyhow, bail, Context, Result};
 use agentjet::swarm::{self, Multiaddr, Role as WireRole, SwarmConfig, SwarmHandle, SwarmKey};
+use anyhow::{anyhow, bail, Context, Result};
 
 use super::{Role, RoleArgs, SwarmArgs};
 
@@ -28,7 +28,8 @@ fn secs(name: &str, v: f64) -> Result<Duration> {
 }
 
 fn load_key(path: Option<&Path>) -> Result<Option<SwarmKey>> {
-    path.map(|p| SwarmKey::load(p).map_err(|e| anyhow!(e))).transpose()
+    path.map(|p| SwarmKey::load(p).map_err(|e| anyhow!(e)))
+        .transpose()
 }
 
 fn swarm_config(role: WireRole, args: &SwarmArgs, dir: &Path) -> Result<SwarmConfig> {
@@ -258,7 +259,10 @@ pub fn status(bootstrap: &[String], key: Option<&Path>, wait: f64) -> Result<()>
         tokio::time::sleep(wait).await;
         let connected = h.connected_peers().await;
         if connected.is_empty() {
-            bail!("could not reach any bootstrap peer within {:.0} s", wait.as_secs_f64());
+            bail!(
+                "could not reach any bootstrap peer within {:.0} s",
+                wait.as_secs_f64()
+            );
         }
         let view: Vec<_> = h.view().into_iter().filter(|e| !e.is_self).collect();
         println!(
@@ -276,7 +280,11 @@ pub fn status(bootstrap: &[String], key: Option<&Path>, wait: f64) -> Result<()>
                 "{:<54} {:<7} {:<28} {:>5.2} {:>6} {:>9} {:>8} {:>5.1}s",
                 e.peer.to_string(),
                 e.status.role.as_str(),
-                if models.is_empty() { "-".to_string() } else { models.join(", ") },
+                if models.is_empty() {
+                    "-".to_string()
+                } else {
+                    models.join(", ")
+                },
                 e.status.load,
                 e.status.queue_depth,
                 e.status.free_kv_positions,

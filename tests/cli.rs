@@ -98,7 +98,10 @@ fn help_has_examples_and_bad_role_options_say_what_is_wrong() {
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
     let e = String::from_utf8_lossy(&out.stderr);
-    assert!(e.contains("--listen") && e.contains("not a multiaddr"), "{e}");
+    assert!(
+        e.contains("--listen") && e.contains("not a multiaddr"),
+        "{e}"
+    );
     let key = dir.path().join("bad.key");
     std::fs::write(&key, "nope").unwrap();
     let out = peer()
@@ -110,7 +113,10 @@ fn help_has_examples_and_bad_role_options_say_what_is_wrong() {
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
     let e = String::from_utf8_lossy(&out.stderr);
-    assert!(e.contains("swarm key") && e.contains("64 hex digits"), "{e}");
+    assert!(
+        e.contains("swarm key") && e.contains("64 hex digits"),
+        "{e}"
+    );
     let out = peer()
         .args(["generate", "--prompt", "x", "--top-p", "1.5"])
         .output()

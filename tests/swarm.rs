@@ -32,7 +32,12 @@ impl Peer {
             .arg("--data-dir")
             .arg(dir.join(name))
             .args(["--listen", "/ip4/127.0.0.1/udp/0/quic-v1"])
-            .args(["--provider-ttl", &TTL.to_string(), "--status-interval", "0.5"])
+            .args([
+                "--provider-ttl",
+                &TTL.to_string(),
+                "--status-interval",
+                "0.5",
+            ])
             .args(["--log", "agentjet=info"])
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(&log).unwrap())
@@ -47,7 +52,12 @@ impl Peer {
                 }
             }
         });
-        Peer { child, lines: rx, seen: Vec::new(), log }
+        Peer {
+            child,
+            lines: rx,
+            seen: Vec::new(),
+            log,
+        }
     }
 
     /// The first stdout line starting with `prefix` (the rest of it).
@@ -60,7 +70,9 @@ impl Peer {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.lines.recv_timeout(left) {
                 Ok(l) => {
-                    let hit = l.starts_with(prefix).then(|| l[prefix.len()..].trim().to_string());
+                    let hit = l
+                        .starts_with(prefix)
+                        .then(|| l[prefix.len()..].trim().to_string());
                     self.seen.push(l);
                     if let Some(h) = hit {
                         return h;
@@ -102,7 +114,11 @@ impl Drop for Peer {
 
 /// A blocking HTTP/1.1 request (Connection: close): (status, body).
 fn http(base: &str, method: &str, path: &str, body: Option<&Value>) -> (u16, String) {
-    let hostport = base.trim_start_matches("http://").split('/').next().unwrap();
+    let hostport = base
+        .trim_start_matches("http://")
+        .split('/')
+        .next()
+        .unwrap();
     let mut s = TcpStream::connect(hostport).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(600))).unwrap();
     let b = body.map(|b| b.to_string()).unwrap_or_default();
@@ -114,8 +130,15 @@ fn http(base: &str, method: &str, path: &str, body: Option<&Value>) -> (u16, Str
     .unwrap();
     let mut out = String::new();
     s.read_to_string(&mut out).unwrap();
-    let status = out.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    let body = out.split_once("\r\n\r\n").map(|x| x.1.to_string()).unwrap_or_default();
+    let status = out
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = out
+        .split_once("\r\n\r\n")
+        .map(|x| x.1.to_string())
+        .unwrap_or_default();
     (status, body)
 }
 
@@ -160,8 +183,18 @@ fn tiny_model(dir: &Path) -> PathBuf {
 
 fn server_args<'a>(model: &'a str, boot: &'a str) -> Vec<&'a str> {
     vec![
-        "--role", "server", "--model", model, "--served-model-name", "tiny", "--device", "cpu",
-        "--bootstrap", boot, "--http", "127.0.0.1:0",
+        "--role",
+        "server",
+        "--model",
+        model,
+        "--served-model-name",
+        "tiny",
+        "--device",
+        "cpu",
+        "--bootstrap",
+        boot,
+        "--http",
+        "127.0.0.1:0",
     ]
 }
 
@@ -207,13 +240,17 @@ fn clients_find_servers_through_the_dht_and_survive_a_killed_server() {
             std::thread::spawn(move || long_call(&p, max_tokens, 100 + i))
         })
         .collect();
-    let running = |h: &str| {
-        metric(h, "agentjet_engine_running{model=\"tiny\"}").unwrap_or(0.0)
-    };
+    let running = |h: &str| metric(h, "agentjet_engine_running{model=\"tiny\"}").unwrap_or(0.0);
     let mut victim = None;
     wait_until("calls running on a server", Duration::from_secs(60), || {
         let (r1, r2) = (running(&http1), running(&http2));
-        victim = if r1 > 0.0 { Some(1) } else if r2 > 0.0 { Some(2) } else { None };
+        victim = if r1 > 0.0 {
+            Some(1)
+        } else if r2 > 0.0 {
+            Some(2)
+        } else {
+            None
+        };
         victim.is_some()
     });
     let (dead, live_http) = match victim.unwrap() {
@@ -235,12 +272,15 @@ fn clients_find_servers_through_the_dht_and_survive_a_killed_server() {
     }
     let in_flight_done = killed.elapsed();
     assert_eq!(running(&live_http), 0.0);
-    assert!(TTL * 2.0 >= 0.0);
     // The dead server's provider record is gone within two TTLs.
-    wait_until("the dead server's provider record gone", Duration::from_secs_f64(TTL * 2.0 + 3.0), || {
-        metric(&p1, "agentjet_swarm_providers{model=\"tiny\"}") == Some(1.0)
-            && metric(&p2, "agentjet_swarm_providers{model=\"tiny\"}") == Some(1.0)
-    });
+    wait_until(
+        "the dead server's provider record gone",
+        Duration::from_secs_f64(TTL * 2.0 + 3.0),
+        || {
+            metric(&p1, "agentjet_swarm_providers{model=\"tiny\"}") == Some(1.0)
+                && metric(&p2, "agentjet_swarm_providers{model=\"tiny\"}") == Some(1.0)
+        },
+    );
     let gone = killed.elapsed();
     let log = c1.log_text() + &c2.log_text();
     assert!(log.contains("re-issuing"), "no fail-over logged:\n{log}");
@@ -251,5 +291,290 @@ fn clients_find_servers_through_the_dht_and_survive_a_killed_server() {
         new_call.as_secs_f64(),
         in_flight_done.as_secs_f64(),
         gone.as_secs_f64()
+    );
+}
+
+mod library {
+    use super::*;
+    use agentjet::client::submit::{prepare, submit};
+    use agentjet::engine::SamplingParams;
+    use agentjet::swarm::frame::{read_frame, write_frame, write_raw};
+    use agentjet::swarm::protocol::{InferFrame, InferRequest, SubmitReply, INFER};
+    use agentjet::swarm::{spawn_node, Keypair, PeerId, Role, SwarmConfig, SwarmHandle, SwarmKey};
+    use agentjet::timeline::{Call, Episode};
+    use futures::io::AsyncWriteExt;
+
+    pub async fn node(boot: &str, key: Option<SwarmKey>) -> SwarmHandle {
+        let mut cfg = SwarmConfig::new(Role::Client, Keypair::generate_ed25519());
+        cfg.listen = vec!["/ip4/127.0.0.1/udp/0/quic-v1".parse().unwrap()];
+        cfg.bootstrap = vec![boot.parse().unwrap()];
+        cfg.swarm_key = key;
+        cfg.provider_ttl = Duration::from_secs_f64(TTL);
+        spawn_node(cfg).await.unwrap()
+    }
+
+    /// One signed call made directly over `/agentjet/infer/1`.
+    pub async fn call(h: &SwarmHandle, server: PeerId, prompt: Vec<u32>) -> Call {
+        let mut s = h.open(server, INFER).await.unwrap();
+        let req = InferRequest {
+            model: "tiny".into(),
+            prompt: prompt.clone(),
+            max_tokens: 6,
+            sampling: SamplingParams {
+                logit_bias: vec![(2, -100.0)],
+                ..Default::default()
+            },
+            seed: Some(1),
+            stop_token_ids: vec![2],
+            top_logprobs: 0,
+            constraint: None,
+            n: 1,
+        };
+        write_frame(&mut s, &req, 1 << 20).await.unwrap();
+        let mut c = Call::new("tiny", prompt, vec![], vec![], 0);
+        loop {
+            match read_frame::<_, InferFrame>(&mut s, 1 << 20).await.unwrap() {
+                InferFrame::Token {
+                    id,
+                    logprob,
+                    policy_version,
+                    signature,
+                    ..
+                } => {
+                    c.completion_ids.push(id);
+                    c.logprobs.push(logprob as f32);
+                    c.policy_version = policy_version;
+                    c.signature = signature;
+                }
+                InferFrame::Finished { .. } => return c,
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+
+    pub fn episode(id: &str, c: Call) -> Episode {
+        Episode::single_call(id.into(), "task".into(), "group".into(), c, 1.0)
+    }
+
+    pub async fn submit_episode(
+        h: &SwarmHandle,
+        server: PeerId,
+        e: &Episode,
+        tamper: bool,
+    ) -> SubmitReply {
+        let (m, mut frags) = prepare(e, "tiny").unwrap();
+        if tamper {
+            for b in frags.values_mut() {
+                let n = b.len();
+                b[n - 2] ^= 1;
+            }
+        }
+        submit(h, server, &m, &frags).await.unwrap().reply
+    }
+
+    pub async fn raw_infer(h: &SwarmHandle, server: PeerId, body: &[u8], header_only: Option<u32>) {
+        let mut s = h.open(server, INFER).await.unwrap();
+        match header_only {
+            Some(n) => {
+                s.write_all(&n.to_le_bytes()).await.unwrap();
+                s.flush().await.unwrap();
+            }
+            None => write_raw(&mut s, body, 1 << 20).await.unwrap(),
+        }
+        // The server closes the stream without an answer.
+        assert!(read_frame::<_, InferFrame>(&mut s, 1 << 20).await.is_err());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_swarm_key_signed_calls_and_bad_messages() {
+    use agentjet::swarm::protocol::{SubmitReply, INFER};
+    use agentjet::swarm::SwarmKey;
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let model = model.to_str().unwrap().to_string();
+    let key_path = dir.path().join("swarm.key");
+    let out = Command::new(env!("CARGO_BIN_EXE_agentjet-peer"))
+        .args(["swarm-key", "--out"])
+        .arg(&key_path)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let key = SwarmKey::load(&key_path).unwrap();
+    let kp = key_path.to_str().unwrap().to_string();
+    let mut plain = Peer::start("plain", dir.path(), &["--role", "peer", "--swarm-key", &kp]);
+    let boot = plain.addr();
+    let mut args = server_args(&model, &boot);
+    args.extend(["--swarm-key", kp.as_str()]);
+    let mut server = Peer::start("server", dir.path(), &args);
+    let server_id: agentjet::swarm::PeerId = server.peer_id().parse().unwrap();
+    server.wait_line("serving model", Duration::from_secs(120));
+
+    // A client without the key: no provider ever answers it.
+    let mut intruder = Peer::start(
+        "intruder",
+        dir.path(),
+        &[
+            "--role",
+            "client",
+            "--model",
+            "tiny",
+            "--bootstrap",
+            &boot,
+            "--wait",
+            "6",
+        ],
+    );
+    let intruder_id = intruder.peer_id();
+    let status = intruder.child.wait().unwrap();
+    assert_eq!(status.code(), Some(1));
+    let log = intruder.log_text();
+    assert!(log.contains("no provider of model \"tiny\""), "{log}");
+
+    // A member's view: the server, never the intruder.
+    let out = Command::new(env!("CARGO_BIN_EXE_agentjet-peer"))
+        .args([
+            "status",
+            "--bootstrap",
+            &boot,
+            "--swarm-key",
+            &kp,
+            "--wait",
+            "3",
+        ])
+        .output()
+        .unwrap();
+    let table = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        table.contains(&server_id.to_string()) && table.contains("tiny (v0)"),
+        "{table}"
+    );
+    assert!(!table.contains(&intruder_id), "{table}");
+
+    // In-process: without the key, the server refuses; with it, calls are signed.
+    let outsider = library::node(&boot, None).await;
+    let member = library::node(&boot, Some(key.clone())).await;
+    let t0 = Instant::now();
+    while !member.providers("tiny").await.unwrap().contains(&server_id) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "server not found in the DHT"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let refused = outsider.open(server_id, INFER).await;
+    let e = refused.err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(
+        e.contains("swarm key") || e.contains("unreachable") || e.contains("refused"),
+        "{e}"
+    );
+
+    let c1 = library::call(&member, server_id, vec![5, 6, 7, 8]).await;
+    assert_eq!(c1.completion_ids.len(), 6);
+    let ep = library::episode("ep-1", c1.clone());
+    match library::submit_episode(&member, server_id, &ep, false).await {
+        SubmitReply::Stored {
+            fragments_received, ..
+        } => assert!(fragments_received >= 2),
+        other => panic!("{other:?}"),
+    }
+    // The same fragments again: nothing is re-sent.
+    let again = library::episode("ep-2", c1.clone());
+    match library::submit_episode(&member, server_id, &again, false).await {
+        SubmitReply::Stored {
+            fragments_received,
+            fragments_known,
+            ..
+        } => {
+            assert_eq!(fragments_received, 0);
+            assert!(fragments_known >= 2);
+        }
+        other => panic!("{other:?}"),
+    }
+    let stored = std::fs::read_dir(dir.path().join("server/episodes/tiny"))
+        .unwrap()
+        .count();
+    assert_eq!(stored, 2);
+    // Tampered fragments, altered or unsigned calls, a call signed by a non-server.
+    let c2 = library::call(&member, server_id, vec![9, 10, 11]).await;
+    let reply = library::submit_episode(
+        &member,
+        server_id,
+        &library::episode("ep-3", c2.clone()),
+        true,
+    )
+    .await;
+    assert!(
+        matches!(&reply, SubmitReply::Rejected(r) if r.contains("tampered")),
+        "{reply:?}"
+    );
+    let mut forged = c2.clone();
+    forged.completion_ids[0] = (forged.completion_ids[0] + 1) % 300;
+    let reply =
+        library::submit_episode(&member, server_id, &library::episode("ep-4", forged), false).await;
+    assert!(
+        matches!(&reply, SubmitReply::Rejected(r) if r.contains("does not verify")),
+        "{reply:?}"
+    );
+    let mut unsigned = c2.clone();
+    unsigned.signature.clear();
+    let reply = library::submit_episode(
+        &member,
+        server_id,
+        &library::episode("ep-5", unsigned),
+        false,
+    )
+    .await;
+    assert!(
+        matches!(&reply, SubmitReply::Rejected(r) if r.contains("not signed")),
+        "{reply:?}"
+    );
+    let mut self_signed = c2.clone();
+    self_signed.signature = member.sign(&agentjet::swarm::sign::call_digest(
+        "tiny",
+        &c2.prompt_ids,
+        &c2.completion_ids,
+        &c2.logprobs,
+        c2.policy_version,
+    ));
+    let reply = library::submit_episode(
+        &member,
+        server_id,
+        &library::episode("ep-6", self_signed),
+        false,
+    )
+    .await;
+    assert!(
+        matches!(&reply, SubmitReply::Rejected(r) if r.contains("not a server of")),
+        "{reply:?}"
+    );
+    assert_eq!(
+        std::fs::read_dir(dir.path().join("server/episodes/tiny"))
+            .unwrap()
+            .count(),
+        2
+    );
+
+    // Malformed and oversize messages are refused and logged; the server keeps serving.
+    library::raw_infer(&member, server_id, &[0xff; 40], None).await;
+    library::raw_infer(&member, server_id, &[], Some(1 << 30)).await;
+    let c3 = library::call(&member, server_id, vec![5, 6, 7, 8]).await;
+    assert_eq!(c3.completion_ids, c1.completion_ids);
+    let log = server.log_text();
+    assert!(log.contains("malformed InferRequest frame"), "{log}");
+    assert!(log.contains("over the limit"), "{log}");
+    assert!(
+        log.contains("rejected episode") && log.contains("tampered"),
+        "{log}"
+    );
+    let plain_log = plain.log_text();
+    assert!(
+        plain_log.contains(&intruder_id),
+        "the plain peer did not log the intruder:\n{plain_log}"
     );
 }

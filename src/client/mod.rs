@@ -28,7 +28,9 @@ use crate::engine::{EngineError, EngineEvent, GenerateRequest};
 use crate::model::ModelCard;
 use crate::openai::Backend;
 use crate::swarm::frame::{read_frame, write_frame};
-use crate::swarm::protocol::{CardBlob, CardReply, CardRequest, InferFrame, InferRequest, CARD, INFER};
+use crate::swarm::protocol::{
+    CardBlob, CardReply, CardRequest, InferFrame, InferRequest, CARD, INFER,
+};
 use crate::swarm::{PeerId, SwarmError, SwarmHandle};
 
 /// Calls re-issued at most (per call) before the call fails.
@@ -150,12 +152,18 @@ impl SwarmBackend {
                     return Err(format!(
                         "no provider of model {model:?} answered within {:.0} s{}",
                         wait.as_secs_f64(),
-                        last_err.map(|e| format!(" (last error: {e})")).unwrap_or_default()
+                        last_err
+                            .map(|e| format!(" (last error: {e})"))
+                            .unwrap_or_default()
                     ));
                 }
                 tokio::time::sleep(Duration::from_millis(500)).await;
             };
-            info!(model, vocab = card.config.vocab_size, "fetched the model card");
+            info!(
+                model,
+                vocab = card.config.vocab_size,
+                "fetched the model card"
+            );
         }
         let (s, r, ms) = (swarm.clone(), router.clone(), models.to_vec());
         tokio::spawn(async move {
@@ -170,7 +178,11 @@ impl SwarmBackend {
                 }
             }
         });
-        Ok(SwarmBackend { swarm, router, cards })
+        Ok(SwarmBackend {
+            swarm,
+            router,
+            cards,
+        })
     }
 
     fn loads(&self) -> HashMap<PeerId, f64> {
@@ -196,9 +208,15 @@ pub async fn fetch_card(
     data_dir: &Path,
 ) -> Result<ModelCard, String> {
     let mut s = swarm.open(peer, CARD).await.map_err(|e| e.to_string())?;
-    write_frame(&mut s, &CardRequest { model: model.to_string() }, 4096)
-        .await
-        .map_err(|e| e.to_string())?;
+    write_frame(
+        &mut s,
+        &CardRequest {
+            model: model.to_string(),
+        },
+        4096,
+    )
+    .await
+    .map_err(|e| e.to_string())?;
     let reply: CardReply = read_frame(&mut s, swarm.cfg.max_frame_bytes)
         .await
         .map_err(|e| e.to_string())?;
@@ -207,10 +225,15 @@ pub async fn fetch_card(
         CardReply::Unknown(e) => return Err(format!("{peer}: {e}")),
     };
     if *blake3::hash(&blob).as_bytes() != hash {
-        return Err(format!("{peer} sent a model card that does not match its hash"));
+        return Err(format!(
+            "{peer} sent a model card that does not match its hash"
+        ));
     }
-    let card: CardBlob = postcard::from_bytes(&blob).map_err(|e| format!("malformed model card: {e}"))?;
-    let dir = data_dir.join("cards").join(blake3::Hash::from(hash).to_hex().as_str());
+    let card: CardBlob =
+        postcard::from_bytes(&blob).map_err(|e| format!("malformed model card: {e}"))?;
+    let dir = data_dir
+        .join("cards")
+        .join(blake3::Hash::from(hash).to_hex().as_str());
     if !dir.join("config.json").is_file() {
         let tmp = dir.with_extension("tmp");
         let _ = std::fs::remove_dir_all(&tmp);
@@ -275,7 +298,12 @@ impl Backend for SwarmBackend {
         for _ in 0..n {
             let (tx, rx) = unbounded_channel();
             rxs.push(rx);
-            runs.push(ChoiceRun { tx, tokens: Vec::new(), done: false, start: 0 });
+            runs.push(ChoiceRun {
+                tx,
+                tokens: Vec::new(),
+                done: false,
+                start: 0,
+            });
         }
         let call = RemoteCall {
             swarm: self.swarm.clone(),
@@ -316,18 +344,26 @@ impl RemoteCall {
             if pending.is_empty() {
                 return;
             }
-            let Some(peer) = self.router.pick(&self.model, &tried, &self.loads).or_else(|| {
-                // Every provider was tried: allow the least bad one again.
-                tried.clear();
-                self.router.pick(&self.model, &[], &self.loads)
-            }) else {
+            let Some(peer) = self
+                .router
+                .pick(&self.model, &tried, &self.loads)
+                .or_else(|| {
+                    // Every provider was tried: allow the least bad one again.
+                    tried.clear();
+                    self.router.pick(&self.model, &[], &self.loads)
+                })
+            else {
                 break;
             };
             tried.push(peer);
             // A fresh request for all choices when none has a token yet; otherwise each
             // unfinished choice continues from its tokens (one request per choice).
             let fresh = pending.len() == runs.len() && runs.iter().all(|r| r.tokens.is_empty());
-            let groups: Vec<Vec<usize>> = if fresh { vec![pending] } else { pending.into_iter().map(|i| vec![i]).collect() };
+            let groups: Vec<Vec<usize>> = if fresh {
+                vec![pending]
+            } else {
+                pending.into_iter().map(|i| vec![i]).collect()
+            };
             let mut retry = None;
             for g in groups {
                 match self.attempt(peer, &mut runs, &g).await {
@@ -354,7 +390,9 @@ impl RemoteCall {
             return;
         }
         for r in runs.iter().filter(|r| !r.done) {
-            let _ = r.tx.send(EngineEvent::Failed(format!("no provider could serve the call: {last_err}")));
+            let _ = r.tx.send(EngineEvent::Failed(format!(
+                "no provider could serve the call: {last_err}"
+            )));
         }
     }
 
@@ -373,22 +411,33 @@ impl RemoteCall {
         prompt.extend_from_slice(&runs[first].tokens);
         let max_tokens = self.req.max_tokens.saturating_sub(done_tokens);
         if max_tokens == 0 {
-            return AttemptEnd::Fatal("the call used its max_tokens before the server failed".into());
+            return AttemptEnd::Fatal(
+                "the call used its max_tokens before the server failed".into(),
+            );
         }
-        let seed = self.req.seed.map(|s| s.wrapping_add(first as u64).wrapping_add(done_tokens as u64 * 7919));
+        let seed = self.req.seed.map(|s| {
+            s.wrapping_add(first as u64)
+                .wrapping_add(done_tokens as u64 * 7919)
+        });
         let r = InferRequest {
             model: self.model.clone(),
             prompt,
             max_tokens: max_tokens as u32,
             sampling: self.req.sampling.clone(),
-            seed: if which.len() == 1 && runs.len() > 1 { seed } else { self.req.seed },
+            seed: if which.len() == 1 && runs.len() > 1 {
+                seed
+            } else {
+                self.req.seed
+            },
             stop_token_ids: self.req.stop_token_ids.clone(),
             top_logprobs: self.req.top_logprobs as u32,
             constraint: self.req.constraint.as_ref().map(|c| c.pattern()),
             n: which.len() as u32,
         };
         if done_tokens > 0 && r.constraint.is_some() {
-            return AttemptEnd::Fatal("the server failed mid-way through a constrained call".into());
+            return AttemptEnd::Fatal(
+                "the server failed mid-way through a constrained call".into(),
+            );
         }
         if let Err(e) = write_frame(&mut s, &r, limit).await {
             return AttemptEnd::Retry(e.to_string());
@@ -399,16 +448,36 @@ impl RemoteCall {
         let mut finished = 0;
         let mut first_token = true;
         while finished < which.len() {
-            let frame = match tokio::time::timeout(FRAME_TIMEOUT, read_frame::<_, InferFrame>(&mut s, limit)).await {
-                Err(_) => return AttemptEnd::Retry(format!("no answer for {} s", FRAME_TIMEOUT.as_secs())),
+            let frame = match tokio::time::timeout(
+                FRAME_TIMEOUT,
+                read_frame::<_, InferFrame>(&mut s, limit),
+            )
+            .await
+            {
+                Err(_) => {
+                    return AttemptEnd::Retry(format!(
+                        "no answer for {} s",
+                        FRAME_TIMEOUT.as_secs()
+                    ))
+                }
                 Ok(Err(e)) => return AttemptEnd::Retry(e.to_string()),
                 Ok(Ok(f)) => f,
             };
             let choice_of = |c: u32| which.get(c as usize).copied();
             match frame {
-                InferFrame::Token { choice, id, logprob, top, policy_version, signature } => {
+                InferFrame::Token {
+                    choice,
+                    id,
+                    logprob,
+                    top,
+                    policy_version,
+                    signature,
+                } => {
                     let Some(i) = choice_of(choice) else {
-                        return AttemptEnd::Retry(format!("token for choice {choice} of {}", which.len()));
+                        return AttemptEnd::Retry(format!(
+                            "token for choice {choice} of {}",
+                            which.len()
+                        ));
                     };
                     if first_token {
                         first_token = false;
@@ -422,13 +491,27 @@ impl RemoteCall {
                         policy_version,
                         signature,
                     };
-                    if run.tx.send(signed).is_err() || run.tx.send(EngineEvent::Token { id, logprob, top }).is_err() {
+                    if run.tx.send(signed).is_err()
+                        || run
+                            .tx
+                            .send(EngineEvent::Token { id, logprob, top })
+                            .is_err()
+                    {
                         return AttemptEnd::CallerGone;
                     }
                 }
-                InferFrame::Finished { choice, reason, completion_tokens: _, prompt_tokens: _, policy_version } => {
+                InferFrame::Finished {
+                    choice,
+                    reason,
+                    completion_tokens: _,
+                    prompt_tokens: _,
+                    policy_version,
+                } => {
                     let Some(i) = choice_of(choice) else {
-                        return AttemptEnd::Retry(format!("finish for choice {choice} of {}", which.len()));
+                        return AttemptEnd::Retry(format!(
+                            "finish for choice {choice} of {}",
+                            which.len()
+                        ));
                     };
                     let run = &mut runs[i];
                     let ev = EngineEvent::Finished {
@@ -449,7 +532,11 @@ impl RemoteCall {
                     }
                 }
                 InferFrame::Rejected { message, retry } => {
-                    return if retry { AttemptEnd::Retry(message) } else { AttemptEnd::Fatal(message) };
+                    return if retry {
+                        AttemptEnd::Retry(message)
+                    } else {
+                        AttemptEnd::Fatal(message)
+                    };
                 }
             }
         }

@@ -26,7 +26,10 @@ pub fn prepare(
 ) -> Result<(SubmitManifest, HashMap<FragmentHash, Vec<u8>>), String> {
     let t = episode.timeline(model).map_err(|e| e.to_string())?;
     let (tm, frags) = fragment_timeline(&t);
-    let sigs: Vec<Vec<u8>> = episode.calls_of(model).map(|c| c.signature.clone()).collect();
+    let sigs: Vec<Vec<u8>> = episode
+        .calls_of(model)
+        .map(|c| c.signature.clone())
+        .collect();
     let manifest = EpisodeManifest {
         episode_id: episode.id.clone(),
         task_id: episode.task_id.clone(),
@@ -56,9 +59,17 @@ pub async fn submit(
 ) -> Result<SubmitOutcome, String> {
     let limit = swarm.cfg.max_frame_bytes;
     let mut s = swarm.open(peer, SUBMIT).await.map_err(|e| e.to_string())?;
-    let mut bytes_sent = postcard::to_allocvec(manifest).map_err(|e| e.to_string())?.len() + 4;
-    write_frame(&mut s, manifest, limit).await.map_err(|e| e.to_string())?;
-    let want = match read_frame::<_, SubmitReply>(&mut s, limit).await.map_err(|e| e.to_string())? {
+    let mut bytes_sent = postcard::to_allocvec(manifest)
+        .map_err(|e| e.to_string())?
+        .len()
+        + 4;
+    write_frame(&mut s, manifest, limit)
+        .await
+        .map_err(|e| e.to_string())?;
+    let want = match read_frame::<_, SubmitReply>(&mut s, limit)
+        .await
+        .map_err(|e| e.to_string())?
+    {
         SubmitReply::Want(w) => w,
         other => {
             return Ok(SubmitOutcome {
@@ -73,17 +84,21 @@ pub async fn submit(
     let mut batch_bytes = 0;
     let budget = limit / 2;
     for (i, h) in want.iter().enumerate() {
-        let b = fragments
-            .get(h)
-            .ok_or_else(|| format!("the server asked for fragment {h}, which is not in this episode"))?;
+        let b = fragments.get(h).ok_or_else(|| {
+            format!("the server asked for fragment {h}, which is not in this episode")
+        })?;
         fragment_bytes_sent += b.len();
         batch_bytes += b.len() + 40;
         batch.push((*h, b.clone()));
         if batch_bytes >= budget || i + 1 == want.len() {
-            let fb = FragmentBatch { fragments: std::mem::take(&mut batch) };
+            let fb = FragmentBatch {
+                fragments: std::mem::take(&mut batch),
+            };
             bytes_sent += batch_bytes + 4;
             batch_bytes = 0;
-            write_frame(&mut s, &fb, limit).await.map_err(|e| e.to_string())?;
+            write_frame(&mut s, &fb, limit)
+                .await
+                .map_err(|e| e.to_string())?;
         }
     }
     let reply: SubmitReply = read_frame(&mut s, limit).await.map_err(|e| e.to_string())?;

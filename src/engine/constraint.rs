@@ -539,7 +539,10 @@ impl Constraint {
 
     /// A constraint from a pattern a peer sent, refused if it is not one that
     /// [`Constraint::pattern`] could have produced (so that running it cannot fail).
-    pub fn from_pattern(p: ConstraintPattern, vocab: Arc<TokenBytes>) -> Result<Constraint, String> {
+    pub fn from_pattern(
+        p: ConstraintPattern,
+        vocab: Arc<TokenBytes>,
+    ) -> Result<Constraint, String> {
         let n = p.segments.len();
         if n == 0 || n > MAX_PATTERN_SEGMENTS {
             return Err(format!(

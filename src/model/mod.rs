@@ -186,50 +186,44 @@ impl ModelCard {
                 problem: e.to_string(),
             })
         };
-    write_json(
-        &dir.join("config.json"),
-        &self.config.to_hf_json(torch_dtype),
-    )?;
-    self.tokenizer.save(&dir.join("tokenizer.json"))?;
-    let mut tok_cfg = self.tokenizer.hf_config_fields();
-    tok_cfg.insert(
-        "model_max_length".into(),
-        json!(self.config.max_position_embeddings),
-    );
-    match (&self.chat_template_source, &self.tool_use_template_source) {
-        (Some(c), Some(t)) => {
-            tok_cfg.insert(
+        write_json(
+            &dir.join("config.json"),
+            &self.config.to_hf_json(torch_dtype),
+        )?;
+        self.tokenizer.save(&dir.join("tokenizer.json"))?;
+        let mut tok_cfg = self.tokenizer.hf_config_fields();
+        tok_cfg.insert(
+            "model_max_length".into(),
+            json!(self.config.max_position_embeddings),
+        );
+        match (&self.chat_template_source, &self.tool_use_template_source) {
+            (Some(c), Some(t)) => {
+                tok_cfg.insert(
                 "chat_template".into(),
                 json!([{"name": "default", "template": c}, {"name": "tool_use", "template": t}]),
             );
+            }
+            (Some(c), None) => {
+                tok_cfg.insert("chat_template".into(), json!(c));
+            }
+            _ => {}
         }
-        (Some(c), None) => {
-            tok_cfg.insert("chat_template".into(), json!(c));
+        write_json(&dir.join("tokenizer_config.json"), &Json::Object(tok_cfg))?;
+        let mut gen = serde_json::Map::new();
+        if let Some(b) = self.config.bos_token_id {
+            gen.insert("bos_token_id".into(), json!(b));
         }
-        _ => {}
-    }
-    write_json(
-        &dir.join("tokenizer_config.json"),
-        &Json::Object(tok_cfg),
-    )?;
-    let mut gen = serde_json::Map::new();
-    if let Some(b) = self.config.bos_token_id {
-        gen.insert("bos_token_id".into(), json!(b));
-    }
-    gen.insert("eos_token_id".into(), json!(self.generation.eos_token_ids));
-    if let Some(t) = self.generation.temperature {
-        gen.insert("temperature".into(), json!(t));
-    }
-    if let Some(p) = self.generation.top_p {
-        gen.insert("top_p".into(), json!(p));
-    }
-    if let Some(k) = self.generation.top_k {
-        gen.insert("top_k".into(), json!(k));
-    }
-    write_json(
-        &dir.join("generation_config.json"),
-        &Json::Object(gen),
-    )?;
+        gen.insert("eos_token_id".into(), json!(self.generation.eos_token_ids));
+        if let Some(t) = self.generation.temperature {
+            gen.insert("temperature".into(), json!(t));
+        }
+        if let Some(p) = self.generation.top_p {
+            gen.insert("top_p".into(), json!(p));
+        }
+        if let Some(k) = self.generation.top_k {
+            gen.insert("top_k".into(), json!(k));
+        }
+        write_json(&dir.join("generation_config.json"), &Json::Object(gen))?;
         Ok(())
     }
 

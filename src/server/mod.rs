@@ -25,7 +25,9 @@ use futures::StreamExt;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tracing::{info, Instrument};
 
-use crate::engine::{Constraint, EngineError, EngineEvent, EngineHandle, GenerateRequest, TokenBytes};
+use crate::engine::{
+    Constraint, EngineError, EngineEvent, EngineHandle, GenerateRequest, TokenBytes,
+};
 use crate::model::ModelCard;
 use crate::swarm::frame::{read_frame, write_frame};
 use crate::swarm::protocol::{
@@ -93,7 +95,8 @@ pub fn card_blob(name: &str, card: &ModelCard) -> Result<([u8; 32], Vec<u8>), St
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let r = (|| {
-        card.write_card_files(&dir, "float32").map_err(|e| e.to_string())?;
+        card.write_card_files(&dir, "float32")
+            .map_err(|e| e.to_string())?;
         let mut files = Vec::new();
         for f in [
             "config.json",
@@ -102,10 +105,16 @@ pub fn card_blob(name: &str, card: &ModelCard) -> Result<([u8; 32], Vec<u8>), St
             "generation_config.json",
         ] {
             let p = dir.join(f);
-            files.push((f.to_string(), std::fs::read(&p).map_err(|e| format!("{}: {e}", p.display()))?));
+            files.push((
+                f.to_string(),
+                std::fs::read(&p).map_err(|e| format!("{}: {e}", p.display()))?,
+            ));
         }
-        let blob = postcard::to_allocvec(&CardBlob { model: name.to_string(), files })
-            .map_err(|e| e.to_string())?;
+        let blob = postcard::to_allocvec(&CardBlob {
+            model: name.to_string(),
+            files,
+        })
+        .map_err(|e| e.to_string())?;
         Ok((*blake3::hash(&blob).as_bytes(), blob))
     })();
     let _ = std::fs::remove_dir_all(&dir);
@@ -128,12 +137,20 @@ impl ServedModel {
         let vocab = Arc::new(card.tokenizer.token_bytes(card.config.vocab_size));
         let safe: String = name
             .chars()
-            .map(|c| if c.is_ascii_alphanumeric() || "-_.".contains(c) { c } else { '_' })
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || "-_.".contains(c) {
+                    c
+                } else {
+                    '_'
+                }
+            })
             .collect();
         let episodes_dir = data_dir.join("episodes").join(safe);
         std::fs::create_dir_all(&episodes_dir)
             .map_err(|e| format!("creating {}: {e}", episodes_dir.display()))?;
-        let stored = std::fs::read_dir(&episodes_dir).map(|d| d.count()).unwrap_or(0) as u64;
+        let stored = std::fs::read_dir(&episodes_dir)
+            .map(|d| d.count())
+            .unwrap_or(0) as u64;
         Ok(Arc::new(ServedModel {
             name,
             card,
@@ -177,13 +194,18 @@ impl ServedModel {
                 let m = m.clone();
                 async move {
                     m.submit(s)
-                        .instrument(tracing::info_span!("episode", %peer, id = tracing::field::Empty))
+                        .instrument(
+                            tracing::info_span!("episode", %peer, id = tracing::field::Empty),
+                        )
                         .await
                 }
             })
             .map_err(|e| e.to_string())?;
         self.publish_status();
-        self.swarm.provide(&self.name).await.map_err(|e| e.to_string())?;
+        self.swarm
+            .provide(&self.name)
+            .await
+            .map_err(|e| e.to_string())?;
         let m = self.clone();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(m.swarm.cfg.status_interval / 2);
@@ -205,7 +227,11 @@ impl ServedModel {
         let name = self.name.clone();
         let load = running as f32 / self.max_batch.max(1) as f32;
         self.swarm.set_status(|st| {
-            st.models = vec![ModelStatus { name, policy_version: version, train_step: 0 }];
+            st.models = vec![ModelStatus {
+                name,
+                policy_version: version,
+                train_step: 0,
+            }];
             st.load = load;
             st.queue_depth = waiting as u32;
             st.free_kv_positions = free;
@@ -220,23 +246,39 @@ impl ServedModel {
     async fn card(&self, mut s: Stream) -> Result<(), String> {
         let req: CardRequest = read_frame(&mut s, 4096).await.map_err(|e| e.to_string())?;
         let reply = if req.model == self.name {
-            CardReply::Card { hash: self.card_blob.0, blob: self.card_blob.1.clone() }
+            CardReply::Card {
+                hash: self.card_blob.0,
+                blob: self.card_blob.1.clone(),
+            }
         } else {
-            CardReply::Unknown(format!("this server serves {:?}, not {:?}", self.name, req.model))
+            CardReply::Unknown(format!(
+                "this server serves {:?}, not {:?}",
+                self.name, req.model
+            ))
         };
-        write_frame(&mut s, &reply, self.limit()).await.map_err(|e| e.to_string())
+        write_frame(&mut s, &reply, self.limit())
+            .await
+            .map_err(|e| e.to_string())
     }
 
     /// Checks a request; the engine request, or why not.
     fn engine_request(&self, r: InferRequest) -> Result<(GenerateRequest, usize), String> {
         if r.model != self.name {
-            return Err(format!("this server serves {:?}, not {:?}", self.name, r.model));
+            return Err(format!(
+                "this server serves {:?}, not {:?}",
+                self.name, r.model
+            ));
         }
         if r.prompt.is_empty() {
             return Err("empty prompt".into());
         }
         let vocab = self.card.config.vocab_size;
-        if let Some(t) = r.prompt.iter().chain(&r.stop_token_ids).find(|t| **t as usize >= vocab) {
+        if let Some(t) = r
+            .prompt
+            .iter()
+            .chain(&r.stop_token_ids)
+            .find(|t| **t as usize >= vocab)
+        {
             return Err(format!("token id {t} is outside the vocabulary ({vocab})"));
         }
         if r.prompt.len() + r.max_tokens as usize > self.max_context {
@@ -251,7 +293,10 @@ impl ServedModel {
             return Err(format!("n must be 1..={}, got {}", self.limits.max_n, r.n));
         }
         if r.top_logprobs > self.limits.max_top_logprobs {
-            return Err(format!("top_logprobs must be <= {}", self.limits.max_top_logprobs));
+            return Err(format!(
+                "top_logprobs must be <= {}",
+                self.limits.max_top_logprobs
+            ));
         }
         r.sampling.validate()?;
         let constraint = match r.constraint {
@@ -278,7 +323,15 @@ impl ServedModel {
         let (req, n) = match self.engine_request(r) {
             Ok(x) => x,
             Err(e) => {
-                let _ = write_frame(&mut s, &InferFrame::Rejected { message: e.clone(), retry: false }, limit).await;
+                let _ = write_frame(
+                    &mut s,
+                    &InferFrame::Rejected {
+                        message: e.clone(),
+                        retry: false,
+                    },
+                    limit,
+                )
+                .await;
                 return Err(format!("rejected a request: {e}"));
             }
         };
@@ -287,7 +340,15 @@ impl ServedModel {
             Ok(r) => r,
             Err(e) => {
                 let retry = matches!(e, EngineError::Overloaded(_) | EngineError::Stopped);
-                let _ = write_frame(&mut s, &InferFrame::Rejected { message: e.to_string(), retry }, limit).await;
+                let _ = write_frame(
+                    &mut s,
+                    &InferFrame::Rejected {
+                        message: e.to_string(),
+                        retry,
+                    },
+                    limit,
+                )
+                .await;
                 return Ok(());
             }
         };
@@ -302,7 +363,8 @@ impl ServedModel {
         while let Some((i, ev)) = events.next().await {
             let frame = match ev {
                 EngineEvent::Token { id, logprob, top } => {
-                    let h = hashers[i].get_or_insert_with(|| CallHasher::new(&self.name, version_now(), &prompt));
+                    let h = hashers[i]
+                        .get_or_insert_with(|| CallHasher::new(&self.name, version_now(), &prompt));
                     h.push(id, logprob as f32);
                     vec![InferFrame::Token {
                         choice: i as u32,
@@ -313,7 +375,12 @@ impl ServedModel {
                         signature: self.swarm.sign(&h.digest()),
                     }]
                 }
-                EngineEvent::Finished { reason, prompt_tokens, completion_tokens, policy_version } => {
+                EngineEvent::Finished {
+                    reason,
+                    prompt_tokens,
+                    completion_tokens,
+                    policy_version,
+                } => {
                     // The version signed is the one the hasher started with: the engine's
                     // version when the first token came (the request's start version
                     // unless weights changed during its prefill).
@@ -325,7 +392,10 @@ impl ServedModel {
                         policy_version: hashers[i].as_ref().map_or(policy_version, |h| h.version()),
                     }]
                 }
-                EngineEvent::Failed(message) => vec![InferFrame::Failed { choice: i as u32, message }],
+                EngineEvent::Failed(message) => vec![InferFrame::Failed {
+                    choice: i as u32,
+                    message,
+                }],
                 EngineEvent::Signed { .. } => vec![],
             };
             for f in frame {
@@ -344,7 +414,9 @@ impl ServedModel {
     fn known_servers(&self) -> HashSet<PeerId> {
         let mut set = self.servers.lock().map(|s| s.clone()).unwrap_or_default();
         for e in self.swarm.view() {
-            if e.status.role == crate::swarm::Role::Server && e.status.models.iter().any(|m| m.name == self.name) {
+            if e.status.role == crate::swarm::Role::Server
+                && e.status.models.iter().any(|m| m.name == self.name)
+            {
                 set.insert(e.peer);
             }
         }
@@ -372,7 +444,10 @@ impl ServedModel {
         }
         let refs: usize = man.timelines.iter().map(|t| t.hashes().count()).sum();
         if refs > self.limits.max_manifest_refs {
-            return Err(format!("{refs} fragment references (limit {})", self.limits.max_manifest_refs));
+            return Err(format!(
+                "{refs} fragment references (limit {})",
+                self.limits.max_manifest_refs
+            ));
         }
         for (t, sigs) in man.timelines.iter().zip(&m.signatures) {
             if t.model != self.name {
@@ -395,7 +470,9 @@ impl ServedModel {
         tracing::Span::current().record("id", episode.as_str());
         match self.receive_episode(&mut s, m).await {
             Ok(reply) => {
-                write_frame(&mut s, &reply, limit).await.map_err(|e| e.to_string())?;
+                write_frame(&mut s, &reply, limit)
+                    .await
+                    .map_err(|e| e.to_string())?;
                 let _ = futures::io::AsyncWriteExt::close(&mut s).await;
                 Ok(())
             }
@@ -407,10 +484,19 @@ impl ServedModel {
         }
     }
 
-    async fn receive_episode(&self, s: &mut Stream, m: SubmitManifest) -> Result<SubmitReply, String> {
+    async fn receive_episode(
+        &self,
+        s: &mut Stream,
+        m: SubmitManifest,
+    ) -> Result<SubmitReply, String> {
         let limit = self.limit();
         self.check_manifest(&m)?;
-        let all: HashSet<FragmentHash> = m.manifest.timelines.iter().flat_map(|t| t.hashes().copied()).collect();
+        let all: HashSet<FragmentHash> = m
+            .manifest
+            .timelines
+            .iter()
+            .flat_map(|t| t.hashes().copied())
+            .collect();
         let mut have: HashMap<FragmentHash, Fragment> = HashMap::new();
         let mut want: HashSet<FragmentHash> = HashSet::new();
         {
@@ -429,7 +515,9 @@ impl ServedModel {
         let known = have.len();
         let mut want_list: Vec<FragmentHash> = want.iter().copied().collect();
         want_list.sort();
-        write_frame(s, &SubmitReply::Want(want_list), limit).await.map_err(|e| e.to_string())?;
+        write_frame(s, &SubmitReply::Want(want_list), limit)
+            .await
+            .map_err(|e| e.to_string())?;
         let mut received = Vec::new();
         while !want.is_empty() {
             let batch: FragmentBatch = read_frame(s, limit).await.map_err(|e| e.to_string())?;
@@ -456,10 +544,19 @@ impl ServedModel {
         for (ti, t) in timelines.iter().enumerate() {
             for c in rebuilt_calls(t) {
                 let sig = &m.signatures[ti][c.call as usize];
-                let digest = crate::swarm::sign::call_digest(&t.model, &c.prompt, &c.completion, &c.logprobs, c.version);
+                let digest = crate::swarm::sign::call_digest(
+                    &t.model,
+                    &c.prompt,
+                    &c.completion,
+                    &c.logprobs,
+                    c.version,
+                );
                 let signer = verify(sig, &digest).map_err(|e| format!("call {}: {e}", c.call))?;
                 if !servers.contains(&signer) {
-                    return Err(format!("call {} is signed by {signer}, which is not a server of {:?}", c.call, self.name));
+                    return Err(format!(
+                        "call {} is signed by {signer}, which is not a server of {:?}",
+                        c.call, self.name
+                    ));
                 }
             }
         }
@@ -495,8 +592,11 @@ impl ServedModel {
         let name = blake3::hash(m.episode_id.as_bytes()).to_hex();
         let path = self.episodes_dir.join(format!("{}.episode", &name[..32]));
         let tmp = path.with_extension("tmp");
-        let bytes = postcard::to_allocvec(&StoredEpisode { manifest: m.clone(), timelines: timelines.to_vec() })
-            .map_err(|e| e.to_string())?;
+        let bytes = postcard::to_allocvec(&StoredEpisode {
+            manifest: m.clone(),
+            timelines: timelines.to_vec(),
+        })
+        .map_err(|e| e.to_string())?;
         let write = || -> std::io::Result<()> {
             use std::io::Write;
             let mut f = std::fs::File::create(&tmp)?;

@@ -211,7 +211,9 @@ mod tests {
         assert_eq!(SwarmKey::parse(&k.to_file_text()).unwrap(), k);
         let hex = k.to_file_text().lines().nth(2).unwrap().to_string();
         assert_eq!(SwarmKey::parse(&hex).unwrap(), k);
-        assert!(SwarmKey::parse("abc").unwrap_err().contains("64 hex digits"));
+        assert!(SwarmKey::parse("abc")
+            .unwrap_err()
+            .contains("64 hex digits"));
         assert!(SwarmKey::parse(&"zz".repeat(32)).is_err());
         assert_ne!(SwarmKey::generate(), k);
         let (a, b) = (PeerId::random(), PeerId::random());

@@ -137,18 +137,32 @@ mod tests {
             }
             // Over the reader's limit: refused from the header alone.
             let mut out = Vec::new();
-            write_frame(&mut out, &Msg { a: 1, b: vec![0; 300] }, 2000)
-                .await
-                .unwrap();
+            write_frame(
+                &mut out,
+                &Msg {
+                    a: 1,
+                    b: vec![0; 300],
+                },
+                2000,
+            )
+            .await
+            .unwrap();
             let err = read_frame::<_, Msg>(&mut Cursor::new(out), 100)
                 .await
                 .unwrap_err();
             assert!(err.to_string().contains("over the limit of 100"), "{err}");
             // Over the writer's limit: not sent.
             let mut out = Vec::new();
-            assert!(write_frame(&mut out, &Msg { a: 1, b: vec![0; 300] }, 100)
-                .await
-                .is_err());
+            assert!(write_frame(
+                &mut out,
+                &Msg {
+                    a: 1,
+                    b: vec![0; 300]
+                },
+                100
+            )
+            .await
+            .is_err());
             assert!(out.is_empty());
             // Garbage: a clear decode error.
             let mut out = Vec::new();

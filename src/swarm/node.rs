@@ -27,7 +27,10 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use futures::StreamExt;
 use libp2p::gossipsub::{self, IdentTopic, MessageAcceptance};
 use libp2p::identity::Keypair;
-use libp2p::kad::{self, store::MemoryStore, store::RecordStore, BucketInserts, Mode, QueryId, QueryResult, StoreInserts};
+use libp2p::kad::{
+    self, store::MemoryStore, store::RecordStore, BucketInserts, Mode, QueryId, QueryResult,
+    StoreInserts,
+};
 use libp2p::swarm::{NetworkBehaviour, SwarmEvent};
 use libp2p::{identify, noise, ping, tcp, yamux, Multiaddr, PeerId, Stream, StreamProtocol, Swarm};
 use tokio::sync::{mpsc, oneshot};
@@ -214,14 +217,20 @@ pub async fn spawn_node(cfg: SwarmConfig) -> Result<SwarmHandle, SwarmError> {
                 .set_query_timeout(Duration::from_secs(10))
                 .set_periodic_bootstrap_interval(None);
             let mut kad = kad::Behaviour::with_config(peer_id, MemoryStore::new(peer_id), kcfg);
-            kad.set_mode(Some(if c.kad_server { Mode::Server } else { Mode::Client }));
+            kad.set_mode(Some(if c.kad_server {
+                Mode::Server
+            } else {
+                Mode::Client
+            }));
             Ok(Behaviour {
                 identify: identify::Behaviour::new(
                     identify::Config::new(IDENTIFY.into(), key.public())
                         .with_agent_version(format!("agentjet/{}", env!("CARGO_PKG_VERSION")))
                         .with_push_listen_addr_updates(true),
                 ),
-                ping: ping::Behaviour::new(ping::Config::new().with_interval(Duration::from_secs(5))),
+                ping: ping::Behaviour::new(
+                    ping::Config::new().with_interval(Duration::from_secs(5)),
+                ),
                 gossipsub,
                 kad,
                 stream: libp2p_stream::Behaviour::new(),
@@ -281,7 +290,9 @@ pub async fn spawn_node(cfg: SwarmConfig) -> Result<SwarmHandle, SwarmError> {
                 listen_addrs.push(address);
                 pending_listeners -= 1;
             }
-            SwarmEvent::ListenerClosed { addresses, reason, .. } => {
+            SwarmEvent::ListenerClosed {
+                addresses, reason, ..
+            } => {
                 return Err(SwarmError::Setup(format!(
                     "listener {addresses:?} closed: {reason:?}"
                 )))
@@ -326,7 +337,13 @@ struct EventLoop {
     identified: HashMap<PeerId, Vec<Multiaddr>>,
     in_kad: HashSet<PeerId>,
     providing: HashSet<String>,
-    provider_queries: HashMap<QueryId, (HashSet<PeerId>, Option<oneshot::Sender<Result<Vec<PeerId>, String>>>)>,
+    provider_queries: HashMap<
+        QueryId,
+        (
+            HashSet<PeerId>,
+            Option<oneshot::Sender<Result<Vec<PeerId>, String>>>,
+        ),
+    >,
     connect_waiters: HashMap<PeerId, Vec<oneshot::Sender<Result<(), String>>>>,
     seq: u64,
     reprovide_soon: bool,
@@ -365,7 +382,12 @@ impl EventLoop {
 
     fn reprovide(&mut self) {
         for m in self.providing.clone() {
-            if let Err(e) = self.swarm.behaviour_mut().kad.start_providing(model_key(&m)) {
+            if let Err(e) = self
+                .swarm
+                .behaviour_mut()
+                .kad
+                .start_providing(model_key(&m))
+            {
                 warn!(model = %m, "providing: {e}");
             }
         }
@@ -402,7 +424,12 @@ impl EventLoop {
         let Ok(bytes) = postcard::to_allocvec(&env) else {
             return;
         };
-        match self.swarm.behaviour_mut().gossipsub.publish(self.topic.clone(), bytes) {
+        match self
+            .swarm
+            .behaviour_mut()
+            .gossipsub
+            .publish(self.topic.clone(), bytes)
+        {
             Ok(_) | Err(gossipsub::PublishError::NoPeersSubscribedToTopic) => {}
             Err(e) => debug!("publishing status: {e}"),
         }
@@ -412,18 +439,31 @@ impl EventLoop {
         match c {
             Command::Provide(model, reply) => {
                 self.providing.insert(model.clone());
-                if let Err(e) = self.swarm.behaviour_mut().kad.start_providing(model_key(&model)) {
+                if let Err(e) = self
+                    .swarm
+                    .behaviour_mut()
+                    .kad
+                    .start_providing(model_key(&model))
+                {
                     warn!(%model, "providing: {e}");
                 }
                 let _ = reply.send(());
             }
             Command::StopProviding(model) => {
                 self.providing.remove(&model);
-                self.swarm.behaviour_mut().kad.stop_providing(&model_key(&model));
+                self.swarm
+                    .behaviour_mut()
+                    .kad
+                    .stop_providing(&model_key(&model));
             }
             Command::Providers(model, reply) => {
-                let id = self.swarm.behaviour_mut().kad.get_providers(model_key(&model));
-                self.provider_queries.insert(id, (HashSet::new(), Some(reply)));
+                let id = self
+                    .swarm
+                    .behaviour_mut()
+                    .kad
+                    .get_providers(model_key(&model));
+                self.provider_queries
+                    .insert(id, (HashSet::new(), Some(reply)));
             }
             Command::Connect(peer, reply) => {
                 if self.swarm.is_connected(&peer) {
@@ -457,9 +497,13 @@ impl EventLoop {
                 }
             }
             Command::AuthDeadline(peer) => {
-                if self.swarm.is_connected(&peer) && self.handle.auth.state(&peer) == PeerAuth::Pending {
+                if self.swarm.is_connected(&peer)
+                    && self.handle.auth.state(&peer) == PeerAuth::Pending
+                {
                     warn!(%peer, "did not prove the swarm key within the auth timeout; disconnecting");
-                    self.handle.auth.set(peer, PeerAuth::Denied("no proof of the swarm key".into()));
+                    self.handle
+                        .auth
+                        .set(peer, PeerAuth::Denied("no proof of the swarm key".into()));
                     let _ = self.swarm.disconnect_peer_id(peer);
                 }
             }
@@ -514,7 +558,12 @@ impl EventLoop {
                     self.listen_addrs.push(address);
                 }
             }
-            SwarmEvent::ConnectionEstablished { peer_id, endpoint, num_established, .. } => {
+            SwarmEvent::ConnectionEstablished {
+                peer_id,
+                endpoint,
+                num_established,
+                ..
+            } => {
                 if endpoint.is_dialer() {
                     self.learn(peer_id, vec![endpoint.get_remote_address().clone()]);
                 }
@@ -537,21 +586,34 @@ impl EventLoop {
                     }
                 }
             }
-            SwarmEvent::ConnectionClosed { peer_id, num_established: 0, cause, .. } => {
+            SwarmEvent::ConnectionClosed {
+                peer_id,
+                num_established: 0,
+                cause,
+                ..
+            } => {
                 debug!(peer = %peer_id, ?cause, "disconnected");
                 self.handle.auth.forget(&peer_id);
                 if self.in_kad.remove(&peer_id) {
                     self.swarm.behaviour_mut().kad.remove_peer(&peer_id);
                 }
             }
-            SwarmEvent::OutgoingConnectionError { peer_id: Some(peer), error, .. } => {
+            SwarmEvent::OutgoingConnectionError {
+                peer_id: Some(peer),
+                error,
+                ..
+            } => {
                 if let Some(ws) = self.connect_waiters.remove(&peer) {
                     for w in ws {
                         let _ = w.send(Err(format!("dialing {peer}: {error}")));
                     }
                 }
             }
-            SwarmEvent::Behaviour(BehaviourEvent::Identify(identify::Event::Received { peer_id, info, .. })) => {
+            SwarmEvent::Behaviour(BehaviourEvent::Identify(identify::Event::Received {
+                peer_id,
+                info,
+                ..
+            })) => {
                 if info.protocol_version != IDENTIFY {
                     warn!(peer = %peer_id, protocol = %info.protocol_version, "not an AgentJet peer");
                     return;
@@ -574,11 +636,10 @@ impl EventLoop {
                         MessageAcceptance::Reject
                     }
                 };
-                self.swarm.behaviour_mut().gossipsub.report_message_validation_result(
-                    &message_id,
-                    &propagation_source,
-                    acceptance,
-                );
+                self.swarm
+                    .behaviour_mut()
+                    .gossipsub
+                    .report_message_validation_result(&message_id, &propagation_source, acceptance);
             }
             SwarmEvent::Behaviour(BehaviourEvent::Kad(e)) => self.on_kad(e),
             _ => {}
@@ -587,13 +648,18 @@ impl EventLoop {
 
     fn check_gossip(&mut self, from: &PeerId, m: &gossipsub::Message) -> Result<(), String> {
         if !self.handle.auth.is_member(from) {
-            return Err(format!("forwarded by {from}, which has not proved the swarm key"));
+            return Err(format!(
+                "forwarded by {from}, which has not proved the swarm key"
+            ));
         }
         let env: StatusEnvelope =
             postcard::from_bytes(&m.data).map_err(|e| format!("malformed status: {e}"))?;
         let author = PeerId::from_bytes(&env.author).map_err(|e| format!("bad author: {e}"))?;
         if m.source != Some(author) {
-            return Err(format!("status of {author} not signed by it ({:?})", m.source));
+            return Err(format!(
+                "status of {author} not signed by it ({:?})",
+                m.source
+            ));
         }
         if let Some(k) = self.handle.auth.key() {
             match env.mac {
@@ -613,11 +679,18 @@ impl EventLoop {
             .collect();
         self.learn(author, addrs.clone());
         if let Ok(mut v) = self.handle.view.lock() {
-            let newer = v.get(&author).is_none_or(|s| env.seq > s.seq || env.seq == 1);
+            let newer = v
+                .get(&author)
+                .is_none_or(|s| env.seq > s.seq || env.seq == 1);
             if newer {
                 v.insert(
                     author,
-                    ViewSlot { status: env.status, addrs, seq: env.seq, at: Instant::now() },
+                    ViewSlot {
+                        status: env.status,
+                        addrs,
+                        seq: env.seq,
+                        at: Instant::now(),
+                    },
                 );
             }
         }
@@ -626,7 +699,9 @@ impl EventLoop {
 
     fn on_kad(&mut self, e: kad::Event) {
         match e {
-            kad::Event::InboundRequest { request: kad::InboundRequest::AddProvider { record: Some(r) } } => {
+            kad::Event::InboundRequest {
+                request: kad::InboundRequest::AddProvider { record: Some(r) },
+            } => {
                 if self.handle.auth.is_member(&r.provider) {
                     if let Err(e) = self.swarm.behaviour_mut().kad.store_mut().add_provider(r) {
                         warn!("storing a provider record: {e}");
@@ -635,18 +710,26 @@ impl EventLoop {
                     warn!(provider = %r.provider, "dropped a provider record from a peer that has not proved the swarm key");
                 }
             }
-            kad::Event::InboundRequest { request: kad::InboundRequest::PutRecord { source, .. } } => {
+            kad::Event::InboundRequest {
+                request: kad::InboundRequest::PutRecord { source, .. },
+            } => {
                 debug!(%source, "ignored a put-record (AgentJet stores only provider records)");
             }
-            kad::Event::OutboundQueryProgressed { id, result, step, .. } => {
+            kad::Event::OutboundQueryProgressed {
+                id, result, step, ..
+            } => {
                 if let QueryResult::GetProviders(r) = result {
-                    let Some(entry) = self.provider_queries.get_mut(&id) else { return };
+                    let Some(entry) = self.provider_queries.get_mut(&id) else {
+                        return;
+                    };
                     let mut done = step.last;
                     match r {
                         Ok(kad::GetProvidersOk::FoundProviders { providers, .. }) => {
                             entry.0.extend(providers)
                         }
-                        Ok(kad::GetProvidersOk::FinishedWithNoAdditionalRecord { .. }) => done = true,
+                        Ok(kad::GetProvidersOk::FinishedWithNoAdditionalRecord { .. }) => {
+                            done = true
+                        }
                         Err(e) => {
                             debug!("provider query: {e}");
                             done = true;
@@ -669,8 +752,14 @@ impl EventLoop {
 impl StatusEnvelope {
     /// The bytes the MAC covers: everything but the MAC.
     pub fn mac_payload(&self) -> Vec<u8> {
-        postcard::to_allocvec(&(&self.author, self.seq, self.unix_ms, &self.status, &self.addrs))
-            .unwrap_or_default()
+        postcard::to_allocvec(&(
+            &self.author,
+            self.seq,
+            self.unix_ms,
+            &self.status,
+            &self.addrs,
+        ))
+        .unwrap_or_default()
     }
 }
 
@@ -776,7 +865,9 @@ impl SwarmHandle {
     /// Opens a stream to `peer` and reads its [`Admission`].
     pub async fn open(&self, peer: PeerId, protocol: StreamProtocol) -> Result<Stream, SwarmError> {
         if peer == self.peer_id {
-            return Err(SwarmError::Protocol("a peer cannot open a stream to itself".into()));
+            return Err(SwarmError::Protocol(
+                "a peer cannot open a stream to itself".into(),
+            ));
         }
         let _ = self.connect(peer).await;
         let mut control = self.control.clone();
@@ -784,11 +875,18 @@ impl SwarmHandle {
         let mut s = tokio::time::timeout(t, control.open_stream(peer, protocol.clone()))
             .await
             .map_err(|_| SwarmError::Timeout(format!("opening {protocol} to {peer}")))?
-            .map_err(|e| SwarmError::Unreachable { peer, reason: format!("{protocol}: {e}") })?;
-        let adm: Admission = tokio::time::timeout(t + self.cfg.auth_timeout, read_frame(&mut s, 4096))
-            .await
-            .map_err(|_| SwarmError::Timeout(format!("admission on {protocol} from {peer}")))?
-            .map_err(|e| SwarmError::Unreachable { peer, reason: e.to_string() })?;
+            .map_err(|e| SwarmError::Unreachable {
+                peer,
+                reason: format!("{protocol}: {e}"),
+            })?;
+        let adm: Admission =
+            tokio::time::timeout(t + self.cfg.auth_timeout, read_frame(&mut s, 4096))
+                .await
+                .map_err(|_| SwarmError::Timeout(format!("admission on {protocol} from {peer}")))?
+                .map_err(|e| SwarmError::Unreachable {
+                    peer,
+                    reason: e.to_string(),
+                })?;
         match adm {
             Admission::Accepted => Ok(s),
             Admission::Refused(reason) => Err(SwarmError::Refused { peer, reason }),
@@ -821,8 +919,15 @@ impl SwarmHandle {
                         let _ = write_frame(&mut stream, &Admission::Refused(why), limit).await;
                         return;
                     }
-                    let _guard = OpenGuard { h: h.clone(), peer, name };
-                    if write_frame(&mut stream, &Admission::Accepted, limit).await.is_err() {
+                    let _guard = OpenGuard {
+                        h: h.clone(),
+                        peer,
+                        name,
+                    };
+                    if write_frame(&mut stream, &Admission::Accepted, limit)
+                        .await
+                        .is_err()
+                    {
                         return;
                     }
                     if let Err(e) = handler(peer, stream).await {
@@ -836,14 +941,19 @@ impl SwarmHandle {
 
     async fn admit(&self, peer: &PeerId, name: &'static str) -> Result<(), String> {
         self.auth.wait_member(peer, self.cfg.auth_timeout).await?;
-        let mut l = self.limits.lock().map_err(|_| "internal: limits lock".to_string())?;
+        let mut l = self
+            .limits
+            .lock()
+            .map_err(|_| "internal: limits lock".to_string())?;
         let now = Instant::now();
         let (rate, burst) = (self.cfg.max_requests_per_s, self.cfg.request_burst);
         let b = l.buckets.entry(*peer).or_insert((burst, now));
         b.0 = (b.0 + rate * now.duration_since(b.1).as_secs_f64()).min(burst);
         b.1 = now;
         if b.0 < 1.0 {
-            return Err(format!("over the request rate limit ({rate}/s, burst {burst})"));
+            return Err(format!(
+                "over the request rate limit ({rate}/s, burst {burst})"
+            ));
         }
         b.0 -= 1.0;
         let open = l.open.entry((*peer, name)).or_insert(0);
@@ -859,14 +969,19 @@ impl SwarmHandle {
 
     /// Sends our proof of the swarm key to `peer`.
     async fn prove(&self, peer: PeerId, key: SwarmKey) {
-        let proof = AuthProof { proof: key.proof(&self.peer_id, &peer) };
+        let proof = AuthProof {
+            proof: key.proof(&self.peer_id, &peer),
+        };
         let mut control = self.control.clone();
         let r: Result<AuthVerdict, String> = async {
-            let mut s = tokio::time::timeout(self.cfg.auth_timeout, control.open_stream(peer, AUTH))
+            let mut s =
+                tokio::time::timeout(self.cfg.auth_timeout, control.open_stream(peer, AUTH))
+                    .await
+                    .map_err(|_| "timed out".to_string())?
+                    .map_err(|e| e.to_string())?;
+            write_frame(&mut s, &proof, 1024)
                 .await
-                .map_err(|_| "timed out".to_string())?
                 .map_err(|e| e.to_string())?;
-            write_frame(&mut s, &proof, 1024).await.map_err(|e| e.to_string())?;
             tokio::time::timeout(self.cfg.auth_timeout, read_frame(&mut s, 4096))
                 .await
                 .map_err(|_| "timed out".to_string())?
@@ -891,13 +1006,21 @@ impl SwarmHandle {
             while let Some((peer, mut stream)) = incoming.next().await {
                 let h = h.clone();
                 tokio::spawn(async move {
-                    let got = tokio::time::timeout(h.cfg.auth_timeout, read_frame::<_, AuthProof>(&mut stream, 1024)).await;
+                    let got = tokio::time::timeout(
+                        h.cfg.auth_timeout,
+                        read_frame::<_, AuthProof>(&mut stream, 1024),
+                    )
+                    .await;
                     let verdict = match (&got, h.auth.key()) {
                         (_, None) => AuthVerdict::Accepted,
-                        (Ok(Ok(p)), Some(k)) if p.proof == k.proof(&peer, &h.peer_id) => AuthVerdict::Accepted,
+                        (Ok(Ok(p)), Some(k)) if p.proof == k.proof(&peer, &h.peer_id) => {
+                            AuthVerdict::Accepted
+                        }
                         (Ok(Ok(_)), Some(_)) => AuthVerdict::Denied("wrong swarm key".into()),
                         (Ok(Err(e)), Some(_)) => AuthVerdict::Denied(format!("bad proof: {e}")),
-                        (Err(_), Some(_)) => AuthVerdict::Denied("no proof within the auth timeout".into()),
+                        (Err(_), Some(_)) => {
+                            AuthVerdict::Denied("no proof within the auth timeout".into())
+                        }
                     };
                     let _ = write_frame(&mut stream, &verdict, 1024).await;
                     if h.auth.key().is_some() {

@@ -107,7 +107,10 @@ pub struct CardRequest {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum CardReply {
     /// `blob` is a postcard [`CardBlob`]; `hash` its blake3.
-    Card { hash: [u8; 32], blob: Vec<u8> },
+    Card {
+        hash: [u8; 32],
+        blob: Vec<u8>,
+    },
     Unknown(String),
 }
 

@@ -86,9 +86,7 @@ pub fn call_digest(
 
 /// Signs a digest; the encoded [`CallSignature`].
 pub fn sign(key: &Keypair, digest: &[u8; 32]) -> Vec<u8> {
-    let signature = key
-        .sign(digest)
-        .expect("ed25519 signing does not fail");
+    let signature = key.sign(digest).expect("ed25519 signing does not fail");
     postcard::to_allocvec(&CallSignature {
         public_key: key.public().encode_protobuf(),
         signature,
