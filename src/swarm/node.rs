@@ -129,6 +129,8 @@ struct ViewSlot {
     at: Instant,
 }
 
+type ProvidersReply = oneshot::Sender<Result<Vec<PeerId>, String>>;
+
 enum Command {
     Provide(String, oneshot::Sender<()>),
     StopProviding(String),
@@ -337,13 +339,7 @@ struct EventLoop {
     identified: HashMap<PeerId, Vec<Multiaddr>>,
     in_kad: HashSet<PeerId>,
     providing: HashSet<String>,
-    provider_queries: HashMap<
-        QueryId,
-        (
-            HashSet<PeerId>,
-            Option<oneshot::Sender<Result<Vec<PeerId>, String>>>,
-        ),
-    >,
+    provider_queries: HashMap<QueryId, (HashSet<PeerId>, ProvidersReply)>,
     connect_waiters: HashMap<PeerId, Vec<oneshot::Sender<Result<(), String>>>>,
     seq: u64,
     reprovide_soon: bool,
@@ -462,8 +458,7 @@ impl EventLoop {
                     .behaviour_mut()
                     .kad
                     .get_providers(model_key(&model));
-                self.provider_queries
-                    .insert(id, (HashSet::new(), Some(reply)));
+                self.provider_queries.insert(id, (HashSet::new(), reply));
             }
             Command::Connect(peer, reply) => {
                 if self.swarm.is_connected(&peer) {
@@ -716,31 +711,28 @@ impl EventLoop {
                 debug!(%source, "ignored a put-record (AgentJet stores only provider records)");
             }
             kad::Event::OutboundQueryProgressed {
-                id, result, step, ..
+                id,
+                result: QueryResult::GetProviders(r),
+                step,
+                ..
             } => {
-                if let QueryResult::GetProviders(r) = result {
-                    let Some(entry) = self.provider_queries.get_mut(&id) else {
-                        return;
-                    };
-                    let mut done = step.last;
-                    match r {
-                        Ok(kad::GetProvidersOk::FoundProviders { providers, .. }) => {
-                            entry.0.extend(providers)
-                        }
-                        Ok(kad::GetProvidersOk::FinishedWithNoAdditionalRecord { .. }) => {
-                            done = true
-                        }
-                        Err(e) => {
-                            debug!("provider query: {e}");
-                            done = true;
-                        }
+                let Some(entry) = self.provider_queries.get_mut(&id) else {
+                    return;
+                };
+                let mut done = step.last;
+                match r {
+                    Ok(kad::GetProvidersOk::FoundProviders { providers, .. }) => {
+                        entry.0.extend(providers)
                     }
-                    if done {
-                        if let Some((found, reply)) = self.provider_queries.remove(&id) {
-                            if let Some(reply) = reply {
-                                let _ = reply.send(Ok(found.into_iter().collect()));
-                            }
-                        }
+                    Ok(kad::GetProvidersOk::FinishedWithNoAdditionalRecord { .. }) => done = true,
+                    Err(e) => {
+                        debug!("provider query: {e}");
+                        done = true;
+                    }
+                }
+                if done {
+                    if let Some((found, reply)) = self.provider_queries.remove(&id) {
+                        let _ = reply.send(Ok(found.into_iter().collect()));
                     }
                 }
             }
