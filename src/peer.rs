@@ -244,7 +244,6 @@ fn server(sargs: &SwarmArgs, rargs: &RoleArgs) -> Result<()> {
 
 /// `agentjet-peer status`: joins, listens to the status gossip, prints the table.
 pub fn status(bootstrap: &[String], key: Option<&Path>, wait: f64) -> Result<()> {
-    let dir = std::env::temp_dir().join(format!("agentjet-status-{}", std::process::id()));
     let mut cfg = SwarmConfig::new(WireRole::Client, swarm::Keypair::generate_ed25519());
     cfg.listen = vec!["/ip4/0.0.0.0/udp/0/quic-v1".parse()?];
     cfg.bootstrap = bootstrap
@@ -253,7 +252,6 @@ pub fn status(bootstrap: &[String], key: Option<&Path>, wait: f64) -> Result<()>
         .collect::<Result<_>>()?;
     cfg.swarm_key = load_key(key)?;
     let wait = secs("wait", wait)?;
-    let _ = std::fs::remove_dir_all(&dir);
     runtime()?.block_on(async move {
         let h = swarm::spawn_node(cfg).await?;
         tokio::time::sleep(wait).await;

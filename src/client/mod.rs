@@ -31,7 +31,7 @@ use crate::swarm::frame::{read_frame, write_frame};
 use crate::swarm::protocol::{
     CardBlob, CardReply, CardRequest, InferFrame, InferRequest, CARD, INFER,
 };
-use crate::swarm::{PeerId, SwarmError, SwarmHandle};
+use crate::swarm::{PeerId, SwarmHandle};
 
 /// Calls re-issued at most (per call) before the call fails.
 const MAX_ATTEMPTS: usize = 4;
@@ -402,7 +402,6 @@ impl RemoteCall {
         let limit = self.swarm.cfg.max_frame_bytes;
         let mut s = match self.swarm.open(peer, INFER).await {
             Ok(s) => s,
-            Err(e @ SwarmError::Refused { .. }) => return AttemptEnd::Retry(e.to_string()),
             Err(e) => return AttemptEnd::Retry(e.to_string()),
         };
         let first = which[0];
