@@ -4,7 +4,10 @@
 use std::collections::HashMap;
 
 use crate::swarm::frame::{read_frame, write_frame};
-use crate::swarm::protocol::{FragmentBatch, SubmitManifest, SubmitReply, SUBMIT};
+use crate::swarm::protocol::{
+    CompactSignature, FragmentBatch, SubmitManifest, SubmitReply, SUBMIT,
+};
+use crate::swarm::sign::split;
 use crate::swarm::{PeerId, SwarmHandle};
 use crate::timeline::fragment::{fragment_timeline, EpisodeManifest, FragmentHash};
 use crate::timeline::Episode;
@@ -15,7 +18,8 @@ pub struct SubmitOutcome {
     pub reply: SubmitReply,
     /// Encoded fragment bytes sent (what deduplication saves on).
     pub fragment_bytes_sent: usize,
-    /// Frames' bytes sent in all (manifest included).
+    /// Frames' bytes sent in all, exactly as on the stream (manifest and length prefixes
+    /// included).
     pub bytes_sent: usize,
 }
 
@@ -26,10 +30,26 @@ pub fn prepare(
 ) -> Result<(SubmitManifest, HashMap<FragmentHash, Vec<u8>>), String> {
     let t = episode.timeline(model).map_err(|e| e.to_string())?;
     let (tm, frags) = fragment_timeline(&t);
-    let sigs: Vec<Vec<u8>> = episode
-        .calls_of(model)
-        .map(|c| c.signature.clone())
-        .collect();
+    let mut signers: Vec<Vec<u8>> = Vec::new();
+    let mut sigs = Vec::new();
+    for c in episode.calls_of(model) {
+        if c.signature.is_empty() {
+            sigs.push(None);
+            continue;
+        }
+        let (key, signature) = split(&c.signature)?;
+        let signer = match signers.iter().position(|k| *k == key) {
+            Some(i) => i,
+            None => {
+                signers.push(key);
+                signers.len() - 1
+            }
+        };
+        sigs.push(Some(CompactSignature {
+            signer: signer as u32,
+            signature,
+        }));
+    }
     let manifest = EpisodeManifest {
         episode_id: episode.id.clone(),
         task_id: episode.task_id.clone(),
@@ -43,6 +63,7 @@ pub fn prepare(
     Ok((
         SubmitManifest {
             manifest,
+            signers,
             signatures: vec![sigs],
         },
         bytes,
@@ -80,7 +101,7 @@ pub async fn submit(
         }
     };
     let mut fragment_bytes_sent = 0;
-    let mut batch = Vec::new();
+    let mut batch: Vec<Vec<u8>> = Vec::new();
     let mut batch_bytes = 0;
     let budget = limit / 2;
     for (i, h) in want.iter().enumerate() {
@@ -88,13 +109,13 @@ pub async fn submit(
             format!("the server asked for fragment {h}, which is not in this episode")
         })?;
         fragment_bytes_sent += b.len();
-        batch_bytes += b.len() + 40;
-        batch.push((*h, b.clone()));
+        batch_bytes += b.len() + 5;
+        batch.push(b.clone());
         if batch_bytes >= budget || i + 1 == want.len() {
             let fb = FragmentBatch {
                 fragments: std::mem::take(&mut batch),
             };
-            bytes_sent += batch_bytes + 4;
+            bytes_sent += postcard::to_allocvec(&fb).map_err(|e| e.to_string())?.len() + 4;
             batch_bytes = 0;
             write_frame(&mut s, &fb, limit)
                 .await

@@ -34,7 +34,7 @@ use crate::swarm::protocol::{
     CardBlob, CardReply, CardRequest, FragmentBatch, InferFrame, InferRequest, ModelStatus,
     SubmitManifest, SubmitReply, CARD, INFER, SUBMIT,
 };
-use crate::swarm::sign::{rebuilt_calls, verify, CallHasher};
+use crate::swarm::sign::{join, rebuilt_calls, verify, CallHasher, MAX_SIGNATURE_BYTES};
 use crate::swarm::{PeerId, Stream, SwarmHandle};
 use crate::timeline::fragment::{EpisodeManifest, Fragment, FragmentHash};
 use crate::timeline::Timeline;
@@ -460,6 +460,13 @@ impl ServedModel {
                 return Err(format!("{} signatures for {} calls", sigs.len(), t.calls));
             }
         }
+        let calls: usize = man.timelines.iter().map(|t| t.calls as usize).sum();
+        if m.signers.len() > calls.max(1) {
+            return Err(format!("{} signers for {calls} calls", m.signers.len()));
+        }
+        if m.signers.iter().any(|k| k.len() > MAX_SIGNATURE_BYTES) {
+            return Err(format!("a signer key over {MAX_SIGNATURE_BYTES} bytes"));
+        }
         Ok(())
     }
 
@@ -515,19 +522,20 @@ impl ServedModel {
         let known = have.len();
         let mut want_list: Vec<FragmentHash> = want.iter().copied().collect();
         want_list.sort();
-        write_frame(s, &SubmitReply::Want(want_list), limit)
+        write_frame(s, &SubmitReply::Want(want_list.clone()), limit)
             .await
             .map_err(|e| e.to_string())?;
         let mut received = Vec::new();
-        while !want.is_empty() {
+        let mut next = want_list.iter();
+        while received.len() < want_list.len() {
             let batch: FragmentBatch = read_frame(s, limit).await.map_err(|e| e.to_string())?;
             if batch.fragments.is_empty() {
                 return Err("an empty fragment batch".into());
             }
-            for (hash, bytes) in batch.fragments {
-                if !want.remove(&hash) {
-                    return Err(format!("fragment {hash} was not asked for"));
-                }
+            for bytes in batch.fragments {
+                let hash = *next
+                    .next()
+                    .ok_or("more fragments were sent than asked for")?;
                 let f = Fragment::decode(&hash, &bytes).map_err(|e| e.to_string())?;
                 received.push((hash, f.clone(), bytes.len()));
                 have.insert(hash, f);
@@ -543,7 +551,18 @@ impl ServedModel {
         let servers = self.known_servers();
         for (ti, t) in timelines.iter().enumerate() {
             for c in rebuilt_calls(t) {
-                let sig = &m.signatures[ti][c.call as usize];
+                let sig = match &m.signatures[ti][c.call as usize] {
+                    None => Vec::new(),
+                    Some(cs) => {
+                        let key = m.signers.get(cs.signer as usize).ok_or_else(|| {
+                            format!(
+                                "call {} names signer {}, not in the list",
+                                c.call, cs.signer
+                            )
+                        })?;
+                        join(key, &cs.signature)
+                    }
+                };
                 let digest = crate::swarm::sign::call_digest(
                     &t.model,
                     &c.prompt,
@@ -551,7 +570,7 @@ impl ServedModel {
                     &c.logprobs,
                     c.version,
                 );
-                let signer = verify(sig, &digest).map_err(|e| format!("call {}: {e}", c.call))?;
+                let signer = verify(&sig, &digest).map_err(|e| format!("call {}: {e}", c.call))?;
                 if !servers.contains(&signer) {
                     return Err(format!(
                         "call {} is signed by {signer}, which is not a server of {:?}",

@@ -123,11 +123,21 @@ pub struct CardBlob {
 }
 
 /// An episode offered to a server: the manifest and, per timeline and call, the serving
-/// peer's signature (empty for a call that sampled nothing).
+/// peer's signature (`None` for a call that sampled nothing). Each signer's public key is
+/// sent once, in `signers`; a signature names its signer by index.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SubmitManifest {
     pub manifest: EpisodeManifest,
-    pub signatures: Vec<Vec<Vec<u8>>>,
+    pub signers: Vec<Vec<u8>>,
+    pub signatures: Vec<Vec<Option<CompactSignature>>>,
+}
+
+/// A call's signature without its signer's key: `signer` indexes
+/// [`SubmitManifest::signers`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CompactSignature {
+    pub signer: u32,
+    pub signature: Vec<u8>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -142,10 +152,11 @@ pub enum SubmitReply {
     Rejected(String),
 }
 
-/// Fragments as encoded (their hash is checked against these exact bytes).
+/// Fragments as encoded, in the order of the server's [`SubmitReply::Want`] list (so no
+/// hash is sent twice); the server checks each against the hash it asked for.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct FragmentBatch {
-    pub fragments: Vec<(FragmentHash, Vec<u8>)>,
+    pub fragments: Vec<Vec<u8>>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

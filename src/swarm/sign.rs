@@ -94,6 +94,28 @@ pub fn sign(key: &Keypair, digest: &[u8; 32]) -> Vec<u8> {
     .expect("a signature encodes")
 }
 
+/// An encoded signature's parts: (signer's public key, signature).
+pub fn split(encoded: &[u8]) -> Result<(Vec<u8>, Vec<u8>), String> {
+    if encoded.len() > MAX_SIGNATURE_BYTES {
+        return Err(format!(
+            "signature of {} bytes (at most {MAX_SIGNATURE_BYTES})",
+            encoded.len()
+        ));
+    }
+    let s: CallSignature =
+        postcard::from_bytes(encoded).map_err(|e| format!("malformed signature: {e}"))?;
+    Ok((s.public_key, s.signature))
+}
+
+/// The encoded signature from its parts (the inverse of [`split`]).
+pub fn join(public_key: &[u8], signature: &[u8]) -> Vec<u8> {
+    postcard::to_allocvec(&CallSignature {
+        public_key: public_key.to_vec(),
+        signature: signature.to_vec(),
+    })
+    .expect("a signature encodes")
+}
+
 /// Checks an encoded signature over `digest`; the signer's peer id.
 pub fn verify(encoded: &[u8], digest: &[u8; 32]) -> Result<PeerId, String> {
     if encoded.is_empty() {
