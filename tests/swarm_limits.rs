@@ -104,3 +104,41 @@ async fn too_many_streams_and_too_fast_requests_are_refused_with_the_reason() {
     let e = hold(&other, &server).await.expect("another peer is served");
     release(e).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peers_that_only_listen_on_tcp_still_talk_and_find_providers() {
+    let tcp = |boot: Option<String>| {
+        let mut cfg = SwarmConfig::new(Role::Server, Keypair::generate_ed25519());
+        cfg.listen = vec!["/ip4/127.0.0.1/tcp/0".parse().unwrap()];
+        cfg.bootstrap = boot.into_iter().map(|b| b.parse().unwrap()).collect();
+        spawn_node(cfg)
+    };
+    let server = tcp(None).await.unwrap();
+    server
+        .serve(HOLD, |_peer, mut s| async move {
+            let x: u8 = read_frame(&mut s, 64).await.map_err(|e| e.to_string())?;
+            write_frame(&mut s, &(x + 1), 64)
+                .await
+                .map_err(|e| e.to_string())
+        })
+        .unwrap();
+    server.provide("over-tcp").await.unwrap();
+    let addr = server.listen_addrs().await[0].to_string();
+    assert!(addr.contains("/tcp/"), "{addr}");
+    let client = tcp(Some(addr)).await.unwrap();
+    let t0 = std::time::Instant::now();
+    while !client
+        .providers("over-tcp")
+        .await
+        .unwrap()
+        .contains(&server.peer_id)
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the provider was not found over TCP"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let s = hold(&client, &server).await.expect("a stream over TCP");
+    release(s).await;
+}
