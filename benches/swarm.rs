@@ -551,7 +551,7 @@ async fn submission(args: &Args, vocab: u64, boot: &str, server: PeerId) -> Resu
             .map(|c| postcard::to_allocvec(c).map(|b| b.len()))
             .sum::<Result<usize, _>>()?;
         let (manifest, frags): (_, HashMap<_, _>) =
-            prepare(e, MODEL).map_err(|e| anyhow!("preparing: {e}"))?;
+            prepare(e, MODEL, args.group_size as u32).map_err(|e| anyhow!("preparing: {e}"))?;
         let t = Instant::now();
         let out = submit(&h, server, &manifest, &frags)
             .await

@@ -92,6 +92,69 @@ struct RoleArgs {
     /// Client: seconds to wait for a provider of each model at start.
     #[arg(long, default_value_t = 120.0)]
     wait: f64,
+
+    /// Server: serve only, do not train on submitted episodes.
+    #[arg(long)]
+    no_train: bool,
+    /// Server: AdamW learning rate.
+    #[arg(long, default_value_t = 1e-5)]
+    learning_rate: f64,
+    /// Server: steps of linear learning-rate warmup.
+    #[arg(long, default_value_t = 0)]
+    warmup_steps: u64,
+    /// Server: trainable groups per optimizer step.
+    #[arg(long, default_value_t = 4)]
+    groups_per_step: usize,
+    /// Episodes per task (GRPO's group). Client: how many it runs of each task. Server:
+    /// the group size assumed when a client does not say it.
+    #[arg(long, default_value_t = 4)]
+    num_repeat: usize,
+    /// Server: seconds a group waits for its missing episodes before training on what
+    /// arrived (at least 2 finished).
+    #[arg(long, default_value_t = 600.0)]
+    group_timeout: f64,
+    /// Server: group advantage: `grpo`, `dr_grpo` or `rloo`.
+    #[arg(long, default_value = "grpo")]
+    advantage: String,
+    /// Server: calls sampled more than this many policy versions ago are not trained on.
+    #[arg(long, default_value_t = 4)]
+    max_staleness: u64,
+    /// Server: save a checkpoint every N steps (and when stopped).
+    #[arg(long, default_value_t = 20)]
+    checkpoint_every: u64,
+
+    /// Client: run this command once per episode (its own process group; see README).
+    #[arg(long)]
+    agent: Option<String>,
+    /// Client: a task file (JSONL) or a directory of them, optionally `:WEIGHT` for its
+    /// share when several are mixed (repeatable).
+    #[arg(long = "tasks", value_name = "PATH[:WEIGHT]")]
+    tasks: Vec<String>,
+    /// Client: reward command given the task and the transcript (instead of the agent's).
+    #[arg(long)]
+    grader: Option<String>,
+    /// Client: episodes running at once.
+    #[arg(long, default_value_t = 8)]
+    concurrency: usize,
+    /// Client: seconds an episode may run before it is killed and aborted.
+    #[arg(long, default_value_t = 300.0)]
+    episode_timeout: f64,
+    /// Client: groups to run in all (default: every task once, times --epochs).
+    #[arg(long)]
+    groups: Option<usize>,
+    /// Client: passes over the task sources (when --groups is not given).
+    #[arg(long, default_value_t = 1)]
+    epochs: usize,
+    /// Client: run episodes but submit nothing (debug an agent against the live model).
+    #[arg(long)]
+    dry_run: bool,
+    /// Client: a model that is not trained, served by any OpenAI-compatible endpoint
+    /// (`NAME=URL`, repeatable); its calls are recorded, not submitted.
+    #[arg(long = "external-model", value_name = "NAME=URL")]
+    external_models: Vec<String>,
+    /// Client: where episode logs and the summary go (default: <data-dir>/runs/<time>).
+    #[arg(long)]
+    run_dir: Option<std::path::PathBuf>,
 }
 
 const EXAMPLES: &str = "\

@@ -2,6 +2,7 @@
 //! configuration from the command line and runs the role until Ctrl-C / SIGTERM.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use agentjet::swarm::{self, Multiaddr, Role as WireRole, SwarmConfig, SwarmHandle, SwarmKey};
@@ -131,15 +132,47 @@ pub fn run(role: Role, sargs: &SwarmArgs, rargs: &RoleArgs) -> Result<()> {
             };
             let wait = secs("wait", rargs.wait)?;
             let port = rargs.proxy_port;
+            if !rargs.external_models.is_empty() {
+                bail!(
+                    "--external-model is not built yet: calls to non-trainable models through \
+                     other OpenAI endpoints are tracked in a later change; call such a model \
+                     directly from the agent for now"
+                );
+            }
+            let job = match &rargs.agent {
+                None => {
+                    if !rargs.tasks.is_empty() {
+                        bail!("--tasks needs --agent COMMAND (the agent to run on them)");
+                    }
+                    None
+                }
+                Some(cmd) => {
+                    use agentjet::client::tasks::{load_source, Schedule};
+                    if rargs.tasks.is_empty() {
+                        bail!("--agent needs --tasks FILE (JSONL, one task per line)");
+                    }
+                    let sources = rargs
+                        .tasks
+                        .iter()
+                        .map(|t| load_source(t).map_err(|e| anyhow!("--tasks: {e}")))
+                        .collect::<Result<Vec<_>>>()?;
+                    let schedule = Schedule::new(sources).map_err(|e| anyhow!(e))?;
+                    Some((cmd.clone(), schedule))
+                }
+            };
+            let timeout = secs("episode-timeout", rargs.episode_timeout)?;
+            let rargs = rargs.clone();
             runtime()?.block_on(async move {
                 use agentjet::client::SwarmBackend;
-                use agentjet::openai::server::{router, ServerConfig};
+                use agentjet::openai::server::{router_tracked, ServerConfig};
                 let h = start_node(cfg).await?;
-                let backend = SwarmBackend::connect(h, &models, &dir, wait)
-                    .await
-                    .map_err(|e| anyhow!(e))?;
-                let app = router(
-                    std::sync::Arc::new(backend),
+                let backend = Arc::new(
+                    SwarmBackend::connect(h, &models, &dir, wait)
+                        .await
+                        .map_err(|e| anyhow!(e))?,
+                );
+                let (app, tracking) = router_tracked(
+                    backend.clone(),
                     ServerConfig {
                         track_episodes: true,
                         ..Default::default()
@@ -148,16 +181,56 @@ pub fn run(role: Role, sargs: &SwarmArgs, rargs: &RoleArgs) -> Result<()> {
                 let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
                     .await
                     .with_context(|| format!("binding 127.0.0.1:{port}"))?;
-                println!(
-                    "proxy at http://{}/v1 (OpenAI-compatible; models {models:?})",
-                    listener.local_addr()?
-                );
+                let base_url = format!("http://{}/v1", listener.local_addr()?);
+                println!("proxy at {base_url} (OpenAI-compatible; models {models:?})");
                 use std::io::Write as _;
                 std::io::stdout().flush()?;
-                axum::serve(listener, app)
-                    .with_graceful_shutdown(until_stopped())
+                let Some((command, schedule)) = job else {
+                    axum::serve(listener, app)
+                        .with_graceful_shutdown(until_stopped())
+                        .await
+                        .context("serving the proxy")?;
+                    return Ok(());
+                };
+                tokio::spawn(async move { axum::serve(listener, app).await });
+                let (stop_tx, stop_rx) = tokio::sync::watch::channel(0u8);
+                tokio::spawn(async move {
+                    until_stopped().await;
+                    let _ = stop_tx.send(1);
+                    until_stopped().await;
+                    println!("aborting the running episodes");
+                    let _ = stop_tx.send(2);
+                });
+                use agentjet::client::run::{default_groups, new_run_id, run_episodes, RunConfig};
+                let run_id = new_run_id();
+                let run_dir = rargs
+                    .run_dir
+                    .clone()
+                    .unwrap_or_else(|| dir.join("runs").join(&run_id));
+                let groups = rargs
+                    .groups
+                    .unwrap_or_else(|| default_groups(&schedule, rargs.epochs));
+                let cfg = RunConfig {
+                    agent: agentjet::client::runner::AgentSpec {
+                        command,
+                        grader: rargs.grader.clone(),
+                        timeout,
+                        base_url,
+                        logs: run_dir.join("episodes"),
+                    },
+                    num_repeat: rargs.num_repeat.max(1),
+                    concurrency: rargs.concurrency.max(1),
+                    groups,
+                    dry_run: rargs.dry_run,
+                    run_dir,
+                    models: models.clone(),
+                    run_id,
+                    progress_every: Duration::from_secs(2),
+                };
+                let tracking = tracking.context("the proxy tracks episodes")?;
+                run_episodes(cfg, schedule, backend, tracking, stop_rx)
                     .await
-                    .context("serving the proxy")?;
+                    .map_err(|e| anyhow!(e))?;
                 Ok(())
             })
         }
@@ -183,11 +256,29 @@ fn server(sargs: &SwarmArgs, rargs: &RoleArgs) -> Result<()> {
     };
     let dir = data_dir(sargs, "server");
     let cfg = swarm_config(WireRole::Server, sargs, &dir)?;
-    let loaded = super::torch_cmds::load(&super::ModelArgs {
+    let margs = super::ModelArgs {
         model: spec.clone(),
         device: rargs.device.clone(),
         dtype: rargs.dtype.clone(),
-    })?;
+    };
+    let loaded = super::torch_cmds::load(&margs)?;
+    // The trainer's own float32 copy (the engine serves from the other).
+    let train_model = if rargs.no_train {
+        None
+    } else {
+        Some(
+            super::torch_cmds::load(&super::ModelArgs {
+                dtype: Some("f32".into()),
+                ..margs.clone()
+            })
+            .context("loading the trainer's copy of the model")?
+            .model,
+        )
+    };
+    let advantage: agentjet::train::groups::AdvantageKind = rargs
+        .advantage
+        .parse()
+        .map_err(|e: String| anyhow!("--advantage: {e}"))?;
     let name = rargs.served_model_name.clone().unwrap_or(spec);
     let model_context = loaded.model.max_positions();
     let engine = agentjet::engine::spawn_engine(
@@ -217,6 +308,44 @@ fn server(sargs: &SwarmArgs, rargs: &RoleArgs) -> Result<()> {
             ServeLimits::default(),
         )
         .map_err(|e| anyhow!(e))?;
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let trainer = match train_model {
+            None => None,
+            Some(model) => {
+                let safe: String = name
+                    .chars()
+                    .map(|c| {
+                        if c.is_ascii_alphanumeric() || "-_.".contains(c) {
+                            c
+                        } else {
+                            '_'
+                        }
+                    })
+                    .collect();
+                let settings = agentjet::server::train::TrainSettings {
+                    run_dir: dir.join("runs").join(safe),
+                    learning_rate: rargs.learning_rate,
+                    warmup_steps: rargs.warmup_steps,
+                    groups_per_step: rargs.groups_per_step.max(1),
+                    num_repeat: rargs.num_repeat.max(1),
+                    group_timeout: secs("group-timeout", rargs.group_timeout)?,
+                    min_episodes: 2,
+                    advantage,
+                    max_staleness: Some(rargs.max_staleness),
+                    checkpoint_every: rargs.checkpoint_every.max(1),
+                    micro_batch_tokens: 4096,
+                };
+                Some(
+                    agentjet::server::train::start_training(
+                        served.clone(),
+                        model,
+                        settings,
+                        stop.clone(),
+                    )
+                    .map_err(|e| anyhow!(e))?,
+                )
+            }
+        };
         served.start().await.map_err(|e| anyhow!(e))?;
         println!("serving model {name:?} to the swarm");
         if let Some(addr) = http {
@@ -238,6 +367,10 @@ fn server(sargs: &SwarmArgs, rargs: &RoleArgs) -> Result<()> {
         use std::io::Write as _;
         std::io::stdout().flush()?;
         until_stopped().await;
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(t) = trainer {
+            let _ = tokio::task::spawn_blocking(move || t.join()).await;
+        }
         Ok(())
     })
 }

@@ -362,7 +362,7 @@ mod library {
         e: &Episode,
         tamper: bool,
     ) -> SubmitReply {
-        let (m, mut frags) = prepare(e, "tiny").unwrap();
+        let (m, mut frags) = prepare(e, "tiny", 0).unwrap();
         if tamper {
             for b in frags.values_mut() {
                 let n = b.len();

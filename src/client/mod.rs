@@ -14,7 +14,10 @@
 //!
 //! Never touches LibTorch.
 
+pub mod run;
+pub mod runner;
 pub mod submit;
+pub mod tasks;
 
 use std::collections::HashMap;
 use std::path::Path;

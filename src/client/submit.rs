@@ -10,7 +10,7 @@ use crate::swarm::protocol::{
 use crate::swarm::sign::split;
 use crate::swarm::{PeerId, SwarmHandle};
 use crate::timeline::fragment::{fragment_timeline, EpisodeManifest, FragmentHash};
-use crate::timeline::Episode;
+use crate::timeline::{Episode, EpisodeStatus};
 
 /// What a submission cost and what the server said.
 #[derive(Debug, Clone)]
@@ -23,11 +23,34 @@ pub struct SubmitOutcome {
     pub bytes_sent: usize,
 }
 
-/// The manifest (with signatures) and the encoded fragments of `episode`'s calls of `model`.
+/// The manifest (with signatures) and the encoded fragments of `episode`'s calls of `model`
+/// (`group_size`: the episodes of its group; 0 if unknown). An aborted episode is
+/// reported without its calls: the server only counts it, so its group can complete.
 pub fn prepare(
     episode: &Episode,
     model: &str,
+    group_size: u32,
 ) -> Result<(SubmitManifest, HashMap<FragmentHash, Vec<u8>>), String> {
+    if let EpisodeStatus::Aborted { .. } = episode.status {
+        let manifest = EpisodeManifest {
+            episode_id: episode.id.clone(),
+            task_id: episode.task_id.clone(),
+            group_id: episode.group_id.clone(),
+            group_size,
+            reward: None,
+            rewards: Default::default(),
+            status: episode.status.clone(),
+            timelines: Vec::new(),
+        };
+        return Ok((
+            SubmitManifest {
+                manifest,
+                signers: Vec::new(),
+                signatures: Vec::new(),
+            },
+            HashMap::new(),
+        ));
+    }
     let t = episode.timeline(model).map_err(|e| e.to_string())?;
     let (tm, frags) = fragment_timeline(&t);
     let mut signers: Vec<Vec<u8>> = Vec::new();
@@ -54,6 +77,7 @@ pub fn prepare(
         episode_id: episode.id.clone(),
         task_id: episode.task_id.clone(),
         group_id: episode.group_id.clone(),
+        group_size,
         reward: episode.reward_for(model),
         rewards: episode.rewards.clone(),
         status: episode.status.clone(),
@@ -128,4 +152,51 @@ pub async fn submit(
         fragment_bytes_sent,
         bytes_sent,
     })
+}
+
+/// Submits `episode`'s calls of `model` to one of the model's providers: the provider
+/// chosen by rendezvous hashing on the group id (so a group's episodes meet on one server),
+/// then the others if it fails. A server's verdict (stored or rejected) is final; only
+/// transport failures move on to the next provider. Waits up to `wait` for a provider.
+pub async fn submit_to_model(
+    swarm: &SwarmHandle,
+    providers: impl Fn() -> Vec<PeerId>,
+    episode: &Episode,
+    model: &str,
+    group_size: u32,
+    wait: std::time::Duration,
+) -> Result<(PeerId, SubmitOutcome), String> {
+    let (manifest, frags) = prepare(episode, model, group_size)?;
+    let deadline = std::time::Instant::now() + wait;
+    let mut errors = Vec::new();
+    loop {
+        let mut ps = providers();
+        ps.sort_by_key(|p| {
+            let mut h = blake3::Hasher::new();
+            h.update(episode.group_id.as_bytes());
+            h.update(&p.to_bytes());
+            std::cmp::Reverse(*h.finalize().as_bytes())
+        });
+        for p in ps {
+            match submit(swarm, p, &manifest, &frags).await {
+                Ok(out) => return Ok((p, out)),
+                Err(e) => {
+                    tracing::warn!(peer = %p, episode = episode.id, "submission failed: {e}");
+                    errors.push(format!("{p}: {e}"));
+                }
+            }
+        }
+        if std::time::Instant::now() >= deadline {
+            return Err(format!(
+                "no provider of {model:?} took episode {}{}",
+                episode.id,
+                if errors.is_empty() {
+                    " (none found)".to_string()
+                } else {
+                    format!(": {}", errors.join("; "))
+                }
+            ));
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    }
 }

@@ -66,13 +66,85 @@ struct AppState {
     next_id: AtomicU64,
     requests: AtomicU64,
     errors: AtomicU64,
-    tracker: Option<Tracker>,
+    tracker: Option<Arc<Tracker>>,
+    /// Rewards agents posted to `/v1/agentjet/reward`, by episode (when tracking).
+    rewards: Arc<Rewards>,
     /// Each model's token bytes, built on the first constrained request.
     token_bytes: std::sync::Mutex<std::collections::HashMap<String, Arc<TokenBytes>>>,
 }
 
+/// Rewards posted by agents, by episode: `{"reward": r}` or `{"rewards": {model: r}}`.
+#[derive(Default)]
+pub struct Rewards {
+    map: std::sync::Mutex<std::collections::HashMap<String, PostedReward>>,
+}
+
+/// A reward an agent posted for its episode.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PostedReward {
+    One(f64),
+    PerModel(std::collections::BTreeMap<String, f64>),
+}
+
+impl Rewards {
+    /// The reward posted for `episode`, removing it.
+    pub fn take(&self, episode: &str) -> Option<PostedReward> {
+        self.map
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(episode)
+    }
+
+    fn put(&self, episode: &str, r: PostedReward) {
+        let mut m = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        // Bounded like the tracker: a client forgets rewards nobody collects.
+        if m.len() >= 65536 && !m.contains_key(episode) {
+            m.clear();
+        }
+        m.insert(episode.to_string(), r);
+    }
+}
+
+/// Parses `{"reward": r}` or `{"rewards": {"model": r, ...}}` (finite numbers only).
+pub fn parse_reward(v: &serde_json::Value) -> Result<PostedReward, String> {
+    let num = |x: &serde_json::Value, what: &str| -> Result<f64, String> {
+        x.as_f64()
+            .filter(|f| f.is_finite())
+            .ok_or_else(|| format!("{what} must be a finite number, got {x}"))
+    };
+    if let Some(r) = v.get("reward") {
+        return Ok(PostedReward::One(num(r, "reward")?));
+    }
+    if let Some(rs) = v.get("rewards") {
+        let obj = rs
+            .as_object()
+            .ok_or("rewards must be an object of model name to number")?;
+        if obj.is_empty() {
+            return Err("rewards is empty".into());
+        }
+        let mut out = std::collections::BTreeMap::new();
+        for (k, x) in obj {
+            out.insert(k.clone(), num(x, &format!("rewards.{k}"))?);
+        }
+        return Ok(PostedReward::PerModel(out));
+    }
+    Err("expected {\"reward\": number} or {\"rewards\": {model: number}}".into())
+}
+
+/// What a tracking facade shares with its owner (the client's episode runner).
+#[derive(Clone)]
+pub struct Tracking {
+    pub tracker: Arc<Tracker>,
+    pub rewards: Arc<Rewards>,
+}
+
 /// The router with every route of the facade.
 pub fn router(backend: Arc<dyn Backend>, cfg: ServerConfig) -> Router {
+    router_tracked(backend, cfg).0
+}
+
+/// The router, and (when `cfg.track_episodes`) the tracker and posted rewards behind it.
+pub fn router_tracked(backend: Arc<dyn Backend>, cfg: ServerConfig) -> (Router, Option<Tracking>) {
     let seed = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_nanos() as u64)
@@ -80,9 +152,15 @@ pub fn router(backend: Arc<dyn Backend>, cfg: ServerConfig) -> Router {
     let body_limit = cfg.max_body_bytes;
     let tracker = cfg
         .track_episodes
-        .then(|| Tracker::new(cfg.max_tracked_episodes));
+        .then(|| Arc::new(Tracker::new(cfg.max_tracked_episodes)));
+    let rewards = Arc::new(Rewards::default());
+    let tracking = tracker.as_ref().map(|t| Tracking {
+        tracker: t.clone(),
+        rewards: rewards.clone(),
+    });
     let state = Arc::new(AppState {
         tracker,
+        rewards,
         backend,
         cfg,
         next_id: AtomicU64::new(seed),
@@ -90,14 +168,54 @@ pub fn router(backend: Arc<dyn Backend>, cfg: ServerConfig) -> Router {
         errors: AtomicU64::new(0),
         token_bytes: Default::default(),
     });
-    Router::new()
+    let router = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
+        .route("/v1/agentjet/reward", post(post_reward))
         .layer(axum::extract::DefaultBodyLimit::max(body_limit))
-        .with_state(state)
+        .with_state(state);
+    (router, tracking)
+}
+
+/// `POST /v1/agentjet/reward` (tracking only): the episode named by the bearer token
+/// reports its reward.
+async fn post_reward(
+    State(st): State<Arc<AppState>>,
+    headers: axum::http::HeaderMap,
+    body: Body,
+) -> Response {
+    st.requests.fetch_add(1, Ordering::Relaxed);
+    let result = (|| {
+        let bad = |m: String| ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: m,
+            kind: "invalid_request_error",
+            param: Some("reward".into()),
+            code: None,
+        };
+        if st.tracker.is_none() {
+            return Err(ApiError {
+                status: StatusCode::NOT_FOUND,
+                message: "this endpoint does not track episodes (rewards go to a client's proxy)"
+                    .into(),
+                kind: "invalid_request_error",
+                param: None,
+                code: None,
+            });
+        }
+        let episode = episode_of(&st, &headers)
+            .ok_or_else(|| bad("the bearer token (OPENAI_API_KEY) must name the episode".into()))?;
+        let body = body_or_error(body, st.cfg.max_body_bytes)?;
+        let v: serde_json::Value =
+            serde_json::from_slice(&body).map_err(|e| bad(format!("the body is not JSON: {e}")))?;
+        let r = parse_reward(&v).map_err(bad)?;
+        st.rewards.put(&episode, r);
+        Ok(Json(json!({"ok": true, "episode": episode})).into_response())
+    })();
+    answer(&st, result)
 }
 
 /// An error in OpenAI's shape.

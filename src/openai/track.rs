@@ -204,6 +204,11 @@ impl Tracker {
         );
     }
 
+    /// The calls recorded so far for `episode` (kept).
+    pub fn peek(&self, episode: &str) -> Option<Vec<Call>> {
+        self.lock().episodes.get(episode).map(|e| e.calls.clone())
+    }
+
     /// The calls recorded for `episode`, removing it.
     pub fn take(&self, episode: &str) -> Option<Vec<Call>> {
         self.lock().episodes.remove(episode).map(|e| e.calls)

@@ -13,8 +13,10 @@
 //!   once written (and synced) under `<data-dir>/episodes/<model>/`;
 //! - optionally the OpenAI-compatible HTTP API on the same engine (`--http`).
 //!
-//! Training on the stored episodes is the trainer's (wired into this role by the client
-//! issue); this module never computes gradients.
+//! Stored episodes go to the training loop ([`train`]), which steps the trainer on its own
+//! copy of the model and brings the engine to each new policy version.
+
+pub mod train;
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -37,7 +39,7 @@ use crate::swarm::protocol::{
 use crate::swarm::sign::{join, rebuilt_calls, verify, CallHasher, MAX_SIGNATURE_BYTES};
 use crate::swarm::{PeerId, Stream, SwarmHandle};
 use crate::timeline::fragment::{EpisodeManifest, Fragment, FragmentHash};
-use crate::timeline::Timeline;
+use crate::timeline::{EpisodeStatus, Timeline};
 
 /// Bounds on what a caller may ask.
 #[derive(Debug, Clone)]
@@ -83,6 +85,10 @@ pub struct ServedModel {
     pub episodes_stored: AtomicU64,
     /// Servers of this model ever seen in the swarm view (their signatures are accepted).
     servers: Mutex<HashSet<PeerId>>,
+    /// Where stored episodes go to be trained on (none: serving only).
+    trainer: Mutex<Option<std::sync::mpsc::Sender<StoredEpisode>>>,
+    /// The trainer's step count, gossiped with the status.
+    pub train_step: AtomicU64,
 }
 
 /// The card as the blob clients fetch: its HF files, postcard-encoded, and its blake3.
@@ -165,7 +171,16 @@ impl ServedModel {
             episodes_dir,
             episodes_stored: AtomicU64::new(stored),
             servers: Mutex::new(HashSet::new()),
+            trainer: Mutex::new(None),
+            train_step: AtomicU64::new(0),
         }))
+    }
+
+    /// Sends every episode stored from now on to `tx` (the training loop).
+    pub fn set_trainer(&self, tx: std::sync::mpsc::Sender<StoredEpisode>) {
+        if let Ok(mut t) = self.trainer.lock() {
+            *t = Some(tx);
+        }
     }
 
     /// Registers the protocol handlers and announces the model.
@@ -230,7 +245,7 @@ impl ServedModel {
             st.models = vec![ModelStatus {
                 name,
                 policy_version: version,
-                train_step: 0,
+                train_step: self.train_step.load(Ordering::Relaxed),
             }];
             st.load = load;
             st.queue_depth = waiting as u32;
@@ -432,8 +447,29 @@ impl ServedModel {
         if man.episode_id.is_empty() || man.episode_id.len() > 256 {
             return Err("episode id must be 1..=256 bytes".into());
         }
-        if man.timelines.is_empty() {
+        let aborted = matches!(man.status, EpisodeStatus::Aborted { .. });
+        if man.timelines.is_empty() && !aborted {
             return Err("the episode has no timeline".into());
+        }
+        if aborted && !man.timelines.is_empty() {
+            return Err("an aborted episode is reported without its calls".into());
+        }
+        if man.status == EpisodeStatus::Running {
+            return Err("the episode is still running".into());
+        }
+        if man.status == EpisodeStatus::Finished
+            && man.reward.is_none()
+            && !man.rewards.contains_key(&self.name)
+        {
+            return Err(format!(
+                "the episode has no reward for model {:?}",
+                self.name
+            ));
+        }
+        for r in man.reward.iter().chain(man.rewards.values()) {
+            if !r.is_finite() {
+                return Err(format!("reward {r} is not a finite number"));
+            }
         }
         if m.signatures.len() != man.timelines.len() {
             return Err(format!(
@@ -579,7 +615,7 @@ impl ServedModel {
                 }
             }
         }
-        self.store_episode(&m.manifest, &timelines)?;
+        let stored = self.store_episode(&m.manifest, &timelines)?;
         {
             let mut cache = self.cache.lock().map_err(|_| "internal: cache lock")?;
             for (h, f, n) in received {
@@ -593,6 +629,14 @@ impl ServedModel {
             }
         }
         self.episodes_stored.fetch_add(1, Ordering::Relaxed);
+        if let Ok(mut t) = self.trainer.lock() {
+            if let Some(tx) = t.as_ref() {
+                if tx.send(stored).is_err() {
+                    tracing::error!("the training loop has stopped; episodes are stored only");
+                    *t = None;
+                }
+            }
+        }
         info!(
             fragments_received = all.len() - known,
             fragments_known = known,
@@ -607,15 +651,19 @@ impl ServedModel {
 
     /// Writes the episode (manifest + rebuilt timelines) and syncs it before it is
     /// acknowledged. A resubmitted episode replaces the earlier copy.
-    fn store_episode(&self, m: &EpisodeManifest, timelines: &[Timeline]) -> Result<(), String> {
+    fn store_episode(
+        &self,
+        m: &EpisodeManifest,
+        timelines: &[Timeline],
+    ) -> Result<StoredEpisode, String> {
         let name = blake3::hash(m.episode_id.as_bytes()).to_hex();
         let path = self.episodes_dir.join(format!("{}.episode", &name[..32]));
         let tmp = path.with_extension("tmp");
-        let bytes = postcard::to_allocvec(&StoredEpisode {
+        let stored = StoredEpisode {
             manifest: m.clone(),
             timelines: timelines.to_vec(),
-        })
-        .map_err(|e| e.to_string())?;
+        };
+        let bytes = postcard::to_allocvec(&stored).map_err(|e| e.to_string())?;
         let write = || -> std::io::Result<()> {
             use std::io::Write;
             let mut f = std::fs::File::create(&tmp)?;
@@ -623,7 +671,8 @@ impl ServedModel {
             f.sync_all()?;
             std::fs::rename(&tmp, &path)
         };
-        write().map_err(|e| format!("storing the episode at {}: {e}", path.display()))
+        write().map_err(|e| format!("storing the episode at {}: {e}", path.display()))?;
+        Ok(stored)
     }
 }
 
@@ -632,6 +681,35 @@ impl ServedModel {
 pub struct StoredEpisode {
     pub manifest: EpisodeManifest,
     pub timelines: Vec<Timeline>,
+}
+
+impl StoredEpisode {
+    /// The episode with its calls rebuilt from the timelines (sampled calls only: what
+    /// training uses), as the trainer takes it.
+    pub fn episode(&self) -> crate::timeline::Episode {
+        let m = &self.manifest;
+        let mut calls = Vec::new();
+        for t in &self.timelines {
+            for c in rebuilt_calls(t) {
+                calls.push(crate::timeline::Call::new(
+                    &t.model,
+                    c.prompt,
+                    c.completion,
+                    c.logprobs,
+                    c.version,
+                ));
+            }
+        }
+        crate::timeline::Episode {
+            id: m.episode_id.clone(),
+            task_id: m.task_id.clone(),
+            group_id: m.group_id.clone(),
+            calls,
+            reward: m.reward,
+            rewards: m.rewards.clone(),
+            status: m.status.clone(),
+        }
+    }
 }
 
 /// Reads every episode stored for a model (in no particular order).

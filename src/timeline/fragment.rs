@@ -152,9 +152,13 @@ pub struct EpisodeManifest {
     pub episode_id: String,
     pub task_id: String,
     pub group_id: String,
+    /// Episodes the client runs in this group (0: not said); a server trains a group once
+    /// that many have arrived, finished or aborted.
+    pub group_size: u32,
     pub reward: Option<f64>,
     pub rewards: BTreeMap<String, f64>,
     pub status: EpisodeStatus,
+    /// Empty for an aborted episode (it is reported so its group completes, never trained).
     pub timelines: Vec<TimelineManifest>,
 }
 

@@ -2,7 +2,8 @@
 //!
 //! Episodes arrive one by one (from clients, in any order); GRPO-family methods need a
 //! group of episodes of the same task to compare. A group becomes trainable when
-//! `num_repeat` of its episodes finished, or, after `timeout` since its first episode
+//! `num_repeat` of its episodes finished (or, when its client said how many it runs, once
+//! that many arrived, finished or aborted), or, after `timeout` since its first episode
 //! arrived, when at least `min_episodes` finished (stragglers are then left out). Aborted
 //! episodes never count and are never trained on.
 //!
@@ -111,6 +112,8 @@ pub struct ReadyReport {
 struct Pending {
     first_seen: Instant,
     episodes: Vec<Episode>,
+    /// The group's size as its client said (else `num_repeat`).
+    size: Option<usize>,
 }
 
 /// Episodes by group id until their group is trainable.
@@ -134,6 +137,14 @@ impl GroupBuffer {
 
     /// Adds an episode (finished or aborted); running episodes are refused.
     pub fn add(&mut self, episode: Episode) -> Result<(), String> {
+        self.add_sized(episode, None)
+    }
+
+    /// Adds an episode of a group whose client runs `size` episodes: the group is complete
+    /// (taken without waiting for the timeout) once `size` episodes arrived, finished or
+    /// aborted, and trained on its finished ones (at most `size`) when there are at least
+    /// `min_episodes`.
+    pub fn add_sized(&mut self, episode: Episode, size: Option<usize>) -> Result<(), String> {
         if episode.status == EpisodeStatus::Running {
             return Err(format!("episode {} is still running", episode.id));
         }
@@ -143,7 +154,11 @@ impl GroupBuffer {
             .or_insert_with(|| Pending {
                 first_seen: Instant::now(),
                 episodes: Vec::new(),
+                size: None,
             });
+        if let Some(n) = size.filter(|&n| n > 0) {
+            p.size = Some(n);
+        }
         if p.episodes.iter().any(|e| e.id == episode.id) {
             return Err(format!(
                 "episode {} is already in group {}",
@@ -173,7 +188,8 @@ impl GroupBuffer {
                 .filter(|e| e.trainable_for(&self.model))
                 .collect();
             let timed_out = now.duration_since(p.first_seen) >= self.cfg.timeout;
-            let full = trainable.len() >= self.cfg.num_repeat;
+            let size = p.size.unwrap_or(self.cfg.num_repeat);
+            let full = trainable.len() >= size || (p.size.is_some() && p.episodes.len() >= size);
             if !full && !timed_out {
                 continue;
             }
@@ -187,7 +203,7 @@ impl GroupBuffer {
                 .episodes
                 .into_iter()
                 .filter(|e| e.trainable_for(&self.model))
-                .take(self.cfg.num_repeat)
+                .take(size)
                 .collect();
             if episodes.len() < self.cfg.min_episodes.max(1) {
                 report.dropped_short += 1;
@@ -227,6 +243,42 @@ mod tests {
             rewards: Default::default(),
             status,
         }
+    }
+
+    #[test]
+    fn a_sized_group_completes_when_all_its_episodes_arrived_aborted_or_not() {
+        let cfg = GroupConfig {
+            num_repeat: 8,
+            min_episodes: 2,
+            timeout: Duration::from_secs(600),
+        };
+        let mut b = GroupBuffer::new(cfg, "policy", AdvantageKind::Grpo);
+        let fin = EpisodeStatus::Finished;
+        let aborted = EpisodeStatus::Aborted {
+            reason: "timed out".into(),
+        };
+        b.add_sized(ep("g", "1", Some(1.0), fin.clone()), Some(4))
+            .unwrap();
+        b.add_sized(ep("g", "2", None, aborted.clone()), Some(4))
+            .unwrap();
+        b.add_sized(ep("g", "3", Some(0.0), fin.clone()), Some(4))
+            .unwrap();
+        let now = Instant::now();
+        assert!(b.take_ready(now).0.is_empty(), "3 of 4 arrived: waits");
+        b.add_sized(ep("g", "4", None, aborted), Some(4)).unwrap();
+        let (ready, report) = b.take_ready(now);
+        assert_eq!(ready.len(), 1);
+        assert_eq!(ready[0].episodes.len(), 2);
+        assert_eq!(report.aborted, 2);
+        // Four of four arrived finished, without waiting for num_repeat = 8.
+        for i in 0..4 {
+            b.add_sized(
+                ep("h", &i.to_string(), Some(i as f64), fin.clone()),
+                Some(4),
+            )
+            .unwrap();
+        }
+        assert_eq!(b.take_ready(now).0[0].episodes.len(), 4);
     }
 
     #[test]

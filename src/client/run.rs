@@ -1,0 +1,445 @@
+//! The client's episode loop (`agentjet-peer --role client --agent CMD --tasks FILE`):
+//! draws tasks from the sources (by weight), runs `--num-repeat` episodes of each as one
+//! group, at most `--concurrency` at once, each through [`super::runner`]; when an episode
+//! ends, takes its tracked calls from the proxy, and submits each trainable model's
+//! timeline (with that model's reward) to that model's providers, or reports it aborted
+//! so its group still completes. `--dry-run` runs and records without submitting.
+//!
+//! `<run-dir>/episodes.jsonl` gets one line per episode (status, reward, calls, what each
+//! server answered); `<run-dir>/episodes/` the agents' stdout/stderr. A progress line every
+//! few seconds, a summary table at the end. Stops: level 1 (first Ctrl-C) starts nothing
+//! new and lets running episodes finish and be submitted; level 2 (second Ctrl-C) kills
+//! the running agents (their episodes are aborted and reported).
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use tokio::sync::{watch, Semaphore};
+
+use super::runner::{run_agent, AgentOutcome, AgentSpec};
+use super::submit::submit_to_model;
+use super::tasks::{Schedule, Task};
+use super::SwarmBackend;
+use crate::openai::server::{PostedReward, Tracking};
+use crate::openai::Backend;
+use crate::swarm::protocol::SubmitReply;
+use crate::timeline::{Episode, EpisodeStatus};
+
+/// What the loop runs.
+#[derive(Debug, Clone)]
+pub struct RunConfig {
+    pub agent: AgentSpec,
+    pub num_repeat: usize,
+    pub concurrency: usize,
+    /// Groups in all.
+    pub groups: usize,
+    pub dry_run: bool,
+    pub run_dir: PathBuf,
+    /// The trainable models (each episode's calls of them are submitted).
+    pub models: Vec<String>,
+    /// A name unique to this run (episode and group ids start with it).
+    pub run_id: String,
+    /// Seconds between progress lines.
+    pub progress_every: Duration,
+}
+
+#[derive(Default)]
+struct ModelStats {
+    rewards: Vec<f64>,
+    submitted: usize,
+    rejected: usize,
+    failed: usize,
+}
+
+#[derive(Default)]
+struct Stats {
+    done: AtomicUsize,
+    running: AtomicUsize,
+    aborted: AtomicUsize,
+    calls: AtomicU64,
+    per_model: Mutex<BTreeMap<String, ModelStats>>,
+    reasons: Mutex<BTreeMap<String, usize>>,
+}
+
+/// What a run did.
+#[derive(Debug, Clone, Default)]
+pub struct Summary {
+    pub episodes: usize,
+    pub aborted: usize,
+    /// Per model: (episodes submitted, mean reward of the first half, of the second half).
+    pub models: BTreeMap<String, (usize, f64, f64)>,
+}
+
+fn mean(v: &[f64]) -> f64 {
+    if v.is_empty() {
+        f64::NAN
+    } else {
+        v.iter().sum::<f64>() / v.len() as f64
+    }
+}
+
+/// Runs the groups; returns when all are done or a stop ended them.
+pub async fn run_episodes(
+    cfg: RunConfig,
+    mut schedule: Schedule,
+    backend: Arc<SwarmBackend>,
+    tracking: Tracking,
+    stop: watch::Receiver<u8>,
+) -> Result<Summary, String> {
+    let logs = cfg.run_dir.join("episodes");
+    std::fs::create_dir_all(&logs).map_err(|e| format!("{}: {e}", logs.display()))?;
+    let mut agent = cfg.agent.clone();
+    agent.logs = logs;
+    let agent = Arc::new(agent);
+    let journal_path = cfg.run_dir.join("episodes.jsonl");
+    let journal = Arc::new(Mutex::new(
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&journal_path)
+            .map_err(|e| format!("{}: {e}", journal_path.display()))?,
+    ));
+    let stats = Arc::new(Stats::default());
+    let sem = Arc::new(Semaphore::new(cfg.concurrency.max(1)));
+    let t0 = Instant::now();
+    println!(
+        "running {} groups x {} episodes of `{}` ({} at once) from {} tasks; models {:?}{}; run dir {}",
+        cfg.groups,
+        cfg.num_repeat,
+        cfg.agent.command,
+        cfg.concurrency,
+        schedule.total_tasks(),
+        cfg.models,
+        if cfg.dry_run { " (dry run: nothing is submitted)" } else { "" },
+        cfg.run_dir.display()
+    );
+    let progress = {
+        let stats = stats.clone();
+        let every = cfg.progress_every;
+        let groups = cfg.groups;
+        let n = cfg.num_repeat;
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(every).await;
+                println!("{}", progress_line(&stats, t0, groups * n));
+                let _ = std::io::stdout().flush();
+            }
+        })
+    };
+    let mut handles = Vec::new();
+    'groups: for g in 0..cfg.groups {
+        let (_, task) = schedule.next_task();
+        let group_id = format!("{}-g{g}-{}", cfg.run_id, task.id);
+        for r in 0..cfg.num_repeat {
+            let mut st = stop.clone();
+            let permit = tokio::select! {
+                p = sem.clone().acquire_owned() => p.map_err(|e| e.to_string())?,
+                _ = st.wait_for(|l| *l >= 1) => break 'groups,
+            };
+            if *stop.borrow() >= 1 {
+                break 'groups;
+            }
+            let ep = EpisodeJob {
+                id: format!("{}-g{g}-e{r}", cfg.run_id),
+                group_id: group_id.clone(),
+                task: task.clone(),
+                group_size: cfg.num_repeat as u32,
+            };
+            let (agent, backend, tracking, stats, journal, models, dry) = (
+                agent.clone(),
+                backend.clone(),
+                tracking.clone(),
+                stats.clone(),
+                journal.clone(),
+                cfg.models.clone(),
+                cfg.dry_run,
+            );
+            let st = stop.clone();
+            handles.push(tokio::spawn(async move {
+                let _permit = permit;
+                stats.running.fetch_add(1, Ordering::Relaxed);
+                let line = ep
+                    .run(&agent, &backend, &tracking, &stats, &models, dry, st)
+                    .await;
+                stats.running.fetch_sub(1, Ordering::Relaxed);
+                if let Ok(mut j) = journal.lock() {
+                    let _ = writeln!(j, "{line}");
+                }
+            }));
+        }
+    }
+    if *stop.borrow() >= 1 {
+        println!(
+            "stopping: no new episodes; {} running finish and are submitted (Ctrl-C again aborts them)",
+            stats.running.load(Ordering::Relaxed)
+        );
+    }
+    for h in handles {
+        let _ = h.await;
+    }
+    progress.abort();
+    println!("{}", progress_line(&stats, t0, cfg.groups * cfg.num_repeat));
+    Ok(summary(&stats, &cfg, t0))
+}
+
+fn progress_line(stats: &Stats, t0: Instant, total: usize) -> String {
+    let secs = t0.elapsed().as_secs_f64();
+    let mut rewards = String::new();
+    if let Ok(m) = stats.per_model.lock() {
+        for (name, s) in m.iter() {
+            let recent = &s.rewards[s.rewards.len().saturating_sub(32)..];
+            rewards.push_str(&format!(
+                " | {name}: reward {:.3} (last {}), submitted {}",
+                mean(recent),
+                recent.len(),
+                s.submitted
+            ));
+        }
+    }
+    format!(
+        "[{:>4.0}s] episodes {}/{} done, {} running, {} aborted | {:.2} calls/s{}",
+        secs,
+        stats.done.load(Ordering::Relaxed),
+        total,
+        stats.running.load(Ordering::Relaxed),
+        stats.aborted.load(Ordering::Relaxed),
+        stats.calls.load(Ordering::Relaxed) as f64 / secs.max(1e-9),
+        rewards
+    )
+}
+
+fn summary(stats: &Stats, cfg: &RunConfig, t0: Instant) -> Summary {
+    let mut out = Summary {
+        episodes: stats.done.load(Ordering::Relaxed),
+        aborted: stats.aborted.load(Ordering::Relaxed),
+        ..Default::default()
+    };
+    println!();
+    println!(
+        "summary: {} episodes in {:.1} min ({} aborted); run dir {}",
+        out.episodes,
+        t0.elapsed().as_secs_f64() / 60.0,
+        out.aborted,
+        cfg.run_dir.display()
+    );
+    println!(
+        "{:<24} {:>9} {:>9} {:>8} {:>12} {:>12} {:>12}",
+        "MODEL", "SUBMITTED", "REJECTED", "FAILED", "REWARD MEAN", "FIRST HALF", "SECOND HALF"
+    );
+    if let Ok(m) = stats.per_model.lock() {
+        for (name, s) in m.iter() {
+            let half = s.rewards.len() / 2;
+            let (a, b) = (mean(&s.rewards[..half]), mean(&s.rewards[half..]));
+            println!(
+                "{:<24} {:>9} {:>9} {:>8} {:>12.3} {:>12.3} {:>12.3}",
+                name,
+                s.submitted,
+                s.rejected,
+                s.failed,
+                mean(&s.rewards),
+                a,
+                b
+            );
+            out.models.insert(name.clone(), (s.submitted, a, b));
+        }
+    }
+    if let Ok(r) = stats.reasons.lock() {
+        for (why, n) in r.iter() {
+            println!("aborted x{n}: {why}");
+        }
+    }
+    out
+}
+
+struct EpisodeJob {
+    id: String,
+    group_id: String,
+    task: Task,
+    group_size: u32,
+}
+
+impl EpisodeJob {
+    /// Runs the agent, submits, and returns the journal line.
+    #[allow(clippy::too_many_arguments)]
+    async fn run(
+        self,
+        agent: &AgentSpec,
+        backend: &SwarmBackend,
+        tracking: &Tracking,
+        stats: &Stats,
+        models: &[String],
+        dry_run: bool,
+        mut stop: watch::Receiver<u8>,
+    ) -> Value {
+        let t0 = Instant::now();
+        let tracker = tracking.tracker.clone();
+        let id = self.id.clone();
+        let transcript = || {
+            let calls = tracker.peek(&id).unwrap_or_default();
+            Value::Array(
+                calls
+                    .iter()
+                    .map(|c| {
+                        let text = backend
+                            .card(&c.model)
+                            .and_then(|card| card.tokenizer.decode(&c.completion_ids, true).ok())
+                            .unwrap_or_default();
+                        json!({"model": c.model, "completion": text})
+                    })
+                    .collect(),
+            )
+        };
+        let outcome = run_agent(
+            agent,
+            &self.id,
+            &self.task,
+            &tracking.rewards,
+            transcript,
+            &mut stop,
+        )
+        .await;
+        let calls = tracking.tracker.take(&self.id).unwrap_or_default();
+        stats.calls.fetch_add(calls.len() as u64, Ordering::Relaxed);
+        let mut episode = Episode {
+            id: self.id.clone(),
+            task_id: self.task.id.clone(),
+            group_id: self.group_id.clone(),
+            calls,
+            reward: None,
+            rewards: Default::default(),
+            status: EpisodeStatus::Finished,
+        };
+        match &outcome {
+            AgentOutcome::Reward(PostedReward::One(r)) => episode.reward = Some(*r),
+            AgentOutcome::Reward(PostedReward::PerModel(m)) => episode.rewards = m.clone(),
+            AgentOutcome::Aborted(why) => {
+                episode.status = EpisodeStatus::Aborted {
+                    reason: why.clone(),
+                };
+                stats.aborted.fetch_add(1, Ordering::Relaxed);
+                if let Ok(mut r) = stats.reasons.lock() {
+                    // Reasons vary in their details; group them by their start.
+                    let key: String = why.chars().take(80).collect();
+                    *r.entry(key).or_default() += 1;
+                }
+            }
+        }
+        let mut answers = serde_json::Map::new();
+        for model in models {
+            // Per model: an episode that made no call of it, or gave no reward for it,
+            // is reported aborted for that model's group.
+            let mut ep = episode.clone();
+            if ep.status == EpisodeStatus::Finished {
+                let why = if ep.calls_of(model).next().is_none() {
+                    Some(format!("the episode made no call of {model:?}"))
+                } else if ep.reward_for(model).is_none() {
+                    Some(format!("the agent gave no reward for {model:?}"))
+                } else {
+                    None
+                };
+                if let Some(reason) = why {
+                    ep.status = EpisodeStatus::Aborted { reason };
+                }
+            }
+            if let (EpisodeStatus::Finished, Some(r)) = (&ep.status, ep.reward_for(model)) {
+                if let Ok(mut m) = stats.per_model.lock() {
+                    m.entry(model.clone()).or_default().rewards.push(r);
+                }
+            }
+            if dry_run {
+                continue;
+            }
+            let r = submit_to_model(
+                &backend.swarm,
+                || backend.router.providers(model),
+                &ep,
+                model,
+                self.group_size,
+                Duration::from_secs(60),
+            )
+            .await;
+            let mut per = stats.per_model.lock().ok();
+            let ms = per.as_mut().map(|m| m.entry(model.clone()).or_default());
+            let answer = match r {
+                Ok((peer, out)) => match out.reply {
+                    SubmitReply::Stored {
+                        fragments_received,
+                        fragments_known,
+                        ..
+                    } => {
+                        if let Some(s) = ms {
+                            s.submitted += 1;
+                        }
+                        json!({"server": peer.to_string(), "stored": true,
+                               "fragments_sent": fragments_received, "fragments_known": fragments_known,
+                               "bytes_sent": out.bytes_sent})
+                    }
+                    SubmitReply::Rejected(why) => {
+                        if let Some(s) = ms {
+                            s.rejected += 1;
+                        }
+                        tracing::warn!(episode = self.id, model, "rejected: {why}");
+                        json!({"server": peer.to_string(), "rejected": why})
+                    }
+                    other => {
+                        json!({"server": peer.to_string(), "unexpected": format!("{other:?}")})
+                    }
+                },
+                Err(e) => {
+                    if let Some(s) = ms {
+                        s.failed += 1;
+                    }
+                    tracing::warn!(episode = self.id, model, "not submitted: {e}");
+                    json!({"error": e})
+                }
+            };
+            answers.insert(model.clone(), answer);
+        }
+        stats.done.fetch_add(1, Ordering::Relaxed);
+        let (status, reason) = match &episode.status {
+            EpisodeStatus::Aborted { reason } => ("aborted", Some(reason.clone())),
+            _ => ("finished", None),
+        };
+        json!({
+            "episode": self.id,
+            "task": self.task.id,
+            "group": self.group_id,
+            "status": status,
+            "reason": reason,
+            "reward": episode.reward,
+            "rewards": episode.rewards,
+            "calls": episode.calls.len(),
+            "policy_versions": episode.calls.iter().map(|c| c.policy_version).collect::<Vec<_>>(),
+            "seconds": t0.elapsed().as_secs_f64(),
+            "submitted": if dry_run { Value::Null } else { Value::Object(answers) },
+        })
+    }
+}
+
+/// Per-model counts for tests and callers that read the journal.
+pub fn read_journal(path: &std::path::Path) -> Result<Vec<Value>, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    text.lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).map_err(|e| format!("{}: {e}", path.display())))
+        .collect()
+}
+
+/// A short unique run id: the time and the process id.
+pub fn new_run_id() -> String {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    format!("r{t:x}{:x}", std::process::id())
+}
+
+/// Groups by default: every task once per epoch.
+pub fn default_groups(schedule: &Schedule, epochs: usize) -> usize {
+    schedule.total_tasks() * epochs.max(1)
+}

@@ -1,0 +1,203 @@
+//! The server's training loop: episodes stored by the submit protocol are grouped (the
+//! group buffer), and once `groups_per_step` groups are trainable the trainer takes one
+//! optimizer step on its own copy of the model; the new weights go into the engine between
+//! two decode steps (calls in flight continue on them) under the next policy version,
+//! which every later signed call carries.
+//!
+//! The run directory (`<data-dir>/runs/<model>/`) holds `metrics.jsonl` (one line per
+//! step) and the latest checkpoint (every `checkpoint_every` steps and when the server
+//! stops); a server restarted on the same data directory resumes from it, so the swarm's
+//! policy keeps its version and optimizer state.
+
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tracing::{info, warn};
+
+use super::{ServedModel, StoredEpisode};
+use crate::model::llama::Llama;
+use crate::train::checkpoint::RunDir;
+use crate::train::groups::{AdvantageKind, Group, GroupBuffer, GroupConfig, ReadyReport};
+use crate::train::optim::AdamWConfig;
+use crate::train::trainer::{Trainer, TrainerConfig};
+
+/// How the server trains (each a flag of `--role server`).
+#[derive(Debug, Clone)]
+pub struct TrainSettings {
+    pub run_dir: PathBuf,
+    pub learning_rate: f64,
+    pub warmup_steps: u64,
+    /// Trainable groups per optimizer step.
+    pub groups_per_step: usize,
+    /// Group size when a client does not say it.
+    pub num_repeat: usize,
+    /// A group waits this long for its stragglers, then trains with what arrived (if at
+    /// least `min_episodes` finished).
+    pub group_timeout: Duration,
+    pub min_episodes: usize,
+    pub advantage: AdvantageKind,
+    /// Calls sampled more than this many versions ago are not trained on.
+    pub max_staleness: Option<u64>,
+    pub checkpoint_every: u64,
+    pub micro_batch_tokens: usize,
+}
+
+impl Default for TrainSettings {
+    fn default() -> Self {
+        TrainSettings {
+            run_dir: PathBuf::from("runs"),
+            learning_rate: 1e-5,
+            warmup_steps: 0,
+            groups_per_step: 4,
+            num_repeat: 8,
+            group_timeout: Duration::from_secs(600),
+            min_episodes: 2,
+            advantage: AdvantageKind::Grpo,
+            max_staleness: Some(4),
+            checkpoint_every: 20,
+            micro_batch_tokens: 4096,
+        }
+    }
+}
+
+fn add_report(into: &mut ReadyReport, r: ReadyReport) {
+    into.skipped_equal += r.skipped_equal;
+    into.dropped_short += r.dropped_short;
+    into.aborted += r.aborted;
+    into.skipped_rewards.extend(r.skipped_rewards);
+}
+
+/// The trainer for `served`'s model: `model` is its own copy (the engine keeps serving
+/// from another). Resumes from the run directory's checkpoint if there is one, and brings
+/// the engine to the trainer's weights and version before returning.
+pub fn start_training(
+    served: Arc<ServedModel>,
+    model: Llama,
+    settings: TrainSettings,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+) -> Result<std::thread::JoinHandle<()>, String> {
+    let run_dir = RunDir::open(&settings.run_dir)?;
+    let mut trainer = Trainer::new(
+        model,
+        None,
+        TrainerConfig {
+            model_name: served.name.clone(),
+            optim: AdamWConfig {
+                lr: settings.learning_rate,
+                weight_decay: 0.0,
+                ..Default::default()
+            },
+            warmup_steps: settings.warmup_steps,
+            max_staleness: settings.max_staleness,
+            micro_batch_tokens: settings.micro_batch_tokens,
+            ..TrainerConfig::default()
+        },
+    )?;
+    match run_dir.resume(&mut trainer)? {
+        Some(s) => println!(
+            "training: resumed {:?} at step {} (policy version {}) from {}",
+            served.name,
+            s.step,
+            s.version,
+            run_dir.dir.display()
+        ),
+        None => println!(
+            "training: {:?} from step 0; run directory {}",
+            served.name,
+            run_dir.dir.display()
+        ),
+    }
+    served
+        .engine
+        .update_weights(&trainer.model.parameters(), trainer.version())?;
+    served.train_step.store(trainer.steps(), Ordering::Relaxed);
+    let (tx, rx) = std::sync::mpsc::channel();
+    served.set_trainer(tx);
+    std::thread::Builder::new()
+        .name(format!("trainer-{}", served.name))
+        .spawn(move || {
+            if let Err(e) = train_loop(&served, trainer, &run_dir, &settings, rx, &stop) {
+                tracing::error!(model = served.name, "the training loop stopped: {e}");
+                eprintln!("training of {:?} stopped: {e}", served.name);
+            }
+        })
+        .map_err(|e| format!("starting the training thread: {e}"))
+}
+
+fn train_loop(
+    served: &ServedModel,
+    mut trainer: Trainer,
+    run_dir: &RunDir,
+    s: &TrainSettings,
+    rx: Receiver<StoredEpisode>,
+    stop: &std::sync::atomic::AtomicBool,
+) -> Result<(), String> {
+    let mut buffer = GroupBuffer::new(
+        GroupConfig {
+            num_repeat: s.num_repeat,
+            min_episodes: s.min_episodes,
+            timeout: s.group_timeout,
+        },
+        &served.name,
+        s.advantage,
+    );
+    let mut ready: Vec<Group> = Vec::new();
+    let mut report = ReadyReport::default();
+    let mut last_saved = trainer.steps();
+    let save = |trainer: &Trainer| -> Result<(), String> {
+        run_dir.save(trainer, &served.card, serde_json::json!({}))
+    };
+    loop {
+        if stop.load(Ordering::Relaxed) {
+            if trainer.steps() != last_saved {
+                save(&trainer)?;
+                println!(
+                    "training: checkpoint at step {} saved on stop",
+                    trainer.steps()
+                );
+            }
+            return Ok(());
+        }
+        match rx.recv_timeout(Duration::from_millis(200)) {
+            Ok(stored) => {
+                let size = stored.manifest.group_size as usize;
+                let ep = stored.episode();
+                let id = ep.id.clone();
+                if let Err(e) = buffer.add_sized(ep, (size > 0).then_some(size)) {
+                    // A resubmission of an episode already buffered: trained once only.
+                    warn!(episode = id, "not buffered: {e}");
+                }
+            }
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => return Ok(()),
+        }
+        let (groups, r) = buffer.take_ready(Instant::now());
+        ready.extend(groups);
+        add_report(&mut report, r);
+        if ready.len() < s.groups_per_step.max(1) {
+            continue;
+        }
+        let batch: Vec<Group> = std::mem::take(&mut ready);
+        let rep = std::mem::take(&mut report);
+        let m = trainer.step(&batch, &rep)?;
+        served
+            .engine
+            .update_weights(&trainer.model.parameters(), trainer.version())?;
+        served.train_step.store(trainer.steps(), Ordering::Relaxed);
+        println!("train {}", m.line());
+        info!(
+            step = m.step,
+            version = m.version,
+            reward = m.reward_mean,
+            "trained"
+        );
+        run_dir.append(&m)?;
+        if trainer.steps() % s.checkpoint_every.max(1) == 0 {
+            save(&trainer)?;
+            last_saved = trainer.steps();
+        }
+    }
+}
