@@ -2,6 +2,8 @@
 //! (HF safetensors directories and GGUF files), and access to the real default model.
 #![allow(dead_code)]
 
+pub mod peer;
+
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};

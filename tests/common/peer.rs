@@ -1,0 +1,169 @@
+//! Real `agentjet-peer` processes for multi-peer tests: start one with its stdout lines
+//! collected and its stderr in a log file, wait for a line, talk HTTP to its proxy or API.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// A running `agentjet-peer` whose stdout lines are collected.
+pub struct Peer {
+    pub child: Child,
+    lines: mpsc::Receiver<String>,
+    pub seen: Vec<String>,
+    log: PathBuf,
+}
+
+impl Peer {
+    pub fn start(name: &str, dir: &Path, args: &[&str]) -> Peer {
+        Peer::start_env(name, dir, args, &[])
+    }
+
+    /// [`Peer::start`] with extra environment variables.
+    pub fn start_env(name: &str, dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Peer {
+        let log = dir.join(format!("{name}.log"));
+        let mut child = Command::new(env!("CARGO_BIN_EXE_agentjet-peer"))
+            .args(args)
+            .arg("--data-dir")
+            .arg(dir.join(name))
+            .args(["--listen", "/ip4/127.0.0.1/udp/0/quic-v1"])
+            .args(["--provider-ttl", "4", "--status-interval", "0.5"])
+            .args(["--log", "agentjet=info"])
+            .envs(env.iter().copied())
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        let out = child.stdout.take().unwrap();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for l in BufReader::new(out).lines().map_while(Result::ok) {
+                if tx.send(l).is_err() {
+                    break;
+                }
+            }
+        });
+        Peer {
+            child,
+            lines: rx,
+            seen: Vec::new(),
+            log,
+        }
+    }
+
+    /// The first stdout line starting with `prefix` (the rest of it).
+    pub fn wait_line(&mut self, prefix: &str, timeout: Duration) -> String {
+        if let Some(l) = self.seen.iter().find(|l| l.starts_with(prefix)) {
+            return l[prefix.len()..].trim().to_string();
+        }
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) => {
+                    let hit = l
+                        .starts_with(prefix)
+                        .then(|| l[prefix.len()..].trim().to_string());
+                    self.seen.push(l);
+                    if let Some(h) = hit {
+                        return h;
+                    }
+                }
+                Err(_) => panic!(
+                    "no line {prefix:?} within {timeout:?}; stdout {:?}; log:\n{}",
+                    self.seen,
+                    self.log_text()
+                ),
+            }
+        }
+    }
+
+    /// Every stdout line so far (waits up to 2 s for the rest once the process exited).
+    pub fn stdout(&mut self) -> String {
+        let deadline = Instant::now() + Duration::from_secs(2);
+        loop {
+            match self.lines.recv_timeout(Duration::from_millis(100)) {
+                Ok(l) => self.seen.push(l),
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+                Err(mpsc::RecvTimeoutError::Timeout) if Instant::now() > deadline => break,
+                Err(_) => {}
+            }
+        }
+        self.seen.join("\n")
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn peer_id(&mut self) -> String {
+        self.wait_line("peer id:", Duration::from_secs(60))
+    }
+
+    pub fn addr(&mut self) -> String {
+        self.wait_line("listening on", Duration::from_secs(60))
+    }
+
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A blocking HTTP/1.1 request (Connection: close): (status, body).
+pub fn http(base: &str, method: &str, path: &str, body: Option<&Value>) -> (u16, String) {
+    let hostport = base
+        .trim_start_matches("http://")
+        .split('/')
+        .next()
+        .unwrap();
+    let mut s = TcpStream::connect(hostport).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(600))).unwrap();
+    let b = body.map(|b| b.to_string()).unwrap_or_default();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: {hostport}\r\nContent-Type: application/json\r\nAuthorization: Bearer test-episode\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{b}",
+        b.len()
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let status = out
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = out
+        .split_once("\r\n\r\n")
+        .map(|x| x.1.to_string())
+        .unwrap_or_default();
+    (status, body)
+}
+
+pub fn metric(base: &str, name: &str) -> Option<f64> {
+    let (_, body) = http(base, "GET", "/metrics", None);
+    body.lines()
+        .find(|l| l.starts_with(name))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+pub fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) -> Duration {
+    let t0 = Instant::now();
+    while !f() {
+        assert!(t0.elapsed() < timeout, "{what}: not within {timeout:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    t0.elapsed()
+}
