@@ -1,13 +1,58 @@
 #!/usr/bin/env bash
-# README command 1: set up this machine (once), build agentjet-peer, and chat with the
-# default model (SmolLM2-135M-Instruct) on the CPU, or CUDA if LibTorch finds a GPU.
-# Until the swarm lands, the demo is local generation; the swarm demo replaces it later.
+# README command 1: set up this machine (once), build agentjet-peer, and run the demo as a
+# real local swarm over libp2p on loopback: one server hosting the default model
+# (SmolLM2-135M-Instruct) and training it, and one client running example (a), a Python
+# math agent on OpenAI's SDK, on 2-digit additions. Prints the client's progress and the
+# server's training steps; ends with a summary and the path of the reward curve.
+#
+# The whole demo (setup and build included) is held to about $AGENTJET_DEMO_MINUTES
+# minutes (default 14): whatever the build left is the client's time for episodes.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+start=$(date +%s)
+budget=$(( ${AGENTJET_DEMO_MINUTES:-14} * 60 ))
 bash bootstrap/setup.sh
+eval "$(bash bootstrap/setup.sh --print-env)"
 cargo build --release --bin agentjet-peer
-for prompt in "What is the capital of France?" "Give me three short tips for learning to program."; do
-  echo
-  echo "> $prompt"
-  ./target/release/agentjet-peer generate --model smollm2 --prompt "$prompt" --max-tokens 128
+peer=./target/release/agentjet-peer
+demo=runs/demo
+rm -rf "$demo"
+mkdir -p "$demo"
+
+# The server: trains on every 2 complete groups (of 8 episodes); its stdout goes to a file and, prefixed,
+# to this terminal.
+"$peer" --role server --model smollm2 --data-dir "$demo/server" \
+  --listen /ip4/127.0.0.1/udp/0/quic-v1 --groups-per-step 2 --learning-rate 1e-5 \
+  --warmup-steps 3 --max-batch 32 > "$demo/server.out" 2> "$demo/server.log" &
+server=$!
+trap 'kill $server 2>/dev/null || true' EXIT
+tail -f "$demo/server.out" 2>/dev/null | sed -u 's/^/[server] /' &
+tailer=$!
+addr=""
+for _ in $(seq 1 600); do
+  addr=$(sed -n 's/^listening on //p' "$demo/server.out" | head -n1)
+  grep -q '^serving model' "$demo/server.out" 2>/dev/null && [ -n "$addr" ] && break
+  kill -0 $server 2>/dev/null || { cat "$demo/server.log" >&2; echo "the server did not start" >&2; exit 1; }
+  sleep 0.2
 done
+[ -n "$addr" ] || { echo "the server did not start within 2 minutes" >&2; exit 1; }
+
+# The client: 8 episodes per task (one group), 16 at once, until the time is up.
+left=$(( budget - ($(date +%s) - start) - 60 ))
+[ "$left" -ge 180 ] || left=180
+echo "client: running episodes for $left s"
+"$peer" --role client --model smollm2 --bootstrap "$addr" --data-dir "$demo/client" \
+  --agent "$AGENTJET_PYTHON examples/math_agent/agent.py" \
+  --tasks examples/math_agent/tasks.jsonl --num-repeat 8 --concurrency 16 --epochs 10 \
+  --episode-timeout 120 --time-limit "$left" --run-dir "$demo/client-run" 2> "$demo/client.log"
+
+sleep 3
+kill -TERM $server 2>/dev/null || true
+wait $server 2>/dev/null || true
+kill $tailer 2>/dev/null || true
+trap - EXIT
+echo
+echo "training steps: $(grep -c '^train step' "$demo/server.out" || true) (server log: $demo/server.out)"
+echo "reward curve: $demo/server/runs/smollm2/reward.svg (per step: $demo/server/runs/smollm2/metrics.jsonl)"
+echo "episodes: $demo/client-run/episodes.jsonl; agents' output: $demo/client-run/episodes/"
+echo "demo finished in $(( ($(date +%s) - start) / 60 )) min $(( ($(date +%s) - start) % 60 )) s"

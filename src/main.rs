@@ -142,6 +142,9 @@ struct RoleArgs {
     /// Client: groups to run in all (default: every task once, times --epochs).
     #[arg(long)]
     groups: Option<usize>,
+    /// Client: start no new episode after this many seconds (running ones finish).
+    #[arg(long, value_name = "SECONDS")]
+    time_limit: Option<f64>,
     /// Client: passes over the task sources (when --groups is not given).
     #[arg(long, default_value_t = 1)]
     epochs: usize,

@@ -161,6 +161,10 @@ pub fn run(role: Role, sargs: &SwarmArgs, rargs: &RoleArgs) -> Result<()> {
                 }
             };
             let timeout = secs("episode-timeout", rargs.episode_timeout)?;
+            let time_limit = rargs
+                .time_limit
+                .map(|t| secs("time-limit", t))
+                .transpose()?;
             let rargs = rargs.clone();
             runtime()?.block_on(async move {
                 use agentjet::client::SwarmBackend;
@@ -194,13 +198,25 @@ pub fn run(role: Role, sargs: &SwarmArgs, rargs: &RoleArgs) -> Result<()> {
                 };
                 tokio::spawn(async move { axum::serve(listener, app).await });
                 let (stop_tx, stop_rx) = tokio::sync::watch::channel(0u8);
+                let stop_tx = Arc::new(stop_tx);
+                let tx = stop_tx.clone();
                 tokio::spawn(async move {
                     until_stopped().await;
-                    let _ = stop_tx.send(1);
+                    tx.send_modify(|l| *l = (*l).max(1));
                     until_stopped().await;
                     println!("aborting the running episodes");
-                    let _ = stop_tx.send(2);
+                    tx.send_modify(|l| *l = 2);
                 });
+                if let Some(limit) = time_limit {
+                    tokio::spawn(async move {
+                        tokio::time::sleep(limit).await;
+                        println!(
+                            "time limit ({:.0} s) reached: no new episodes",
+                            limit.as_secs_f64()
+                        );
+                        stop_tx.send_modify(|l| *l = (*l).max(1));
+                    });
+                }
                 use agentjet::client::run::{default_groups, new_run_id, run_episodes, RunConfig};
                 let run_id = new_run_id();
                 let run_dir = rargs

@@ -223,3 +223,470 @@ fn a_shell_agent_trains_the_server_and_bad_agents_are_aborted() {
         .unwrap();
     assert!(ps.stdout.is_empty(), "a hung agent survived its episode");
 }
+
+/// Two models in one episode: each call's reward is its reply's length parity.
+const TWO_MODEL_AGENT: &str = r#"#!/bin/sh
+set -eu
+call() {
+  curl -sS --fail-with-body "$OPENAI_BASE_URL/chat/completions" \
+    -H "Authorization: Bearer $OPENAI_API_KEY" -H "Content-Type: application/json" \
+    -d "{\"model\": \"$1\", \"max_tokens\": 6, \"temperature\": 1.0, \"messages\": [{\"role\": \"user\", \"content\": \"$2\"}]}" \
+    | jq -r '.choices[0].message.content'
+}
+a=$(call tiny-a "solve")
+b=$(call tiny-b "check: $(printf '%s' "$a" | tr -dc 'a-z' | head -c 10)")
+echo "{\"rewards\": {\"tiny-a\": $(( ${#a} % 2 )), \"tiny-b\": $(( ${#b} % 2 ))}}"
+"#;
+
+fn named_server(dir: &Path, model: &str, name: &str, boot: Option<&str>) -> Peer {
+    let mut args = vec![
+        "--role",
+        "server",
+        "--model",
+        model,
+        "--served-model-name",
+        name,
+        "--device",
+        "cpu",
+        "--groups-per-step",
+        "1",
+        "--learning-rate",
+        "1e-3",
+        "--group-timeout",
+        "5",
+    ];
+    if let Some(b) = boot {
+        args.extend(["--bootstrap", b]);
+    }
+    Peer::start(name, dir, &args)
+}
+
+#[test]
+fn two_models_train_in_one_run_each_with_its_own_reward() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let model = model.to_str().unwrap();
+    let agent = dir.path().join("agent.sh");
+    std::fs::write(&agent, TWO_MODEL_AGENT).unwrap();
+    let tasks = dir.path().join("tasks.jsonl");
+    write_tasks(&tasks, 5);
+    let mut a = named_server(dir.path(), model, "tiny-a", None);
+    let boot = a.addr();
+    let mut b = named_server(dir.path(), model, "tiny-b", Some(&boot));
+    a.wait_line("serving model", Duration::from_secs(120));
+    b.wait_line("serving model", Duration::from_secs(120));
+    let run_dir = dir.path().join("run");
+    let cmd = format!("sh {}", agent.display());
+    let mut c = Peer::start(
+        "client",
+        dir.path(),
+        &[
+            "--role",
+            "client",
+            "--model",
+            "tiny-a",
+            "--model",
+            "tiny-b",
+            "--bootstrap",
+            &boot,
+            "--agent",
+            &cmd,
+            "--tasks",
+            tasks.to_str().unwrap(),
+            "--num-repeat",
+            "4",
+            "--concurrency",
+            "4",
+            "--run-dir",
+            run_dir.to_str().unwrap(),
+        ],
+    );
+    assert!(c.child.wait().unwrap().success(), "{}", c.log_text());
+    let journal = read_journal(&run_dir.join("episodes.jsonl")).unwrap();
+    assert_eq!(journal.len(), 20);
+    let mut rewards: std::collections::HashMap<(String, String), f64> = Default::default();
+    for e in &journal {
+        assert_eq!(e["status"], "finished", "{e}");
+        assert_eq!(e["calls"], 2, "{e}");
+        for m in ["tiny-a", "tiny-b"] {
+            assert_eq!(e["submitted"][m]["stored"], true, "{e}");
+            let r = e["rewards"][m].as_f64().unwrap();
+            rewards.insert(
+                (m.to_string(), e["episode"].as_str().unwrap().to_string()),
+                r,
+            );
+        }
+    }
+    // Each server stored every episode with its own model's calls and reward, and trained.
+    for m in ["tiny-a", "tiny-b"] {
+        let stored =
+            agentjet::server::read_stored_episodes(&dir.path().join(m).join("episodes").join(m))
+                .unwrap();
+        assert_eq!(stored.len(), 20);
+        for s in &stored {
+            let want = rewards[&(m.to_string(), s.manifest.episode_id.clone())];
+            assert_eq!(
+                s.manifest.reward,
+                Some(want),
+                "{m} {}",
+                s.manifest.episode_id
+            );
+            assert_eq!(s.timelines.len(), 1);
+            assert_eq!(s.timelines[0].model, m);
+        }
+        let metrics = dir
+            .path()
+            .join(m)
+            .join("runs")
+            .join(m)
+            .join("metrics.jsonl");
+        common::peer::wait_until(&format!("{m} trained"), Duration::from_secs(30), || {
+            metrics_lines(&metrics).iter().any(|l| l["trained"] == true)
+        });
+    }
+    let differ = journal
+        .iter()
+        .filter(|e| e["rewards"]["tiny-a"] != e["rewards"]["tiny-b"])
+        .count();
+    assert!(
+        differ > 0,
+        "the two rewards never differed: the test would not tell them apart"
+    );
+}
+
+/// Slow agent: one call, then a second's thought, then the reward.
+const SLOW_AGENT: &str = r#"#!/bin/sh
+set -eu
+reply=$(curl -sS --fail-with-body "$OPENAI_BASE_URL/chat/completions" \
+  -H "Authorization: Bearer $OPENAI_API_KEY" -H "Content-Type: application/json" \
+  -d '{"model": "tiny", "max_tokens": 8, "temperature": 1.0, "messages": [{"role": "user", "content": "hi"}]}')
+content=$(printf '%s' "$reply" | jq -r '.choices[0].message.content')
+sleep 1
+if [ $(( ${#content} % 2 )) -eq 0 ]; then echo '{"reward": 1.0}'; else echo '{"reward": 0.0}'; fi
+"#;
+
+#[test]
+fn killed_clients_leave_no_partial_episode_and_mixed_sources_keep_their_ratio() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let model = model.to_str().unwrap();
+    let agent = dir.path().join("agent.sh");
+    std::fs::write(&agent, SLOW_AGENT).unwrap();
+    let cmd = format!("sh {}", agent.display());
+    for (name, n) in [("a", 4), ("b", 4), ("c", 3)] {
+        let lines: Vec<String> = (0..n)
+            .map(|i| format!("{{\"id\": \"{name}{i}\"}}"))
+            .collect();
+        std::fs::write(dir.path().join(format!("{name}.jsonl")), lines.join("\n")).unwrap();
+    }
+    let path = |n: &str| dir.path().join(n).to_str().unwrap().to_string();
+    let mut s = named_server(dir.path(), model, "tiny", None);
+    let boot = s.addr();
+    s.wait_line("serving model", Duration::from_secs(120));
+    let client = |name: &str, extra: &[&str]| {
+        let run = path(&format!("run-{name}"));
+        let mut args = vec![
+            "--role",
+            "client",
+            "--model",
+            "tiny",
+            "--bootstrap",
+            &boot,
+            "--agent",
+            &cmd,
+            "--num-repeat",
+            "4",
+            "--concurrency",
+            "4",
+            "--run-dir",
+            &run,
+        ];
+        args.extend(extra);
+        Peer::start(name, dir.path(), &args)
+    };
+    // A client killed with SIGKILL while its episodes run.
+    let (a, b, c) = (path("a.jsonl"), path("b.jsonl"), path("c.jsonl"));
+    let mut k = client("killed", &["--tasks", &a, "--groups", "4"]);
+    let journal_k = dir.path().join("run-killed/episodes.jsonl");
+    common::peer::wait_until("some episodes done", Duration::from_secs(60), || {
+        read_journal(&journal_k)
+            .map(|j| j.len() >= 5)
+            .unwrap_or(false)
+    });
+    k.kill9();
+    let finished_k = read_journal(&journal_k).unwrap();
+    // Restarted, and a second client with another task file, side by side; the first
+    // mixes its two sources 3:1.
+    let ab = format!("{a}:3");
+    let bb = format!("{b}:1");
+    let mut r1 = client(
+        "restarted",
+        &["--tasks", &ab, "--tasks", &bb, "--groups", "8"],
+    );
+    let mut r2 = client("other", &["--tasks", &c, "--groups", "3"]);
+    assert!(r1.child.wait().unwrap().success(), "{}", r1.log_text());
+    assert!(r2.child.wait().unwrap().success(), "{}", r2.log_text());
+    let j1 = read_journal(&dir.path().join("run-restarted/episodes.jsonl")).unwrap();
+    let j2 = read_journal(&dir.path().join("run-other/episodes.jsonl")).unwrap();
+    assert_eq!(j1.len(), 32);
+    assert_eq!(j2.len(), 12);
+    let from_a = j1
+        .iter()
+        .filter(|e| e["task"].as_str().unwrap().starts_with('a'))
+        .count();
+    assert_eq!(from_a, 24, "3:1 of 8 groups x 4 episodes");
+    assert!(j2
+        .iter()
+        .all(|e| e["task"].as_str().unwrap().starts_with('c')));
+    // The server stored exactly the episodes clients finished and journaled: nothing of
+    // the killed client's running episodes (none was submitted).
+    let journaled: std::collections::HashSet<String> = finished_k
+        .iter()
+        .chain(&j1)
+        .chain(&j2)
+        .map(|e| e["episode"].as_str().unwrap().to_string())
+        .collect();
+    let stored =
+        agentjet::server::read_stored_episodes(&dir.path().join("tiny/episodes/tiny")).unwrap();
+    let killed_prefix = finished_k[0]["episode"]
+        .as_str()
+        .unwrap()
+        .split("-g")
+        .next()
+        .unwrap()
+        .to_string();
+    let mut from_killed = 0;
+    for e in &stored {
+        assert!(
+            journaled.contains(&e.manifest.episode_id),
+            "{} was never finished",
+            e.manifest.episode_id
+        );
+        if e.manifest.episode_id.starts_with(&killed_prefix) {
+            from_killed += 1;
+        }
+        if e.manifest.status == EpisodeStatus::Finished {
+            assert!(e.manifest.reward.is_some() && !e.timelines.is_empty());
+        }
+    }
+    assert!(
+        (4..16).contains(&from_killed),
+        "{from_killed} episodes of the killed client"
+    );
+    // The server kept training through it all: the killed client's incomplete groups
+    // train after --group-timeout with the episodes that finished.
+    let metrics = dir.path().join("tiny/runs/tiny/metrics.jsonl");
+    common::peer::wait_until("steps after the restart", Duration::from_secs(30), || {
+        metrics_lines(&metrics)
+            .iter()
+            .filter(|l| l["trained"] == true)
+            .count()
+            >= 3
+    });
+}
+
+/// Builds the client-only `agentjet-peer` (no LibTorch) once, in its own target folder,
+/// and checks its dependency tree has no tch / torch-sys.
+fn client_only_binary() -> PathBuf {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let target = root.join("target").join("client-only");
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let tree = std::process::Command::new(&cargo)
+        .current_dir(root)
+        .args([
+            "tree",
+            "--no-default-features",
+            "-e",
+            "normal",
+            "--prefix",
+            "none",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        tree.status.success(),
+        "{}",
+        String::from_utf8_lossy(&tree.stderr)
+    );
+    let tree = String::from_utf8_lossy(&tree.stdout);
+    for dep in ["tch ", "torch-sys ", "agentjet-kernels "] {
+        assert!(
+            !tree.lines().any(|l| l.starts_with(dep)),
+            "{dep} in the client-only tree"
+        );
+    }
+    let out = std::process::Command::new(&cargo)
+        .current_dir(root)
+        .args([
+            "build",
+            "--release",
+            "--no-default-features",
+            "--bin",
+            "agentjet-peer",
+        ])
+        .arg("--target-dir")
+        .arg(&target)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    target.join("release").join("agentjet-peer")
+}
+
+/// Acceptance of the client: example (a) (the Python agent on OpenAI's SDK, unchanged)
+/// trains the real default model end to end, with the client-only binary as the client.
+#[test]
+fn example_a_trains_smollm2_through_a_client_only_binary() {
+    common::smollm2_path();
+    let client_bin = client_only_binary();
+    let dir = tempfile::tempdir().unwrap();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut s = Peer::start(
+        "server",
+        dir.path(),
+        &[
+            "--role",
+            "server",
+            "--model",
+            "smollm2",
+            "--device",
+            "cpu",
+            "--http",
+            "127.0.0.1:0",
+            "--groups-per-step",
+            "1",
+            "--learning-rate",
+            "2e-5",
+        ],
+    );
+    let boot = s.addr();
+    let http = s.wait_line("http at", Duration::from_secs(300));
+    s.wait_line("serving model", Duration::from_secs(300));
+    let run_dir = dir.path().join("run");
+    let agent = format!(
+        "{} {}",
+        common::python().display(),
+        root.join("examples/math_agent/agent.py").display()
+    );
+    let tasks = root.join("examples/math_agent/tasks.jsonl");
+    let mut c = Peer::start_bin(
+        &client_bin,
+        "client",
+        dir.path(),
+        &[
+            "--role",
+            "client",
+            "--model",
+            "smollm2",
+            "--bootstrap",
+            &boot,
+            "--agent",
+            &agent,
+            "--tasks",
+            tasks.to_str().unwrap(),
+            "--num-repeat",
+            "8",
+            "--concurrency",
+            "8",
+            "--groups",
+            "6",
+            "--run-dir",
+            run_dir.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(c.child.wait().unwrap().success(), "{}", c.log_text());
+    let out = c.stdout();
+    println!("{out}");
+    let journal = read_journal(&run_dir.join("episodes.jsonl")).unwrap();
+    assert_eq!(journal.len(), 48);
+    assert!(journal
+        .iter()
+        .all(|e| e["status"] == "finished" && e["calls"] == 1));
+    assert!(journal
+        .iter()
+        .all(|e| e["submitted"]["smollm2"]["stored"] == true));
+    let metrics = dir.path().join("server/runs/smollm2/metrics.jsonl");
+    let mut lines = Vec::new();
+    common::peer::wait_until("a training step", Duration::from_secs(120), || {
+        lines = metrics_lines(&metrics);
+        lines.iter().any(|l| l["trained"] == true)
+    });
+    let version = metric(&http, "agentjet_policy_version{model=\"smollm2\"}").unwrap();
+    assert!(version >= 1.0, "policy version {version}");
+    let newer = journal
+        .iter()
+        .filter(|e| e["policy_versions"][0].as_u64().unwrap_or(0) >= 1)
+        .count();
+    println!("{newer} of 48 episodes were sampled by a trained policy; server at v{version}");
+    assert!(newer > 0, "no call was served by a new policy version");
+}
+
+#[test]
+fn ctrl_c_finishes_running_episodes_and_submits_them_a_second_aborts() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let model = model.to_str().unwrap();
+    let agent = dir.path().join("agent.sh");
+    std::fs::write(&agent, SLOW_AGENT.replace("sleep 1", "sleep 2")).unwrap();
+    let cmd = format!("sh {}", agent.display());
+    let tasks = dir.path().join("tasks.jsonl");
+    write_tasks(&tasks, 10);
+    let mut s = named_server(dir.path(), model, "tiny", None);
+    let boot = s.addr();
+    s.wait_line("serving model", Duration::from_secs(120));
+    for (round, signals) in [(1, 1), (2, 2)] {
+        let run = dir.path().join(format!("run{round}"));
+        let mut c = Peer::start(
+            &format!("client{round}"),
+            dir.path(),
+            &[
+                "--role",
+                "client",
+                "--model",
+                "tiny",
+                "--bootstrap",
+                &boot,
+                "--agent",
+                &cmd,
+                "--tasks",
+                tasks.to_str().unwrap(),
+                "--num-repeat",
+                "4",
+                "--concurrency",
+                "4",
+                "--run-dir",
+                run.to_str().unwrap(),
+            ],
+        );
+        c.wait_line("running 10 groups", Duration::from_secs(60));
+        // Let the first episodes start (they take 2 s), then Ctrl-C once or twice.
+        std::thread::sleep(Duration::from_millis(1000));
+        let pid = c.child.id() as i32;
+        for _ in 0..signals {
+            unsafe { libc::kill(pid, libc::SIGINT) };
+            std::thread::sleep(Duration::from_millis(300));
+        }
+        assert!(c.child.wait().unwrap().success(), "{}", c.log_text());
+        let out = c.stdout();
+        assert!(out.contains("stopping: no new episodes"), "{out}");
+        let journal = read_journal(&run.join("episodes.jsonl")).unwrap();
+        assert_eq!(
+            journal.len(),
+            4,
+            "the 4 running episodes, nothing more: {journal:?}"
+        );
+        for e in &journal {
+            if signals == 1 {
+                assert_eq!(e["status"], "finished", "{e}");
+                assert_eq!(e["submitted"]["tiny"]["stored"], true, "{e}");
+            } else {
+                assert_eq!(e["status"], "aborted", "{e}");
+                assert!(e["reason"].as_str().unwrap().contains("stopped"), "{e}");
+            }
+        }
+    }
+}

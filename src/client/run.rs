@@ -228,22 +228,25 @@ fn summary(stats: &Stats, cfg: &RunConfig, t0: Instant) -> Summary {
         cfg.run_dir.display()
     );
     println!(
-        "{:<24} {:>9} {:>9} {:>8} {:>12} {:>12} {:>12}",
-        "MODEL", "SUBMITTED", "REJECTED", "FAILED", "REWARD MEAN", "FIRST HALF", "SECOND HALF"
+        "{:<24} {:>9} {:>9} {:>8} {:>11}  REWARD BY QUARTER OF THE RUN",
+        "MODEL", "SUBMITTED", "REJECTED", "FAILED", "REWARD MEAN"
     );
     if let Ok(m) = stats.per_model.lock() {
         for (name, s) in m.iter() {
             let half = s.rewards.len() / 2;
             let (a, b) = (mean(&s.rewards[..half]), mean(&s.rewards[half..]));
+            let n = s.rewards.len();
+            let quarters: Vec<String> = (0..4)
+                .map(|q| format!("{:.3}", mean(&s.rewards[q * n / 4..(q + 1) * n / 4])))
+                .collect();
             println!(
-                "{:<24} {:>9} {:>9} {:>8} {:>12.3} {:>12.3} {:>12.3}",
+                "{:<24} {:>9} {:>9} {:>8} {:>11.3}  {}",
                 name,
                 s.submitted,
                 s.rejected,
                 s.failed,
                 mean(&s.rewards),
-                a,
-                b
+                quarters.join(" -> ")
             );
             out.models.insert(name.clone(), (s.submitted, a, b));
         }
@@ -401,6 +404,7 @@ impl EpisodeJob {
             answers.insert(model.clone(), answer);
         }
         stats.done.fetch_add(1, Ordering::Relaxed);
+        backend.swarm.set_status(|s| s.episodes += 1);
         let (status, reason) = match &episode.status {
             EpisodeStatus::Aborted { reason } => ("aborted", Some(reason.clone())),
             _ => ("finished", None),

@@ -5,7 +5,7 @@
 //! which every later signed call carries.
 //!
 //! The run directory (`<data-dir>/runs/<model>/`) holds `metrics.jsonl` (one line per
-//! step) and the latest checkpoint (every `checkpoint_every` steps and when the server
+//! step), `reward.svg` (the reward curve, redrawn after every step) and the latest checkpoint (every `checkpoint_every` steps and when the server
 //! stops); a server restarted on the same data directory resumes from it, so the swarm's
 //! policy keeps its version and optimizer state.
 
@@ -195,6 +195,14 @@ fn train_loop(
             "trained"
         );
         run_dir.append(&m)?;
+        if let Ok(all) = run_dir.metrics() {
+            let title = format!(
+                "{}: mean training reward per step (AgentJet server)",
+                served.name
+            );
+            let svg = crate::train::plot::reward_svg(&title, &all, None);
+            let _ = std::fs::write(run_dir.dir.join("reward.svg"), svg);
+        }
         if trainer.steps() % s.checkpoint_every.max(1) == 0 {
             save(&trainer)?;
             last_saved = trainer.steps();

@@ -6,6 +6,7 @@ pub mod checkpoint;
 pub mod groups;
 pub mod loss;
 pub mod optim;
+pub mod plot;
 pub mod trainer;
 
 use tch::{Kind, Tensor};

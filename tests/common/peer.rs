@@ -25,8 +25,25 @@ impl Peer {
 
     /// [`Peer::start`] with extra environment variables.
     pub fn start_env(name: &str, dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Peer {
+        Peer::start_bin(
+            Path::new(env!("CARGO_BIN_EXE_agentjet-peer")),
+            name,
+            dir,
+            args,
+            env,
+        )
+    }
+
+    /// [`Peer::start_env`] with another `agentjet-peer` binary (the client-only build).
+    pub fn start_bin(
+        bin: &Path,
+        name: &str,
+        dir: &Path,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Peer {
         let log = dir.join(format!("{name}.log"));
-        let mut child = Command::new(env!("CARGO_BIN_EXE_agentjet-peer"))
+        let mut child = Command::new(bin)
             .args(args)
             .arg("--data-dir")
             .arg(dir.join(name))
