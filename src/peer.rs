@@ -254,7 +254,7 @@ pub fn run(role: Role, sargs: &SwarmArgs, rargs: &RoleArgs) -> Result<()> {
         Role::Server => server(sargs, rargs),
         #[cfg(not(feature = "torch"))]
         Role::Server => bail!(
-            "this agentjet-peer was built without LibTorch (`--no-default-features`): it can \\
+            "this agentjet-peer was built without LibTorch (`--no-default-features`): it can \
              be a client or a plain peer; rebuild with the default `torch` feature to serve models"
         ),
     }

@@ -1,7 +1,8 @@
 """Example (b): a multi-turn agent with a calculator tool, on OpenAI's Python SDK.
 
-Each episode is a short conversation: the model may call `calculator` (through `tools` /
-`tool_calls`); the agent evaluates the expression and sends the result back as a `tool`
+Each episode is a short conversation: the model calls `calculator` (the first turn
+requires a tool call; later turns may call it again or answer) through `tools` /
+`tool_calls`; the agent evaluates the expression and sends the result back as a `tool`
 message; the loop ends when the model answers in text (or after MAX_TURNS calls). Every
 call goes through the client's proxy, which tracks the episode token-in-token-out, so the
 turns merge into one timeline. Reward: the last number of the final answer equals the
@@ -60,8 +61,11 @@ messages = [{"role": "user",
              "content": task["data"]["question"] + " Use the calculator, then give the number."}]
 final = ""
 for turn in range(MAX_TURNS):
+    # The first turn must call the tool (constrained decoding makes a small model comply);
+    # later turns choose between another call and the answer.
     reply = client.chat.completions.create(
         model=model, messages=messages, tools=TOOLS, max_tokens=64,
+        tool_choice="required" if turn == 0 else "auto",
         temperature=float(os.environ.get("AGENT_TEMPERATURE", "0.7")))
     msg = reply.choices[0].message
     messages.append(msg.model_dump(exclude_none=True))
