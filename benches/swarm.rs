@@ -33,11 +33,12 @@
 #[path = "../tests/common/mod.rs"]
 mod common;
 
+use common::peer::{http, metric, wait_until, Peer};
+
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -51,6 +52,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{json, Value};
 
 const MODEL: &str = "tiny";
+const WAIT: Duration = Duration::from_secs(180);
 
 struct Args {
     calls: usize,
@@ -105,82 +107,6 @@ fn parse_args() -> Result<Args> {
     Ok(a)
 }
 
-/// A running `agentjet-peer` whose stdout lines are collected.
-struct Peer {
-    child: Child,
-    lines: mpsc::Receiver<String>,
-    seen: Vec<String>,
-    log: PathBuf,
-}
-
-impl Peer {
-    fn start(name: &str, dir: &Path, args: &[&str]) -> Result<Peer> {
-        let log = dir.join(format!("{name}.log"));
-        let mut child = Command::new(env!("CARGO_BIN_EXE_agentjet-peer"))
-            .args(args)
-            .arg("--data-dir")
-            .arg(dir.join(name))
-            .args(["--listen", "/ip4/127.0.0.1/udp/0/quic-v1"])
-            .args(["--provider-ttl", "4", "--status-interval", "0.5"])
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(&log)?)
-            .spawn()
-            .context("starting agentjet-peer")?;
-        let out = child.stdout.take().expect("piped stdout");
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for l in BufReader::new(out).lines().map_while(Result::ok) {
-                if tx.send(l).is_err() {
-                    break;
-                }
-            }
-        });
-        Ok(Peer {
-            child,
-            lines: rx,
-            seen: Vec::new(),
-            log,
-        })
-    }
-
-    /// The rest of the first stdout line starting with `prefix`.
-    fn wait_line(&mut self, prefix: &str) -> Result<String> {
-        if let Some(l) = self.seen.iter().find(|l| l.starts_with(prefix)) {
-            return Ok(l[prefix.len()..].trim().to_string());
-        }
-        let deadline = Instant::now() + Duration::from_secs(180);
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(l) => {
-                    let hit = l
-                        .starts_with(prefix)
-                        .then(|| l[prefix.len()..].trim().to_string());
-                    self.seen.push(l);
-                    if let Some(h) = hit {
-                        return Ok(h);
-                    }
-                }
-                Err(_) => bail!(
-                    "no line {prefix:?} from the peer; its log:\n{}",
-                    std::fs::read_to_string(&self.log).unwrap_or_default()
-                ),
-            }
-        }
-    }
-
-    fn kill9(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Peer {
-    fn drop(&mut self) {
-        self.kill9();
-    }
-}
-
 fn send_request(base: &str, method: &str, path: &str, body: Option<&Value>) -> Result<TcpStream> {
     let hostport = base
         .trim_start_matches("http://")
@@ -198,42 +124,6 @@ fn send_request(base: &str, method: &str, path: &str, body: Option<&Value>) -> R
         b.len()
     )?;
     Ok(s)
-}
-
-/// A blocking HTTP/1.1 request: (status, body).
-fn http(base: &str, method: &str, path: &str, body: Option<&Value>) -> Result<(u16, String)> {
-    let mut s = send_request(base, method, path, body)?;
-    let mut out = String::new();
-    s.read_to_string(&mut out)?;
-    let status = out
-        .split(' ')
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let body = out
-        .split_once("\r\n\r\n")
-        .map(|x| x.1.to_string())
-        .unwrap_or_default();
-    Ok((status, body))
-}
-
-fn metric(base: &str, name: &str) -> Option<f64> {
-    let (_, body) = http(base, "GET", "/metrics", None).ok()?;
-    body.lines()
-        .find(|l| l.starts_with(name))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-}
-
-fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) -> Result<()> {
-    let t0 = Instant::now();
-    while !f() {
-        if t0.elapsed() > timeout {
-            bail!("{what}: not within {timeout:?}");
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    Ok(())
 }
 
 fn percentile(v: &[f64], p: f64) -> f64 {
@@ -258,7 +148,7 @@ fn timed_call(base: &str, max_tokens: usize) -> Result<f64> {
         "POST",
         "/v1/completions",
         Some(&completion(max_tokens, 1, false)),
-    )?;
+    );
     let dt = t0.elapsed().as_secs_f64();
     let v: Value = serde_json::from_str(&body).unwrap_or(Value::Null);
     if st != 200 || v["usage"]["completion_tokens"] != max_tokens {
@@ -311,16 +201,16 @@ fn run() -> Result<()> {
         "server1",
         dir.path(),
         &a1.iter().map(|s| s.as_str()).collect::<Vec<_>>(),
-    )?;
-    let boot = s1.wait_line("listening on")?;
-    let id1: PeerId = s1.wait_line("peer id:")?.parse()?;
-    let http1 = s1.wait_line("http at")?;
+    );
+    let boot = s1.wait_line("listening on", WAIT);
+    let id1: PeerId = s1.wait_line("peer id:", WAIT).parse()?;
+    let http1 = s1.wait_line("http at", WAIT);
     let mut client = Peer::start(
         "client",
         dir.path(),
         &["--role", "client", "--model", MODEL, "--bootstrap", &boot],
-    )?;
-    let proxy = client.wait_line("proxy at")?;
+    );
+    let proxy = client.wait_line("proxy at", WAIT);
     let proxy = proxy
         .split_whitespace()
         .next()
@@ -333,7 +223,7 @@ fn run() -> Result<()> {
         "the client finds the server",
         Duration::from_secs(60),
         providers(1.0),
-    )?;
+    );
 
     // 1. Latency, alternating, after a warm-up of each path.
     println!(
@@ -388,13 +278,13 @@ fn run() -> Result<()> {
         "server2",
         dir.path(),
         &a2.iter().map(|s| s.as_str()).collect::<Vec<_>>(),
-    )?;
-    let http2 = s2.wait_line("http at")?;
+    );
+    let http2 = s2.wait_line("http at", WAIT);
     wait_until(
         "the client finds the second server",
         Duration::from_secs(60),
         providers(2.0),
-    )?;
+    );
     let fo = failover(&args, &proxy, [&http1, &http2], [&mut s1, &mut s2])?;
 
     println!();
@@ -661,7 +551,7 @@ fn failover(
         let r = [running(https[0]), running(https[1])];
         victim = Some(if r[0] >= r[1] { 0 } else { 1 });
         r[0] + r[1] >= args.failover_calls as f64
-    })?;
+    });
     if streams.iter().all(|s| s.is_finished()) {
         for s in streams {
             s.join()

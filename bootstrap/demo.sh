@@ -6,7 +6,10 @@
 # server's training steps; ends with a summary and the path of the reward curve.
 #
 # The whole demo (setup and build included) is held to about $AGENTJET_DEMO_MINUTES
-# minutes (default 14): whatever the build left is the client's time for episodes.
+# minutes (default 14): whatever the build left is the client's time for episodes, at
+# least 3 minutes. On a fresh clone the first build takes about 11 minutes on a 2-core
+# machine, which leaves only those 3 minutes: too few steps for the reward to rise; run it
+# again (the build is then done) or set AGENTJET_DEMO_MINUTES=25.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 start=$(date +%s)
@@ -22,7 +25,7 @@ mkdir -p "$demo"
 # The server: trains on every 2 complete groups (of 8 episodes); its stdout goes to a file and, prefixed,
 # to this terminal.
 "$peer" --role server --model smollm2 --data-dir "$demo/server" \
-  --listen /ip4/127.0.0.1/udp/0/quic-v1 --groups-per-step 2 --learning-rate 1e-5 \
+  --listen /ip4/127.0.0.1/udp/0/quic-v1 --groups-per-step 2 --learning-rate 2e-5 \
   --warmup-steps 3 --max-batch 32 > "$demo/server.out" 2> "$demo/server.log" &
 server=$!
 trap 'kill $server 2>/dev/null || true' EXIT
@@ -42,6 +45,7 @@ left=$(( budget - ($(date +%s) - start) - 60 ))
 [ "$left" -ge 180 ] || left=180
 echo "client: running episodes for $left s"
 "$peer" --role client --model smollm2 --bootstrap "$addr" --data-dir "$demo/client" \
+  --listen /ip4/127.0.0.1/udp/0/quic-v1 \
   --agent "$AGENTJET_PYTHON examples/math_agent/agent.py" \
   --tasks examples/math_agent/tasks.jsonl --num-repeat 8 --concurrency 16 --epochs 10 \
   --episode-timeout 120 --time-limit "$left" --run-dir "$demo/client-run" 2> "$demo/client.log"

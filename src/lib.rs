@@ -38,3 +38,17 @@ pub mod swarm;
 pub mod timeline;
 #[cfg(feature = "torch")]
 pub mod train;
+
+/// `name` as one file-name component: ASCII letters, digits, `-`, `_` and `.` kept, any
+/// other character `_` (model names and episode ids become directory and file names).
+pub fn safe_file_name(name: &str) -> String {
+    name.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "-_.".contains(c) {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}

@@ -328,18 +328,8 @@ fn server(sargs: &SwarmArgs, rargs: &RoleArgs) -> Result<()> {
         let trainer = match train_model {
             None => None,
             Some(model) => {
-                let safe: String = name
-                    .chars()
-                    .map(|c| {
-                        if c.is_ascii_alphanumeric() || "-_.".contains(c) {
-                            c
-                        } else {
-                            '_'
-                        }
-                    })
-                    .collect();
                 let settings = agentjet::server::train::TrainSettings {
-                    run_dir: dir.join("runs").join(safe),
+                    run_dir: dir.join("runs").join(agentjet::safe_file_name(&name)),
                     learning_rate: rargs.learning_rate,
                     warmup_steps: rargs.warmup_steps,
                     groups_per_step: rargs.groups_per_step.max(1),

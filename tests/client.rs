@@ -45,29 +45,6 @@ fn write_tasks(path: &Path, n: usize) {
     std::fs::write(path, lines.join("\n") + "\n").unwrap();
 }
 
-fn server<'a>(dir: &Path, model: &'a str, boot: Option<&'a str>) -> Peer {
-    let mut args = vec![
-        "--role",
-        "server",
-        "--model",
-        model,
-        "--served-model-name",
-        "tiny",
-        "--device",
-        "cpu",
-        "--http",
-        "127.0.0.1:0",
-        "--groups-per-step",
-        "1",
-        "--learning-rate",
-        "1e-3",
-    ];
-    if let Some(b) = boot {
-        args.extend(["--bootstrap", b]);
-    }
-    Peer::start("server", dir, &args)
-}
-
 fn metrics_lines(path: &Path) -> Vec<Value> {
     std::fs::read_to_string(path)
         .unwrap_or_default()
@@ -86,7 +63,7 @@ fn a_shell_agent_trains_the_server_and_bad_agents_are_aborted() {
     let tasks = dir.path().join("tasks.jsonl");
     write_tasks(&tasks, 6);
 
-    let mut s = server(dir.path(), model, None);
+    let mut s = named_server(dir.path(), model, "tiny", None, &["--http", "127.0.0.1:0"]);
     let boot = s.addr();
     let http = s.wait_line("http at", Duration::from_secs(120));
     s.wait_line("serving model", Duration::from_secs(120));
@@ -128,7 +105,7 @@ fn a_shell_agent_trains_the_server_and_bad_agents_are_aborted() {
     }
     // Steps happened on the server; the engine serves the new version, and episodes that
     // ran after the first steps were sampled by it.
-    let metrics = dir.path().join("server/runs/tiny/metrics.jsonl");
+    let metrics = dir.path().join("tiny/runs/tiny/metrics.jsonl");
     let mut lines = Vec::new();
     common::peer::wait_until("a training step", Duration::from_secs(60), || {
         lines = metrics_lines(&metrics);
@@ -201,7 +178,7 @@ fn a_shell_agent_trains_the_server_and_bad_agents_are_aborted() {
     // The server stored the 6 aborted episodes as reports without calls (so their groups
     // complete), and any step since trained at most the 2 finished episodes of a group.
     let stored =
-        agentjet::server::read_stored_episodes(&dir.path().join("server/episodes/tiny")).unwrap();
+        agentjet::server::read_stored_episodes(&dir.path().join("tiny/episodes/tiny")).unwrap();
     let aborted_stored: Vec<_> = stored
         .iter()
         .filter(|e| matches!(e.manifest.status, EpisodeStatus::Aborted { .. }))
@@ -238,7 +215,9 @@ b=$(call tiny-b "check: $(printf '%s' "$a" | tr -dc 'a-z' | head -c 10)")
 echo "{\"rewards\": {\"tiny-a\": $(( ${#a} % 2 )), \"tiny-b\": $(( ${#b} % 2 ))}}"
 "#;
 
-fn named_server(dir: &Path, model: &str, name: &str, boot: Option<&str>) -> Peer {
+/// A server of the tiny model as `name` (its data directory is `dir/name`), training a
+/// step per complete group at a high learning rate; `extra` flags appended.
+fn named_server(dir: &Path, model: &str, name: &str, boot: Option<&str>, extra: &[&str]) -> Peer {
     let mut args = vec![
         "--role",
         "server",
@@ -258,6 +237,7 @@ fn named_server(dir: &Path, model: &str, name: &str, boot: Option<&str>) -> Peer
     if let Some(b) = boot {
         args.extend(["--bootstrap", b]);
     }
+    args.extend(extra);
     Peer::start(name, dir, &args)
 }
 
@@ -270,9 +250,9 @@ fn two_models_train_in_one_run_each_with_its_own_reward() {
     std::fs::write(&agent, TWO_MODEL_AGENT).unwrap();
     let tasks = dir.path().join("tasks.jsonl");
     write_tasks(&tasks, 5);
-    let mut a = named_server(dir.path(), model, "tiny-a", None);
+    let mut a = named_server(dir.path(), model, "tiny-a", None, &[]);
     let boot = a.addr();
-    let mut b = named_server(dir.path(), model, "tiny-b", Some(&boot));
+    let mut b = named_server(dir.path(), model, "tiny-b", Some(&boot), &[]);
     a.wait_line("serving model", Duration::from_secs(120));
     b.wait_line("serving model", Duration::from_secs(120));
     let run_dir = dir.path().join("run");
@@ -380,7 +360,7 @@ fn killed_clients_leave_no_partial_episode_and_mixed_sources_keep_their_ratio() 
         std::fs::write(dir.path().join(format!("{name}.jsonl")), lines.join("\n")).unwrap();
     }
     let path = |n: &str| dir.path().join(n).to_str().unwrap().to_string();
-    let mut s = named_server(dir.path(), model, "tiny", None);
+    let mut s = named_server(dir.path(), model, "tiny", None, &[]);
     let boot = s.addr();
     s.wait_line("serving model", Duration::from_secs(120));
     let client = |name: &str, extra: &[&str]| {
@@ -635,7 +615,7 @@ fn ctrl_c_finishes_running_episodes_and_submits_them_a_second_aborts() {
     let cmd = format!("sh {}", agent.display());
     let tasks = dir.path().join("tasks.jsonl");
     write_tasks(&tasks, 10);
-    let mut s = named_server(dir.path(), model, "tiny", None);
+    let mut s = named_server(dir.path(), model, "tiny", None, &[]);
     let boot = s.addr();
     s.wait_line("serving model", Duration::from_secs(120));
     for (round, signals) in [(1, 1), (2, 2)] {

@@ -35,6 +35,18 @@ async fn hold(h: &SwarmHandle, server: &SwarmHandle) -> Result<agentjet::swarm::
     })
 }
 
+/// Serves HOLD: reads one byte-sized frame, answers it plus one.
+fn serve_hold(server: &SwarmHandle) {
+    server
+        .serve(HOLD, |_peer, mut s| async move {
+            let x: u8 = read_frame(&mut s, 64).await.map_err(|e| e.to_string())?;
+            write_frame(&mut s, &(x + 1), 64)
+                .await
+                .map_err(|e| e.to_string())
+        })
+        .unwrap();
+}
+
 async fn release(mut s: agentjet::swarm::Stream) {
     write_frame(&mut s, &1u8, 64).await.unwrap();
     let echoed: u8 = read_frame(&mut s, 64).await.unwrap();
@@ -45,14 +57,7 @@ async fn release(mut s: agentjet::swarm::Stream) {
 async fn too_many_streams_and_too_fast_requests_are_refused_with_the_reason() {
     // Two streams at once per peer; one new stream every 200 ms after a burst of 4.
     let server = node(Role::Server, None, 2, 5.0, 4.0).await;
-    server
-        .serve(HOLD, |_peer, mut s| async move {
-            let x: u8 = read_frame(&mut s, 64).await.map_err(|e| e.to_string())?;
-            write_frame(&mut s, &(x + 1), 64)
-                .await
-                .map_err(|e| e.to_string())
-        })
-        .unwrap();
+    serve_hold(&server);
     let addr = server.listen_addrs().await[0].to_string();
     let client = node(Role::Client, Some(addr), 256, 500.0, 1000.0).await;
 
@@ -114,14 +119,7 @@ async fn peers_that_only_listen_on_tcp_still_talk_and_find_providers() {
         spawn_node(cfg)
     };
     let server = tcp(None).await.unwrap();
-    server
-        .serve(HOLD, |_peer, mut s| async move {
-            let x: u8 = read_frame(&mut s, 64).await.map_err(|e| e.to_string())?;
-            write_frame(&mut s, &(x + 1), 64)
-                .await
-                .map_err(|e| e.to_string())
-        })
-        .unwrap();
+    serve_hold(&server);
     server.provide("over-tcp").await.unwrap();
     let addr = server.listen_addrs().await[0].to_string();
     assert!(addr.contains("/tcp/"), "{addr}");

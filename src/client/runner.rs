@@ -164,16 +164,7 @@ pub async fn run_agent(
         ("AGENTJET_TASK_ID", task.id.clone()),
         ("AGENTJET_TASK", task_json.clone()),
     ];
-    let safe: String = episode
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || "-_.".contains(c) {
-                c
-            } else {
-                '_'
-            }
-        })
-        .collect();
+    let safe = crate::safe_file_name(episode);
     let stdout = spec.logs.join(format!("{safe}.stdout"));
     let stderr = spec.logs.join(format!("{safe}.stderr"));
     let code = match run_group(

@@ -141,17 +141,7 @@ impl ServedModel {
     ) -> Result<Arc<ServedModel>, String> {
         let card_blob = card_blob(&name, &card)?;
         let vocab = Arc::new(card.tokenizer.token_bytes(card.config.vocab_size));
-        let safe: String = name
-            .chars()
-            .map(|c| {
-                if c.is_ascii_alphanumeric() || "-_.".contains(c) {
-                    c
-                } else {
-                    '_'
-                }
-            })
-            .collect();
-        let episodes_dir = data_dir.join("episodes").join(safe);
+        let episodes_dir = data_dir.join("episodes").join(crate::safe_file_name(&name));
         std::fs::create_dir_all(&episodes_dir)
             .map_err(|e| format!("creating {}: {e}", episodes_dir.display()))?;
         let stored = std::fs::read_dir(&episodes_dir)

@@ -121,17 +121,10 @@ pub fn verify(encoded: &[u8], digest: &[u8; 32]) -> Result<PeerId, String> {
     if encoded.is_empty() {
         return Err("the call is not signed".into());
     }
-    if encoded.len() > MAX_SIGNATURE_BYTES {
-        return Err(format!(
-            "signature of {} bytes (at most {MAX_SIGNATURE_BYTES})",
-            encoded.len()
-        ));
-    }
-    let s: CallSignature =
-        postcard::from_bytes(encoded).map_err(|e| format!("malformed signature: {e}"))?;
-    let pk = PublicKey::try_decode_protobuf(&s.public_key)
+    let (public_key, signature) = split(encoded)?;
+    let pk = PublicKey::try_decode_protobuf(&public_key)
         .map_err(|e| format!("malformed signer key: {e}"))?;
-    if !pk.verify(digest, &s.signature) {
+    if !pk.verify(digest, &signature) {
         return Err(format!(
             "the signature by {} does not verify (the call was altered or forged)",
             pk.to_peer_id()
