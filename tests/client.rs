@@ -45,6 +45,34 @@ fn write_tasks(path: &Path, n: usize) {
     std::fs::write(path, lines.join("\n") + "\n").unwrap();
 }
 
+/// A client of model `tiny` running `agent` on `tasks`, groups of 4, `extra` flags appended.
+fn client_args<'a>(
+    boot: &'a str,
+    agent: &'a str,
+    tasks: &'a Path,
+    run_dir: &'a Path,
+    extra: &[&'a str],
+) -> Vec<&'a str> {
+    let mut v = vec![
+        "--role",
+        "client",
+        "--model",
+        "tiny",
+        "--bootstrap",
+        boot,
+        "--agent",
+        agent,
+        "--tasks",
+        tasks.to_str().unwrap(),
+        "--num-repeat",
+        "4",
+        "--run-dir",
+        run_dir.to_str().unwrap(),
+    ];
+    v.extend(extra);
+    v
+}
+
 fn metrics_lines(path: &Path) -> Vec<Value> {
     std::fs::read_to_string(path)
         .unwrap_or_default()
@@ -72,24 +100,7 @@ fn a_shell_agent_trains_the_server_and_bad_agents_are_aborted() {
     let mut c = Peer::start(
         "client",
         dir.path(),
-        &[
-            "--role",
-            "client",
-            "--model",
-            "tiny",
-            "--bootstrap",
-            &boot,
-            "--agent",
-            &agent_cmd,
-            "--tasks",
-            tasks.to_str().unwrap(),
-            "--num-repeat",
-            "4",
-            "--concurrency",
-            "4",
-            "--run-dir",
-            run_dir.to_str().unwrap(),
-        ],
+        &client_args(&boot, &agent_cmd, &tasks, &run_dir, &["--concurrency", "4"]),
     );
     let status = c.child.wait().unwrap();
     assert!(status.success(), "client failed:\n{}", c.log_text());
@@ -126,28 +137,20 @@ fn a_shell_agent_trains_the_server_and_bad_agents_are_aborted() {
     let mut c2 = Peer::start_env(
         "client2",
         dir.path(),
-        &[
-            "--role",
-            "client",
-            "--model",
-            "tiny",
-            "--bootstrap",
+        &client_args(
             &boot,
-            "--agent",
             &agent_cmd,
-            "--tasks",
-            tasks.to_str().unwrap(),
-            "--num-repeat",
-            "4",
-            "--concurrency",
-            "8",
-            "--groups",
-            "3",
-            "--episode-timeout",
-            "3",
-            "--run-dir",
-            run2.to_str().unwrap(),
-        ],
+            &tasks,
+            &run2,
+            &[
+                "--concurrency",
+                "8",
+                "--groups",
+                "3",
+                "--episode-timeout",
+                "3",
+            ],
+        ),
         &[("AGENT_MODE", "crash-e0,hang-e1")],
     );
     let before = metrics_lines(&metrics);
@@ -623,24 +626,7 @@ fn ctrl_c_finishes_running_episodes_and_submits_them_a_second_aborts() {
         let mut c = Peer::start(
             &format!("client{round}"),
             dir.path(),
-            &[
-                "--role",
-                "client",
-                "--model",
-                "tiny",
-                "--bootstrap",
-                &boot,
-                "--agent",
-                &cmd,
-                "--tasks",
-                tasks.to_str().unwrap(),
-                "--num-repeat",
-                "4",
-                "--concurrency",
-                "4",
-                "--run-dir",
-                run.to_str().unwrap(),
-            ],
+            &client_args(&boot, &cmd, &tasks, &run, &["--concurrency", "4"]),
         );
         c.wait_line("running 10 groups", Duration::from_secs(60));
         // Let the first episodes start (they take 2 s), then Ctrl-C once or twice.
