@@ -77,15 +77,9 @@ struct RoleArgs {
     /// Server: also serve the OpenAI-compatible HTTP API at HOST:PORT.
     #[arg(long, value_name = "HOST:PORT")]
     http: Option<String>,
-    /// Server: sequences decoded together at most.
-    #[arg(long, default_value_t = 32)]
-    max_batch: usize,
-    /// Server: requests waiting beyond the batch before refusing (the client re-routes).
-    #[arg(long, default_value_t = 256)]
-    max_queue: usize,
-    /// Server: KV-cache positions at most.
-    #[arg(long, default_value_t = 65536)]
-    max_kv_positions: usize,
+    /// Server: the engine's bounds.
+    #[command(flatten)]
+    engine: EngineArgs,
     /// Client: port of the local OpenAI-compatible proxy on 127.0.0.1 (0 = a free one).
     #[arg(long, default_value_t = 0)]
     proxy_port: u16,
@@ -198,6 +192,20 @@ struct Cli {
     command: Option<Command>,
 }
 
+/// The engine's bounds (`serve` and `--role server`).
+#[derive(Debug, Clone, clap::Args)]
+struct EngineArgs {
+    /// Sequences decoded together at most.
+    #[arg(long, default_value_t = 32)]
+    max_batch: usize,
+    /// Requests waiting beyond the batch before refusing (429; a swarm client re-routes).
+    #[arg(long, default_value_t = 256)]
+    max_queue: usize,
+    /// KV-cache positions (prompt + max_tokens of running requests) at most.
+    #[arg(long, default_value_t = 65536)]
+    max_kv_positions: usize,
+}
+
 #[derive(Debug, Clone, clap::Args)]
 struct ModelArgs {
     /// `smollm2` (the default model), a GGUF file, or an HF model directory.
@@ -257,15 +265,8 @@ enum Command {
         /// The model name clients use (default: the --model argument).
         #[arg(long)]
         served_model_name: Option<String>,
-        /// Sequences decoded together at most.
-        #[arg(long, default_value_t = 32)]
-        max_batch: usize,
-        /// Requests waiting beyond the batch before answering 429.
-        #[arg(long, default_value_t = 256)]
-        max_queue: usize,
-        /// KV-cache positions (prompt + max_tokens of running requests) at most.
-        #[arg(long, default_value_t = 65536)]
-        max_kv_positions: usize,
+        #[command(flatten)]
+        engine: EngineArgs,
         /// Prompt tokens prefilled together in one pass at most.
         #[arg(long, default_value_t = 8192)]
         max_prefill_tokens: usize,
@@ -392,9 +393,7 @@ fn run(cli: Cli) -> Result<()> {
             host,
             port,
             served_model_name,
-            max_batch,
-            max_queue,
-            max_kv_positions,
+            engine,
             max_prefill_tokens,
             default_max_tokens,
             track_episodes,
@@ -404,9 +403,9 @@ fn run(cli: Cli) -> Result<()> {
             port,
             served_model_name,
             agentjet::engine::EngineConfig {
-                max_batch,
-                max_queue,
-                max_kv_positions,
+                max_batch: engine.max_batch,
+                max_queue: engine.max_queue,
+                max_kv_positions: engine.max_kv_positions,
                 max_prefill_tokens,
             },
             agentjet::openai::server::ServerConfig {

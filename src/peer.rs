@@ -300,9 +300,9 @@ fn server(sargs: &SwarmArgs, rargs: &RoleArgs) -> Result<()> {
     let engine = agentjet::engine::spawn_engine(
         loaded.model,
         agentjet::engine::EngineConfig {
-            max_batch: rargs.max_batch,
-            max_queue: rargs.max_queue,
-            max_kv_positions: rargs.max_kv_positions,
+            max_batch: rargs.engine.max_batch,
+            max_queue: rargs.engine.max_queue,
+            max_kv_positions: rargs.engine.max_kv_positions,
             ..Default::default()
         },
     )
@@ -310,7 +310,7 @@ fn server(sargs: &SwarmArgs, rargs: &RoleArgs) -> Result<()> {
     let max_context = model_context.min(engine.max_sequence);
     let card = Arc::new(loaded.card);
     let http = rargs.http.clone();
-    let max_batch = rargs.max_batch;
+    let max_batch = rargs.engine.max_batch;
     runtime()?.block_on(async move {
         let h = start_node(cfg).await?;
         let served = ServedModel::new(
