@@ -71,8 +71,8 @@ struct Stats {
 pub struct Summary {
     pub episodes: usize,
     pub aborted: usize,
-    /// Per model: (episodes submitted, mean reward of the first half, of the second half).
-    pub models: BTreeMap<String, (usize, f64, f64)>,
+    /// Per model: (episodes submitted, mean reward of each quarter of the run, in order).
+    pub models: BTreeMap<String, (usize, Vec<f64>)>,
 }
 
 fn mean(v: &[f64]) -> f64 {
@@ -233,11 +233,9 @@ fn summary(stats: &Stats, cfg: &RunConfig, t0: Instant) -> Summary {
     );
     if let Ok(m) = stats.per_model.lock() {
         for (name, s) in m.iter() {
-            let half = s.rewards.len() / 2;
-            let (a, b) = (mean(&s.rewards[..half]), mean(&s.rewards[half..]));
             let n = s.rewards.len();
-            let quarters: Vec<String> = (0..4)
-                .map(|q| format!("{:.3}", mean(&s.rewards[q * n / 4..(q + 1) * n / 4])))
+            let quarters: Vec<f64> = (0..4)
+                .map(|q| mean(&s.rewards[q * n / 4..(q + 1) * n / 4]))
                 .collect();
             println!(
                 "{:<24} {:>9} {:>9} {:>8} {:>11.3}  {}",
@@ -246,9 +244,13 @@ fn summary(stats: &Stats, cfg: &RunConfig, t0: Instant) -> Summary {
                 s.rejected,
                 s.failed,
                 mean(&s.rewards),
-                quarters.join(" -> ")
+                quarters
+                    .iter()
+                    .map(|q| format!("{q:.3}"))
+                    .collect::<Vec<_>>()
+                    .join(" -> ")
             );
-            out.models.insert(name.clone(), (s.submitted, a, b));
+            out.models.insert(name.clone(), (s.submitted, quarters));
         }
     }
     if let Ok(r) = stats.reasons.lock() {
