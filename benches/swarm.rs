@@ -33,7 +33,7 @@
 #[path = "../tests/common/mod.rs"]
 mod common;
 
-use common::peer::{http, metric, wait_until, Peer};
+use common::peer::{http, metric, signed_call, wait_until, Peer};
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
@@ -43,11 +43,10 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use agentjet::client::submit::{prepare, submit};
-use agentjet::engine::{Rng, SamplingParams};
-use agentjet::swarm::frame::{read_frame, write_frame};
-use agentjet::swarm::protocol::{InferFrame, InferRequest, SubmitReply, INFER};
-use agentjet::swarm::{spawn_node, Keypair, PeerId, Role, SwarmConfig, SwarmHandle};
-use agentjet::timeline::{Call, Episode, EpisodeStatus};
+use agentjet::engine::Rng;
+use agentjet::swarm::protocol::SubmitReply;
+use agentjet::swarm::{spawn_node, Keypair, PeerId, Role, SwarmConfig};
+use agentjet::timeline::{Episode, EpisodeStatus};
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{json, Value};
 
@@ -321,54 +320,6 @@ struct Submission {
     effective_mb_s: f64,
 }
 
-/// One signed call made directly over `/agentjet/infer/1` (end of sequence banned, so it
-/// samples exactly `max_tokens`).
-async fn infer(
-    h: &SwarmHandle,
-    server: PeerId,
-    prompt: Vec<u32>,
-    max_tokens: usize,
-    seed: u64,
-) -> Result<Call> {
-    let mut s = h.open(server, INFER).await?;
-    let limit = h.cfg.max_frame_bytes;
-    let req = InferRequest {
-        model: MODEL.into(),
-        prompt: prompt.clone(),
-        max_tokens: max_tokens as u32,
-        sampling: SamplingParams {
-            temperature: 1.0,
-            logit_bias: vec![(2, -100.0)],
-            ..Default::default()
-        },
-        seed: Some(seed),
-        stop_token_ids: vec![],
-        top_logprobs: 0,
-        constraint: None,
-        n: 1,
-    };
-    write_frame(&mut s, &req, limit).await?;
-    let mut c = Call::new(MODEL, prompt, vec![], vec![], 0);
-    loop {
-        match read_frame::<_, InferFrame>(&mut s, limit).await? {
-            InferFrame::Token {
-                id,
-                logprob,
-                policy_version,
-                signature,
-                ..
-            } => {
-                c.completion_ids.push(id);
-                c.logprobs.push(logprob as f32);
-                c.policy_version = policy_version;
-                c.signature = signature;
-            }
-            InferFrame::Finished { .. } => return Ok(c),
-            other => bail!("the server answered {other:?}"),
-        }
-    }
-}
-
 async fn submission(args: &Args, vocab: u64, boot: &str, server: PeerId) -> Result<Submission> {
     println!();
     println!(
@@ -403,14 +354,15 @@ async fn submission(args: &Args, vocab: u64, boot: &str, server: PeerId) -> Resu
             if turn > 0 {
                 history.extend(ids(args.env));
             }
-            let c = infer(
+            let c = signed_call(
                 &h,
                 server,
                 history.clone(),
-                args.gen,
+                args.gen as u32,
                 (e * 1000 + turn) as u64,
             )
-            .await?;
+            .await
+            .map_err(|e| anyhow!("a call to the server: {e}"))?;
             history.extend_from_slice(&c.completion_ids);
             calls.push(c);
         }

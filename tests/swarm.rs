@@ -154,9 +154,8 @@ fn clients_find_servers_through_the_dht_and_survive_a_killed_server() {
 mod library {
     use super::*;
     use agentjet::client::submit::{prepare, submit};
-    use agentjet::engine::SamplingParams;
-    use agentjet::swarm::frame::{read_frame, write_frame, write_raw};
-    use agentjet::swarm::protocol::{InferFrame, InferRequest, SubmitReply, INFER};
+    use agentjet::swarm::frame::{read_frame, write_raw};
+    use agentjet::swarm::protocol::{InferFrame, SubmitReply, INFER};
     use agentjet::swarm::{spawn_node, Keypair, PeerId, Role, SwarmConfig, SwarmHandle, SwarmKey};
     use agentjet::timeline::{Call, Episode};
     use futures::io::AsyncWriteExt;
@@ -170,43 +169,11 @@ mod library {
         spawn_node(cfg).await.unwrap()
     }
 
-    /// One signed call made directly over `/agentjet/infer/1`.
+    /// One signed call of 6 tokens made directly over `/agentjet/infer/1`.
     pub async fn call(h: &SwarmHandle, server: PeerId, prompt: Vec<u32>) -> Call {
-        let mut s = h.open(server, INFER).await.unwrap();
-        let req = InferRequest {
-            model: "tiny".into(),
-            prompt: prompt.clone(),
-            max_tokens: 6,
-            sampling: SamplingParams {
-                logit_bias: vec![(2, -100.0)],
-                ..Default::default()
-            },
-            seed: Some(1),
-            stop_token_ids: vec![2],
-            top_logprobs: 0,
-            constraint: None,
-            n: 1,
-        };
-        write_frame(&mut s, &req, 1 << 20).await.unwrap();
-        let mut c = Call::new("tiny", prompt, vec![], vec![], 0);
-        loop {
-            match read_frame::<_, InferFrame>(&mut s, 1 << 20).await.unwrap() {
-                InferFrame::Token {
-                    id,
-                    logprob,
-                    policy_version,
-                    signature,
-                    ..
-                } => {
-                    c.completion_ids.push(id);
-                    c.logprobs.push(logprob as f32);
-                    c.policy_version = policy_version;
-                    c.signature = signature;
-                }
-                InferFrame::Finished { .. } => return c,
-                other => panic!("{other:?}"),
-            }
-        }
+        common::peer::signed_call(h, server, prompt, 6, 1)
+            .await
+            .unwrap()
     }
 
     pub fn episode(id: &str, c: Call) -> Episode {

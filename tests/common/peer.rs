@@ -184,3 +184,59 @@ pub fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) ->
     }
     t0.elapsed()
 }
+
+/// One signed call of model `tiny` made directly over `/agentjet/infer/1`: `max_tokens`
+/// sampled at temperature 1 with the end-of-sequence token (2) banned, so exactly that
+/// many; the server's signature kept with the call.
+pub async fn signed_call(
+    h: &agentjet::swarm::SwarmHandle,
+    server: agentjet::swarm::PeerId,
+    prompt: Vec<u32>,
+    max_tokens: u32,
+    seed: u64,
+) -> Result<agentjet::timeline::Call, String> {
+    use agentjet::swarm::frame::{read_frame, write_frame};
+    use agentjet::swarm::protocol::{InferFrame, InferRequest, INFER};
+    let mut s = h.open(server, INFER).await.map_err(|e| e.to_string())?;
+    let limit = h.cfg.max_frame_bytes;
+    let req = InferRequest {
+        model: "tiny".into(),
+        prompt: prompt.clone(),
+        max_tokens,
+        sampling: agentjet::engine::SamplingParams {
+            temperature: 1.0,
+            logit_bias: vec![(2, -100.0)],
+            ..Default::default()
+        },
+        seed: Some(seed),
+        stop_token_ids: vec![],
+        top_logprobs: 0,
+        constraint: None,
+        n: 1,
+    };
+    write_frame(&mut s, &req, limit)
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut c = agentjet::timeline::Call::new("tiny", prompt, vec![], vec![], 0);
+    loop {
+        match read_frame::<_, InferFrame>(&mut s, limit)
+            .await
+            .map_err(|e| e.to_string())?
+        {
+            InferFrame::Token {
+                id,
+                logprob,
+                policy_version,
+                signature,
+                ..
+            } => {
+                c.completion_ids.push(id);
+                c.logprobs.push(logprob as f32);
+                c.policy_version = policy_version;
+                c.signature = signature;
+            }
+            InferFrame::Finished { .. } => return Ok(c),
+            other => return Err(format!("the server answered {other:?}")),
+        }
+    }
+}
