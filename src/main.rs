@@ -146,8 +146,10 @@ struct RoleArgs {
     #[arg(long)]
     dry_run: bool,
     /// Client: a model that is not trained, served by any OpenAI-compatible endpoint
-    /// (`NAME=URL`, repeatable); its calls are recorded, not submitted.
-    #[arg(long = "external-model", value_name = "NAME=URL")]
+    /// (`NAME=URL[#REMOTE]`, e.g. `judge=http://127.0.0.1:8000/v1`; repeatable). Its calls
+    /// are forwarded as they are, recorded in the run dir, never submitted. API key:
+    /// env AGENTJET_EXTERNAL_KEY_<NAME> or AGENTJET_EXTERNAL_KEY.
+    #[arg(long = "external-model", value_name = "NAME=URL[#REMOTE]")]
     external_models: Vec<String>,
     /// Client: where episode logs and the summary go (default: <data-dir>/runs/<time>).
     #[arg(long)]

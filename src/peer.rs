@@ -132,12 +132,29 @@ pub fn run(role: Role, sargs: &SwarmArgs, rargs: &RoleArgs) -> Result<()> {
             };
             let wait = secs("wait", rargs.wait)?;
             let port = rargs.proxy_port;
-            if !rargs.external_models.is_empty() {
-                bail!(
-                    "--external-model is not built yet: calls to non-trainable models through \
-                     other OpenAI endpoints are tracked in a later change; call such a model \
-                     directly from the agent for now"
-                );
+            let external = rargs
+                .external_models
+                .iter()
+                .map(|spec| {
+                    let m = agentjet::openai::external::ExternalModel::parse(spec, |k| {
+                        std::env::var(k).ok()
+                    })
+                    .map_err(|e| anyhow!("--external-model {e}"))?;
+                    if models.contains(&m.name) {
+                        bail!(
+                            "--external-model {}: {:?} is also a --model (trained through the \
+                             swarm); give the external one another name",
+                            spec,
+                            m.name
+                        );
+                    }
+                    Ok(Arc::new(m))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let mut names: Vec<&str> = external.iter().map(|m| m.name.as_str()).collect();
+            names.sort();
+            if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
+                bail!("--external-model {:?} is given twice", w[0]);
             }
             let job = match &rargs.agent {
                 None => {
@@ -179,6 +196,7 @@ pub fn run(role: Role, sargs: &SwarmArgs, rargs: &RoleArgs) -> Result<()> {
                     backend.clone(),
                     ServerConfig {
                         track_episodes: true,
+                        external: external.clone(),
                         ..Default::default()
                     },
                 );
@@ -187,6 +205,12 @@ pub fn run(role: Role, sargs: &SwarmArgs, rargs: &RoleArgs) -> Result<()> {
                     .with_context(|| format!("binding 127.0.0.1:{port}"))?;
                 let base_url = format!("http://{}/v1", listener.local_addr()?);
                 println!("proxy at {base_url} (OpenAI-compatible; models {models:?})");
+                for m in &external {
+                    println!(
+                        "external model {:?} -> {} (model {:?}; recorded, not trained)",
+                        m.name, m.base_url, m.remote_model
+                    );
+                }
                 use std::io::Write as _;
                 std::io::stdout().flush()?;
                 let Some((command, schedule)) = job else {
@@ -242,6 +266,7 @@ pub fn run(role: Role, sargs: &SwarmArgs, rargs: &RoleArgs) -> Result<()> {
                     models: models.clone(),
                     run_id,
                     progress_every: Duration::from_secs(2),
+                    time_limit,
                 };
                 let tracking = tracking.context("the proxy tracks episodes")?;
                 run_episodes(cfg, schedule, backend, tracking, stop_rx)

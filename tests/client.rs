@@ -337,7 +337,8 @@ fn two_models_train_in_one_run_each_with_its_own_reward() {
     );
 }
 
-/// Slow agent: one call, then a second's thought, then the reward.
+/// Slow agent: one call, then a second's thought, then the reward. Just before the
+/// reward it appends its episode id to @DONE@: the episodes whose agent finished.
 const SLOW_AGENT: &str = r#"#!/bin/sh
 set -eu
 reply=$(curl -sS --fail-with-body "$OPENAI_BASE_URL/chat/completions" \
@@ -345,6 +346,7 @@ reply=$(curl -sS --fail-with-body "$OPENAI_BASE_URL/chat/completions" \
   -d '{"model": "tiny", "max_tokens": 8, "temperature": 1.0, "messages": [{"role": "user", "content": "hi"}]}')
 content=$(printf '%s' "$reply" | jq -r '.choices[0].message.content')
 sleep 1
+echo "$AGENTJET_EPISODE_ID" >> @DONE@
 if [ $(( ${#content} % 2 )) -eq 0 ]; then echo '{"reward": 1.0}'; else echo '{"reward": 0.0}'; fi
 "#;
 
@@ -354,7 +356,8 @@ fn killed_clients_leave_no_partial_episode_and_mixed_sources_keep_their_ratio() 
     let model = tiny_model(dir.path());
     let model = model.to_str().unwrap();
     let agent = dir.path().join("agent.sh");
-    std::fs::write(&agent, SLOW_AGENT).unwrap();
+    let done = dir.path().join("agents-done.txt");
+    std::fs::write(&agent, SLOW_AGENT.replace("@DONE@", done.to_str().unwrap())).unwrap();
     let cmd = format!("sh {}", agent.display());
     for (name, n) in [("a", 4), ("b", 4), ("c", 3)] {
         let lines: Vec<String> = (0..n)
@@ -421,14 +424,17 @@ fn killed_clients_leave_no_partial_episode_and_mixed_sources_keep_their_ratio() 
     assert!(j2
         .iter()
         .all(|e| e["task"].as_str().unwrap().starts_with('c')));
-    // The server stored exactly the episodes clients finished and journaled: nothing of
-    // the killed client's running episodes (none was submitted).
-    let journaled: std::collections::HashSet<String> = finished_k
-        .iter()
-        .chain(&j1)
-        .chain(&j2)
-        .map(|e| e["episode"].as_str().unwrap().to_string())
+    // The server stored only episodes whose agent ran to its end: nothing of the killed
+    // client's running episodes. (An episode may be stored and not journaled: the
+    // client journals it after the server's answer, and the kill can fall between.)
+    let agents_done: std::collections::HashSet<String> = std::fs::read_to_string(&done)
+        .unwrap()
+        .lines()
+        .map(str::to_string)
         .collect();
+    for e in finished_k.iter().chain(&j1).chain(&j2) {
+        assert!(agents_done.contains(e["episode"].as_str().unwrap()) || e["status"] == "aborted");
+    }
     let stored =
         agentjet::server::read_stored_episodes(&dir.path().join("tiny/episodes/tiny")).unwrap();
     let killed_prefix = finished_k[0]["episode"]
@@ -441,8 +447,8 @@ fn killed_clients_leave_no_partial_episode_and_mixed_sources_keep_their_ratio() 
     let mut from_killed = 0;
     for e in &stored {
         assert!(
-            journaled.contains(&e.manifest.episode_id),
-            "{} was never finished",
+            agents_done.contains(&e.manifest.episode_id),
+            "{} was stored but its agent never finished",
             e.manifest.episode_id
         );
         if e.manifest.episode_id.starts_with(&killed_prefix) {
@@ -614,7 +620,9 @@ fn ctrl_c_finishes_running_episodes_and_submits_them_a_second_aborts() {
     let model = tiny_model(dir.path());
     let model = model.to_str().unwrap();
     let agent = dir.path().join("agent.sh");
-    std::fs::write(&agent, SLOW_AGENT.replace("sleep 1", "sleep 2")).unwrap();
+    let done = dir.path().join("agents-done.txt");
+    let script = SLOW_AGENT.replace("@DONE@", done.to_str().unwrap());
+    std::fs::write(&agent, script.replace("sleep 1", "sleep 2")).unwrap();
     let cmd = format!("sh {}", agent.display());
     let tasks = dir.path().join("tasks.jsonl");
     write_tasks(&tasks, 10);
@@ -655,4 +663,160 @@ fn ctrl_c_finishes_running_episodes_and_submits_them_a_second_aborts() {
             }
         }
     }
+}
+
+/// An agent calling the trained model `tiny` once, then the external `judge` twice (plain
+/// and streamed) and the external `down` (nothing listens there) once.
+const EXTERNAL_AGENT: &str = r#"#!/bin/sh
+set -eu
+call() {
+  curl -sS "$OPENAI_BASE_URL/chat/completions" \
+    -H "Authorization: Bearer $OPENAI_API_KEY" -H "Content-Type: application/json" -d "$1"
+}
+reply=$(call '{"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "hello"}]}')
+printf '%s' "$reply" | jq -e '.choices[0].message.content' > /dev/null
+verdict=$(call '{"model": "judge", "max_tokens": 4, "messages": [{"role": "user", "content": "judge this"}]}')
+printf '%s' "$verdict" | jq -e '.choices[0].message.content' > /dev/null
+echo "judge: $verdict"
+streamed=$(call '{"model": "judge", "max_tokens": 4, "stream": true, "messages": [{"role": "user", "content": "again"}]}')
+printf '%s' "$streamed" | grep -q 'data: \[DONE\]'
+echo "down: $(call '{"model": "down", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}')"
+echo '{"reward": 0.5}'
+"#;
+
+/// The grader: reward 1 when the transcript holds the two answered calls of `judge`,
+/// marked external, and the one of `tiny`.
+const EXTERNAL_GRADER: &str = r#"jq -e '([.transcript[] | select(.external == true and .model == "judge")] | length) == 2 and ([.transcript[] | select(.model == "tiny" and .external == null)] | length) == 1' > /dev/null && echo '{"reward": 1}' || echo '{"reward": 0}'"#;
+
+#[test]
+fn external_models_are_forwarded_and_recorded_never_trained() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let model = model.to_str().unwrap();
+    let agent = dir.path().join("agent.sh");
+    std::fs::write(&agent, EXTERNAL_AGENT).unwrap();
+    let tasks = dir.path().join("tasks.jsonl");
+    write_tasks(&tasks, 2);
+    let mut s = named_server(dir.path(), model, "tiny", None, &[]);
+    let boot = s.addr();
+    s.wait_line("serving model", Duration::from_secs(120));
+    // The external endpoint: another OpenAI-compatible server (ours, outside the swarm,
+    // not training), serving the same weights as "judge-remote".
+    let mut j = named_server(
+        dir.path(),
+        model,
+        "judge-remote",
+        None,
+        &["--no-train", "--http", "127.0.0.1:0"],
+    );
+    let judge_http = j.wait_line("http at", Duration::from_secs(120));
+    j.wait_line("serving model", Duration::from_secs(120));
+    let judge_spec = format!("judge={judge_http}#judge-remote");
+    let run_dir = dir.path().join("run");
+    let agent_cmd = format!("sh {}", agent.display());
+    let mut c = Peer::start(
+        "client",
+        dir.path(),
+        &client_args(
+            &boot,
+            &agent_cmd,
+            &tasks,
+            &run_dir,
+            &[
+                "--external-model",
+                &judge_spec,
+                "--external-model",
+                "down=http://127.0.0.1:9/v1",
+                "--grader",
+                EXTERNAL_GRADER,
+            ],
+        ),
+    );
+    assert!(c.child.wait().unwrap().success(), "{}", c.log_text());
+    let out = c.stdout();
+    println!("client:\n{out}");
+    assert!(out.contains("external model \"judge\""), "{out}");
+    let journal = read_journal(&run_dir.join("episodes.jsonl")).unwrap();
+    assert_eq!(journal.len(), 8);
+    for e in &journal {
+        assert_eq!(e["status"], "finished", "{e}");
+        assert_eq!(e["reward"], 1.0, "the grader saw the external calls: {e}");
+        assert_eq!(
+            e["calls"], 1,
+            "only tiny's call is tracked for training: {e}"
+        );
+        assert_eq!(e["external_calls"], 3, "{e}");
+        assert_eq!(e["submitted"]["tiny"]["stored"], true, "{e}");
+        let log = std::fs::read_to_string(e["external_log"].as_str().unwrap()).unwrap();
+        let calls: Vec<Value> = log
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(calls.len(), 3);
+        let (plain, streamed, down) = (&calls[0], &calls[1], &calls[2]);
+        assert_eq!(plain["model"], "judge");
+        assert_eq!(plain["status"], 200);
+        assert_eq!(plain["request"]["model"], "judge", "as the agent sent it");
+        assert_eq!(
+            plain["response"]["model"], "judge-remote",
+            "as the endpoint served it"
+        );
+        assert!(plain["response"]["choices"][0]["message"].is_object());
+        assert_eq!(streamed["status"], 200);
+        assert!(streamed["response"]
+            .as_str()
+            .unwrap()
+            .contains("data: [DONE]"));
+        assert_eq!(down["status"], 0);
+        assert!(
+            down["error"].as_str().unwrap().contains("cannot connect"),
+            "{down}"
+        );
+        // The agent got the failure in OpenAI's error shape.
+        let stdout = std::fs::read_to_string(
+            run_dir
+                .join("episodes")
+                .join(format!("{}.stdout", e["episode"].as_str().unwrap())),
+        )
+        .unwrap();
+        assert!(
+            stdout.contains("external_model_unreachable")
+                && stdout.contains("external model 'down'"),
+            "{stdout}"
+        );
+    }
+    // The judge answered every external call; the trained server got only tiny's calls.
+    let requests = metric(&judge_http, "agentjet_http_requests_total");
+    assert_eq!(requests, Some(16.0));
+    let stored =
+        agentjet::server::read_stored_episodes(&dir.path().join("tiny/episodes/tiny")).unwrap();
+    assert_eq!(stored.len(), 8);
+    for e in &stored {
+        assert_eq!(e.timelines.len(), 1);
+    }
+    // Nothing reached the judge's own store: it is not part of the swarm run.
+    let judged = agentjet::server::read_stored_episodes(
+        &dir.path().join("judge-remote/episodes/judge-remote"),
+    )
+    .map(|v| v.len())
+    .unwrap_or(0);
+    assert_eq!(judged, 0);
+    // A --model and an external model of one name is refused at start.
+    let mut bad = Peer::start(
+        "bad",
+        dir.path(),
+        &client_args(
+            &boot,
+            &agent_cmd,
+            &tasks,
+            &run_dir,
+            &["--external-model", "tiny=http://127.0.0.1:9/v1"],
+        ),
+    );
+    assert!(!bad.child.wait().unwrap().success());
+    assert!(
+        bad.log_text().contains("is also a --model"),
+        "{}",
+        bad.log_text()
+    );
 }

@@ -46,6 +46,8 @@ pub struct RunConfig {
     pub run_id: String,
     /// Seconds between progress lines.
     pub progress_every: Duration,
+    /// The run's time limit, if any (progress then counts down to it, not to `groups`).
+    pub time_limit: Option<Duration>,
 }
 
 #[derive(Default)]
@@ -121,12 +123,12 @@ pub async fn run_episodes(
     let progress = {
         let stats = stats.clone();
         let every = cfg.progress_every;
-        let groups = cfg.groups;
-        let n = cfg.num_repeat;
+        let total = cfg.groups * cfg.num_repeat;
+        let limit = cfg.time_limit;
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(every).await;
-                println!("{}", progress_line(&stats, t0, groups * n));
+                println!("{}", progress_line(&stats, t0, total, limit));
                 let _ = std::io::stdout().flush();
             }
         })
@@ -183,12 +185,24 @@ pub async fn run_episodes(
         let _ = h.await;
     }
     progress.abort();
-    println!("{}", progress_line(&stats, t0, cfg.groups * cfg.num_repeat));
+    println!(
+        "{}",
+        progress_line(&stats, t0, cfg.groups * cfg.num_repeat, cfg.time_limit)
+    );
     Ok(summary(&stats, &cfg, t0))
 }
 
-fn progress_line(stats: &Stats, t0: Instant, total: usize) -> String {
+fn progress_line(stats: &Stats, t0: Instant, total: usize, limit: Option<Duration>) -> String {
     let secs = t0.elapsed().as_secs_f64();
+    let done = stats.done.load(Ordering::Relaxed);
+    // With a time limit the run ends at whichever comes first; say both.
+    let of = match limit {
+        Some(l) => format!(
+            "{done}/{total} done ({:.0} s left)",
+            (l.as_secs_f64() - secs).max(0.0)
+        ),
+        None => format!("{done}/{total} done"),
+    };
     let mut rewards = String::new();
     if let Ok(m) = stats.per_model.lock() {
         for (name, s) in m.iter() {
@@ -202,10 +216,8 @@ fn progress_line(stats: &Stats, t0: Instant, total: usize) -> String {
         }
     }
     format!(
-        "[{:>4.0}s] episodes {}/{} done, {} running, {} aborted | {:.2} calls/s{}",
+        "[{:>4.0}s] episodes {of}, {} running, {} aborted | {:.2} calls/s{}",
         secs,
-        stats.done.load(Ordering::Relaxed),
-        total,
         stats.running.load(Ordering::Relaxed),
         stats.aborted.load(Ordering::Relaxed),
         stats.calls.load(Ordering::Relaxed) as f64 / secs.max(1e-9),
@@ -284,20 +296,23 @@ impl EpisodeJob {
         let t0 = Instant::now();
         let tracker = tracking.tracker.clone();
         let id = self.id.clone();
+        let external = tracking.external.clone();
         let transcript = || {
             let calls = tracker.peek(&id).unwrap_or_default();
-            Value::Array(
-                calls
-                    .iter()
-                    .map(|c| {
-                        let text = backend
-                            .card(&c.model)
-                            .and_then(|card| card.tokenizer.decode(&c.completion_ids, true).ok())
-                            .unwrap_or_default();
-                        json!({"model": c.model, "completion": text})
-                    })
-                    .collect(),
-            )
+            let trained = calls.iter().map(|c| {
+                let text = backend
+                    .card(&c.model)
+                    .and_then(|card| card.tokenizer.decode(&c.completion_ids, true).ok())
+                    .unwrap_or_default();
+                json!({"model": c.model, "completion": text})
+            });
+            // External models' calls in the order they were made among themselves; after
+            // the trained ones (the two are recorded apart).
+            let ext = external.peek(&id);
+            let ext = ext.iter().map(
+                |c| json!({"model": c.model, "completion": c.completion_text(), "external": true}),
+            );
+            Value::Array(trained.chain(ext).collect())
         };
         let outcome = run_agent(
             agent,
@@ -310,6 +325,27 @@ impl EpisodeJob {
         .await;
         let calls = tracking.tracker.take(&self.id).unwrap_or_default();
         stats.calls.fetch_add(calls.len() as u64, Ordering::Relaxed);
+        // External models' calls are recorded beside the agent's output, never submitted.
+        let external_calls = tracking.external.take(&self.id);
+        let external_file = (!external_calls.is_empty()).then(|| {
+            agent.logs.join(format!(
+                "{}.external.jsonl",
+                crate::safe_file_name(&self.id)
+            ))
+        });
+        if let Some(path) = &external_file {
+            stats
+                .calls
+                .fetch_add(external_calls.len() as u64, Ordering::Relaxed);
+            let text: String = external_calls
+                .iter()
+                .filter_map(|c| serde_json::to_string(c).ok())
+                .map(|l| l + "\n")
+                .collect();
+            if let Err(e) = std::fs::write(path, text) {
+                tracing::warn!(episode = self.id, "cannot write {}: {e}", path.display());
+            }
+        }
         let mut episode = Episode {
             id: self.id.clone(),
             task_id: self.task.id.clone(),
@@ -420,6 +456,8 @@ impl EpisodeJob {
             "reward": episode.reward,
             "rewards": episode.rewards,
             "calls": episode.calls.len(),
+            "external_calls": external_calls.len(),
+            "external_log": external_file.map(|p| p.display().to_string()),
             "policy_versions": episode.calls.iter().map(|c| c.policy_version).collect::<Vec<_>>(),
             "seconds": t0.elapsed().as_secs_f64(),
             "submitted": if dry_run { Value::Null } else { Value::Object(answers) },

@@ -15,6 +15,7 @@
 //! bad request (naming the field), 404 for an unknown model, 400 `context_length_exceeded`
 //! (saying the limits), 429 when the engine's queue is full, 503 when not ready.
 
+pub mod external;
 pub mod server;
 pub mod text;
 pub mod track;

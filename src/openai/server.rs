@@ -18,6 +18,7 @@ use serde::de::DeserializeOwned;
 use serde_json::{json, Value as Json_};
 use tokio::sync::mpsc::UnboundedReceiver;
 
+use super::external::{forward, model_entry, ExternalLog, ExternalModel};
 use super::text::{parse_tool_calls, StopMatcher};
 use super::track::{Outcome, Tracker};
 use super::types::*;
@@ -45,6 +46,8 @@ pub struct ServerConfig {
     pub track_episodes: bool,
     /// Episodes tracked at most (the least recently used is dropped first).
     pub max_tracked_episodes: usize,
+    /// Models forwarded to other OpenAI-compatible endpoints (recorded, never trained).
+    pub external: Vec<Arc<ExternalModel>>,
 }
 
 impl Default for ServerConfig {
@@ -56,6 +59,7 @@ impl Default for ServerConfig {
             max_body_bytes: 8 << 20,
             track_episodes: false,
             max_tracked_episodes: 4096,
+            external: Vec::new(),
         }
     }
 }
@@ -69,6 +73,8 @@ struct AppState {
     tracker: Option<Arc<Tracker>>,
     /// Rewards agents posted to `/v1/agentjet/reward`, by episode (when tracking).
     rewards: Arc<Rewards>,
+    /// Calls of external models, by episode.
+    external: Arc<ExternalLog>,
     /// Each model's token bytes, built on the first constrained request.
     token_bytes: std::sync::Mutex<std::collections::HashMap<String, Arc<TokenBytes>>>,
 }
@@ -136,6 +142,8 @@ pub fn parse_reward(v: &serde_json::Value) -> Result<PostedReward, String> {
 pub struct Tracking {
     pub tracker: Arc<Tracker>,
     pub rewards: Arc<Rewards>,
+    /// Calls of external models (`ServerConfig::external`), by episode.
+    pub external: Arc<ExternalLog>,
 }
 
 /// The router with every route of the facade.
@@ -154,13 +162,16 @@ pub fn router_tracked(backend: Arc<dyn Backend>, cfg: ServerConfig) -> (Router, 
         .track_episodes
         .then(|| Arc::new(Tracker::new(cfg.max_tracked_episodes)));
     let rewards = Arc::new(Rewards::default());
+    let external = Arc::new(ExternalLog::default());
     let tracking = tracker.as_ref().map(|t| Tracking {
         tracker: t.clone(),
         rewards: rewards.clone(),
+        external: external.clone(),
     });
     let state = Arc::new(AppState {
         tracker,
         rewards,
+        external,
         backend,
         cfg,
         next_id: AtomicU64::new(seed),
@@ -1006,10 +1017,48 @@ async fn chat_completions(
     st.requests.fetch_add(1, Ordering::Relaxed);
     let episode = episode_of(&st, &headers);
     let result = match body_or_error(body, st.cfg.max_body_bytes) {
-        Ok(body) => chat_inner(&st, body, episode).await,
+        Ok(body) => match external_of(&st, &body) {
+            Some(m) => forward_external(&st, &m, "chat/completions", &body, episode).await,
+            None => chat_inner(&st, body, episode).await,
+        },
         Err(e) => Err(e),
     };
     answer(&st, result)
+}
+
+/// The external model a request names, if any.
+fn external_of(st: &AppState, body: &Bytes) -> Option<Arc<ExternalModel>> {
+    if st.cfg.external.is_empty() {
+        return None;
+    }
+    #[derive(serde::Deserialize)]
+    struct ModelOnly {
+        model: Option<String>,
+    }
+    let name = serde_json::from_slice::<ModelOnly>(body).ok()?.model?;
+    st.cfg.external.iter().find(|m| m.name == name).cloned()
+}
+
+async fn forward_external(
+    st: &AppState,
+    m: &ExternalModel,
+    path: &str,
+    body: &Bytes,
+    episode: Option<String>,
+) -> Result<Response, ApiError> {
+    forward(m, path, body, episode, st.external.clone())
+        .await
+        .map_err(|(status, message)| ApiError {
+            status,
+            message,
+            kind: if status == StatusCode::BAD_REQUEST {
+                "invalid_request_error"
+            } else {
+                "api_error"
+            },
+            param: None,
+            code: (status == StatusCode::BAD_GATEWAY).then_some("external_model_unreachable"),
+        })
 }
 
 async fn chat_inner(
@@ -1359,10 +1408,20 @@ fn stream_chat(
     Sse::new(tokio_stream::wrappers::ReceiverStream::new(out))
 }
 
-async fn completions(State(st): State<Arc<AppState>>, body: Body) -> Response {
+async fn completions(
+    State(st): State<Arc<AppState>>,
+    headers: axum::http::HeaderMap,
+    body: Body,
+) -> Response {
     st.requests.fetch_add(1, Ordering::Relaxed);
     let result = match body_or_error(body, st.cfg.max_body_bytes) {
-        Ok(body) => completions_inner(&st, body).await,
+        Ok(body) => match external_of(&st, &body) {
+            Some(m) => {
+                let episode = episode_of(&st, &headers);
+                forward_external(&st, &m, "completions", &body, episode).await
+            }
+            None => completions_inner(&st, body).await,
+        },
         Err(e) => Err(e),
     };
     answer(&st, result)
@@ -1579,6 +1638,7 @@ async fn models(State(st): State<Arc<AppState>>) -> Response {
         .model_ids()
         .into_iter()
         .map(|id| json!({"id": id, "object": "model", "created": 0, "owned_by": "agentjet"}))
+        .chain(st.cfg.external.iter().map(|m| model_entry(m)))
         .collect();
     Json(json!({"object": "list", "data": data})).into_response()
 }
