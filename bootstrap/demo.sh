@@ -7,9 +7,10 @@
 #
 # The whole demo (setup and build included) is held to about $AGENTJET_DEMO_MINUTES
 # minutes (default 14): whatever the build left is the client's time for episodes, at
-# least 3 minutes. On a fresh clone the first build takes about 11 minutes on a 2-core
-# machine, which leaves only those 3 minutes: too few steps for the reward to rise; run it
-# again (the build is then done) or set AGENTJET_DEMO_MINUTES=25.
+# least 3 minutes. On a fresh clone the first build takes about 8 minutes on an idle
+# 2-core machine, which leaves about 5 minutes of episodes (some 450 episodes, 13 training
+# steps). A busier machine builds slower and leaves fewer steps: run it again (the build
+# is then done) or set AGENTJET_DEMO_MINUTES=25.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 start=$(date +%s)
@@ -47,7 +48,7 @@ echo "client: running episodes for $left s"
 "$peer" --role client --model smollm2 --bootstrap "$addr" --data-dir "$demo/client" \
   --listen /ip4/127.0.0.1/udp/0/quic-v1 \
   --agent "$AGENTJET_PYTHON examples/math_agent/agent.py" \
-  --tasks examples/math_agent/tasks.jsonl --num-repeat 8 --concurrency 16 --epochs 10 \
+  --tasks examples/math_agent/tasks.jsonl --num-repeat 8 --concurrency 16 \
   --episode-timeout 120 --time-limit "$left" --run-dir "$demo/client-run" 2> "$demo/client.log"
 
 sleep 3

@@ -820,3 +820,95 @@ fn external_models_are_forwarded_and_recorded_never_trained() {
         bad.log_text()
     );
 }
+
+/// Episodes e0 and e1 of a group get reward 1, the others 0: every group has signal.
+const HALF_AGENT: &str = r#"#!/bin/sh
+set -eu
+curl -sS --fail-with-body "$OPENAI_BASE_URL/chat/completions" \
+  -H "Authorization: Bearer $OPENAI_API_KEY" -H "Content-Type: application/json" \
+  -d '{"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}' > /dev/null
+case "$AGENTJET_EPISODE_ID" in
+  *-e0|*-e1) echo '{"reward": 1.0}' ;;
+  *) echo '{"reward": 0.0}' ;;
+esac
+"#;
+
+#[test]
+fn a_restarted_server_trains_the_episodes_it_stored_but_had_not_trained() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let model = model.to_str().unwrap();
+    let agent = dir.path().join("agent.sh");
+    std::fs::write(&agent, HALF_AGENT).unwrap();
+    let tasks = dir.path().join("tasks.jsonl");
+    write_tasks(&tasks, 2);
+    let server = |per_step: &str| {
+        Peer::start(
+            "tiny",
+            dir.path(),
+            &[
+                "--role",
+                "server",
+                "--model",
+                model,
+                "--served-model-name",
+                "tiny",
+                "--device",
+                "cpu",
+                "--groups-per-step",
+                per_step,
+                "--learning-rate",
+                "1e-3",
+            ],
+        )
+    };
+    // A server that waits for 100 groups per step stores the client's 2 groups and trains
+    // nothing; it is killed.
+    let mut s = server("100");
+    let boot = s.addr();
+    s.wait_line("serving model", Duration::from_secs(120));
+    let agent_cmd = format!("sh {}", agent.display());
+    let run_dir = dir.path().join("run");
+    let mut c = Peer::start(
+        "client",
+        dir.path(),
+        &client_args(&boot, &agent_cmd, &tasks, &run_dir, &[]),
+    );
+    assert!(c.child.wait().unwrap().success(), "{}", c.log_text());
+    let journal = read_journal(&run_dir.join("episodes.jsonl")).unwrap();
+    assert!(journal
+        .iter()
+        .all(|e| e["submitted"]["tiny"]["stored"] == true));
+    s.kill9();
+    let metrics = dir.path().join("tiny/runs/tiny/metrics.jsonl");
+    assert!(
+        metrics_lines(&metrics).is_empty(),
+        "no step before the kill"
+    );
+    // Restarted (2 groups per step): the 8 stored episodes are trained in one step.
+    let mut s = server("2");
+    let fed = s.wait_line("training: 8 stored episodes", Duration::from_secs(120));
+    assert!(fed.contains("fed to the trainer again"), "{fed}");
+    common::peer::wait_until(
+        "the step on the stored episodes",
+        Duration::from_secs(60),
+        || !metrics_lines(&metrics).is_empty(),
+    );
+    let m = &metrics_lines(&metrics)[0];
+    assert_eq!(
+        (m["step"].as_u64(), m["episodes"].as_u64()),
+        (Some(1), Some(8)),
+        "{m}"
+    );
+    // A graceful stop saves a checkpoint at step 1; the next start resumes there and has
+    // nothing left to feed again.
+    unsafe { libc::kill(s.child.id() as i32, libc::SIGTERM) };
+    s.wait_line("training: checkpoint at step 1", Duration::from_secs(60));
+    let _ = s.child.wait();
+    let mut s = server("2");
+    let resumed = s.wait_line("training: resumed", Duration::from_secs(120));
+    assert!(resumed.contains("at step 1"), "{resumed}");
+    s.wait_line("serving model", Duration::from_secs(120));
+    let out = s.stdout();
+    assert!(!out.contains("fed to the trainer again"), "{out}");
+}

@@ -639,6 +639,12 @@ impl ServedModel {
         })
     }
 
+    /// The file an episode is stored in (named by a hash of its id).
+    pub fn episode_file_name(episode_id: &str) -> String {
+        let name = blake3::hash(episode_id.as_bytes()).to_hex();
+        format!("{}.episode", &name[..32])
+    }
+
     /// Writes the episode (manifest + rebuilt timelines) and syncs it before it is
     /// acknowledged. A resubmitted episode replaces the earlier copy.
     fn store_episode(
@@ -646,8 +652,9 @@ impl ServedModel {
         m: &EpisodeManifest,
         timelines: &[Timeline],
     ) -> Result<StoredEpisode, String> {
-        let name = blake3::hash(m.episode_id.as_bytes()).to_hex();
-        let path = self.episodes_dir.join(format!("{}.episode", &name[..32]));
+        let path = self
+            .episodes_dir
+            .join(ServedModel::episode_file_name(&m.episode_id));
         let tmp = path.with_extension("tmp");
         let stored = StoredEpisode {
             manifest: m.clone(),

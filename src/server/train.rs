@@ -5,11 +5,14 @@
 //! which every later signed call carries.
 //!
 //! The run directory (`<data-dir>/runs/<model>/`) holds `metrics.jsonl` (one line per
-//! step), `reward.svg` (the reward curve, redrawn after every step) and the latest checkpoint (every `checkpoint_every` steps and when the server
-//! stops); a server restarted on the same data directory resumes from it, so the swarm's
-//! policy keeps its version and optimizer state.
+//! step), `reward.svg` (the reward curve, redrawn after every step), `consumed.log` (the
+//! episodes each step consumed) and the latest checkpoint (every `checkpoint_every` steps
+//! and when the server stops); a server restarted on the same data directory resumes from
+//! it, so the swarm's policy keeps its version and optimizer state, and trains the stored
+//! episodes that the checkpoint had not consumed.
 
-use std::path::PathBuf;
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
@@ -68,6 +71,91 @@ fn add_report(into: &mut ReadyReport, r: ReadyReport) {
     into.dropped_short += r.dropped_short;
     into.aborted += r.aborted;
     into.skipped_rewards.extend(r.skipped_rewards);
+    into.taken.extend(r.taken);
+}
+
+/// The ledger of consumed episodes in a run directory: one `STEP<TAB>EPISODE ID` line per
+/// episode the step took out of the group buffer (trained, skipped or dropped), appended
+/// after each step. With the checkpoint it says which stored episodes a restarted server
+/// has not trained on yet.
+const CONSUMED: &str = "consumed.log";
+
+/// The ids consumed by steps `1..=step` (the checkpoint's), cutting off later lines: their
+/// steps are lost with the restart, so their episodes are trained again.
+fn consumed_upto(run_dir: &Path, step: u64) -> Result<HashSet<String>, String> {
+    let path = run_dir.join(CONSUMED);
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(HashSet::new()),
+        Err(e) => return Err(format!("{}: {e}", path.display())),
+    };
+    let mut kept = String::new();
+    let mut ids = HashSet::new();
+    let mut cut = false;
+    for line in text.lines() {
+        // A torn last line (a kill mid-append) has no tab or no valid step: dropped.
+        let Some((st, id)) = line.split_once('\t') else {
+            cut = true;
+            continue;
+        };
+        match st.parse::<u64>() {
+            Ok(n) if n <= step => {
+                ids.insert(id.to_string());
+                kept.push_str(line);
+                kept.push('\n');
+            }
+            _ => cut = true,
+        }
+    }
+    if cut {
+        std::fs::write(&path, kept).map_err(|e| format!("{}: {e}", path.display()))?;
+    }
+    Ok(ids)
+}
+
+fn append_consumed(run_dir: &Path, step: u64, ids: &[String]) -> Result<(), String> {
+    use std::io::Write;
+    let path = run_dir.join(CONSUMED);
+    let text: String = ids.iter().map(|id| format!("{step}\t{id}\n")).collect();
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .and_then(|mut f| f.write_all(text.as_bytes()))
+        .map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// Stored episodes of `served` that the resumed trainer has not consumed, oldest first.
+fn unconsumed_episodes(
+    served: &ServedModel,
+    consumed: &HashSet<String>,
+) -> Result<Vec<StoredEpisode>, String> {
+    let consumed_files: HashSet<String> = consumed
+        .iter()
+        .map(|id| ServedModel::episode_file_name(id))
+        .collect();
+    let dir = &served.episodes_dir;
+    let mut files = Vec::new();
+    for e in std::fs::read_dir(dir)
+        .map_err(|e| format!("{}: {e}", dir.display()))?
+        .flatten()
+    {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.ends_with(".episode") && !consumed_files.contains(&name) {
+            let t = e.metadata().and_then(|m| m.modified()).ok();
+            files.push((t, e.path()));
+        }
+    }
+    files.sort();
+    let mut out = Vec::new();
+    for (_, p) in files {
+        let b = std::fs::read(&p).map_err(|e| format!("{}: {e}", p.display()))?;
+        match postcard::from_bytes::<StoredEpisode>(&b) {
+            Ok(ep) => out.push(ep),
+            Err(e) => warn!("{}: not an episode ({e}); not trained", p.display()),
+        }
+    }
+    Ok(out)
 }
 
 /// The trainer for `served`'s model: `model` is its own copy (the engine keeps serving
@@ -96,7 +184,8 @@ pub fn start_training(
             ..TrainerConfig::default()
         },
     )?;
-    match run_dir.resume(&mut trainer)? {
+    let resumed = run_dir.resume(&mut trainer)?;
+    match &resumed {
         Some(s) => println!(
             "training: resumed {:?} at step {} (policy version {}) from {}",
             served.name,
@@ -115,6 +204,20 @@ pub fn start_training(
         .update_weights(&trainer.model.parameters(), trainer.version())?;
     served.train_step.store(trainer.steps(), Ordering::Relaxed);
     let (tx, rx) = std::sync::mpsc::channel();
+    // Episodes stored before this start that the checkpoint has not consumed (pending in
+    // a group, trained by steps after the checkpoint, or stored while no trainer ran) are
+    // trained now: an acknowledged episode is never lost to a restart.
+    let consumed = consumed_upto(&run_dir.dir, resumed.as_ref().map_or(0, |s| s.step))?;
+    let again = unconsumed_episodes(&served, &consumed)?;
+    if !again.is_empty() {
+        println!(
+            "training: {} stored episodes not trained yet are fed to the trainer again",
+            again.len()
+        );
+    }
+    for ep in again {
+        let _ = tx.send(ep);
+    }
     served.set_trainer(tx);
     std::thread::Builder::new()
         .name(format!("trainer-{}", served.name))
@@ -183,6 +286,7 @@ fn train_loop(
         let batch: Vec<Group> = std::mem::take(&mut ready);
         let rep = std::mem::take(&mut report);
         let m = trainer.step(&batch, &rep)?;
+        append_consumed(&run_dir.dir, trainer.steps(), &rep.taken)?;
         served
             .engine
             .update_weights(&trainer.model.parameters(), trainer.version())?;

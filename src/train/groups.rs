@@ -107,6 +107,9 @@ pub struct ReadyReport {
     pub aborted: usize,
     /// Rewards of the skipped groups' episodes (reward metrics count every rollout).
     pub skipped_rewards: Vec<f64>,
+    /// Ids of every episode the call took out of the buffer (trained, skipped, dropped or
+    /// aborted): what a checkpoint after the next step has consumed.
+    pub taken: Vec<String>,
 }
 
 struct Pending {
@@ -194,6 +197,7 @@ impl GroupBuffer {
                 continue;
             }
             let p = self.pending.remove(&id).expect("listed above");
+            report.taken.extend(p.episodes.iter().map(|e| e.id.clone()));
             report.aborted += p
                 .episodes
                 .iter()
