@@ -462,6 +462,33 @@ fn killed_clients_leave_no_partial_episode_and_mixed_sources_keep_their_ratio() 
         (4..16).contains(&from_killed),
         "{from_killed} episodes of the killed client"
     );
+    // What reached the server from the two live clients is in the requested ratio: a:b
+    // 3:1 from the restarted one, and the other's source c whole.
+    let restarted_prefix = j1[0]["episode"]
+        .as_str()
+        .unwrap()
+        .split("-g")
+        .next()
+        .unwrap();
+    let other_prefix = j2[0]["episode"]
+        .as_str()
+        .unwrap()
+        .split("-g")
+        .next()
+        .unwrap();
+    let count = |prefix: &str, task: char| {
+        stored
+            .iter()
+            .filter(|e| {
+                e.manifest.episode_id.starts_with(prefix) && e.manifest.task_id.starts_with(task)
+            })
+            .count()
+    };
+    assert_eq!(
+        (count(restarted_prefix, 'a'), count(restarted_prefix, 'b')),
+        (24, 8)
+    );
+    assert_eq!(count(other_prefix, 'c'), 12);
     // The server kept training through it all: the killed client's incomplete groups
     // train after --group-timeout with the episodes that finished.
     let metrics = dir.path().join("tiny/runs/tiny/metrics.jsonl");
@@ -911,4 +938,101 @@ fn a_restarted_server_trains_the_episodes_it_stored_but_had_not_trained() {
     s.wait_line("serving model", Duration::from_secs(120));
     let out = s.stdout();
     assert!(!out.contains("fed to the trainer again"), "{out}");
+}
+
+/// Example (c) (Python, OpenAI SDK, two trainable models) and example (d) (sh + curl), as
+/// they are in examples/, with their task files, against servers of a tiny random model
+/// started under the names the examples use. Each model's server stores every episode with
+/// that model's own reward.
+#[test]
+fn examples_c_and_d_run_unchanged() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let model = model.to_str().unwrap();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut solver = named_server(dir.path(), model, "solver", None, &[]);
+    let boot = solver.addr();
+    let mut verifier = named_server(dir.path(), model, "verifier", Some(&boot), &[]);
+    let mut plain = named_server(dir.path(), model, "smollm2", Some(&boot), &[]);
+    for s in [&mut solver, &mut verifier, &mut plain] {
+        s.wait_line("serving model", Duration::from_secs(120));
+    }
+    let example = |name: &str, models: &[&str], agent: String, tasks: &str| {
+        let run = dir.path().join(format!("run-{name}"));
+        let tasks = root.join(tasks);
+        let mut args = vec!["--role", "client", "--bootstrap", &boot];
+        for m in models {
+            args.extend(["--model", m]);
+        }
+        args.extend([
+            "--agent",
+            &agent,
+            "--tasks",
+            tasks.to_str().unwrap(),
+            "--num-repeat",
+            "4",
+            "--groups",
+            "2",
+            "--concurrency",
+            "4",
+            "--run-dir",
+            run.to_str().unwrap(),
+        ]);
+        let mut c = Peer::start(name, dir.path(), &args);
+        assert!(c.child.wait().unwrap().success(), "{}", c.log_text());
+        println!("{}", c.stdout());
+        read_journal(&run.join("episodes.jsonl")).unwrap()
+    };
+    let python = common::python();
+    let c = example(
+        "client-c",
+        &["solver", "verifier"],
+        format!(
+            "{} {}",
+            python.display(),
+            root.join("examples/two_model_agent/agent.py").display()
+        ),
+        "examples/two_model_agent/tasks.jsonl",
+    );
+    assert_eq!(c.len(), 8);
+    let stored_of = |m: &str| {
+        agentjet::server::read_stored_episodes(&dir.path().join(m).join("episodes").join(m))
+            .unwrap()
+    };
+    for m in ["solver", "verifier"] {
+        let stored = stored_of(m);
+        assert_eq!(stored.len(), 8, "{m}");
+        for e in &c {
+            assert_eq!(e["status"], "finished", "{e}");
+            assert_eq!(e["calls"], 2, "{e}");
+            assert_eq!(e["submitted"][m]["stored"], true, "{e}");
+            let s = stored
+                .iter()
+                .find(|s| s.manifest.episode_id == e["episode"].as_str().unwrap())
+                .unwrap();
+            assert_eq!(s.timelines.len(), 1);
+            assert_eq!(s.timelines[0].model, m);
+            assert_eq!(
+                s.manifest.rewards.get(m).copied(),
+                e["rewards"][m].as_f64(),
+                "{m} got its own reward"
+            );
+        }
+    }
+    let d = example(
+        "client-d",
+        &["smollm2"],
+        format!(
+            "sh {}",
+            root.join("examples/shell_agent/agent.sh").display()
+        ),
+        "examples/shell_agent/tasks.jsonl",
+    );
+    assert_eq!(d.len(), 8);
+    for e in &d {
+        assert_eq!(e["status"], "finished", "{e}");
+        assert_eq!(e["calls"], 1, "{e}");
+        assert_eq!(e["submitted"]["smollm2"]["stored"], true, "{e}");
+    }
+    assert_eq!(stored_of("smollm2").len(), 8);
 }
