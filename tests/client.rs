@@ -45,6 +45,17 @@ fn write_tasks(path: &Path, n: usize) {
     std::fs::write(path, lines.join("\n") + "\n").unwrap();
 }
 
+/// A test's tiny model, `script` written as its agent and `n` tasks:
+/// (model directory, agent command, task file).
+fn setup(dir: &Path, script: &str, n: usize) -> (String, String, PathBuf) {
+    let model = tiny_model(dir).to_str().unwrap().to_string();
+    let agent = dir.join("agent.sh");
+    std::fs::write(&agent, script).unwrap();
+    let tasks = dir.join("tasks.jsonl");
+    write_tasks(&tasks, n);
+    (model, format!("sh {}", agent.display()), tasks)
+}
+
 /// A client of model `tiny` running `agent` on `tasks`, groups of 4, `extra` flags appended.
 fn client_args<'a>(
     boot: &'a str,
@@ -84,19 +95,14 @@ fn metrics_lines(path: &Path) -> Vec<Value> {
 #[test]
 fn a_shell_agent_trains_the_server_and_bad_agents_are_aborted() {
     let dir = tempfile::tempdir().unwrap();
-    let model = tiny_model(dir.path());
-    let model = model.to_str().unwrap();
-    let agent = dir.path().join("agent.sh");
-    std::fs::write(&agent, AGENT).unwrap();
-    let tasks = dir.path().join("tasks.jsonl");
-    write_tasks(&tasks, 6);
+    let (model, agent_cmd, tasks) = setup(dir.path(), AGENT, 6);
+    let model = model.as_str();
 
     let mut s = named_server(dir.path(), model, "tiny", None, &["--http", "127.0.0.1:0"]);
     let boot = s.addr();
     let http = s.wait_line("http at", Duration::from_secs(120));
     s.wait_line("serving model", Duration::from_secs(120));
     let run_dir = dir.path().join("run1");
-    let agent_cmd = format!("sh {}", agent.display());
     let mut c = Peer::start(
         "client",
         dir.path(),
@@ -219,7 +225,8 @@ echo "{\"rewards\": {\"tiny-a\": $(( ${#a} % 2 )), \"tiny-b\": $(( ${#b} % 2 ))}
 "#;
 
 /// A server of the tiny model as `name` (its data directory is `dir/name`), training a
-/// step per complete group at a high learning rate; `extra` flags appended.
+/// step per complete group (unless `extra` says `--groups-per-step`) at a high learning rate;
+/// `extra` flags appended.
 fn named_server(dir: &Path, model: &str, name: &str, boot: Option<&str>, extra: &[&str]) -> Peer {
     let mut args = vec![
         "--role",
@@ -230,13 +237,14 @@ fn named_server(dir: &Path, model: &str, name: &str, boot: Option<&str>, extra: 
         name,
         "--device",
         "cpu",
-        "--groups-per-step",
-        "1",
         "--learning-rate",
         "1e-3",
         "--group-timeout",
         "5",
     ];
+    if !extra.contains(&"--groups-per-step") {
+        args.extend(["--groups-per-step", "1"]);
+    }
     if let Some(b) = boot {
         args.extend(["--bootstrap", b]);
     }
@@ -247,19 +255,14 @@ fn named_server(dir: &Path, model: &str, name: &str, boot: Option<&str>, extra: 
 #[test]
 fn two_models_train_in_one_run_each_with_its_own_reward() {
     let dir = tempfile::tempdir().unwrap();
-    let model = tiny_model(dir.path());
-    let model = model.to_str().unwrap();
-    let agent = dir.path().join("agent.sh");
-    std::fs::write(&agent, TWO_MODEL_AGENT).unwrap();
-    let tasks = dir.path().join("tasks.jsonl");
-    write_tasks(&tasks, 5);
+    let (model, cmd, tasks) = setup(dir.path(), TWO_MODEL_AGENT, 5);
+    let model = model.as_str();
     let mut a = named_server(dir.path(), model, "tiny-a", None, &[]);
     let boot = a.addr();
     let mut b = named_server(dir.path(), model, "tiny-b", Some(&boot), &[]);
     a.wait_line("serving model", Duration::from_secs(120));
     b.wait_line("serving model", Duration::from_secs(120));
     let run_dir = dir.path().join("run");
-    let cmd = format!("sh {}", agent.display());
     let mut c = Peer::start(
         "client",
         dir.path(),
@@ -644,15 +647,10 @@ fn example_a_trains_smollm2_through_a_client_only_binary() {
 #[test]
 fn ctrl_c_finishes_running_episodes_and_submits_them_a_second_aborts() {
     let dir = tempfile::tempdir().unwrap();
-    let model = tiny_model(dir.path());
-    let model = model.to_str().unwrap();
-    let agent = dir.path().join("agent.sh");
     let done = dir.path().join("agents-done.txt");
     let script = SLOW_AGENT.replace("@DONE@", done.to_str().unwrap());
-    std::fs::write(&agent, script.replace("sleep 1", "sleep 2")).unwrap();
-    let cmd = format!("sh {}", agent.display());
-    let tasks = dir.path().join("tasks.jsonl");
-    write_tasks(&tasks, 10);
+    let (model, cmd, tasks) = setup(dir.path(), &script.replace("sleep 1", "sleep 2"), 10);
+    let model = model.as_str();
     let mut s = named_server(dir.path(), model, "tiny", None, &[]);
     let boot = s.addr();
     s.wait_line("serving model", Duration::from_secs(120));
@@ -718,12 +716,8 @@ const EXTERNAL_GRADER: &str = r#"jq -e '([.transcript[] | select(.external == tr
 #[test]
 fn external_models_are_forwarded_and_recorded_never_trained() {
     let dir = tempfile::tempdir().unwrap();
-    let model = tiny_model(dir.path());
-    let model = model.to_str().unwrap();
-    let agent = dir.path().join("agent.sh");
-    std::fs::write(&agent, EXTERNAL_AGENT).unwrap();
-    let tasks = dir.path().join("tasks.jsonl");
-    write_tasks(&tasks, 2);
+    let (model, agent_cmd, tasks) = setup(dir.path(), EXTERNAL_AGENT, 2);
+    let model = model.as_str();
     let mut s = named_server(dir.path(), model, "tiny", None, &[]);
     let boot = s.addr();
     s.wait_line("serving model", Duration::from_secs(120));
@@ -740,7 +734,6 @@ fn external_models_are_forwarded_and_recorded_never_trained() {
     j.wait_line("serving model", Duration::from_secs(120));
     let judge_spec = format!("judge={judge_http}#judge-remote");
     let run_dir = dir.path().join("run");
-    let agent_cmd = format!("sh {}", agent.display());
     let mut c = Peer::start(
         "client",
         dir.path(),
@@ -863,30 +856,14 @@ esac
 #[test]
 fn a_restarted_server_trains_the_episodes_it_stored_but_had_not_trained() {
     let dir = tempfile::tempdir().unwrap();
-    let model = tiny_model(dir.path());
-    let model = model.to_str().unwrap();
-    let agent = dir.path().join("agent.sh");
-    std::fs::write(&agent, HALF_AGENT).unwrap();
-    let tasks = dir.path().join("tasks.jsonl");
-    write_tasks(&tasks, 2);
+    let (model, agent_cmd, tasks) = setup(dir.path(), HALF_AGENT, 2);
     let server = |per_step: &str| {
-        Peer::start(
-            "tiny",
+        named_server(
             dir.path(),
-            &[
-                "--role",
-                "server",
-                "--model",
-                model,
-                "--served-model-name",
-                "tiny",
-                "--device",
-                "cpu",
-                "--groups-per-step",
-                per_step,
-                "--learning-rate",
-                "1e-3",
-            ],
+            &model,
+            "tiny",
+            None,
+            &["--groups-per-step", per_step],
         )
     };
     // A server that waits for 100 groups per step stores the client's 2 groups and trains
@@ -894,7 +871,6 @@ fn a_restarted_server_trains_the_episodes_it_stored_but_had_not_trained() {
     let mut s = server("100");
     let boot = s.addr();
     s.wait_line("serving model", Duration::from_secs(120));
-    let agent_cmd = format!("sh {}", agent.display());
     let run_dir = dir.path().join("run");
     let mut c = Peer::start(
         "client",
