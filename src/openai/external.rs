@@ -24,7 +24,9 @@ use hyper_util::rt::TokioIo;
 use serde_json::{json, Value};
 
 /// The most bytes of one response kept in its record (the agent gets all of it).
-pub const MAX_RECORDED_BYTES: usize = 1 << 20;
+pub const MAX_RECORDED_BYTES: usize = 256 << 10;
+/// The most external calls recorded per episode (later ones are forwarded, not recorded).
+pub const MAX_RECORDED_CALLS: usize = 256;
 /// Time to connect (and finish TLS) to an external endpoint.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -193,7 +195,8 @@ impl ExternalCall {
 /// The external calls of each episode, until its runner takes them.
 #[derive(Default)]
 pub struct ExternalLog {
-    calls: Mutex<HashMap<String, Vec<ExternalCall>>>,
+    /// Per episode: the recorded calls, and how many more were not recorded.
+    calls: Mutex<HashMap<String, (Vec<ExternalCall>, usize)>>,
 }
 
 impl ExternalLog {
@@ -203,7 +206,12 @@ impl ExternalLog {
             if m.len() >= 4096 && !m.contains_key(episode) {
                 m.clear();
             }
-            m.entry(episode.to_string()).or_default().push(call);
+            let (calls, unrecorded) = m.entry(episode.to_string()).or_default();
+            if calls.len() < MAX_RECORDED_CALLS {
+                calls.push(call);
+            } else {
+                *unrecorded += 1;
+            }
         }
     }
     /// The episode's calls so far, leaving them in place.
@@ -211,16 +219,24 @@ impl ExternalLog {
         self.calls
             .lock()
             .ok()
-            .and_then(|m| m.get(episode).cloned())
+            .and_then(|m| m.get(episode).map(|(c, _)| c.clone()))
             .unwrap_or_default()
     }
     /// The episode's calls, forgetting them.
     pub fn take(&self, episode: &str) -> Vec<ExternalCall> {
-        self.calls
+        let (calls, unrecorded) = self
+            .calls
             .lock()
             .ok()
             .and_then(|mut m| m.remove(episode))
-            .unwrap_or_default()
+            .unwrap_or_default();
+        if unrecorded > 0 {
+            tracing::warn!(
+                episode,
+                "{unrecorded} external calls past the first {MAX_RECORDED_CALLS} were not recorded"
+            );
+        }
+        calls
     }
 }
 
