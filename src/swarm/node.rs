@@ -143,11 +143,85 @@ enum Command {
     Addresses(PeerId, Vec<Multiaddr>),
 }
 
+/// Rate buckets kept before the refilled ones are pruned.
+const MAX_IDLE_BUCKETS: usize = 1024;
+
 /// Per-peer admission bounds (concurrent streams, request rate).
 #[derive(Default)]
 struct Limits {
     open: HashMap<(PeerId, &'static str), usize>,
+    buckets: RateTable,
+}
+
+/// A token bucket per peer: `burst` requests at once, refilled at `rate` per second.
+#[derive(Default)]
+struct RateTable {
     buckets: HashMap<PeerId, (f64, Instant)>,
+}
+
+impl RateTable {
+    /// Takes one request of `peer`'s bucket at `now`, or says why not.
+    fn take(&mut self, peer: &PeerId, now: Instant, rate: f64, burst: f64) -> Result<(), String> {
+        let level =
+            |b: &(f64, Instant)| b.0 + rate * now.saturating_duration_since(b.1).as_secs_f64();
+        if self.buckets.len() >= MAX_IDLE_BUCKETS {
+            // A bucket that has refilled is the same as none: forget those, so peers that
+            // came and went (or a stream of fresh peer ids) do not grow the table.
+            self.buckets.retain(|_, b| level(b) < burst);
+        }
+        let b = self.buckets.entry(*peer).or_insert((burst, now));
+        b.0 = level(b).min(burst);
+        b.1 = now;
+        if b.0 < 1.0 {
+            return Err(format!(
+                "over the request rate limit ({rate}/s, burst {burst})"
+            ));
+        }
+        b.0 -= 1.0;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod rate_tests {
+    use super::*;
+
+    #[test]
+    fn buckets_refuse_past_the_burst_refill_and_idle_ones_are_forgotten() {
+        let t0 = Instant::now();
+        let mut t = RateTable::default();
+        let p = PeerId::random();
+        for _ in 0..3 {
+            t.take(&p, t0, 1.0, 3.0).unwrap();
+        }
+        let e = t.take(&p, t0, 1.0, 3.0).unwrap_err();
+        assert!(e.contains("rate limit (1/s, burst 3)"), "{e}");
+        t.take(&p, t0 + Duration::from_millis(1100), 1.0, 3.0)
+            .unwrap();
+        // 3000 one-off peers: the table stays bounded once their buckets refilled.
+        for i in 0..3000u64 {
+            let now = t0 + Duration::from_secs(10 + i * 5);
+            t.take(&PeerId::random(), now, 1.0, 3.0).unwrap();
+        }
+        assert!(t.buckets.len() <= MAX_IDLE_BUCKETS, "{}", t.buckets.len());
+        // Buckets still draining are kept: a busy peer's survives the pruning.
+        let busy = PeerId::random();
+        let late = t0 + Duration::from_secs(100_000);
+        for _ in 0..3 {
+            t.take(&busy, late, 1.0, 3.0).unwrap();
+        }
+        for _ in 0..2 * MAX_IDLE_BUCKETS {
+            t.take(&PeerId::random(), late, 1.0, 3.0).unwrap();
+        }
+        assert!(
+            t.buckets.len() > 2 * MAX_IDLE_BUCKETS,
+            "draining buckets are kept"
+        );
+        assert!(
+            t.take(&busy, late, 1.0, 3.0).is_err(),
+            "its bucket was not reset"
+        );
+    }
 }
 
 /// The handle the rest of the program holds.
@@ -939,15 +1013,7 @@ impl SwarmHandle {
             .map_err(|_| "internal: limits lock".to_string())?;
         let now = Instant::now();
         let (rate, burst) = (self.cfg.max_requests_per_s, self.cfg.request_burst);
-        let b = l.buckets.entry(*peer).or_insert((burst, now));
-        b.0 = (b.0 + rate * now.duration_since(b.1).as_secs_f64()).min(burst);
-        b.1 = now;
-        if b.0 < 1.0 {
-            return Err(format!(
-                "over the request rate limit ({rate}/s, burst {burst})"
-            ));
-        }
-        b.0 -= 1.0;
+        l.buckets.take(peer, now, rate, burst)?;
         let open = l.open.entry((*peer, name)).or_insert(0);
         if *open >= self.cfg.max_streams_per_peer {
             return Err(format!(
@@ -1044,8 +1110,12 @@ struct OpenGuard {
 impl Drop for OpenGuard {
     fn drop(&mut self) {
         if let Ok(mut l) = self.h.limits.lock() {
-            if let Some(n) = l.open.get_mut(&(self.peer, self.name)) {
+            let key = (self.peer, self.name);
+            if let Some(n) = l.open.get_mut(&key) {
                 *n = n.saturating_sub(1);
+                if *n == 0 {
+                    l.open.remove(&key);
+                }
             }
         }
     }
