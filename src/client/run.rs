@@ -258,7 +258,12 @@ fn summary(stats: &Stats, cfg: &RunConfig, t0: Instant) -> Summary {
                 mean(&s.rewards),
                 quarters
                     .iter()
-                    .map(|q| format!("{q:.3}"))
+                    // A quarter without episodes (a run of fewer than 4) has no mean.
+                    .map(|q| if q.is_nan() {
+                        "-".into()
+                    } else {
+                        format!("{q:.3}")
+                    })
                     .collect::<Vec<_>>()
                     .join(" -> ")
             );
