@@ -92,6 +92,35 @@ fn metrics_lines(path: &Path) -> Vec<Value> {
         .collect()
 }
 
+/// A step was trained (within `wait`), the server's engine serves policy version >= 1,
+/// and some journaled episode's first call was sampled by a trained policy.
+fn assert_trained_and_served(
+    metrics: &Path,
+    http: &str,
+    model: &str,
+    journal: &[Value],
+    wait: Duration,
+) {
+    common::peer::wait_until("a training step", wait, || {
+        metrics_lines(metrics).iter().any(|l| l["trained"] == true)
+    });
+    let version = metric(
+        http,
+        &format!("agentjet_policy_version{{model=\"{model}\"}}"),
+    )
+    .unwrap();
+    assert!(version >= 1.0, "policy version {version}");
+    let newer = journal
+        .iter()
+        .filter(|e| e["policy_versions"][0].as_u64().unwrap_or(0) >= 1)
+        .count();
+    println!(
+        "{newer} of {} episodes were sampled by a trained policy; server at v{version}",
+        journal.len()
+    );
+    assert!(newer > 0, "no call was served by a new policy version");
+}
+
 #[test]
 fn a_shell_agent_trains_the_server_and_bad_agents_are_aborted() {
     let dir = tempfile::tempdir().unwrap();
@@ -123,18 +152,7 @@ fn a_shell_agent_trains_the_server_and_bad_agents_are_aborted() {
     // Steps happened on the server; the engine serves the new version, and episodes that
     // ran after the first steps were sampled by it.
     let metrics = dir.path().join("tiny/runs/tiny/metrics.jsonl");
-    let mut lines = Vec::new();
-    common::peer::wait_until("a training step", Duration::from_secs(60), || {
-        lines = metrics_lines(&metrics);
-        lines.iter().any(|l| l["trained"] == true)
-    });
-    let version = metric(&http, "agentjet_policy_version{model=\"tiny\"}").unwrap();
-    assert!(version >= 1.0, "policy version {version}");
-    let later = journal
-        .iter()
-        .filter(|e| e["policy_versions"][0].as_u64().unwrap_or(0) >= 1)
-        .count();
-    assert!(later > 0, "no episode was sampled by a trained policy");
+    assert_trained_and_served(&metrics, &http, "tiny", &journal, Duration::from_secs(60));
     s.wait_line("train step", Duration::from_secs(10));
 
     // Now agents that crash (e0) and hang (e1) in every group: aborted with the reason,
@@ -629,19 +647,13 @@ fn example_a_trains_smollm2_through_a_client_only_binary() {
         .iter()
         .all(|e| e["submitted"]["smollm2"]["stored"] == true));
     let metrics = dir.path().join("server/runs/smollm2/metrics.jsonl");
-    let mut lines = Vec::new();
-    common::peer::wait_until("a training step", Duration::from_secs(120), || {
-        lines = metrics_lines(&metrics);
-        lines.iter().any(|l| l["trained"] == true)
-    });
-    let version = metric(&http, "agentjet_policy_version{model=\"smollm2\"}").unwrap();
-    assert!(version >= 1.0, "policy version {version}");
-    let newer = journal
-        .iter()
-        .filter(|e| e["policy_versions"][0].as_u64().unwrap_or(0) >= 1)
-        .count();
-    println!("{newer} of 48 episodes were sampled by a trained policy; server at v{version}");
-    assert!(newer > 0, "no call was served by a new policy version");
+    assert_trained_and_served(
+        &metrics,
+        &http,
+        "smollm2",
+        &journal,
+        Duration::from_secs(120),
+    );
 }
 
 #[test]
