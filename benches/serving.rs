@@ -94,7 +94,6 @@ fn ours(source: &ModelSource, dtype: DType, prompts: &[Vec<u32>]) -> anyhow::Res
                             }
                             EngineEvent::Finished { .. } => break,
                             EngineEvent::Failed(e) => panic!("request failed: {e}"),
-                            EngineEvent::Signed { .. } => {}
                         }
                     }
                     (first.unwrap_or(Duration::ZERO), n)

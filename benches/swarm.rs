@@ -43,8 +43,8 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use agentjet::client::submit::{prepare, submit};
-use agentjet::engine::Rng;
-use agentjet::swarm::protocol::SubmitReply;
+use agentjet::base::Rng;
+use agentjet::rpc::SubmitReply;
 use agentjet::swarm::{spawn_node, Keypair, PeerId, Role, SwarmConfig};
 use agentjet::timeline::{Episode, EpisodeStatus};
 use anyhow::{anyhow, bail, Context, Result};

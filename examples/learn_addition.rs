@@ -29,8 +29,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
+use agentjet::base::Rng;
 use agentjet::engine::{
-    spawn_engine, Completed, EngineConfig, EngineHandle, GenerateRequest, Rng, SamplingParams,
+    spawn_engine, Completed, EngineConfig, EngineHandle, GenerateRequest, SamplingParams,
 };
 use agentjet::model::checkpoint::load_model;
 use agentjet::model::llama::DType;

@@ -8,7 +8,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use agentjet::client::run::read_journal;
+use agentjet::client::episodes::read_journal;
 use agentjet::timeline::EpisodeStatus;
 use common::peer::{metric, Peer};
 use serde_json::Value;

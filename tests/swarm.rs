@@ -155,7 +155,7 @@ mod library {
     use super::*;
     use agentjet::client::submit::{prepare, submit};
     use agentjet::swarm::frame::{read_frame, write_raw};
-    use agentjet::swarm::protocol::{InferFrame, SubmitReply, INFER};
+    use agentjet::rpc::{InferFrame, SubmitReply, INFER};
     use agentjet::swarm::{spawn_node, Keypair, PeerId, Role, SwarmConfig, SwarmHandle, SwarmKey};
     use agentjet::timeline::{Call, Episode};
     use futures::io::AsyncWriteExt;
@@ -212,7 +212,7 @@ mod library {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_swarm_key_signed_calls_and_bad_messages() {
-    use agentjet::swarm::protocol::{SubmitReply, INFER};
+    use agentjet::rpc::{SubmitReply, INFER};
     use agentjet::swarm::SwarmKey;
     let dir = tempfile::tempdir().unwrap();
     let model = tiny_model(dir.path());
@@ -359,7 +359,7 @@ async fn the_swarm_key_signed_calls_and_bad_messages() {
         "{reply:?}"
     );
     let mut self_signed = c2.clone();
-    self_signed.signature = member.sign(&agentjet::swarm::sign::call_digest(
+    self_signed.signature = member.sign(&agentjet::timeline::digest::call_digest(
         "tiny",
         &c2.prompt_ids,
         &c2.completion_ids,

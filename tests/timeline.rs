@@ -11,7 +11,7 @@ mod common;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use agentjet::engine::Rng;
+use agentjet::base::Rng;
 use agentjet::model::checkpoint::load_model;
 use agentjet::model::llama::{DType, Llama};
 use agentjet::model::ModelSource;

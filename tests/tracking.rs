@@ -41,7 +41,6 @@ impl Conversation<'_> {
                 add_generation_prompt: g,
                 extra: None,
             })
-            .map_err(|e| e.to_string())
         };
         let (ids, outcome, text) = self
             .tracker
@@ -59,7 +58,7 @@ impl Conversation<'_> {
             messages,
             text,
             &ids,
-            vec![agentjet::openai::server::ChoiceRecord {
+            vec![agentjet::openai::track::ChoiceRecord {
                 tokens: completion.clone(),
                 logprobs: lps,
                 signed: Vec::new(),

@@ -23,21 +23,30 @@
 
 use tch::{Kind, Tensor};
 
+use crate::KernelError;
+
+fn shape(problem: String) -> KernelError {
+    KernelError::Shape {
+        kernel: "token_logprobs",
+        problem,
+    }
+}
+
 /// The values of one pass: log-probabilities, and entropies when asked for, [T] float32.
 pub struct TokenLogprobs {
     pub logprobs: Tensor,
     pub entropy: Option<Tensor>,
 }
 
-fn check(h: &Tensor, w: &Tensor, targets: &Tensor, chunk: i64) -> Result<(i64, i64), String> {
+fn check(h: &Tensor, w: &Tensor, targets: &Tensor, chunk: i64) -> Result<(i64, i64), KernelError> {
     let (hs, ws, ts) = (h.size(), w.size(), targets.size());
     if hs.len() != 2 || ws.len() != 2 || ts.len() != 1 || hs[1] != ws[1] || ts[0] != hs[0] {
-        return Err(format!(
+        return Err(shape(format!(
             "token logprobs want h [T, d], w [V, d], targets [T]; got {hs:?}, {ws:?}, {ts:?}"
-        ));
+        )));
     }
     if chunk < 1 {
-        return Err(format!("chunk must be at least 1 row, got {chunk}"));
+        return Err(shape(format!("chunk must be at least 1 row, got {chunk}")));
     }
     Ok((hs[0], ws[0]))
 }
@@ -50,7 +59,7 @@ pub fn token_logprobs(
     targets: &Tensor,
     chunk: i64,
     entropy: bool,
-) -> Result<TokenLogprobs, String> {
+) -> Result<TokenLogprobs, KernelError> {
     let (t, _) = check(h, w, targets, chunk)?;
     let _guard = tch::no_grad_guard();
     let mut lps = Vec::new();
@@ -92,14 +101,14 @@ pub fn token_logprobs_backward(
     g_lp: &Tensor,
     g_entropy: Option<&Tensor>,
     chunk: i64,
-) -> Result<(Tensor, Tensor), String> {
+) -> Result<(Tensor, Tensor), KernelError> {
     let (t, v) = check(h, w, targets, chunk)?;
     if g_lp.size() != [t] || g_entropy.is_some_and(|g| g.size() != [t]) {
-        return Err(format!(
+        return Err(shape(format!(
             "gradients must be [{t}]; got {:?} and {:?}",
             g_lp.size(),
             g_entropy.map(|g| g.size())
-        ));
+        )));
     }
     let _guard = tch::no_grad_guard();
     let mut grad_h = Vec::new();

@@ -1,547 +1,362 @@
-//! The client role (`agentjet-peer --role client`): a local OpenAI-compatible proxy in front
-//! of the swarm. The proxy is the [`crate::openai`] facade with [`SwarmBackend`] plugged
-//! in: chat rendering and tokenisation happen here (with the model card fetched from any
-//! provider), generation happens on a server found through the DHT.
+//! The client role (`agentjet-peer --role client`), as a library: [`run`] joins the swarm,
+//! finds a provider of every model it needs (DHT), fetches their cards, starts the local
+//! OpenAI-compatible proxy on loopback (the [`crate::openai`] facade over
+//! [`backend::SwarmBackend`]), and, with a job ([`EpisodeJob`]), runs the agent on the
+//! tasks ([`episodes`]); it returns a [`Client`] with the peer id, addresses and the proxy's
+//! URL. [`Client::finish`] waits for the job (or the stop) and winds everything down.
 //!
-//! Routing: each model's providers come from the DHT (re-queried every couple of seconds);
-//! a call goes to the provider with the best score (measured time to first token, scaled
-//! by the load and queue depth it gossips); a provider that fails is backed off
-//! (exponentially, up to 30 s). A call that fails before any token is re-issued to another
-//! provider; one that fails mid-call continues on another provider from the tokens already
-//! streamed (prompt + those tokens), which is safe because a server holds no per-episode
-//! state. The tokens before the fail-over stay signed by the first server and the rest by
-//! the second, as two calls the trainer merges back into one timeline.
+//! Stopping: a drain (first Ctrl-C or SIGTERM, or the job's time limit) starts no new
+//! episode; running ones finish and are submitted; then the proxy stops. An abort (a second
+//! one) kills the running agents; their episodes are reported aborted.
 //!
-//! Never touches LibTorch.
+//! Never touches LibTorch: a client-only build (`--no-default-features`) has all of it.
 
-pub mod run;
+pub mod backend;
+pub mod episodes;
 pub mod runner;
 pub mod submit;
 pub mod tasks;
 
-use std::collections::HashMap;
-use std::path::Path;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
 
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
-use tracing::{info, warn};
+pub use backend::{fetch_card, CardError, SwarmBackend};
 
-use crate::engine::{EngineError, EngineEvent, GenerateRequest};
-use crate::model::ModelCard;
-use crate::openai::Backend;
-use crate::swarm::frame::{read_frame, write_frame};
-use crate::swarm::protocol::{
-    CardBlob, CardReply, CardRequest, InferFrame, InferRequest, CARD, INFER,
-};
-use crate::swarm::{PeerId, SwarmHandle};
+use crate::base::stop::{wind_down, TaskTracker};
+use crate::base::Stop;
+use crate::openai::external::ExternalModel;
+use crate::openai::http::serve_until;
+use crate::openai::server::{router_tracked, FacadeConfig};
+use crate::swarm::{spawn_node, Multiaddr, PeerId, SwarmConfig, SwarmError, SwarmHandle};
 
-/// Calls re-issued at most (per call) before the call fails.
-const MAX_ATTEMPTS: usize = 4;
-/// A server silent this long in the middle of a call is taken as dead.
-const FRAME_TIMEOUT: Duration = Duration::from_secs(300);
-
-#[derive(Debug, Default, Clone)]
-struct PeerScore {
-    /// Exponentially weighted time to first token, ms.
-    ttft_ms: Option<f64>,
-    failures: u32,
-    backoff_until: Option<Instant>,
+/// Everything `--role client` is configured by (the binary builds it from its flags).
+#[derive(Debug, Clone)]
+pub struct ClientConfig {
+    pub swarm: SwarmConfig,
+    /// Identity key, card cache and run directories of this peer.
+    pub data_dir: PathBuf,
+    /// The trainable models to reach through the swarm.
+    pub models: Vec<String>,
+    /// How long to wait for a provider of each model at start.
+    pub wait: Duration,
+    /// Port of the proxy on 127.0.0.1 (0: a free one).
+    pub proxy_port: u16,
+    /// Models forwarded to other OpenAI-compatible endpoints (recorded, never trained).
+    pub external: Vec<Arc<ExternalModel>>,
+    /// The agent and tasks to run; `None`: only serve the proxy until stopped.
+    pub job: Option<EpisodeJob>,
+    /// How long the proxy's requests may take to finish once the client stops.
+    pub drain_timeout: Duration,
 }
 
-/// Per-model providers and per-peer scores.
-#[derive(Default)]
-pub struct Router {
-    providers: Mutex<HashMap<String, Vec<PeerId>>>,
-    scores: Mutex<HashMap<PeerId, PeerScore>>,
+/// An agent to run on tasks.
+#[derive(Debug, Clone)]
+pub struct EpisodeJob {
+    /// `sh -c COMMAND`, once per episode.
+    pub command: String,
+    pub schedule: tasks::Schedule,
+    pub grader: Option<String>,
+    pub episode_timeout: Duration,
+    /// Groups in all.
+    pub groups: usize,
+    pub num_repeat: usize,
+    pub concurrency: usize,
+    pub dry_run: bool,
+    /// Start no new episode after this long.
+    pub time_limit: Option<Duration>,
+    /// Where episode logs and the journal go (default: `<data-dir>/runs/<run id>`).
+    pub run_dir: Option<PathBuf>,
 }
 
-impl Router {
-    pub fn set_providers(&self, model: &str, mut peers: Vec<PeerId>) {
-        peers.sort_by_key(|p| p.to_string());
-        if let Ok(mut p) = self.providers.lock() {
-            let old = p.insert(model.to_string(), peers.clone());
-            if old.as_ref() != Some(&peers) {
-                let list: Vec<String> = peers.iter().map(|p| p.to_string()).collect();
-                info!(model, providers = ?list, "providers of the model (from the DHT)");
+/// What can stop a client.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("{0}")]
+    Config(String),
+    #[error(transparent)]
+    Swarm(#[from] SwarmError),
+    #[error("no provider of model {model:?} answered within {:.0} s{}", waited.as_secs_f64(),
+        last_error.as_ref().map(|e| format!(" (last error: {e})")).unwrap_or_default())]
+    NoProvider {
+        model: String,
+        waited: Duration,
+        last_error: Option<String>,
+    },
+    #[error("stopped before the swarm was ready")]
+    Stopped,
+    #[error("binding the proxy on 127.0.0.1:{port}: {source}")]
+    Proxy {
+        port: u16,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{}: not a journal line ({problem})", path.display())]
+    Journal { path: PathBuf, problem: String },
+    #[error("the episode loop panicked: {0}")]
+    Panicked(String),
+}
+
+impl ClientError {
+    pub(crate) fn io(path: &Path, source: std::io::Error) -> ClientError {
+        ClientError::Io {
+            path: path.to_path_buf(),
+            source,
+        }
+    }
+}
+
+/// A running client.
+pub struct Client {
+    pub peer_id: PeerId,
+    pub listen_addrs: Vec<Multiaddr>,
+    /// The proxy's base URL (`http://127.0.0.1:PORT/v1`): what agents get as
+    /// `OPENAI_BASE_URL`.
+    pub proxy_url: String,
+    stop: Stop,
+    proxy_stop: Stop,
+    drain_timeout: Duration,
+    swarm: SwarmHandle,
+    tasks: TaskTracker,
+    episodes: Option<tokio::task::JoinHandle<Result<episodes::Summary, ClientError>>>,
+}
+
+/// Seconds what still runs after an abort gets before the stop gives up on it.
+const ABORT_GRACE: Duration = Duration::from_secs(5);
+
+impl ClientConfig {
+    /// Checks what can be checked before joining: external model names.
+    pub fn validate(&self) -> Result<(), ClientError> {
+        let mut names: Vec<&str> = Vec::new();
+        for m in &self.external {
+            if self.models.contains(&m.name) {
+                return Err(ClientError::Config(format!(
+                    "--external-model {:?} is also a --model (trained through the swarm); \
+                     give the external one another name",
+                    m.name
+                )));
             }
-        }
-    }
-
-    pub fn providers(&self, model: &str) -> Vec<PeerId> {
-        self.providers
-            .lock()
-            .map(|p| p.get(model).cloned().unwrap_or_default())
-            .unwrap_or_default()
-    }
-
-    fn failed(&self, peer: PeerId) {
-        if let Ok(mut s) = self.scores.lock() {
-            let e = s.entry(peer).or_default();
-            e.failures += 1;
-            let secs = (1u64 << e.failures.min(5)).min(30);
-            e.backoff_until = Some(Instant::now() + Duration::from_secs(secs));
-        }
-    }
-
-    fn succeeded(&self, peer: PeerId, ttft: Duration) {
-        if let Ok(mut s) = self.scores.lock() {
-            let e = s.entry(peer).or_default();
-            e.failures = 0;
-            e.backoff_until = None;
-            let ms = ttft.as_secs_f64() * 1e3;
-            e.ttft_ms = Some(e.ttft_ms.map_or(ms, |old| 0.8 * old + 0.2 * ms));
-        }
-    }
-
-    /// The best provider not in `exclude`: backed-off peers last, then by score.
-    fn pick(&self, model: &str, exclude: &[PeerId], load: &HashMap<PeerId, f64>) -> Option<PeerId> {
-        let now = Instant::now();
-        let scores = self.scores.lock().ok()?;
-        let mut c: Vec<(bool, f64, PeerId)> = self
-            .providers(model)
-            .into_iter()
-            .filter(|p| !exclude.contains(p))
-            .map(|p| {
-                let s = scores.get(&p).cloned().unwrap_or_default();
-                let backed_off = s.backoff_until.is_some_and(|t| t > now);
-                let busy = 1.0 + load.get(&p).copied().unwrap_or(0.0);
-                (backed_off, s.ttft_ms.unwrap_or(0.0) * busy + busy, p)
-            })
-            .collect();
-        c.sort_by(|a, b| a.0.cmp(&b.0).then(a.1.total_cmp(&b.1)));
-        c.first().map(|x| x.2)
-    }
-}
-
-/// The swarm as an OpenAI facade backend.
-pub struct SwarmBackend {
-    pub swarm: SwarmHandle,
-    pub router: Arc<Router>,
-    cards: HashMap<String, (Arc<ModelCard>, usize)>,
-}
-
-impl SwarmBackend {
-    /// Waits (up to `wait`) until each model has a provider in the DHT, fetches its card,
-    /// and keeps the provider lists fresh in the background.
-    pub async fn connect(
-        swarm: SwarmHandle,
-        models: &[String],
-        data_dir: &Path,
-        wait: Duration,
-    ) -> Result<SwarmBackend, String> {
-        let router = Arc::new(Router::default());
-        let deadline = Instant::now() + wait;
-        let mut cards = HashMap::new();
-        for model in models {
-            let card = loop {
-                let found = swarm.providers(model).await.unwrap_or_default();
-                router.set_providers(model, found.clone());
-                let mut last_err = None;
-                for p in found {
-                    match fetch_card(&swarm, p, model, data_dir).await {
-                        Ok(c) => {
-                            last_err = None;
-                            insert_card(&mut cards, model, c);
-                            break;
-                        }
-                        Err(e) => last_err = Some(e),
-                    }
-                }
-                if let Some((c, _)) = cards.get(model) {
-                    break c.clone();
-                }
-                if Instant::now() > deadline {
-                    return Err(format!(
-                        "no provider of model {model:?} answered within {:.0} s{}",
-                        wait.as_secs_f64(),
-                        last_err
-                            .map(|e| format!(" (last error: {e})"))
-                            .unwrap_or_default()
-                    ));
-                }
-                tokio::time::sleep(Duration::from_millis(500)).await;
-            };
-            info!(
-                model,
-                vocab = card.config.vocab_size,
-                "fetched the model card"
-            );
-        }
-        let (s, r, ms) = (swarm.clone(), router.clone(), models.to_vec());
-        tokio::spawn(async move {
-            loop {
-                tokio::time::sleep(Duration::from_secs(2)).await;
-                for m in &ms {
-                    if let Ok(p) = s.providers(m).await {
-                        if !p.is_empty() {
-                            r.set_providers(m, p);
-                        }
-                    }
-                }
+            if names.contains(&m.name.as_str()) {
+                return Err(ClientError::Config(format!(
+                    "--external-model {:?} is given twice",
+                    m.name
+                )));
             }
-        });
-        Ok(SwarmBackend {
-            swarm,
-            router,
-            cards,
-        })
-    }
-
-    fn loads(&self) -> HashMap<PeerId, f64> {
-        self.swarm
-            .view()
-            .into_iter()
-            .map(|e| (e.peer, e.status.load as f64 + e.status.queue_depth as f64))
-            .collect()
-    }
-}
-
-fn insert_card(cards: &mut HashMap<String, (Arc<ModelCard>, usize)>, model: &str, c: ModelCard) {
-    let ctx = c.config.max_position_embeddings;
-    cards.insert(model.to_string(), (Arc::new(c), ctx));
-}
-
-/// Fetches a model card from `peer`, checks it against its hash, and loads it (cached
-/// under `<data-dir>/cards/<hash>/`).
-pub async fn fetch_card(
-    swarm: &SwarmHandle,
-    peer: PeerId,
-    model: &str,
-    data_dir: &Path,
-) -> Result<ModelCard, String> {
-    let mut s = swarm.open(peer, CARD).await.map_err(|e| e.to_string())?;
-    write_frame(
-        &mut s,
-        &CardRequest {
-            model: model.to_string(),
-        },
-        4096,
-    )
-    .await
-    .map_err(|e| e.to_string())?;
-    let reply: CardReply = read_frame(&mut s, swarm.cfg.max_frame_bytes)
-        .await
-        .map_err(|e| e.to_string())?;
-    let (hash, blob) = match reply {
-        CardReply::Card { hash, blob } => (hash, blob),
-        CardReply::Unknown(e) => return Err(format!("{peer}: {e}")),
-    };
-    if *blake3::hash(&blob).as_bytes() != hash {
-        return Err(format!(
-            "{peer} sent a model card that does not match its hash"
-        ));
-    }
-    let card: CardBlob =
-        postcard::from_bytes(&blob).map_err(|e| format!("malformed model card: {e}"))?;
-    let dir = data_dir
-        .join("cards")
-        .join(blake3::Hash::from(hash).to_hex().as_str());
-    if !dir.join("config.json").is_file() {
-        let tmp = dir.with_extension("tmp");
-        let _ = std::fs::remove_dir_all(&tmp);
-        std::fs::create_dir_all(&tmp).map_err(|e| format!("{}: {e}", tmp.display()))?;
-        for (name, bytes) in &card.files {
-            if name.contains('/') || name.contains('\\') || name.starts_with('.') {
-                return Err(format!("model card file name {name:?} is not allowed"));
-            }
-            std::fs::write(tmp.join(name), bytes).map_err(|e| format!("{name}: {e}"))?;
+            names.push(&m.name);
         }
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::rename(&tmp, &dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    }
-    let mut c = ModelCard::from_hf_dir(&dir).map_err(|e| e.to_string())?;
-    c.name = model.to_string();
-    Ok(c)
-}
-
-/// One choice as the call runs.
-struct ChoiceRun {
-    tx: UnboundedSender<EngineEvent>,
-    tokens: Vec<u32>,
-    done: bool,
-    /// Where the current server's signed call starts in `tokens`.
-    start: usize,
-}
-
-enum AttemptEnd {
-    /// Every choice of the attempt finished (or failed on the server, already reported).
-    Done,
-    /// The caller went away.
-    CallerGone,
-    /// The request itself is wrong: no other provider would take it.
-    Fatal(String),
-    /// The provider failed; another may succeed.
-    Retry(String),
-}
-
-impl Backend for SwarmBackend {
-    fn model_ids(&self) -> Vec<String> {
-        let mut v: Vec<String> = self.cards.keys().cloned().collect();
-        v.sort();
-        v
-    }
-    fn card(&self, model: &str) -> Option<Arc<ModelCard>> {
-        self.cards.get(model).map(|c| c.0.clone())
-    }
-    fn max_context(&self, model: &str) -> Option<usize> {
-        self.cards.get(model).map(|c| c.1)
-    }
-    fn ready(&self) -> bool {
-        true
-    }
-    fn submit(
-        &self,
-        model: &str,
-        req: GenerateRequest,
-        n: usize,
-    ) -> Result<Vec<UnboundedReceiver<EngineEvent>>, EngineError> {
-        let mut rxs = Vec::with_capacity(n);
-        let mut runs = Vec::with_capacity(n);
-        for _ in 0..n {
-            let (tx, rx) = unbounded_channel();
-            rxs.push(rx);
-            runs.push(ChoiceRun {
-                tx,
-                tokens: Vec::new(),
-                done: false,
-                start: 0,
-            });
-        }
-        let call = RemoteCall {
-            swarm: self.swarm.clone(),
-            router: self.router.clone(),
-            model: model.to_string(),
-            req,
-            loads: self.loads(),
-        };
-        tokio::spawn(call.run(runs));
-        Ok(rxs)
-    }
-    fn metrics(&self) -> String {
-        let mut out = String::from("# TYPE agentjet_swarm_providers gauge\n");
-        for m in self.model_ids() {
-            out.push_str(&format!(
-                "agentjet_swarm_providers{{model=\"{m}\"}} {}\n",
-                self.router.providers(&m).len()
+        if self.models.is_empty() {
+            return Err(ClientError::Config(
+                "a client needs at least one --model".into(),
             ));
         }
-        out
+        Ok(())
     }
 }
 
-struct RemoteCall {
-    swarm: SwarmHandle,
-    router: Arc<Router>,
-    model: String,
-    req: GenerateRequest,
-    loads: HashMap<PeerId, f64>,
+/// Starts the client role on the current tokio runtime, stopping with `stop` (the role
+/// takes a child of it). Returns once the proxy answers (and the job, if any, started).
+pub async fn run(cfg: ClientConfig, stop: &Stop) -> Result<Client, ClientError> {
+    cfg.validate()?;
+    let stop = stop.child();
+    let started = start(cfg, stop.clone()).await;
+    if started.is_err() {
+        // What did start (the provider refresh, the proxy) ends with the role.
+        stop.request(crate::base::StopMode::Abort);
+    }
+    started
 }
 
-impl RemoteCall {
-    async fn run(self, mut runs: Vec<ChoiceRun>) {
-        let mut tried: Vec<PeerId> = Vec::new();
-        let mut last_err = String::from("no provider of the model is known");
-        for attempt in 0..MAX_ATTEMPTS {
-            let pending: Vec<usize> = (0..runs.len()).filter(|i| !runs[*i].done).collect();
-            if pending.is_empty() {
-                return;
-            }
-            let Some(peer) = self
-                .router
-                .pick(&self.model, &tried, &self.loads)
-                .or_else(|| {
-                    // Every provider was tried: allow the least bad one again.
-                    tried.clear();
-                    self.router.pick(&self.model, &[], &self.loads)
-                })
-            else {
-                break;
-            };
-            tried.push(peer);
-            // A fresh request for all choices when none has a token yet; otherwise each
-            // unfinished choice continues from its tokens (one request per choice).
-            let fresh = pending.len() == runs.len() && runs.iter().all(|r| r.tokens.is_empty());
-            let groups: Vec<Vec<usize>> = if fresh {
-                vec![pending]
-            } else {
-                pending.into_iter().map(|i| vec![i]).collect()
-            };
-            let mut retry = None;
-            for g in groups {
-                match self.attempt(peer, &mut runs, &g).await {
-                    AttemptEnd::Done => {}
-                    AttemptEnd::CallerGone => return,
-                    AttemptEnd::Fatal(e) => {
-                        for i in g {
-                            let _ = runs[i].tx.send(EngineEvent::Failed(e.clone()));
-                            runs[i].done = true;
+async fn start(cfg: ClientConfig, stop: Stop) -> Result<Client, ClientError> {
+    // With a job the proxy outlives the role's drain (running episodes still call it);
+    // it stops once the episodes are done, or with an abort.
+    let tasks = TaskTracker::new();
+    let proxy_stop = match cfg.job {
+        Some(_) => {
+            // Not drained with the role, but aborted with it.
+            let (proxy, role) = (Stop::new(), stop.clone());
+            let p = proxy.clone();
+            tasks.spawn(async move {
+                tokio::select! {
+                    _ = role.aborted() => p.request(crate::base::StopMode::Abort),
+                    _ = p.requested() => {}
+                }
+            });
+            proxy
+        }
+        None => stop.child(),
+    };
+    let closed = cfg.swarm.swarm_key.is_some();
+    let swarm = spawn_node(cfg.swarm.clone()).await?;
+    let listen_addrs = swarm.listen_addrs().await;
+    announce(&swarm, &listen_addrs, closed);
+    let backend = Arc::new(
+        SwarmBackend::connect(
+            swarm.clone(),
+            &cfg.models,
+            &cfg.data_dir,
+            cfg.wait,
+            tasks.clone(),
+            proxy_stop.clone(),
+        )
+        .await?,
+    );
+    let (app, tracking) = router_tracked(
+        backend.clone(),
+        FacadeConfig {
+            track_episodes: true,
+            external: cfg.external.clone(),
+            tasks: tasks.clone(),
+            ..Default::default()
+        },
+    );
+    let port = cfg.proxy_port;
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
+        .await
+        .map_err(|source| ClientError::Proxy { port, source })?;
+    let local = listener
+        .local_addr()
+        .map_err(|source| ClientError::Proxy { port, source })?;
+    let proxy_url = format!("http://{local}/v1");
+    println!(
+        "proxy at {proxy_url} (OpenAI-compatible; models {:?})",
+        cfg.models
+    );
+    for m in &cfg.external {
+        println!(
+            "external model {:?} -> {} (model {:?}; recorded, not trained)",
+            m.name, m.base_url, m.remote_model
+        );
+    }
+    flush_stdout();
+    let ps = proxy_stop.clone();
+    tasks.spawn(async move {
+        if let Err(e) = serve_until(listener, app, ps).await {
+            tracing::error!("the proxy stopped: {e}");
+        }
+    });
+    let episodes = match cfg.job {
+        None => None,
+        Some(job) => {
+            let tracking = tracking.ok_or(ClientError::Config(
+                "the proxy does not track episodes".into(),
+            ))?;
+            let episodes_stop = stop.child();
+            if let Some(limit) = job.time_limit {
+                let s = episodes_stop.clone();
+                tasks.spawn(async move {
+                    tokio::select! {
+                        _ = tokio::time::sleep(limit) => {
+                            println!(
+                                "time limit ({:.0} s) reached: no new episodes",
+                                limit.as_secs_f64()
+                            );
+                            s.request(crate::base::StopMode::Drain);
                         }
+                        _ = s.requested() => {}
                     }
-                    AttemptEnd::Retry(e) => {
-                        warn!(%peer, model = %self.model, attempt, "call failed on this provider, re-issuing: {e}");
-                        self.router.failed(peer);
-                        retry = Some(e);
-                        break;
-                    }
-                }
+                });
             }
-            if let Some(e) = retry {
-                last_err = e;
-                continue;
-            }
-            return;
+            let run_id = episodes::new_run_id();
+            let run_dir = job
+                .run_dir
+                .clone()
+                .unwrap_or_else(|| cfg.data_dir.join("runs").join(&run_id));
+            let run_cfg = episodes::RunConfig {
+                agent: runner::AgentSpec {
+                    command: job.command.clone(),
+                    grader: job.grader.clone(),
+                    timeout: job.episode_timeout,
+                    base_url: proxy_url.clone(),
+                    logs: run_dir.join("episodes"),
+                },
+                num_repeat: job.num_repeat.max(1),
+                concurrency: job.concurrency.max(1),
+                groups: job.groups,
+                dry_run: job.dry_run,
+                run_dir,
+                models: cfg.models.clone(),
+                run_id,
+                progress_every: Duration::from_secs(2),
+                time_limit: job.time_limit,
+            };
+            Some(tokio::spawn(episodes::run_episodes(
+                run_cfg,
+                job.schedule,
+                backend,
+                tracking,
+                episodes_stop,
+            )))
         }
-        for r in runs.iter().filter(|r| !r.done) {
-            let _ = r.tx.send(EngineEvent::Failed(format!(
-                "no provider could serve the call: {last_err}"
-            )));
-        }
+    };
+    Ok(Client {
+        peer_id: swarm.peer_id,
+        listen_addrs,
+        proxy_url,
+        stop,
+        proxy_stop,
+        drain_timeout: cfg.drain_timeout,
+        swarm,
+        tasks,
+        episodes,
+    })
+}
+
+/// Prints who this peer is and where it listens.
+fn announce(swarm: &SwarmHandle, addrs: &[Multiaddr], closed_swarm: bool) {
+    println!("peer id: {}", swarm.peer_id);
+    for a in addrs {
+        println!("listening on {a}");
+    }
+    if closed_swarm {
+        println!("swarm key: set (a closed swarm)");
+    }
+    flush_stdout();
+}
+
+fn flush_stdout() {
+    use std::io::Write as _;
+    let _ = std::io::stdout().flush();
+}
+
+impl Client {
+    /// Asks the client to stop.
+    pub fn stop(&self, mode: crate::base::StopMode) {
+        self.stop.request(mode);
     }
 
-    /// Runs choices `which` on `peer` (several only for a fresh request).
-    async fn attempt(&self, peer: PeerId, runs: &mut [ChoiceRun], which: &[usize]) -> AttemptEnd {
-        let started = Instant::now();
-        let limit = self.swarm.cfg.max_frame_bytes;
-        let mut s = match self.swarm.open(peer, INFER).await {
-            Ok(s) => s,
-            Err(e) => return AttemptEnd::Retry(e.to_string()),
-        };
-        let first = which[0];
-        let done_tokens = runs[first].tokens.len();
-        let mut prompt = self.req.prompt.clone();
-        prompt.extend_from_slice(&runs[first].tokens);
-        let max_tokens = self.req.max_tokens.saturating_sub(done_tokens);
-        if max_tokens == 0 {
-            return AttemptEnd::Fatal(
-                "the call used its max_tokens before the server failed".into(),
-            );
-        }
-        let seed = self.req.seed.map(|s| {
-            s.wrapping_add(first as u64)
-                .wrapping_add(done_tokens as u64 * 7919)
-        });
-        let r = InferRequest {
-            model: self.model.clone(),
-            prompt,
-            max_tokens: max_tokens as u32,
-            sampling: self.req.sampling.clone(),
-            seed: if which.len() == 1 && runs.len() > 1 {
-                seed
-            } else {
-                self.req.seed
-            },
-            stop_token_ids: self.req.stop_token_ids.clone(),
-            top_logprobs: self.req.top_logprobs as u32,
-            constraint: self.req.constraint.as_ref().map(|c| c.pattern()),
-            n: which.len() as u32,
-        };
-        if done_tokens > 0 && r.constraint.is_some() {
-            return AttemptEnd::Fatal(
-                "the server failed mid-way through a constrained call".into(),
-            );
-        }
-        if let Err(e) = write_frame(&mut s, &r, limit).await {
-            return AttemptEnd::Retry(e.to_string());
-        }
-        for &i in which {
-            runs[i].start = runs[i].tokens.len();
-        }
-        let mut finished = 0;
-        let mut first_token = true;
-        while finished < which.len() {
-            let frame = match tokio::time::timeout(
-                FRAME_TIMEOUT,
-                read_frame::<_, InferFrame>(&mut s, limit),
-            )
-            .await
-            {
-                Err(_) => {
-                    return AttemptEnd::Retry(format!(
-                        "no answer for {} s",
-                        FRAME_TIMEOUT.as_secs()
-                    ))
-                }
-                Ok(Err(e)) => return AttemptEnd::Retry(e.to_string()),
-                Ok(Ok(f)) => f,
-            };
-            let choice_of = |c: u32| which.get(c as usize).copied();
-            match frame {
-                InferFrame::Token {
-                    choice,
-                    id,
-                    logprob,
-                    top,
-                    policy_version,
-                    signature,
-                } => {
-                    let Some(i) = choice_of(choice) else {
-                        return AttemptEnd::Retry(format!(
-                            "token for choice {choice} of {}",
-                            which.len()
-                        ));
-                    };
-                    if first_token {
-                        first_token = false;
-                        self.router.succeeded(peer, started.elapsed());
-                    }
-                    let run = &mut runs[i];
-                    run.tokens.push(id);
-                    let signed = EngineEvent::Signed {
-                        start: run.start,
-                        upto: run.tokens.len(),
-                        policy_version,
-                        signature,
-                    };
-                    if run.tx.send(signed).is_err()
-                        || run
-                            .tx
-                            .send(EngineEvent::Token { id, logprob, top })
-                            .is_err()
-                    {
-                        return AttemptEnd::CallerGone;
-                    }
-                }
-                InferFrame::Finished {
-                    choice,
-                    reason,
-                    completion_tokens: _,
-                    prompt_tokens: _,
-                    policy_version,
-                } => {
-                    let Some(i) = choice_of(choice) else {
-                        return AttemptEnd::Retry(format!(
-                            "finish for choice {choice} of {}",
-                            which.len()
-                        ));
-                    };
-                    let run = &mut runs[i];
-                    let ev = EngineEvent::Finished {
-                        reason,
-                        prompt_tokens: self.req.prompt.len(),
-                        completion_tokens: run.tokens.len(),
-                        policy_version,
-                    };
-                    run.done = true;
-                    finished += 1;
-                    let _ = run.tx.send(ev);
-                }
-                InferFrame::Failed { choice, message } => {
-                    if let Some(i) = choice_of(choice) {
-                        runs[i].done = true;
-                        finished += 1;
-                        let _ = runs[i].tx.send(EngineEvent::Failed(message));
-                    }
-                }
-                InferFrame::Rejected { message, retry } => {
-                    return if retry {
-                        AttemptEnd::Retry(message)
-                    } else {
-                        AttemptEnd::Fatal(message)
-                    };
-                }
+    /// The role's stop signal.
+    pub fn stop_signal(&self) -> &Stop {
+        &self.stop
+    }
+
+    /// Waits for the job to end (all its groups, or a stop) or, without one, for a stop;
+    /// then stops the proxy and the node. The job's summary, if it ran.
+    pub async fn finish(self) -> Result<Option<episodes::Summary>, ClientError> {
+        let summary = match self.episodes {
+            Some(job) => {
+                let s = job
+                    .await
+                    .map_err(|e| ClientError::Panicked(e.to_string()))??;
+                Some(s)
             }
-        }
-        AttemptEnd::Done
+            None => {
+                self.stop.requested().await;
+                None
+            }
+        };
+        // The role is done: all of it stops, the proxy's requests finishing (a drain)
+        // unless the role was aborted.
+        let mode = self.stop.mode().unwrap_or(crate::base::StopMode::Drain);
+        self.stop.request(mode);
+        self.proxy_stop.request(mode);
+        wind_down(&self.tasks, &self.proxy_stop, self.drain_timeout, ABORT_GRACE).await;
+        self.swarm.shutdown(ABORT_GRACE).await;
+        Ok(summary)
     }
 }

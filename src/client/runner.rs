@@ -19,10 +19,10 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use tokio::io::AsyncWriteExt;
-use tokio::sync::watch;
 
 use super::tasks::Task;
-use crate::openai::server::{parse_reward, PostedReward, Rewards};
+use crate::base::Stop;
+use crate::openai::reward::{parse_reward, PostedReward, Rewards};
 
 /// How agents are run.
 #[derive(Debug, Clone)]
@@ -43,8 +43,30 @@ pub enum AgentOutcome {
     Aborted(String),
 }
 
-/// Stop requests: 0 run, 1 finish what runs (start nothing new), 2 abort what runs.
-pub type StopLevel = watch::Receiver<u8>;
+/// How an agent's (or a grader's) process ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum ProcessEnd {
+    Exited(i32),
+    /// Killed, with the reason (a timeout, an abort, a failed wait).
+    Killed(String),
+}
+
+/// Why an agent's process could not be started.
+#[derive(Debug, thiserror::Error)]
+enum StartError {
+    #[error("{}: {source}", path.display())]
+    Log {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot start `sh -c {command}`: {source}")]
+    Spawn {
+        command: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
 
 /// Sends SIGKILL to a whole process group (gone already: nothing to do).
 fn kill_group(pgid: u32) {
@@ -86,7 +108,7 @@ pub fn reward_from_line(line: &str, bare_number: bool) -> Option<PostedReward> {
 }
 
 /// Runs `sh -c command` in its own process group until it exits, the timeout passes or
-/// a stop at level 2 comes; (exit code or why it was killed, seconds).
+/// an abort comes (a drain lets it run to its end).
 async fn run_group(
     command: &str,
     env: &[(&str, String)],
@@ -94,10 +116,15 @@ async fn run_group(
     stdout: &Path,
     stderr: &Path,
     timeout: Duration,
-    stop: &mut StopLevel,
-) -> Result<Result<i32, String>, String> {
-    let out = std::fs::File::create(stdout).map_err(|e| format!("{}: {e}", stdout.display()))?;
-    let err = std::fs::File::create(stderr).map_err(|e| format!("{}: {e}", stderr.display()))?;
+    stop: &Stop,
+) -> Result<ProcessEnd, StartError> {
+    let log = |path: &Path| {
+        std::fs::File::create(path).map_err(|source| StartError::Log {
+            path: path.to_path_buf(),
+            source,
+        })
+    };
+    let (out, err) = (log(stdout)?, log(stderr)?);
     let mut cmd = tokio::process::Command::new("sh");
     cmd.arg("-c")
         .arg(command)
@@ -109,36 +136,33 @@ async fn run_group(
     for (k, v) in env {
         cmd.env(k, v);
     }
-    let mut child = cmd
-        .spawn()
-        .map_err(|e| format!("cannot start `sh -c {command}`: {e}"))?;
+    let mut child = cmd.spawn().map_err(|source| StartError::Spawn {
+        command: command.to_string(),
+        source,
+    })?;
     let pgid = child.id().unwrap_or(0);
-    if let Some(mut sin) = child.stdin.take() {
-        // An agent that never reads stdin (or exits first) is fine.
-        tokio::spawn(async move {
+    // The task goes to stdin beside the wait (an agent that never reads it, or exits
+    // first, is fine); then this future idles until the select below ends.
+    let pipe = child.stdin.take();
+    let feed = async move {
+        if let Some(mut sin) = pipe {
             let _ = sin.write_all(&stdin).await;
             let _ = sin.shutdown().await;
-        });
-    }
-    let deadline = tokio::time::sleep(timeout);
-    tokio::pin!(deadline);
-    let r = loop {
-        tokio::select! {
-            st = child.wait() => {
-                break match st {
-                    Ok(s) => Ok(s.code().unwrap_or(-1)),
-                    Err(e) => Err(format!("waiting for the process: {e}")),
-                };
-            }
-            _ = &mut deadline => {
-                break Err(format!("timed out after {:.0} s", timeout.as_secs_f64()));
-            }
-            ch = stop.changed() => {
-                if ch.is_err() || *stop.borrow() >= 2 {
-                    break Err("stopped (Ctrl-C)".into());
-                }
-            }
         }
+        std::future::pending::<()>().await
+    };
+    let deadline = tokio::time::sleep(timeout);
+    tokio::pin!(deadline, feed);
+    let r = tokio::select! {
+        _ = &mut feed => unreachable!("feeding stdin never ends the wait"),
+        st = child.wait() => match st {
+            Ok(s) => ProcessEnd::Exited(s.code().unwrap_or(-1)),
+            Err(e) => ProcessEnd::Killed(format!("could not be waited for: {e}")),
+        },
+        _ = &mut deadline => {
+            ProcessEnd::Killed(format!("timed out after {:.0} s", timeout.as_secs_f64()))
+        }
+        _ = stop.aborted() => ProcessEnd::Killed("was stopped (Ctrl-C or SIGTERM, twice)".into()),
     };
     kill_group(pgid);
     let _ = child.wait().await;
@@ -153,7 +177,7 @@ pub async fn run_agent(
     task: &Task,
     rewards: &Rewards,
     transcript: impl FnOnce() -> Value,
-    stop: &mut StopLevel,
+    stop: &Stop,
 ) -> AgentOutcome {
     let t0 = Instant::now();
     let task_json = json!({"id": task.id, "data": task.data}).to_string();
@@ -164,7 +188,7 @@ pub async fn run_agent(
         ("AGENTJET_TASK_ID", task.id.clone()),
         ("AGENTJET_TASK", task_json.clone()),
     ];
-    let safe = crate::safe_file_name(episode);
+    let safe = crate::base::safe_file_name(episode);
     let stdout = spec.logs.join(format!("{safe}.stdout"));
     let stderr = spec.logs.join(format!("{safe}.stderr"));
     let code = match run_group(
@@ -178,12 +202,12 @@ pub async fn run_agent(
     )
     .await
     {
-        Err(e) => return AgentOutcome::Aborted(e),
-        Ok(Err(why)) => {
+        Err(e) => return AgentOutcome::Aborted(e.to_string()),
+        Ok(ProcessEnd::Killed(why)) => {
             rewards.take(episode);
             return AgentOutcome::Aborted(format!("the agent {why}"));
         }
-        Ok(Ok(code)) => code,
+        Ok(ProcessEnd::Exited(code)) => code,
     };
     let posted = rewards.take(episode);
     if code != 0 {
@@ -219,11 +243,11 @@ pub async fn run_agent(
         .await;
         return match r {
             Err(e) => AgentOutcome::Aborted(format!("grader: {e}")),
-            Ok(Err(why)) => AgentOutcome::Aborted(format!("the grader {why}")),
-            Ok(Ok(c)) if c != 0 => {
+            Ok(ProcessEnd::Killed(why)) => AgentOutcome::Aborted(format!("the grader {why}")),
+            Ok(ProcessEnd::Exited(c)) if c != 0 => {
                 AgentOutcome::Aborted(format!("the grader exited with status {c}"))
             }
-            Ok(Ok(_)) => match last_line(&tail(&gout, 4096)).and_then(|l| reward_from_line(l, true)) {
+            Ok(ProcessEnd::Exited(_)) => match last_line(&tail(&gout, 4096)).and_then(|l| reward_from_line(l, true)) {
                 Some(r) => AgentOutcome::Reward(r),
                 None => AgentOutcome::Aborted(
                     "the grader printed no reward (its last stdout line must be a number or {\"reward\": r})"
@@ -267,16 +291,8 @@ mod tests {
     }
 
     async fn run(s: &AgentSpec) -> AgentOutcome {
-        let (_tx, mut rx) = watch::channel(0u8);
-        run_agent(
-            s,
-            "ep-1",
-            &task(),
-            &Rewards::default(),
-            || json!([]),
-            &mut rx,
-        )
-        .await
+        let stop = Stop::new();
+        run_agent(s, "ep-1", &task(), &Rewards::default(), || json!([]), &stop).await
     }
 
     #[tokio::test]

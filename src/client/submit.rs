@@ -3,14 +3,41 @@
 
 use std::collections::HashMap;
 
+use crate::rpc::{CompactSignature, FragmentBatch, SubmitManifest, SubmitReply, SUBMIT};
 use crate::swarm::frame::{read_frame, write_frame};
-use crate::swarm::protocol::{
-    CompactSignature, FragmentBatch, SubmitManifest, SubmitReply, SUBMIT,
-};
-use crate::swarm::sign::split;
-use crate::swarm::{PeerId, SwarmHandle};
+use crate::swarm::frame::FrameError;
+use crate::swarm::sign::{split, SignatureError};
+use crate::swarm::{PeerId, SwarmError, SwarmHandle};
 use crate::timeline::fragment::{fragment_timeline, EpisodeManifest, FragmentHash};
-use crate::timeline::{Episode, EpisodeStatus};
+use crate::timeline::{Episode, EpisodeStatus, TimelineError};
+
+/// Why an episode could not be handed to a server (a server's rejection is not one: it is
+/// its verdict, in [`SubmitOutcome::reply`]).
+#[derive(Debug, thiserror::Error)]
+pub enum SubmitFailure {
+    #[error(transparent)]
+    Timeline(#[from] TimelineError),
+    #[error("a call's signature: {0}")]
+    Signature(#[from] SignatureError),
+    #[error(transparent)]
+    Swarm(#[from] SwarmError),
+    #[error(transparent)]
+    Frame(#[from] FrameError),
+    #[error("encoding: {0}")]
+    Encode(String),
+    #[error("the server asked for fragment {0}, which is not in this episode")]
+    UnknownFragment(FragmentHash),
+    #[error("no provider of {model:?} took episode {episode}{}", if errors.is_empty() {
+        " (none found)".to_string()
+    } else {
+        format!(": {}", errors.join("; "))
+    })]
+    NoProvider {
+        model: String,
+        episode: String,
+        errors: Vec<String>,
+    },
+}
 
 /// What a submission cost and what the server said.
 #[derive(Debug, Clone)]
@@ -30,7 +57,7 @@ pub fn prepare(
     episode: &Episode,
     model: &str,
     group_size: u32,
-) -> Result<(SubmitManifest, HashMap<FragmentHash, Vec<u8>>), String> {
+) -> Result<(SubmitManifest, HashMap<FragmentHash, Vec<u8>>), SubmitFailure> {
     if let EpisodeStatus::Aborted { .. } = episode.status {
         let manifest = EpisodeManifest {
             episode_id: episode.id.clone(),
@@ -51,7 +78,7 @@ pub fn prepare(
             HashMap::new(),
         ));
     }
-    let t = episode.timeline(model).map_err(|e| e.to_string())?;
+    let t = episode.timeline(model)?;
     let (tm, frags) = fragment_timeline(&t);
     let mut signers: Vec<Vec<u8>> = Vec::new();
     let mut sigs = Vec::new();
@@ -101,20 +128,13 @@ pub async fn submit(
     peer: PeerId,
     manifest: &SubmitManifest,
     fragments: &HashMap<FragmentHash, Vec<u8>>,
-) -> Result<SubmitOutcome, String> {
+) -> Result<SubmitOutcome, SubmitFailure> {
     let limit = swarm.cfg.max_frame_bytes;
-    let mut s = swarm.open(peer, SUBMIT).await.map_err(|e| e.to_string())?;
-    let mut bytes_sent = postcard::to_allocvec(manifest)
-        .map_err(|e| e.to_string())?
-        .len()
-        + 4;
-    write_frame(&mut s, manifest, limit)
-        .await
-        .map_err(|e| e.to_string())?;
-    let want = match read_frame::<_, SubmitReply>(&mut s, limit)
-        .await
-        .map_err(|e| e.to_string())?
-    {
+    let mut s = swarm.open(peer, SUBMIT).await?;
+    let encode = |e: postcard::Error| SubmitFailure::Encode(e.to_string());
+    let mut bytes_sent = postcard::to_allocvec(manifest).map_err(encode)?.len() + 4;
+    write_frame(&mut s, manifest, limit).await?;
+    let want = match read_frame::<_, SubmitReply>(&mut s, limit).await? {
         SubmitReply::Want(w) => w,
         other => {
             return Ok(SubmitOutcome {
@@ -129,9 +149,7 @@ pub async fn submit(
     let mut batch_bytes = 0;
     let budget = limit / 2;
     for (i, h) in want.iter().enumerate() {
-        let b = fragments.get(h).ok_or_else(|| {
-            format!("the server asked for fragment {h}, which is not in this episode")
-        })?;
+        let b = fragments.get(h).ok_or(SubmitFailure::UnknownFragment(*h))?;
         fragment_bytes_sent += b.len();
         batch_bytes += b.len() + 5;
         batch.push(b.clone());
@@ -139,14 +157,12 @@ pub async fn submit(
             let fb = FragmentBatch {
                 fragments: std::mem::take(&mut batch),
             };
-            bytes_sent += postcard::to_allocvec(&fb).map_err(|e| e.to_string())?.len() + 4;
+            bytes_sent += postcard::to_allocvec(&fb).map_err(encode)?.len() + 4;
             batch_bytes = 0;
-            write_frame(&mut s, &fb, limit)
-                .await
-                .map_err(|e| e.to_string())?;
+            write_frame(&mut s, &fb, limit).await?;
         }
     }
-    let reply: SubmitReply = read_frame(&mut s, limit).await.map_err(|e| e.to_string())?;
+    let reply: SubmitReply = read_frame(&mut s, limit).await?;
     Ok(SubmitOutcome {
         reply,
         fragment_bytes_sent,
@@ -165,7 +181,7 @@ pub async fn submit_to_model(
     model: &str,
     group_size: u32,
     wait: std::time::Duration,
-) -> Result<(PeerId, SubmitOutcome), String> {
+) -> Result<(PeerId, SubmitOutcome), SubmitFailure> {
     let (manifest, frags) = prepare(episode, model, group_size)?;
     let deadline = std::time::Instant::now() + wait;
     let mut errors = Vec::new();
@@ -187,15 +203,11 @@ pub async fn submit_to_model(
             }
         }
         if std::time::Instant::now() >= deadline {
-            return Err(format!(
-                "no provider of {model:?} took episode {}{}",
-                episode.id,
-                if errors.is_empty() {
-                    " (none found)".to_string()
-                } else {
-                    format!(": {}", errors.join("; "))
-                }
-            ));
+            return Err(SubmitFailure::NoProvider {
+                model: model.to_string(),
+                episode: episode.id.clone(),
+                errors,
+            });
         }
         tokio::time::sleep(std::time::Duration::from_millis(500)).await;
     }

@@ -11,6 +11,31 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+/// Why task sources could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum TaskError {
+    #[error("--tasks {0}: the weight must be a positive number")]
+    BadWeight(String),
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{} line {line}: {problem}", path.display())]
+    BadLine {
+        path: PathBuf,
+        line: usize,
+        problem: String,
+    },
+    #[error("{}: no tasks", .0.display())]
+    Empty(PathBuf),
+    #[error("{}: task id {id:?} appears twice", path.display())]
+    Duplicate { path: PathBuf, id: String },
+    #[error("no task source (--tasks FILE)")]
+    NoSource,
+}
+
 /// One task.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Task {
@@ -31,13 +56,11 @@ pub struct TaskSource {
 }
 
 /// Parses `PATH[:WEIGHT]` (a weight is a positive number after the last colon).
-pub fn parse_spec(spec: &str) -> Result<(PathBuf, f64), String> {
+pub fn parse_spec(spec: &str) -> Result<(PathBuf, f64), TaskError> {
     if let Some((p, w)) = spec.rsplit_once(':') {
         if let Ok(w) = w.parse::<f64>() {
             if !(w.is_finite() && w > 0.0) {
-                return Err(format!(
-                    "--tasks {spec}: the weight must be a positive number"
-                ));
+                return Err(TaskError::BadWeight(spec.to_string()));
             }
             return Ok((PathBuf::from(p), w));
         }
@@ -45,17 +68,29 @@ pub fn parse_spec(spec: &str) -> Result<(PathBuf, f64), String> {
     Ok((PathBuf::from(spec), 1.0))
 }
 
-fn read_jsonl(path: &Path, out: &mut Vec<Task>) -> Result<(), String> {
-    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+fn io(path: &Path, source: std::io::Error) -> TaskError {
+    TaskError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+fn read_jsonl(path: &Path, out: &mut Vec<Task>) -> Result<(), TaskError> {
+    let text = std::fs::read_to_string(path).map_err(|e| io(path, e))?;
     for (i, line) in text.lines().enumerate() {
         let line = line.trim();
         if line.is_empty() || line.starts_with("//") {
             continue;
         }
-        let t: Task = serde_json::from_str(line)
-            .map_err(|e| format!("{} line {}: not a task ({e})", path.display(), i + 1))?;
+        let bad = |problem: String| TaskError::BadLine {
+            path: path.to_path_buf(),
+            line: i + 1,
+            problem,
+        };
+        let t: Task =
+            serde_json::from_str(line).map_err(|e| bad(format!("not a task ({e})")))?;
         if t.id.is_empty() {
-            return Err(format!("{} line {}: empty task id", path.display(), i + 1));
+            return Err(bad("empty task id".into()));
         }
         out.push(t);
     }
@@ -63,12 +98,12 @@ fn read_jsonl(path: &Path, out: &mut Vec<Task>) -> Result<(), String> {
 }
 
 /// Loads a source: a JSONL file, or every `*.jsonl` in a directory (sorted by name).
-pub fn load_source(spec: &str) -> Result<TaskSource, String> {
+pub fn load_source(spec: &str) -> Result<TaskSource, TaskError> {
     let (path, weight) = parse_spec(spec)?;
     let mut tasks = Vec::new();
     if path.is_dir() {
         let mut files: Vec<PathBuf> = std::fs::read_dir(&path)
-            .map_err(|e| format!("{}: {e}", path.display()))?
+            .map_err(|e| io(&path, e))?
             .flatten()
             .map(|e| e.path())
             .filter(|p| p.extension().is_some_and(|x| x == "jsonl"))
@@ -81,16 +116,15 @@ pub fn load_source(spec: &str) -> Result<TaskSource, String> {
         read_jsonl(&path, &mut tasks)?;
     }
     if tasks.is_empty() {
-        return Err(format!("{}: no tasks", path.display()));
+        return Err(TaskError::Empty(path));
     }
     let mut seen = std::collections::HashSet::new();
     for t in &tasks {
         if !seen.insert(t.id.as_str()) {
-            return Err(format!(
-                "{}: task id {:?} appears twice",
-                path.display(),
-                t.id
-            ));
+            return Err(TaskError::Duplicate {
+                path: path.clone(),
+                id: t.id.clone(),
+            });
         }
     }
     Ok(TaskSource {
@@ -101,6 +135,7 @@ pub fn load_source(spec: &str) -> Result<TaskSource, String> {
 }
 
 /// Draws tasks from the sources in proportion to their weights.
+#[derive(Debug, Clone)]
 pub struct Schedule {
     sources: Vec<TaskSource>,
     credit: Vec<f64>,
@@ -108,9 +143,9 @@ pub struct Schedule {
 }
 
 impl Schedule {
-    pub fn new(sources: Vec<TaskSource>) -> Result<Schedule, String> {
+    pub fn new(sources: Vec<TaskSource>) -> Result<Schedule, TaskError> {
         if sources.is_empty() {
-            return Err("no task source (--tasks FILE)".into());
+            return Err(TaskError::NoSource);
         }
         let n = sources.len();
         Ok(Schedule {
@@ -207,10 +242,10 @@ mod tests {
         assert_eq!(s.tasks.len(), 2);
         assert_eq!(s.tasks[0].data["q"], 1);
         std::fs::write(&f, "{\"id\": \"1\"}\n{\"id\": \"1\"}\n").unwrap();
-        let e = load_source(f.to_str().unwrap()).unwrap_err();
+        let e = load_source(f.to_str().unwrap()).unwrap_err().to_string();
         assert!(e.contains("appears twice"), "{e}");
         std::fs::write(&f, "{\"data\": 1}\n").unwrap();
-        let e = load_source(f.to_str().unwrap()).unwrap_err();
+        let e = load_source(f.to_str().unwrap()).unwrap_err().to_string();
         assert!(e.contains("line 1"), "{e}");
         // A directory: every .jsonl in it.
         std::fs::write(&f, "{\"id\": \"1\"}\n").unwrap();

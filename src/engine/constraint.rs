@@ -24,21 +24,29 @@
 use serde_json::Value as Json;
 use std::sync::Arc;
 
+pub use crate::model::TokenBytes;
+
+/// Why a constraint could not be built or followed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConstraintError {
+    /// A pattern a peer sent is not one this engine could have produced.
+    #[error("{0}")]
+    BadPattern(String),
+    #[error("a forced tool call needs 1 to 64 tools, got {0}")]
+    ToolCount(usize),
+    /// The output left the pattern (`token`), or no token of the vocabulary continues it.
+    #[error("{} continues {describe} (constrained decoding)", match token {
+        Some(t) => format!("token {t} does not"),
+        None => "no token of the vocabulary".to_string(),
+    })]
+    OffPattern { token: Option<u32>, describe: String },
+}
+
 /// Consecutive whitespace bytes allowed between JSON tokens (stops a model from padding
 /// forever with newlines, a known failure of JSON modes).
 const MAX_WHITESPACE: u8 = 32;
 /// Nesting depth of JSON objects and arrays.
 const MAX_DEPTH: u8 = 128;
-
-/// Every token's bytes; `None` for special tokens (never allowed inside a pattern).
-#[derive(Clone)]
-pub struct TokenBytes(pub Vec<Option<Box<[u8]>>>);
-
-impl std::fmt::Debug for TokenBytes {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "TokenBytes({} tokens)", self.0.len())
-    }
-}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Esc {
@@ -542,28 +550,29 @@ impl Constraint {
     pub fn from_pattern(
         p: ConstraintPattern,
         vocab: Arc<TokenBytes>,
-    ) -> Result<Constraint, String> {
+    ) -> Result<Constraint, ConstraintError> {
+        let bad = |m: String| Err(ConstraintError::BadPattern(m));
         let n = p.segments.len();
         if n == 0 || n > MAX_PATTERN_SEGMENTS {
-            return Err(format!(
+            return bad(format!(
                 "a constraint pattern needs 1 to {MAX_PATTERN_SEGMENTS} segments, got {n}"
             ));
         }
         for (i, s) in p.segments.iter().enumerate() {
             match s {
                 Segment::Literal(l) if l.is_empty() => {
-                    return Err(format!("constraint segment {i}: empty literal"))
+                    return bad(format!("constraint segment {i}: empty literal"))
                 }
                 Segment::Switch(alts) => {
                     if alts.is_empty() || alts.len() > 64 {
-                        return Err(format!(
+                        return bad(format!(
                             "constraint segment {i}: a switch needs 1 to 64 alternatives, got {}",
                             alts.len()
                         ));
                     }
                     for (a, next) in alts {
                         if a.is_empty() || *next > n || *next <= i {
-                            return Err(format!(
+                            return bad(format!(
                                 "constraint segment {i}: an alternative is empty or goes to \
                                  segment {next} (must be after {i}, at most {n})"
                             ));
@@ -575,7 +584,7 @@ impl Constraint {
                             .enumerate()
                             .any(|(y, (b, _))| x != y && b.starts_with(a))
                         {
-                            return Err(format!(
+                            return bad(format!(
                                 "constraint segment {i}: alternatives are not prefix-free"
                             ));
                         }
@@ -613,14 +622,14 @@ impl Constraint {
     }
 
     /// One `<tool_call>\n{"name": "<tool>", "arguments": {...}}\n</tool_call>` block (the
-    /// Hermes/Qwen format that [`crate::openai::text::parse_tool_calls`] reads), the
+    /// Hermes/Qwen format that `openai::text::parse_tool_calls` reads), the
     /// arguments following the chosen tool's `parameters` schema.
-    pub fn tool_call(tools: &[ToolSpec], vocab: Arc<TokenBytes>) -> Result<Constraint, String> {
+    pub fn tool_call(
+        tools: &[ToolSpec],
+        vocab: Arc<TokenBytes>,
+    ) -> Result<Constraint, ConstraintError> {
         if tools.is_empty() || tools.len() > 64 {
-            return Err(format!(
-                "a forced tool call needs 1 to 64 tools, got {}",
-                tools.len()
-            ));
+            return Err(ConstraintError::ToolCount(tools.len()));
         }
         let mut b = Builder::default();
         b.literal(b"<tool_call>\n{\"name\": ");
@@ -778,12 +787,12 @@ impl Constraint {
     }
 
     /// Advances past token `id`; an error if the token leaves the pattern.
-    pub fn advance(&self, st: &mut ConstraintState, id: u32) -> Result<(), String> {
+    pub fn advance(&self, st: &mut ConstraintState, id: u32) -> Result<(), ConstraintError> {
         if !self.allows(st, id) {
-            return Err(format!(
-                "token {id} does not continue {} (constrained decoding)",
-                self.describe
-            ));
+            return Err(ConstraintError::OffPattern {
+                token: Some(id),
+                describe: self.describe.clone(),
+            });
         }
         if let Some(Some(bytes)) = self.vocab.0.get(id as usize) {
             for &b in bytes.iter() {

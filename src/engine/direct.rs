@@ -6,7 +6,8 @@ use std::time::Instant;
 
 use tch::{Kind, Tensor};
 
-use super::{sampling, FinishReason, GenerateRequest, Generation, Rng};
+use super::{sampling, FinishReason, GenerateRequest, Generation, RequestError};
+use crate::base::Rng;
 use crate::model::llama::{Llama, Logits};
 use crate::model::ModelError;
 
@@ -24,20 +25,18 @@ pub(crate) fn row_to_vec(logits: &Tensor) -> Result<Vec<f32>, ModelError> {
 /// Why `req` cannot run on `model`, if it cannot: bad sampling parameters, a prompt that
 /// is empty or leaves no room in the context, or a token outside the vocabulary. (The
 /// engine thread and both direct paths share this.)
-pub(crate) fn check_request(model: &Llama, req: &GenerateRequest) -> Result<(), String> {
+pub(crate) fn check_request(model: &Llama, req: &GenerateRequest) -> Result<(), RequestError> {
     req.sampling.validate()?;
     let limit = model.max_positions();
     if req.prompt.is_empty() || req.prompt.len() >= limit {
-        return Err(format!(
-            "prompt of {} tokens does not fit the model's context of {limit}",
-            req.prompt.len()
-        ));
+        return Err(RequestError::PromptSize {
+            len: req.prompt.len(),
+            limit,
+        });
     }
     let vocab = model.config.vocab_size as u32;
-    if let Some(bad) = req.prompt.iter().find(|&&t| t >= vocab) {
-        return Err(format!(
-            "prompt token id {bad} is outside the vocabulary of {vocab}"
-        ));
+    if let Some(&id) = req.prompt.iter().find(|&&t| t >= vocab) {
+        return Err(RequestError::OutOfVocab { id, vocab });
     }
     Ok(())
 }
@@ -59,7 +58,7 @@ pub fn generate(
     req: &GenerateRequest,
     mut on_token: impl FnMut(u32, f64) -> bool,
 ) -> Result<Generation, ModelError> {
-    check_request(model, req).map_err(ModelError::Invalid)?;
+    check_request(model, req).map_err(|e| ModelError::Invalid(e.to_string()))?;
     no_constraint(req)?;
     let limit = model.max_positions();
     let _guard = tch::no_grad_guard();

@@ -1,27 +1,83 @@
-//! The inference engine. Today: sampling, single-stream generation with the KV cache
-//! (what `agentjet-peer generate` runs), and [`generate_batch`], which decodes many
-//! sequences of different lengths together and lets each leave when it finishes. The
-//! engine thread with continuous batching (sequences joining between steps), the bounded
-//! request queue and cancellation arrive with the engine issue and build on these.
+//! The inference engine: token ids in, token ids and logprobs out.
+//!
+//! - [`handle`] (LibTorch-free): what requesters hold: [`EngineHandle`], the request and
+//!   event types, the bounded queue, live counters, the weight-update slot;
+//! - `scheduler` (LibTorch): the engine thread that owns the model and runs continuous
+//!   batching (sequences join between decode steps, leave when done or cancelled), packed
+//!   prefill, shared-prefill `n`, constrained decoding and weight updates;
+//! - `direct` (LibTorch): generation without the thread (`agentjet-peer generate`,
+//!   [`generate_batch`]);
+//! - [`sampling`] and [`constraint`]: what token comes next, on plain `f32` rows.
 //!
 //! Owns: token ids in, token ids + logprobs out. Never renders chat or parses text beyond
 //! the stop decision it is given.
 
 pub mod constraint;
+pub mod handle;
 pub mod sampling;
+#[cfg(feature = "torch")]
 pub mod scheduler;
 
 use std::time::Duration;
 
 #[cfg(feature = "torch")]
 mod direct;
-pub use constraint::{Constraint, ConstraintPattern, TokenBytes, ToolSpec};
+pub use constraint::{Constraint, ConstraintError, ConstraintPattern, TokenBytes, ToolSpec};
 #[cfg(feature = "torch")]
 pub use direct::{generate, generate_batch};
-pub use sampling::{Rng, SamplingParams};
+pub use handle::{Completed, EngineError, EngineEvent, EngineHandle, EngineStats};
+pub use sampling::{SamplingError, SamplingParams};
 #[cfg(feature = "torch")]
 pub use scheduler::spawn_engine;
-pub use scheduler::{Completed, EngineConfig, EngineError, EngineEvent, EngineHandle, EngineStats};
+
+/// Bounds of one engine; every one is a config value with a default.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Sequences decoded together at most.
+    pub max_batch: usize,
+    /// Requests waiting beyond the running batch; more are refused as overloaded.
+    pub max_queue: usize,
+    /// KV positions in all, split evenly into `max_batch` slots allocated at start; a
+    /// request's prompt + max_tokens must fit one slot.
+    pub max_kv_positions: usize,
+    /// Prompt tokens prefilled together in one packed pass at most (a longer single
+    /// prompt still goes alone).
+    pub max_prefill_tokens: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            max_batch: 32,
+            max_queue: 256,
+            max_kv_positions: 65_536,
+            max_prefill_tokens: 8192,
+        }
+    }
+}
+
+/// Why a request cannot run on the model (told to its requester).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RequestError {
+    #[error(transparent)]
+    Sampling(#[from] SamplingError),
+    #[error("prompt of {len} tokens does not fit the model's context of {limit}")]
+    PromptSize { len: usize, limit: usize },
+    #[error("prompt token id {id} is outside the vocabulary of {vocab}")]
+    OutOfVocab { id: u32, vocab: u32 },
+    #[error(
+        "request needs {} KV positions (prompt {prompt} + max_tokens {max_tokens}), more than \
+         the engine's per-request budget of {budget}",
+        prompt + max_tokens
+    )]
+    OverBudget {
+        prompt: usize,
+        max_tokens: usize,
+        budget: usize,
+    },
+    #[error(transparent)]
+    Constraint(#[from] ConstraintError),
+}
 
 /// Why generation ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]

@@ -4,63 +4,7 @@
 //! Owns: choosing the next token and reporting its log-probability under the model.
 //! Works on plain `f32` slices; never touches a model.
 
-/// xoshiro256++ seeded through SplitMix64: small, fast, and the same on every machine.
-#[derive(Debug, Clone)]
-pub struct Rng {
-    s: [u64; 4],
-}
-
-impl Rng {
-    pub fn seeded(seed: u64) -> Rng {
-        let mut x = seed;
-        let mut next = || {
-            x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = x;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            z ^ (z >> 31)
-        };
-        Rng {
-            s: [next(), next(), next(), next()],
-        }
-    }
-
-    /// The generator's state (for checkpoints); [`Rng::from_state`] continues from it.
-    pub fn state(&self) -> [u64; 4] {
-        self.s
-    }
-
-    pub fn from_state(s: [u64; 4]) -> Rng {
-        Rng { s }
-    }
-
-    /// A seed from the clock, for requests that gave none.
-    pub fn from_entropy() -> Rng {
-        let t = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(0);
-        Rng::seeded(t ^ (std::process::id() as u64).rotate_left(32))
-    }
-
-    pub fn next_u64(&mut self) -> u64 {
-        let s = &mut self.s;
-        let result = s[0].wrapping_add(s[3]).rotate_left(23).wrapping_add(s[0]);
-        let t = s[1] << 17;
-        s[2] ^= s[0];
-        s[3] ^= s[1];
-        s[1] ^= s[2];
-        s[0] ^= s[3];
-        s[2] ^= t;
-        s[3] = s[3].rotate_left(45);
-        result
-    }
-
-    /// Uniform in [0, 1).
-    pub fn next_f64(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
-    }
-}
+use crate::base::Rng;
 
 /// How to pick tokens.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -108,35 +52,41 @@ impl SamplingParams {
     }
 
     /// Checks ranges; the message names the field.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), SamplingError> {
+        let bad = |field: &'static str, problem: String| Err(SamplingError { field, problem });
         if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
-            return Err(format!(
-                "temperature must be >= 0, got {}",
-                self.temperature
-            ));
+            return bad("temperature", format!("must be >= 0, got {}", self.temperature));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
+            return bad("top_p", format!("must be in (0, 1], got {}", self.top_p));
         }
         if !(0.0..=1.0).contains(&self.min_p) {
-            return Err(format!("min_p must be in [0, 1], got {}", self.min_p));
+            return bad("min_p", format!("must be in [0, 1], got {}", self.min_p));
         }
         for (name, v) in [
             ("presence_penalty", self.presence_penalty),
             ("frequency_penalty", self.frequency_penalty),
         ] {
             if !(-2.0..=2.0).contains(&v) {
-                return Err(format!("{name} must be between -2 and 2, got {v}"));
+                return bad(name, format!("must be between -2 and 2, got {v}"));
             }
         }
         if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
-            return Err(format!(
-                "repetition_penalty must be positive, got {}",
-                self.repetition_penalty
-            ));
+            return bad(
+                "repetition_penalty",
+                format!("must be positive, got {}", self.repetition_penalty),
+            );
         }
         Ok(())
     }
+}
+
+/// A sampling parameter out of its range: `field` names it as the OpenAI API does.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field} {problem}")]
+pub struct SamplingError {
+    pub field: &'static str,
+    pub problem: String,
 }
 
 /// The log-softmax of `logits` at `id`, computed in f64.

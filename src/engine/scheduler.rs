@@ -2,202 +2,28 @@
 //! with continuous batching: between decode steps, waiting requests are admitted
 //! (prefilled on their own, then they join the batch) while the batch has room and the KV
 //! budget allows; finished and cancelled sequences leave at once and their KV cache is
-//! freed. A requester that drops its event receiver cancels its request.
+//! freed. A requester that drops its event receiver cancels its request. The thread ends
+//! when every handle is dropped and the running requests are done.
 //!
 //! Owns: scheduling and the per-sequence state. Never renders chat or parses text.
 
-#[cfg(feature = "torch")]
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-#[cfg(feature = "torch")]
-use std::sync::mpsc::{self, Receiver, TryRecvError};
-use std::sync::mpsc::{SyncSender, TrySendError};
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{Receiver, TryRecvError};
 use std::sync::{Arc, Mutex};
 
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+use tch::Tensor;
+use tokio::sync::mpsc::UnboundedSender;
 
-use super::{FinishReason, GenerateRequest};
-#[cfg(feature = "torch")]
-use {
-    super::{constraint::ConstraintState, direct::check_request, sampling, Rng},
-    crate::model::llama::{Llama, SlotCache},
-    crate::model::ModelError,
+use super::constraint::{ConstraintError, ConstraintState};
+use super::direct::check_request;
+use super::handle::{EngineHandle, EngineStats, PendingWeights, Submission};
+use super::{
+    sampling, EngineConfig, EngineError, EngineEvent, FinishReason, GenerateRequest, RequestError,
 };
-
-/// Bounds of one engine; every one is a config value with a default.
-#[derive(Debug, Clone)]
-pub struct EngineConfig {
-    /// Sequences decoded together at most.
-    pub max_batch: usize,
-    /// Requests waiting beyond the running batch; more are refused as overloaded.
-    pub max_queue: usize,
-    /// KV positions in all, split evenly into `max_batch` slots allocated at start; a
-    /// request's prompt + max_tokens must fit one slot.
-    pub max_kv_positions: usize,
-    /// Prompt tokens prefilled together in one packed pass at most (a longer single
-    /// prompt still goes alone).
-    pub max_prefill_tokens: usize,
-}
-
-impl Default for EngineConfig {
-    fn default() -> Self {
-        EngineConfig {
-            max_batch: 32,
-            max_queue: 256,
-            max_kv_positions: 65_536,
-            max_prefill_tokens: 8192,
-        }
-    }
-}
-
-/// What a requester hears about its request, in order: tokens, then one `Finished` (or
-/// one `Failed`).
-#[derive(Debug, Clone, PartialEq)]
-pub enum EngineEvent {
-    Token {
-        id: u32,
-        logprob: f64,
-        /// The request's `top_logprobs` most likely tokens at this position.
-        top: Vec<(u32, f64)>,
-    },
-    Finished {
-        reason: FinishReason,
-        prompt_tokens: usize,
-        completion_tokens: usize,
-        /// The policy version the request started on (the oldest that sampled any of
-        /// its tokens; see [`EngineHandle::update_weights`]).
-        policy_version: u64,
-    },
-    Failed(String),
-    /// From a remote server (the swarm), just before the token it covers: the server's
-    /// signature over the call whose prompt is the request's prompt plus this choice's
-    /// tokens before `start`, and whose completion is the tokens `start..upto`.
-    Signed {
-        start: usize,
-        upto: usize,
-        policy_version: u64,
-        signature: Vec<u8>,
-    },
-}
-
-/// A request's whole output, gathered from its event stream.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Completed {
-    pub tokens: Vec<u32>,
-    /// Each token's log-probability under the policy that sampled it.
-    pub logprobs: Vec<f64>,
-    pub reason: FinishReason,
-    /// The policy version the request started on.
-    pub policy_version: u64,
-}
-
-impl Completed {
-    /// Blocks until the request's stream ends; a failed request is its error message.
-    /// Not for async contexts (it blocks the thread).
-    pub fn collect(rx: &mut UnboundedReceiver<EngineEvent>) -> Result<Completed, String> {
-        let (mut tokens, mut logprobs) = (Vec::new(), Vec::new());
-        loop {
-            match rx.blocking_recv() {
-                Some(EngineEvent::Token { id, logprob, .. }) => {
-                    tokens.push(id);
-                    logprobs.push(logprob);
-                }
-                Some(EngineEvent::Finished {
-                    reason,
-                    policy_version,
-                    ..
-                }) => {
-                    return Ok(Completed {
-                        tokens,
-                        logprobs,
-                        reason,
-                        policy_version,
-                    })
-                }
-                Some(EngineEvent::Failed(e)) => return Err(e),
-                Some(EngineEvent::Signed { .. }) => {}
-                None => return Err("the engine ended the stream without finishing it".into()),
-            }
-        }
-    }
-}
-
-/// Why a request was not taken.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum EngineError {
-    #[error("overloaded: {0} requests are already waiting")]
-    Overloaded(usize),
-    #[error("the engine has stopped")]
-    Stopped,
-}
-
-/// Live counters, readable from any thread.
-#[derive(Debug, Default)]
-pub struct EngineStats {
-    pub running: AtomicUsize,
-    pub waiting: AtomicUsize,
-    /// Bytes of KV cache holding live positions (the slots themselves stay allocated).
-    pub kv_bytes: AtomicUsize,
-    pub completed: AtomicU64,
-    pub cancelled: AtomicU64,
-    pub generated_tokens: AtomicU64,
-    /// Prompt tokens run through the model (a prompt shared by `n` choices counts once).
-    pub prefill_tokens: AtomicU64,
-    /// Packed prefill passes (each takes every prompt admitted at that moment).
-    pub prefill_passes: AtomicU64,
-    pub policy_version: AtomicU64,
-}
-
-/// A request on its way to the engine thread (read there; a client-only build never
-/// starts one).
-#[cfg_attr(not(feature = "torch"), allow(dead_code))]
-pub(crate) struct Submission {
-    req: Arc<GenerateRequest>,
-    /// One sender per choice, with the choice's index (its seed is `seed + index`). The
-    /// choices share one prefill.
-    choices: Vec<(u64, UnboundedSender<EngineEvent>)>,
-}
-
-impl Submission {
-    /// No request: only wakes an idle engine thread (for a weight update).
-    #[cfg_attr(not(feature = "torch"), allow(dead_code))]
-    fn wake() -> Submission {
-        Submission {
-            req: Arc::new(GenerateRequest::default()),
-            choices: Vec::new(),
-        }
-    }
-}
-
-/// A cheap, cloneable handle to the engine thread.
-#[derive(Clone)]
-pub struct EngineHandle {
-    tx: SyncSender<Submission>,
-    max_queue: usize,
-    max_batch: usize,
-    /// The most positions (prompt + completion) one request can have: a KV slot's size.
-    pub max_sequence: usize,
-    pub stats: Arc<EngineStats>,
-    #[cfg_attr(not(feature = "torch"), allow(dead_code))]
-    weights: Arc<Mutex<Option<WeightUpdate>>>,
-}
-
-/// New weights for the engine's model, applied between two decode steps.
-pub(crate) struct WeightUpdate {
-    #[cfg_attr(not(feature = "torch"), allow(dead_code))]
-    params: Vec<SendTensor>,
-    #[cfg_attr(not(feature = "torch"), allow(dead_code))]
-    version: u64,
-    #[cfg_attr(not(feature = "torch"), allow(dead_code))]
-    done: std::sync::mpsc::Sender<Result<(), String>>,
-}
-
-/// A tensor handed to the engine thread (tch tensors are `Send`; this keeps the type
-/// LibTorch-free for client builds).
-#[cfg(feature = "torch")]
-pub(crate) type SendTensor = tch::Tensor;
-#[cfg(not(feature = "torch"))]
-pub(crate) type SendTensor = ();
+use crate::base::{lock, Rng};
+use crate::model::llama::{Llama, SlotCache};
+use crate::model::ModelError;
 
 impl EngineHandle {
     /// Serves new weights from the next decode step on, without a restart: the engine
@@ -205,74 +31,17 @@ impl EngineHandle {
     /// into its model between two steps, sets the policy version to `version`, and this
     /// returns once it has (requests in flight continue on the new weights). The caller
     /// must not change `params` until this returns.
-    #[cfg(feature = "torch")]
-    pub fn update_weights(&self, params: &[tch::Tensor], version: u64) -> Result<(), String> {
+    pub fn update_weights(&self, params: &[Tensor], version: u64) -> Result<(), EngineError> {
         let (done, wait) = std::sync::mpsc::channel();
-        let update = WeightUpdate {
-            params: params.iter().map(|p| p.shallow_clone()).collect(),
+        self.offer_weights(PendingWeights {
+            params: Box::new(params.iter().map(|p| p.shallow_clone()).collect::<Vec<Tensor>>()),
             version,
             done,
-        };
-        {
-            let mut slot = self.weights.lock().unwrap_or_else(|p| p.into_inner());
-            if slot.is_some() {
-                return Err("another weight update is in progress".into());
-            }
-            *slot = Some(update);
-        }
-        // Wake an idle engine (it also looks between steps).
-        let _ = self.tx.try_send(Submission::wake());
-        wait.recv()
-            .map_err(|_| "the engine stopped before taking the weights".to_string())?
-    }
-
-    /// Queues a request; its events arrive on the returned receiver. Dropping the
-    /// receiver cancels the request.
-    pub fn submit(
-        &self,
-        req: GenerateRequest,
-    ) -> Result<UnboundedReceiver<EngineEvent>, EngineError> {
-        let mut rx = self.submit_n(req, 1)?;
-        Ok(rx.remove(0))
-    }
-
-    /// Queues `n` samples of one prompt (OpenAI's `n`): the prompt is prefilled once and
-    /// its KV cache shared; choice `i` samples with seed `seed + i`. Each receiver cancels
-    /// its own choice when dropped. Choices beyond the batch size go in further groups.
-    pub fn submit_n(
-        &self,
-        req: GenerateRequest,
-        n: usize,
-    ) -> Result<Vec<UnboundedReceiver<EngineEvent>>, EngineError> {
-        let req = Arc::new(req);
-        let mut out = Vec::with_capacity(n);
-        let mut index = 0u64;
-        while (index as usize) < n {
-            let take = (n - index as usize).min(self.max_batch);
-            let mut choices = Vec::with_capacity(take);
-            for i in 0..take as u64 {
-                let (events, rx) = unbounded_channel();
-                choices.push((index + i, events));
-                out.push(rx);
-            }
-            index += take as u64;
-            // On a refusal, the receivers already made are dropped: those groups cancel.
-            match self.tx.try_send(Submission {
-                req: req.clone(),
-                choices,
-            }) {
-                Ok(()) => {
-                    self.stats.waiting.fetch_add(1, Ordering::Relaxed);
-                }
-                Err(TrySendError::Full(_)) => return Err(EngineError::Overloaded(self.max_queue)),
-                Err(TrySendError::Disconnected(_)) => return Err(EngineError::Stopped),
-            }
-        }
-        Ok(out)
+        })?;
+        wait.recv().map_err(|_| EngineError::Stopped)?
     }
 }
 
-#[cfg(feature = "torch")]
 /// Starts the engine thread with `model`. The thread ends when every handle is dropped
 /// and the running requests are done. The KV slots are allocated here, so a bad size is
 /// an error now rather than at the first request.
@@ -285,17 +54,7 @@ pub fn spawn_engine(model: Llama, cfg: EngineConfig) -> Result<EngineHandle, Mod
         let _guard = tch::no_grad_guard();
         model.new_slot_cache(batch, per_slot)?
     };
-    let (tx, rx) = mpsc::sync_channel(cfg.max_queue.max(1));
-    let stats = Arc::new(EngineStats::default());
-    let weights = Arc::new(Mutex::new(None));
-    let handle = EngineHandle {
-        tx,
-        max_queue: cfg.max_queue.max(1),
-        max_batch: batch,
-        max_sequence: slots.capacity(),
-        stats: stats.clone(),
-        weights: weights.clone(),
-    };
+    let (handle, inbox) = EngineHandle::new(cfg.max_queue, batch, slots.capacity());
     let bytes_per_position = slots.bytes() / (batch * slots.capacity()).max(1);
     tracing::info!(
         slots = batch,
@@ -313,9 +72,9 @@ pub fn spawn_engine(model: Llama, cfg: EngineConfig) -> Result<EngineHandle, Mod
                     max_prefill_tokens: cfg.max_prefill_tokens.max(1),
                     ..cfg
                 },
-                rx,
-                stats,
-                weights,
+                rx: inbox.rx,
+                stats: inbox.stats,
+                weights: inbox.weights,
                 waiting: VecDeque::new(),
                 running: Vec::new(),
                 slots,
@@ -330,7 +89,6 @@ pub fn spawn_engine(model: Llama, cfg: EngineConfig) -> Result<EngineHandle, Mod
 }
 
 /// A running sequence; `running[i]` lives in KV slot `i`.
-#[cfg(feature = "torch")]
 struct Running {
     req: Arc<GenerateRequest>,
     events: UnboundedSender<EngineEvent>,
@@ -347,13 +105,12 @@ struct Running {
     version: u64,
 }
 
-#[cfg(feature = "torch")]
 struct EngineLoop {
     model: Llama,
     cfg: EngineConfig,
     rx: Receiver<Submission>,
     stats: Arc<EngineStats>,
-    weights: Arc<Mutex<Option<WeightUpdate>>>,
+    weights: Arc<Mutex<Option<PendingWeights>>>,
     waiting: VecDeque<Submission>,
     running: Vec<Running>,
     slots: SlotCache,
@@ -363,7 +120,6 @@ struct EngineLoop {
     allowed: Vec<bool>,
 }
 
-#[cfg(feature = "torch")]
 impl EngineLoop {
     fn run(mut self) {
         let _guard = tch::no_grad_guard();
@@ -398,36 +154,14 @@ impl EngineLoop {
 
     /// Applies a pending weight update (between two steps).
     fn take_weights(&mut self) {
-        let Some(update) = self
-            .weights
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
-        else {
+        let Some(update) = lock(&self.weights).take() else {
             return;
         };
-        let mine = self.model.parameters();
-        let result = if mine.len() != update.params.len() {
-            Err(format!(
-                "weight update has {} tensors, the served model {}",
-                update.params.len(),
-                mine.len()
-            ))
-        } else if let Some(i) = (0..mine.len()).find(|&i| mine[i].size() != update.params[i].size())
-        {
-            Err(format!(
-                "weight update tensor {i} is {:?}, the served model's {:?}",
-                update.params[i].size(),
-                mine[i].size()
-            ))
-        } else {
-            let copied = (|| -> Result<(), tch::TchError> {
-                for (mut dst, src) in mine.into_iter().zip(&update.params) {
-                    dst.f_copy_(&src.f_detach()?)?;
-                }
-                Ok(())
-            })();
-            copied.map_err(|e| format!("copying the new weights failed: {e}"))
+        let result = match update.params.downcast::<Vec<Tensor>>() {
+            Ok(params) => self.copy_weights(&params),
+            Err(_) => Err(EngineError::WeightsRejected(
+                "the update is not a list of LibTorch tensors".into(),
+            )),
         };
         if result.is_ok() {
             self.stats
@@ -436,6 +170,31 @@ impl EngineLoop {
             tracing::info!(version = update.version, "serving new weights");
         }
         let _ = update.done.send(result);
+    }
+
+    fn copy_weights(&mut self, params: &[Tensor]) -> Result<(), EngineError> {
+        let mine = self.model.parameters();
+        if mine.len() != params.len() {
+            return Err(EngineError::WeightsRejected(format!(
+                "weight update has {} tensors, the served model {}",
+                params.len(),
+                mine.len()
+            )));
+        }
+        if let Some(i) = (0..mine.len()).find(|&i| mine[i].size() != params[i].size()) {
+            return Err(EngineError::WeightsRejected(format!(
+                "weight update tensor {i} is {:?}, the served model's {:?}",
+                params[i].size(),
+                mine[i].size()
+            )));
+        }
+        let copied = (|| -> Result<(), tch::TchError> {
+            for (mut dst, src) in mine.into_iter().zip(params) {
+                dst.f_copy_(&src.f_detach()?)?;
+            }
+            Ok(())
+        })();
+        copied.map_err(|e| EngineError::WeightsRejected(format!("copying the new weights failed: {e}")))
     }
 
     /// Moves queued submissions into the local waiting list while the batch has room.
@@ -454,16 +213,15 @@ impl EngineLoop {
     }
 
     /// Why `req` cannot run here, if it cannot.
-    fn check(&self, req: &GenerateRequest) -> Result<(), String> {
+    fn check(&self, req: &GenerateRequest) -> Result<(), RequestError> {
         check_request(&self.model, req)?;
         let need = req.prompt.len() + req.max_tokens;
         if need > self.slots.capacity() {
-            return Err(format!(
-                "request needs {need} KV positions (prompt {} + max_tokens {}), more than the engine's per-request budget of {}",
-                req.prompt.len(),
-                req.max_tokens,
-                self.slots.capacity()
-            ));
+            return Err(RequestError::OverBudget {
+                prompt: req.prompt.len(),
+                max_tokens: req.max_tokens,
+                budget: self.slots.capacity(),
+            });
         }
         Ok(())
     }
@@ -497,7 +255,7 @@ impl EngineLoop {
             }
             if let Err(e) = self.check(&sub.req) {
                 for (_, events) in &sub.choices {
-                    let _ = events.send(EngineEvent::Failed(e.clone()));
+                    let _ = events.send(EngineEvent::Failed(e.to_string()));
                 }
                 continue;
             }
@@ -592,7 +350,7 @@ impl EngineLoop {
                         }
                     }
                     Err(e) => {
-                        let _ = r.events.send(EngineEvent::Failed(e));
+                        let _ = r.events.send(EngineEvent::Failed(e.to_string()));
                     }
                 }
             }
@@ -652,7 +410,7 @@ impl EngineLoop {
                     }
                 }
                 Err(e) => {
-                    let _ = r.events.send(EngineEvent::Failed(e));
+                    let _ = r.events.send(EngineEvent::Failed(e.to_string()));
                     done.push(i);
                 }
             }
@@ -671,7 +429,6 @@ impl EngineLoop {
     }
 }
 
-#[cfg(feature = "torch")]
 fn finish(
     stats: &EngineStats,
     events: &UnboundedSender<EngineEvent>,
@@ -691,14 +448,12 @@ fn finish(
 
 /// A step's logits on the host, one copy for all rows, with each row's log-sum-exp
 /// (computed by LibTorch for all rows at once, vectorised, in float64).
-#[cfg(feature = "torch")]
 struct Rows {
     data: Vec<f32>,
     log_z: Vec<f64>,
     vocab: usize,
 }
 
-#[cfg(feature = "torch")]
 impl Rows {
     fn new(logits: &tch::Tensor) -> Result<Rows, ModelError> {
         // log Z where the logits are (on a GPU: one small copy back, no host pass).
@@ -733,21 +488,20 @@ impl Rows {
 }
 
 /// Samples `r`'s next token from `row`, within its constraint if it has one.
-#[cfg(feature = "torch")]
 fn pick(
     row: &[f32],
     log_z: f64,
     r: &mut Running,
     allowed: &mut Vec<bool>,
-) -> Result<(u32, f64), String> {
+) -> Result<(u32, f64), ConstraintError> {
     let req = &r.req;
     match (&req.constraint, &mut r.cstate) {
         (Some(c), Some(st)) => {
             if c.mask(st, row.len(), allowed) == 0 {
-                return Err(format!(
-                    "no token of the vocabulary continues {} here",
-                    c.describe
-                ));
+                return Err(ConstraintError::OffPattern {
+                    token: None,
+                    describe: c.describe.clone(),
+                });
             }
             let (id, lp) = sampling::sample_within(
                 row,
@@ -774,7 +528,6 @@ fn pick(
 }
 
 /// Sends one token; returns true (after sending `Finished`) if the sequence is done.
-#[cfg(feature = "torch")]
 fn emit(
     stats: &EngineStats,
     capacity: usize,

@@ -24,6 +24,44 @@ pub struct LoadedModel {
     pub model: Llama,
 }
 
+/// Where and in what precision to run a model, from `--device` (`auto`: CUDA when
+/// LibTorch sees a GPU; `cpu`; `cuda`; `cuda:N`) and `--dtype` (`f32` or `bf16`; default
+/// f32 on the CPU, bf16 on CUDA).
+pub fn parse_placement(device: &str, dtype: Option<&str>) -> Result<(Device, DType), ModelError> {
+    let invalid = |m: String| Err(ModelError::Invalid(m));
+    let device = match device {
+        "auto" => Device::cuda_if_available(),
+        "cpu" => Device::Cpu,
+        "cuda" => {
+            if !tch::Cuda::is_available() {
+                return invalid("--device cuda: no CUDA device is available to LibTorch".into());
+            }
+            Device::Cuda(0)
+        }
+        other => match other.strip_prefix("cuda:").map(str::parse::<usize>) {
+            Some(Ok(n)) => {
+                if (n as i64) >= tch::Cuda::device_count() {
+                    return invalid(format!(
+                        "--device {other}: only {} CUDA devices",
+                        tch::Cuda::device_count()
+                    ));
+                }
+                Device::Cuda(n)
+            }
+            _ => return invalid(format!("--device {other:?}: expected auto, cpu, cuda or cuda:N")),
+        },
+    };
+    let dtype = match dtype {
+        Some(d) => match DType::parse(d) {
+            Some(t) => t,
+            None => return invalid(format!("--dtype {d:?}: expected f32 or bf16")),
+        },
+        None if device.is_cuda() => DType::BF16,
+        None => DType::F32,
+    };
+    Ok((device, dtype))
+}
+
 /// Loads card and weights from `source` onto `device` in `dtype`.
 pub fn load_model(
     source: &ModelSource,

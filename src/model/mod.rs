@@ -26,7 +26,7 @@ use serde_json::Value as Json;
 pub use chat_template::{ChatRequest, ChatTemplate, TemplateError};
 pub use config::{ConfigError, Family, LlamaConfig, RopeScaling};
 pub use gguf::{GgufError, GgufFile};
-pub use tokenizer::{SpecialToken, StreamDecoder, Tokenizer, TokenizerError};
+pub use tokenizer::{SpecialToken, StreamDecoder, TokenBytes, Tokenizer, TokenizerError};
 
 /// The file name of the default model inside the cache (see bootstrap/setup.sh).
 pub const SMOLLM2_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";

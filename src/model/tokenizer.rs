@@ -30,6 +30,18 @@ pub enum TokenizerError {
 }
 
 /// A special token: its id and its text.
+/// Every token's output bytes (see [`Tokenizer::token_bytes`]); `None` for special
+/// tokens. Constrained decoding reads it to know which tokens keep an output on its
+/// pattern.
+#[derive(Clone)]
+pub struct TokenBytes(pub Vec<Option<Box<[u8]>>>);
+
+impl std::fmt::Debug for TokenBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "TokenBytes({} tokens)", self.0.len())
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SpecialToken {
     pub id: u32,
@@ -280,7 +292,7 @@ impl Tokenizer {
     /// GPT-2's byte <-> character table, SentencePiece-style tokens with `▁` as a space and
     /// `<0xNN>` as one byte. Special tokens are `None`, as are ids past the tokenizer's
     /// vocabulary up to `n` (a model's embedding can be padded).
-    pub fn token_bytes(&self, n: usize) -> crate::engine::TokenBytes {
+    pub fn token_bytes(&self, n: usize) -> TokenBytes {
         let byte_level = self
             .inner
             .get_decoder()
@@ -310,7 +322,7 @@ impl Tokenizer {
                 }
             })
             .collect();
-        crate::engine::TokenBytes(bytes)
+        TokenBytes(bytes)
     }
 
     /// Writes `tokenizer.json`.

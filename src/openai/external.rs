@@ -23,6 +23,8 @@ use http_body_util::{BodyStream, Full};
 use hyper_util::rt::TokioIo;
 use serde_json::{json, Value};
 
+use crate::base::stop::TaskTracker;
+
 /// The most bytes of one response kept in its record (the agent gets all of it).
 pub const MAX_RECORDED_BYTES: usize = 256 << 10;
 /// The most external calls recorded per episode (later ones are forwarded, not recorded).
@@ -57,6 +59,18 @@ impl std::fmt::Debug for ExternalModel {
     }
 }
 
+/// Why an external model cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ExternalError {
+    /// A `--external-model` argument that is not `NAME=URL[#REMOTE]`.
+    #[error("{spec:?}: {problem}")]
+    Spec { spec: String, problem: String },
+    #[error("{0}")]
+    Connect(String),
+    #[error("{0}")]
+    Tls(String),
+}
+
 /// The environment variable holding the API key of external model `name`:
 /// `AGENTJET_EXTERNAL_KEY_<NAME>` (upper case, other characters as `_`).
 pub fn key_var(name: &str) -> String {
@@ -76,50 +90,48 @@ pub fn key_var(name: &str) -> String {
 impl ExternalModel {
     /// Parses `NAME=URL` or `NAME=URL#REMOTE_MODEL`. The API key (sent as a bearer token)
     /// comes from `env(key_var(NAME))`, else `env("AGENTJET_EXTERNAL_KEY")`, else none.
-    pub fn parse(spec: &str, env: impl Fn(&str) -> Option<String>) -> Result<Self, String> {
-        let (name, rest) = spec.split_once('=').ok_or_else(|| {
-            format!("{spec:?}: expected NAME=URL (e.g. judge=http://127.0.0.1:8000/v1)")
-        })?;
+    pub fn parse(spec: &str, env: impl Fn(&str) -> Option<String>) -> Result<Self, ExternalError> {
+        let bad = |problem: String| ExternalError::Spec {
+            spec: spec.to_string(),
+            problem,
+        };
+        let (name, rest) = spec
+            .split_once('=')
+            .ok_or_else(|| bad("expected NAME=URL (e.g. judge=http://127.0.0.1:8000/v1)".into()))?;
         let name = name.trim();
         if name.is_empty() {
-            return Err(format!("{spec:?}: the model name is empty"));
+            return Err(bad("the model name is empty".into()));
         }
         let (url, remote) = match rest.split_once('#') {
             Some((u, r)) if !r.trim().is_empty() => (u, r.trim().to_string()),
             Some(_) => {
-                return Err(format!(
-                    "{spec:?}: nothing after '#' (the remote model name)"
-                ))
+                return Err(bad("nothing after '#' (the remote model name)".into()))
             }
             None => (rest, name.to_string()),
         };
         if !(url.trim().starts_with("http://") || url.trim().starts_with("https://")) {
-            return Err(format!(
-                "{spec:?}: the URL must start with http:// or https://"
-            ));
+            return Err(bad("the URL must start with http:// or https://".into()));
         }
         let uri: Uri = url
             .trim()
             .parse()
-            .map_err(|e| format!("{spec:?}: {url:?} is not a URL: {e}"))?;
+            .map_err(|e| bad(format!("{url:?} is not a URL: {e}")))?;
         let https = match uri.scheme_str() {
             Some("http") => false,
             Some("https") => true,
             _ => {
-                return Err(format!(
-                    "{spec:?}: the URL must start with http:// or https://"
-                ))
+                return Err(bad("the URL must start with http:// or https://".into()))
             }
         };
         let host = uri
             .host()
             .filter(|h| !h.is_empty())
-            .ok_or_else(|| format!("{spec:?}: the URL has no host"))?
+            .ok_or_else(|| bad("the URL has no host".into()))?
             .trim_start_matches('[')
             .trim_end_matches(']')
             .to_string();
         if uri.query().is_some() {
-            return Err(format!("{spec:?}: the URL must not have a query"));
+            return Err(bad("the URL must not have a query".into()));
         }
         let port = uri.port_u16().unwrap_or(if https { 443 } else { 80 });
         let path = uri.path().trim_end_matches('/').to_string();
@@ -255,9 +267,9 @@ const SYSTEM_BUNDLES: [&str; 3] = [
 
 /// TLS roots: the webpki (Mozilla) roots, plus the PEM bundle in `SSL_CERT_FILE`, or else
 /// the system's bundle (so a site's own CA works as it does for curl). Built once.
-fn tls_config() -> Result<Arc<rustls::ClientConfig>, String> {
+fn tls_config() -> Result<Arc<rustls::ClientConfig>, ExternalError> {
     use rustls::pki_types::{pem::PemObject, CertificateDer};
-    static CFG: std::sync::OnceLock<Result<Arc<rustls::ClientConfig>, String>> =
+    static CFG: std::sync::OnceLock<Result<Arc<rustls::ClientConfig>, ExternalError>> =
         std::sync::OnceLock::new();
     CFG.get_or_init(|| {
         let mut roots = rustls::RootCertStore::empty();
@@ -271,14 +283,14 @@ fn tls_config() -> Result<Arc<rustls::ClientConfig>, String> {
         };
         if let Some(file) = bundle {
             let certs = CertificateDer::pem_file_iter(&file)
-                .map_err(|e| format!("reading the CA bundle {file}: {e}"))?;
+                .map_err(|e| ExternalError::Tls(format!("reading the CA bundle {file}: {e}")))?;
             let (added, _) = roots.add_parsable_certificates(certs.filter_map(Result::ok));
             tracing::debug!("{added} CA certificates from {file}");
         }
         let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
         let cfg = rustls::ClientConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()
-            .map_err(|e| format!("TLS setup: {e}"))?
+            .map_err(|e| ExternalError::Tls(format!("TLS setup: {e}")))?
             .with_root_certificates(roots)
             .with_no_client_auth();
         Ok(Arc::new(cfg))
@@ -286,21 +298,21 @@ fn tls_config() -> Result<Arc<rustls::ClientConfig>, String> {
     .clone()
 }
 
-async fn connect(m: &ExternalModel) -> Result<Box<dyn Io>, String> {
+async fn connect(m: &ExternalModel) -> Result<Box<dyn Io>, ExternalError> {
     let tcp = tokio::net::TcpStream::connect((m.host.as_str(), m.port))
         .await
-        .map_err(|e| format!("cannot connect to {}:{}: {e}", m.host, m.port))?;
+        .map_err(|e| ExternalError::Connect(format!("cannot connect to {}:{}: {e}", m.host, m.port)))?;
     let _ = tcp.set_nodelay(true);
     if !m.https {
         return Ok(Box::new(tcp));
     }
     let cfg = tls_config()?;
     let name = rustls::pki_types::ServerName::try_from(m.host.clone())
-        .map_err(|e| format!("{:?} is not a TLS server name: {e}", m.host))?;
+        .map_err(|e| ExternalError::Tls(format!("{:?} is not a TLS server name: {e}", m.host)))?;
     let tls = tokio_rustls::TlsConnector::from(cfg)
         .connect(name, tcp)
         .await
-        .map_err(|e| format!("TLS with {}: {e}", m.host))?;
+        .map_err(|e| ExternalError::Tls(format!("TLS with {}: {e}", m.host)))?;
     Ok(Box::new(tls))
 }
 
@@ -313,6 +325,7 @@ pub async fn forward(
     body: &Bytes,
     episode: Option<String>,
     log: Arc<ExternalLog>,
+    tasks: &TaskTracker,
 ) -> Result<Response, ForwardError> {
     let t0 = Instant::now();
     let request: Value = serde_json::from_slice(body)
@@ -346,7 +359,7 @@ pub async fn forward(
     };
     let io = match tokio::time::timeout(CONNECT_TIMEOUT, connect(m)).await {
         Ok(Ok(io)) => io,
-        Ok(Err(e)) => return Err(fail(e)),
+        Ok(Err(e)) => return Err(fail(e.to_string())),
         Err(_) => {
             return Err(fail(format!(
                 "no connection within {} s",
@@ -357,7 +370,7 @@ pub async fn forward(
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(io))
         .await
         .map_err(|e| fail(format!("HTTP handshake: {e}")))?;
-    tokio::spawn(async move {
+    tasks.spawn(async move {
         let _ = conn.await;
     });
     let payload = serde_json::to_vec(&sent).map_err(|e| fail(e.to_string()))?;
@@ -557,7 +570,7 @@ mod tests {
             ("j=http://x/v1#", "nothing after '#'"),
             ("j=http://x/v1?a=1", "query"),
         ] {
-            let e = ExternalModel::parse(bad, no_env).unwrap_err();
+            let e = ExternalModel::parse(bad, no_env).unwrap_err().to_string();
             assert!(e.contains(why), "{bad}: {e}");
         }
     }

@@ -24,9 +24,18 @@ use std::sync::Mutex;
 
 use serde_json::Value as Json;
 
-use super::server::ChoiceRecord;
-use crate::model::ModelCard;
+use super::backend::SignedPart;
+use crate::base::lock;
+use crate::model::{ModelCard, TemplateError, TokenizerError};
 use crate::timeline::Call;
+
+/// One finished choice as the tracker records it: the sampled ids, their behaviour
+/// logprobs, and the signed calls covering them (none from a local engine).
+pub struct ChoiceRecord {
+    pub tokens: Vec<u32>,
+    pub logprobs: Vec<f32>,
+    pub signed: Vec<SignedPart>,
+}
 
 /// How a prompt was built.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -74,7 +83,16 @@ struct Inner {
 }
 
 /// Renders messages with the request's template and tools: `(messages, add_generation_prompt)`.
-pub type Render<'a> = dyn Fn(&[Json], bool) -> Result<String, String> + 'a;
+pub type Render<'a> = dyn Fn(&[Json], bool) -> Result<String, TemplateError> + 'a;
+
+/// Why a tracked prompt could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum TrackError {
+    #[error(transparent)]
+    Template(#[from] TemplateError),
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+}
 
 impl Tracker {
     pub fn new(max_episodes: usize) -> Tracker {
@@ -85,7 +103,7 @@ impl Tracker {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+        lock(&self.inner)
     }
 
     /// The prompt ids for `messages` in `episode` (see the module docs), how they were
@@ -97,9 +115,9 @@ impl Tracker {
         card: &ModelCard,
         messages: &[Json],
         render: &Render<'_>,
-    ) -> Result<(Vec<u32>, Outcome, String), String> {
+    ) -> Result<(Vec<u32>, Outcome, String), TrackError> {
         let text = render(messages, true)?;
-        let fresh = |text: &str| card.tokenizer.encode(text).map_err(|e| e.to_string());
+        let fresh = |text: &str| card.tokenizer.encode(text);
         let outcome = {
             let inner = self.lock();
             match inner
@@ -247,7 +265,7 @@ fn continue_ids(
     if messages[n].get("role").and_then(|r| r.as_str()) != Some("assistant") {
         return Err(brk("the model's answer is not the next message"));
     }
-    let history = render(&messages[..=n], false).map_err(Outcome::Break)?;
+    let history = render(&messages[..=n], false).map_err(|e| Outcome::Break(e.to_string()))?;
     if !history.starts_with(&prev.prompt_text) || !text.starts_with(&history) {
         return Err(brk("the template renders the history differently"));
     }

@@ -10,27 +10,70 @@
 //! and when the server stops); a server restarted on the same data directory resumes from
 //! it, so the swarm's policy keeps its version and optimizer state, and trains the stored
 //! episodes that the checkpoint had not consumed.
+//!
+//! The loop runs on its own thread (LibTorch's tensors stay on it) and hears one input
+//! channel: stored episodes, and the role's stop. A drain finishes the step in progress,
+//! saves the checkpoint and ends; an abort ends after the step in progress without saving
+//! (the episodes of unsaved steps are trained again after a restart, see above).
 
 use std::collections::HashSet;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::Ordering;
-use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tracing::{info, warn};
 
 use super::{ServedModel, StoredEpisode};
+use crate::base::StopMode;
+use crate::engine::EngineError;
 use crate::model::llama::Llama;
 use crate::train::checkpoint::RunDir;
 use crate::train::groups::{AdvantageKind, Group, GroupBuffer, GroupConfig, ReadyReport};
 use crate::train::optim::AdamWConfig;
 use crate::train::trainer::{Trainer, TrainerConfig};
+use crate::train::TrainError;
+
+/// What the training thread hears, in order.
+pub enum TrainerInput {
+    /// An episode stored (and synced) by the submit protocol.
+    Episode(Box<StoredEpisode>),
+    /// The role is stopping.
+    Stop(StopMode),
+}
+
+/// Why training stopped or could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainingError {
+    #[error(transparent)]
+    Train(#[from] TrainError),
+    #[error("bringing the engine to the new weights: {0}")]
+    Engine(#[from] EngineError),
+    #[error("starting the training thread: {0}")]
+    Thread(std::io::Error),
+}
+
+/// The running training loop: its input channel and thread.
+pub struct TrainingHandle {
+    tx: Sender<TrainerInput>,
+    thread: std::thread::JoinHandle<Result<(), TrainingError>>,
+}
+
+impl TrainingHandle {
+    /// Asks the loop to stop and waits for it (blocking: call it off the async runtime).
+    /// A drain returns once the step in progress is done and the checkpoint saved.
+    pub fn stop(self, mode: StopMode) -> Result<(), TrainingError> {
+        let _ = self.tx.send(TrainerInput::Stop(mode));
+        self.thread
+            .join()
+            .unwrap_or_else(|_| Err(TrainError::Invalid("the training thread panicked".into()).into()))
+    }
+}
 
 /// How the server trains (each a flag of `--role server`).
 #[derive(Debug, Clone)]
 pub struct TrainSettings {
-    pub run_dir: PathBuf,
     pub learning_rate: f64,
     pub warmup_steps: u64,
     /// Trainable groups per optimizer step.
@@ -51,7 +94,6 @@ pub struct TrainSettings {
 impl Default for TrainSettings {
     fn default() -> Self {
         TrainSettings {
-            run_dir: PathBuf::from("runs"),
             learning_rate: 1e-5,
             warmup_steps: 0,
             groups_per_step: 4,
@@ -82,12 +124,12 @@ const CONSUMED: &str = "consumed.log";
 
 /// The ids consumed by steps `1..=step` (the checkpoint's), cutting off later lines: their
 /// steps are lost with the restart, so their episodes are trained again.
-fn consumed_upto(run_dir: &Path, step: u64) -> Result<HashSet<String>, String> {
+fn consumed_upto(run_dir: &Path, step: u64) -> Result<HashSet<String>, TrainError> {
     let path = run_dir.join(CONSUMED);
     let text = match std::fs::read_to_string(&path) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(HashSet::new()),
-        Err(e) => return Err(format!("{}: {e}", path.display())),
+        Err(e) => return Err(TrainError::file(&path, e)),
     };
     let mut kept = String::new();
     let mut ids = HashSet::new();
@@ -108,12 +150,12 @@ fn consumed_upto(run_dir: &Path, step: u64) -> Result<HashSet<String>, String> {
         }
     }
     if cut {
-        std::fs::write(&path, kept).map_err(|e| format!("{}: {e}", path.display()))?;
+        std::fs::write(&path, kept).map_err(|e| TrainError::file(&path, e))?;
     }
     Ok(ids)
 }
 
-fn append_consumed(run_dir: &Path, step: u64, ids: &[String]) -> Result<(), String> {
+fn append_consumed(run_dir: &Path, step: u64, ids: &[String]) -> Result<(), TrainError> {
     use std::io::Write;
     let path = run_dir.join(CONSUMED);
     let text: String = ids.iter().map(|id| format!("{step}\t{id}\n")).collect();
@@ -122,22 +164,22 @@ fn append_consumed(run_dir: &Path, step: u64, ids: &[String]) -> Result<(), Stri
         .append(true)
         .open(&path)
         .and_then(|mut f| f.write_all(text.as_bytes()))
-        .map_err(|e| format!("{}: {e}", path.display()))
+        .map_err(|e| TrainError::file(&path, e))
 }
 
 /// Stored episodes of `served` that the resumed trainer has not consumed, oldest first.
 fn unconsumed_episodes(
     served: &ServedModel,
     consumed: &HashSet<String>,
-) -> Result<Vec<StoredEpisode>, String> {
+) -> Result<Vec<StoredEpisode>, TrainError> {
     let consumed_files: HashSet<String> = consumed
         .iter()
         .map(|id| ServedModel::episode_file_name(id))
         .collect();
-    let dir = &served.episodes_dir;
+    let dir = served.episodes_dir();
     let mut files = Vec::new();
     for e in std::fs::read_dir(dir)
-        .map_err(|e| format!("{}: {e}", dir.display()))?
+        .map_err(|e| TrainError::file(dir, e))?
         .flatten()
     {
         let name = e.file_name().to_string_lossy().into_owned();
@@ -149,7 +191,7 @@ fn unconsumed_episodes(
     files.sort();
     let mut out = Vec::new();
     for (_, p) in files {
-        let b = std::fs::read(&p).map_err(|e| format!("{}: {e}", p.display()))?;
+        let b = std::fs::read(&p).map_err(|e| TrainError::file(&p, e))?;
         match postcard::from_bytes::<StoredEpisode>(&b) {
             Ok(ep) => out.push(ep),
             Err(e) => warn!("{}: not an episode ({e}); not trained", p.display()),
@@ -165,9 +207,9 @@ pub fn start_training(
     served: Arc<ServedModel>,
     model: Llama,
     settings: TrainSettings,
-    stop: Arc<std::sync::atomic::AtomicBool>,
-) -> Result<std::thread::JoinHandle<()>, String> {
-    let run_dir = RunDir::open(&settings.run_dir)?;
+    run_dir: &Path,
+) -> Result<TrainingHandle, TrainingError> {
+    let run_dir = RunDir::open(run_dir)?;
     let mut trainer = Trainer::new(
         model,
         None,
@@ -216,28 +258,33 @@ pub fn start_training(
         );
     }
     for ep in again {
-        let _ = tx.send(ep);
+        let _ = tx.send(TrainerInput::Episode(Box::new(ep)));
     }
-    served.set_trainer(tx);
-    std::thread::Builder::new()
+    served.set_trainer(tx.clone());
+    let thread = std::thread::Builder::new()
         .name(format!("trainer-{}", served.name))
         .spawn(move || {
-            if let Err(e) = train_loop(&served, trainer, &run_dir, &settings, rx, &stop) {
+            let r = train_loop(&served, trainer, &run_dir, &settings, rx);
+            if let Err(e) = &r {
                 tracing::error!(model = served.name, "the training loop stopped: {e}");
                 eprintln!("training of {:?} stopped: {e}", served.name);
             }
+            r
         })
-        .map_err(|e| format!("starting the training thread: {e}"))
+        .map_err(TrainingError::Thread)?;
+    Ok(TrainingHandle { tx, thread })
 }
+
+/// How often the loop looks at its groups' timeouts when no episode arrives.
+const GROUP_CLOCK: Duration = Duration::from_millis(500);
 
 fn train_loop(
     served: &ServedModel,
     mut trainer: Trainer,
     run_dir: &RunDir,
     s: &TrainSettings,
-    rx: Receiver<StoredEpisode>,
-    stop: &std::sync::atomic::AtomicBool,
-) -> Result<(), String> {
+    rx: Receiver<TrainerInput>,
+) -> Result<(), TrainingError> {
     let mut buffer = GroupBuffer::new(
         GroupConfig {
             num_repeat: s.num_repeat,
@@ -250,22 +297,30 @@ fn train_loop(
     let mut ready: Vec<Group> = Vec::new();
     let mut report = ReadyReport::default();
     let mut last_saved = trainer.steps();
-    let save = |trainer: &Trainer| -> Result<(), String> {
+    let save = |trainer: &Trainer| -> Result<(), TrainError> {
         run_dir.save(trainer, &served.card, serde_json::json!({}))
     };
     loop {
-        if stop.load(Ordering::Relaxed) {
-            if trainer.steps() != last_saved {
-                save(&trainer)?;
+        match rx.recv_timeout(GROUP_CLOCK) {
+            Ok(TrainerInput::Stop(StopMode::Abort)) => {
                 println!(
-                    "training: checkpoint at step {} saved on stop",
-                    trainer.steps()
+                    "training: aborted at step {} (checkpoint of step {} kept)",
+                    trainer.steps(),
+                    last_saved
                 );
+                return Ok(());
             }
-            return Ok(());
-        }
-        match rx.recv_timeout(Duration::from_millis(200)) {
-            Ok(stored) => {
+            Ok(TrainerInput::Stop(StopMode::Drain)) => {
+                if trainer.steps() != last_saved {
+                    save(&trainer)?;
+                    println!(
+                        "training: checkpoint at step {} saved on stop",
+                        trainer.steps()
+                    );
+                }
+                return Ok(());
+            }
+            Ok(TrainerInput::Episode(stored)) => {
                 let size = stored.manifest.group_size as usize;
                 let ep = stored.episode();
                 let id = ep.id.clone();
@@ -285,6 +340,11 @@ fn train_loop(
         }
         let batch: Vec<Group> = std::mem::take(&mut ready);
         let rep = std::mem::take(&mut report);
+        info!(
+            step = trainer.steps() + 1,
+            groups = batch.len(),
+            "training step started"
+        );
         let m = trainer.step(&batch, &rep)?;
         append_consumed(&run_dir.dir, trainer.steps(), &rep.taken)?;
         served

@@ -19,12 +19,40 @@
 //! refused by peers that have a key).
 
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Duration;
 
 use libp2p::PeerId;
 use tokio::sync::Notify;
+
+use crate::base::lock;
+
+/// Why a swarm key file was not accepted.
+#[derive(Debug, thiserror::Error)]
+pub enum KeyError {
+    #[error("expected 64 hex digits, or the three lines `{KEY_HEADER}`, `/base16/`, 64 hex digits")]
+    Format,
+    #[error("the key must be 64 hex digits (32 bytes), got {0} characters")]
+    Length(usize),
+    #[error("reading swarm key {}: {problem}", path.display())]
+    Read { path: PathBuf, problem: String },
+    #[error("swarm key {}: {source}", path.display())]
+    InFile {
+        path: PathBuf,
+        #[source]
+        source: Box<KeyError>,
+    },
+}
+
+/// Why a peer gets no service.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NotMember {
+    #[error("{0}")]
+    Denied(String),
+    #[error("no proof of the swarm key within {:.0} s", .0.as_secs_f64())]
+    NoProof(Duration),
+}
 
 /// The shared secret of a closed swarm.
 #[derive(Clone, PartialEq, Eq)]
@@ -52,7 +80,7 @@ impl SwarmKey {
 
     /// Parses the text of a key file: IPFS's format (`/key/swarm/psk/1.0.0/`, `/base16/`,
     /// 64 hex digits) or the 64 hex digits alone.
-    pub fn parse(text: &str) -> Result<SwarmKey, String> {
+    pub fn parse(text: &str) -> Result<SwarmKey, KeyError> {
         let lines: Vec<&str> = text
             .lines()
             .map(str::trim)
@@ -61,30 +89,28 @@ impl SwarmKey {
         let hex = match lines.as_slice() {
             [h] => *h,
             [KEY_HEADER, "/base16/", h] => *h,
-            _ => {
-                return Err(format!(
-                    "expected 64 hex digits, or the three lines `{KEY_HEADER}`, `/base16/`, \
-                     64 hex digits"
-                ))
-            }
+            _ => return Err(KeyError::Format),
         };
         if hex.len() != 64 || !hex.bytes().all(|c| c.is_ascii_hexdigit()) {
-            return Err(format!(
-                "the key must be 64 hex digits (32 bytes), got {} characters",
-                hex.len()
-            ));
+            return Err(KeyError::Length(hex.len()));
         }
         let mut b = [0u8; 32];
         for (i, byte) in b.iter_mut().enumerate() {
-            *byte = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).map_err(|e| e.to_string())?;
+            *byte = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16)
+                .map_err(|_| KeyError::Length(hex.len()))?;
         }
         Ok(SwarmKey(b))
     }
 
-    pub fn load(path: &Path) -> Result<SwarmKey, String> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| format!("reading swarm key {}: {e}", path.display()))?;
-        SwarmKey::parse(&text).map_err(|e| format!("swarm key {}: {e}", path.display()))
+    pub fn load(path: &Path) -> Result<SwarmKey, KeyError> {
+        let text = std::fs::read_to_string(path).map_err(|e| KeyError::Read {
+            path: path.to_path_buf(),
+            problem: e.to_string(),
+        })?;
+        SwarmKey::parse(&text).map_err(|e| KeyError::InFile {
+            path: path.to_path_buf(),
+            source: Box::new(e),
+        })
     }
 
     /// The key file text (IPFS's format).
@@ -157,9 +183,9 @@ impl AuthTable {
         if self.key.is_none() {
             return PeerAuth::Member;
         }
-        self.peers
-            .lock()
-            .map(|p| p.get(peer).cloned().unwrap_or(PeerAuth::Pending))
+        lock(&self.peers)
+            .get(peer)
+            .cloned()
             .unwrap_or(PeerAuth::Pending)
     }
 
@@ -168,34 +194,27 @@ impl AuthTable {
     }
 
     pub fn set(&self, peer: PeerId, state: PeerAuth) {
-        if let Ok(mut p) = self.peers.lock() {
-            p.insert(peer, state);
-        }
+        lock(&self.peers).insert(peer, state);
         self.changed.notify_waiters();
     }
 
     pub fn forget(&self, peer: &PeerId) {
-        if let Ok(mut p) = self.peers.lock() {
-            p.remove(peer);
-        }
+        lock(&self.peers).remove(peer);
     }
 
     /// Waits until `peer` has proved the key (its proof may still be in flight when its
     /// first request arrives); the refusal reason otherwise.
-    pub async fn wait_member(&self, peer: &PeerId, timeout: Duration) -> Result<(), String> {
+    pub async fn wait_member(&self, peer: &PeerId, timeout: Duration) -> Result<(), NotMember> {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             let notified = self.changed.notified();
             match self.state(peer) {
                 PeerAuth::Member => return Ok(()),
-                PeerAuth::Denied(why) => return Err(why),
+                PeerAuth::Denied(why) => return Err(NotMember::Denied(why)),
                 PeerAuth::Pending => {}
             }
             if tokio::time::timeout_at(deadline, notified).await.is_err() {
-                return Err(format!(
-                    "no proof of the swarm key within {:.0} s",
-                    timeout.as_secs_f64()
-                ));
+                return Err(NotMember::NoProof(timeout));
             }
         }
     }
@@ -213,6 +232,7 @@ mod tests {
         assert_eq!(SwarmKey::parse(&hex).unwrap(), k);
         assert!(SwarmKey::parse("abc")
             .unwrap_err()
+            .to_string()
             .contains("64 hex digits"));
         assert!(SwarmKey::parse(&"zz".repeat(32)).is_err());
         assert_ne!(SwarmKey::generate(), k);

@@ -4,20 +4,26 @@
 //!
 //! Owns: moving bytes and typed messages between peers, discovery, membership, access
 //! control and the per-peer bounds. Knows nothing of models or tensors (the server and
-//! client roles give meaning to the messages) and never touches LibTorch.
+//! client roles give meaning to the messages, see `rpc`) and never touches LibTorch; it
+//! imports nothing of the crate but `base` (the layering test checks it).
 
+mod admission;
 pub mod auth;
 pub mod frame;
+mod handle;
 pub mod node;
 pub mod protocol;
 pub mod sign;
 
-pub use auth::SwarmKey;
-pub use libp2p::{identity::Keypair, Multiaddr, PeerId, Stream};
-pub use node::{spawn_node, SwarmConfig, SwarmHandle, ViewEntry};
+pub use admission::Refusal;
+pub use auth::{KeyError, SwarmKey};
+pub use handle::SwarmHandle;
+pub use libp2p::multiaddr::Protocol;
+pub use libp2p::{identity::Keypair, Multiaddr, PeerId, Stream, StreamProtocol};
+pub use node::{spawn_node, SwarmConfig, ViewEntry};
 pub use protocol::{ModelStatus, PeerStatus, Role};
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// What can go wrong talking to the swarm.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -26,8 +32,6 @@ pub enum SwarmError {
     Setup(String),
     #[error("the swarm node has stopped")]
     Stopped,
-    #[error("DHT: {0}")]
-    Dht(String),
     #[error("{peer} is unreachable: {reason}")]
     Unreachable { peer: PeerId, reason: String },
     #[error("{peer} refused: {reason}")]
@@ -38,46 +42,83 @@ pub enum SwarmError {
     Protocol(String),
 }
 
+/// Why a peer's identity, address or bootstrap list could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum PeerFileError {
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{} is not an identity key: {problem}", path.display())]
+    NotAKey { path: PathBuf, problem: String },
+    #[error("{input:?} is not a multiaddr: {problem}")]
+    NotAnAddr { input: String, problem: String },
+    #[error("{}: {source}", path.display())]
+    InFile {
+        path: PathBuf,
+        #[source]
+        source: Box<PeerFileError>,
+    },
+}
+
+fn io(path: &Path, source: std::io::Error) -> PeerFileError {
+    PeerFileError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
 /// Loads this peer's identity from `path`, or creates one there (mode 0600) on first use,
 /// so that its peer id and address survive restarts.
-pub fn load_or_create_identity(path: &Path) -> Result<Keypair, String> {
+pub fn load_or_create_identity(path: &Path) -> Result<Keypair, PeerFileError> {
     if path.exists() {
-        let bytes = std::fs::read(path).map_err(|e| format!("reading {}: {e}", path.display()))?;
-        return Keypair::from_protobuf_encoding(&bytes)
-            .map_err(|e| format!("{} is not an identity key: {e}", path.display()));
+        let bytes = std::fs::read(path).map_err(|e| io(path, e))?;
+        return Keypair::from_protobuf_encoding(&bytes).map_err(|e| PeerFileError::NotAKey {
+            path: path.to_path_buf(),
+            problem: e.to_string(),
+        });
     }
     if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+        std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
     }
     let key = Keypair::generate_ed25519();
     let bytes = key
         .to_protobuf_encoding()
-        .map_err(|e| format!("encoding a new identity: {e}"))?;
+        .expect("an ed25519 key encodes");
     let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, &bytes).map_err(|e| format!("writing {}: {e}", tmp.display()))?;
+    std::fs::write(&tmp, &bytes).map_err(|e| io(&tmp, e))?;
     #[cfg(unix)]
     {
         use std::os::unix::fs::PermissionsExt;
         let _ = std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600));
     }
-    std::fs::rename(&tmp, path).map_err(|e| format!("writing {}: {e}", path.display()))?;
+    std::fs::rename(&tmp, path).map_err(|e| io(path, e))?;
     Ok(key)
 }
 
 /// Parses a multiaddr given on the command line or in a bootstrap file.
-pub fn parse_addr(s: &str) -> Result<Multiaddr, String> {
+pub fn parse_addr(s: &str) -> Result<Multiaddr, PeerFileError> {
     s.trim()
         .parse::<Multiaddr>()
-        .map_err(|e| format!("{s:?} is not a multiaddr: {e}"))
+        .map_err(|e| PeerFileError::NotAnAddr {
+            input: s.to_string(),
+            problem: e.to_string(),
+        })
 }
 
 /// Reads a bootstrap list: one multiaddr per line, `#` comments and blank lines ignored.
-pub fn read_bootstrap_file(path: &Path) -> Result<Vec<Multiaddr>, String> {
-    let text =
-        std::fs::read_to_string(path).map_err(|e| format!("reading {}: {e}", path.display()))?;
+pub fn read_bootstrap_file(path: &Path) -> Result<Vec<Multiaddr>, PeerFileError> {
+    let text = std::fs::read_to_string(path).map_err(|e| io(path, e))?;
     text.lines()
         .map(|l| l.split('#').next().unwrap_or("").trim())
         .filter(|l| !l.is_empty())
-        .map(|l| parse_addr(l).map_err(|e| format!("{}: {e}", path.display())))
+        .map(|l| {
+            parse_addr(l).map_err(|e| PeerFileError::InFile {
+                path: path.to_path_buf(),
+                source: Box::new(e),
+            })
+        })
         .collect()
 }

@@ -4,6 +4,12 @@
 //! or accepts streams through `libp2p-stream`'s control, which needs no round trip through
 //! the loop. Nothing outside the loop touches the swarm.
 //!
+//! Lifetime: the loop holds no handle of its own, so it ends when the last
+//! [`SwarmHandle`] is dropped (or on [`SwarmHandle::shutdown`]); the node's other tasks
+//! (accept loops, stream handlers, auth timers) run in its task tracker, hold at most a
+//! weak command sender, and are cancelled when the loop ends. Then the `Swarm` is dropped:
+//! connections close and the listen ports are free again.
+//!
 //! Discovery: Kademlia (protocol `/agentjet/kad/1`) in server mode, with manual routing
 //! table inserts: a peer enters the table only after it proved the swarm key and identify
 //! told us its listen addresses. A served model is a provider record under
@@ -20,7 +26,6 @@
 //! peers gossip with their status; [`SwarmHandle::connect`] dials a peer through it.
 
 use std::collections::{HashMap, HashSet};
-use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -32,17 +37,17 @@ use libp2p::kad::{
     StoreInserts,
 };
 use libp2p::swarm::{NetworkBehaviour, SwarmEvent};
-use libp2p::{identify, noise, ping, tcp, yamux, Multiaddr, PeerId, Stream, StreamProtocol, Swarm};
+use libp2p::{identify, noise, ping, tcp, yamux, Multiaddr, PeerId, Swarm};
 use tokio::sync::{mpsc, oneshot};
-use tracing::{debug, info, warn};
+use tracing::{debug, warn};
 
+use super::admission::{self, Limits};
 use super::auth::{AuthTable, PeerAuth, SwarmKey};
-use super::frame::{read_frame, write_frame, FrameError};
-use super::protocol::{
-    Admission, AuthProof, AuthVerdict, ModelStatus, PeerStatus, Role, StatusEnvelope, AUTH,
-    IDENTIFY, KAD, STATUS_TOPIC,
-};
+use super::handle::SwarmHandle;
+use super::protocol::{PeerStatus, Role, StatusEnvelope, IDENTIFY, KAD, STATUS_TOPIC};
 use super::SwarmError;
+use crate::base::lock;
+use crate::base::stop::{CancellationToken, TaskTracker};
 
 /// Everything the node needs; every bound and timeout is here.
 #[derive(Debug, Clone)]
@@ -122,120 +127,60 @@ pub struct ViewEntry {
     pub is_self: bool,
 }
 
-struct ViewSlot {
-    status: PeerStatus,
-    addrs: Vec<Multiaddr>,
-    seq: u64,
-    at: Instant,
+pub(super) struct ViewSlot {
+    pub(super) status: PeerStatus,
+    pub(super) addrs: Vec<Multiaddr>,
+    pub(super) seq: u64,
+    pub(super) at: Instant,
 }
 
-type ProvidersReply = oneshot::Sender<Result<Vec<PeerId>, String>>;
+type ProvidersReply = oneshot::Sender<Vec<PeerId>>;
 
-enum Command {
+/// Why a gossiped status was dropped (and not forwarded).
+#[derive(Debug, thiserror::Error)]
+enum BadGossip {
+    #[error("forwarded by {0}, which has not proved the swarm key")]
+    NotMember(PeerId),
+    #[error("malformed status: {0}")]
+    Malformed(String),
+    #[error("status of {author} not signed by it ({signer:?})")]
+    NotSignedByAuthor {
+        author: PeerId,
+        signer: Option<PeerId>,
+    },
+    #[error("status of {0}: {1} swarm key MAC")]
+    Mac(PeerId, &'static str),
+}
+
+/// What handles ask of the event loop.
+pub(super) enum Command {
     Provide(String, oneshot::Sender<()>),
     StopProviding(String),
-    Providers(String, oneshot::Sender<Result<Vec<PeerId>, String>>),
-    Connect(PeerId, oneshot::Sender<Result<(), String>>),
+    Providers(String, ProvidersReply),
+    Connect(PeerId, oneshot::Sender<Result<(), SwarmError>>),
     Authed(PeerId, PeerAuth),
     AuthDeadline(PeerId),
     ListenAddrs(oneshot::Sender<Vec<Multiaddr>>),
     Connected(oneshot::Sender<Vec<PeerId>>),
     Addresses(PeerId, Vec<Multiaddr>),
+    /// End the loop now (see [`SwarmHandle::shutdown`]).
+    Shutdown,
 }
 
-/// Rate buckets kept before the refilled ones are pruned.
-const MAX_IDLE_BUCKETS: usize = 1024;
-
-/// Per-peer admission bounds (concurrent streams, request rate).
-#[derive(Default)]
-struct Limits {
-    open: HashMap<(PeerId, &'static str), usize>,
-    buckets: RateTable,
-}
-
-/// A token bucket per peer: `burst` requests at once, refilled at `rate` per second.
-#[derive(Default)]
-struct RateTable {
-    buckets: HashMap<PeerId, (f64, Instant)>,
-}
-
-impl RateTable {
-    /// Takes one request of `peer`'s bucket at `now`, or says why not.
-    fn take(&mut self, peer: &PeerId, now: Instant, rate: f64, burst: f64) -> Result<(), String> {
-        let level =
-            |b: &(f64, Instant)| b.0 + rate * now.saturating_duration_since(b.1).as_secs_f64();
-        if self.buckets.len() >= MAX_IDLE_BUCKETS {
-            // A bucket that has refilled is the same as none: forget those, so peers that
-            // came and went (or a stream of fresh peer ids) do not grow the table.
-            self.buckets.retain(|_, b| level(b) < burst);
-        }
-        let b = self.buckets.entry(*peer).or_insert((burst, now));
-        b.0 = level(b).min(burst);
-        b.1 = now;
-        if b.0 < 1.0 {
-            return Err(format!(
-                "over the request rate limit ({rate}/s, burst {burst})"
-            ));
-        }
-        b.0 -= 1.0;
-        Ok(())
-    }
-}
-
-#[cfg(test)]
-mod rate_tests {
-    use super::*;
-
-    #[test]
-    fn buckets_refuse_past_the_burst_refill_and_idle_ones_are_forgotten() {
-        let t0 = Instant::now();
-        let mut t = RateTable::default();
-        let p = PeerId::random();
-        for _ in 0..3 {
-            t.take(&p, t0, 1.0, 3.0).unwrap();
-        }
-        let e = t.take(&p, t0, 1.0, 3.0).unwrap_err();
-        assert!(e.contains("rate limit (1/s, burst 3)"), "{e}");
-        t.take(&p, t0 + Duration::from_millis(1100), 1.0, 3.0)
-            .unwrap();
-        // 3000 one-off peers: the table stays bounded once their buckets refilled.
-        for i in 0..3000u64 {
-            let now = t0 + Duration::from_secs(10 + i * 5);
-            t.take(&PeerId::random(), now, 1.0, 3.0).unwrap();
-        }
-        assert!(t.buckets.len() <= MAX_IDLE_BUCKETS, "{}", t.buckets.len());
-        // Buckets still draining are kept: a busy peer's survives the pruning.
-        let busy = PeerId::random();
-        let late = t0 + Duration::from_secs(100_000);
-        for _ in 0..3 {
-            t.take(&busy, late, 1.0, 3.0).unwrap();
-        }
-        for _ in 0..2 * MAX_IDLE_BUCKETS {
-            t.take(&PeerId::random(), late, 1.0, 3.0).unwrap();
-        }
-        assert!(
-            t.buckets.len() > 2 * MAX_IDLE_BUCKETS,
-            "draining buckets are kept"
-        );
-        assert!(
-            t.take(&busy, late, 1.0, 3.0).is_err(),
-            "its bucket was not reset"
-        );
-    }
-}
-
-/// The handle the rest of the program holds.
-#[derive(Clone)]
-pub struct SwarmHandle {
-    pub peer_id: PeerId,
-    keypair: Keypair,
-    cmd: mpsc::Sender<Command>,
-    control: libp2p_stream::Control,
-    pub auth: Arc<AuthTable>,
-    view: Arc<Mutex<HashMap<PeerId, ViewSlot>>>,
-    status: Arc<Mutex<PeerStatus>>,
-    limits: Arc<Mutex<Limits>>,
-    pub cfg: Arc<SwarmConfig>,
+/// What the event loop, the node's tasks and every handle share. It holds no command
+/// sender, so holding it never keeps the loop alive.
+pub(super) struct Shared {
+    pub(super) peer_id: PeerId,
+    pub(super) keypair: Keypair,
+    pub(super) cfg: Arc<SwarmConfig>,
+    pub(super) auth: Arc<AuthTable>,
+    pub(super) view: Mutex<HashMap<PeerId, ViewSlot>>,
+    pub(super) status: Mutex<PeerStatus>,
+    pub(super) limits: Mutex<Limits>,
+    /// Cancelled when the event loop has ended.
+    pub(super) ended: CancellationToken,
+    /// Every task of the node, the event loop included.
+    pub(super) tasks: TaskTracker,
 }
 
 fn model_key(model: &str) -> kad::RecordKey {
@@ -330,14 +275,13 @@ pub async fn spawn_node(cfg: SwarmConfig) -> Result<SwarmHandle, SwarmError> {
     let control = swarm.behaviour().stream.new_control();
     let auth = Arc::new(AuthTable::new(cfg.swarm_key.clone()));
     let (tx, rx) = mpsc::channel(1024);
-    let handle = SwarmHandle {
+    let shared = Arc::new(Shared {
         peer_id,
         keypair,
-        cmd: tx,
-        control,
-        auth,
-        view: Arc::new(Mutex::new(HashMap::new())),
-        status: Arc::new(Mutex::new(PeerStatus {
+        cfg: cfg.clone(),
+        auth: auth.clone(),
+        view: Mutex::new(HashMap::new()),
+        status: Mutex::new(PeerStatus {
             role: cfg.role,
             models: Vec::new(),
             load: 0.0,
@@ -346,11 +290,20 @@ pub async fn spawn_node(cfg: SwarmConfig) -> Result<SwarmHandle, SwarmError> {
             episodes: 0,
             version: env!("CARGO_PKG_VERSION").to_string(),
             extra: Default::default(),
-        })),
-        limits: Arc::new(Mutex::new(Limits::default())),
+        }),
+        limits: Mutex::new(Limits::default()),
+        ended: CancellationToken::new(),
+        tasks: TaskTracker::new(),
+    });
+    admission::accept_auth(&shared, &control, tx.downgrade())?;
+    let handle = SwarmHandle {
+        peer_id,
         cfg: cfg.clone(),
+        auth,
+        shared: shared.clone(),
+        cmd: tx.clone(),
+        control: control.clone(),
     };
-    handle.accept_auth()?;
 
     // Wait for every listener to report its address (or fail), so the caller can print them.
     let mut pending_listeners = cfg.listen.len();
@@ -387,7 +340,9 @@ pub async fn spawn_node(cfg: SwarmConfig) -> Result<SwarmHandle, SwarmError> {
     let ev = EventLoop {
         swarm,
         rx,
-        handle: handle.clone(),
+        cmd: tx.downgrade(),
+        control,
+        shared: shared.clone(),
         topic,
         listen_addrs,
         addr_book: HashMap::new(),
@@ -399,14 +354,18 @@ pub async fn spawn_node(cfg: SwarmConfig) -> Result<SwarmHandle, SwarmError> {
         seq: 0,
         reprovide_soon: false,
     };
-    tokio::spawn(ev.run());
+    // Not `Shared::spawn`: the loop ends by itself (and then cancels the rest).
+    shared.tasks.spawn(ev.run());
     Ok(handle)
 }
 
 struct EventLoop {
     swarm: Swarm<Behaviour>,
     rx: mpsc::Receiver<Command>,
-    handle: SwarmHandle,
+    /// For the loop's own timers; weak, so the loop never keeps itself alive.
+    cmd: mpsc::WeakSender<Command>,
+    control: libp2p_stream::Control,
+    shared: Arc<Shared>,
     topic: IdentTopic,
     listen_addrs: Vec<Multiaddr>,
     addr_book: HashMap<PeerId, Vec<Multiaddr>>,
@@ -414,14 +373,22 @@ struct EventLoop {
     in_kad: HashSet<PeerId>,
     providing: HashSet<String>,
     provider_queries: HashMap<QueryId, (HashSet<PeerId>, ProvidersReply)>,
-    connect_waiters: HashMap<PeerId, Vec<oneshot::Sender<Result<(), String>>>>,
+    connect_waiters: HashMap<PeerId, Vec<oneshot::Sender<Result<(), SwarmError>>>>,
     seq: u64,
     reprovide_soon: bool,
 }
 
 impl EventLoop {
     async fn run(mut self) {
-        let cfg = self.handle.cfg.clone();
+        self.run_until_stopped().await;
+        // Dropping `self` drops the Swarm: connections close, listen ports are released.
+        debug!(peer = %self.shared.peer_id, "the swarm node has stopped");
+        self.shared.ended.cancel();
+        self.shared.tasks.close();
+    }
+
+    async fn run_until_stopped(&mut self) {
+        let cfg = self.shared.cfg.clone();
         let mut status_tick = tokio::time::interval(cfg.status_interval);
         let mut reprovide_tick = tokio::time::interval(cfg.provider_ttl / 2);
         let mut bootstrap_tick = tokio::time::interval(cfg.rebootstrap_interval);
@@ -430,8 +397,8 @@ impl EventLoop {
             tokio::select! {
                 ev = self.swarm.select_next_some() => self.on_swarm_event(ev),
                 cmd = self.rx.recv() => match cmd {
+                    Some(Command::Shutdown) | None => return,
                     Some(c) => self.on_command(c),
-                    None => return,
                 },
                 _ = status_tick.tick() => self.publish_status(),
                 _ = reprovide_tick.tick() => self.reprovide(),
@@ -464,33 +431,28 @@ impl EventLoop {
     }
 
     fn publish_status(&mut self) {
-        let status = match self.handle.status.lock() {
-            Ok(s) => s.clone(),
-            Err(_) => return,
-        };
+        let status = lock(&self.shared.status).clone();
         self.seq += 1;
         let mut env = StatusEnvelope {
-            author: self.handle.peer_id.to_bytes(),
+            author: self.shared.peer_id.to_bytes(),
             seq: self.seq,
             unix_ms: unix_ms(),
             status: status.clone(),
             addrs: self.listen_addrs.iter().map(|a| a.to_vec()).collect(),
             mac: None,
         };
-        if let Some(k) = self.handle.auth.key() {
+        if let Some(k) = self.shared.auth.key() {
             env.mac = Some(k.mac(&env.mac_payload()));
         }
-        if let Ok(mut v) = self.handle.view.lock() {
-            v.insert(
-                self.handle.peer_id,
-                ViewSlot {
-                    status,
-                    addrs: self.listen_addrs.clone(),
-                    seq: self.seq,
-                    at: Instant::now(),
-                },
-            );
-        }
+        lock(&self.shared.view).insert(
+            self.shared.peer_id,
+            ViewSlot {
+                status,
+                addrs: self.listen_addrs.clone(),
+                seq: self.seq,
+                at: Instant::now(),
+            },
+        );
         let Ok(bytes) = postcard::to_allocvec(&env) else {
             return;
         };
@@ -541,7 +503,10 @@ impl EventLoop {
                 }
                 let addrs = self.addr_book.get(&peer).cloned().unwrap_or_default();
                 if addrs.is_empty() {
-                    let _ = reply.send(Err(format!("no known address for {peer}")));
+                    let _ = reply.send(Err(SwarmError::Unreachable {
+                        peer,
+                        reason: "no known address".into(),
+                    }));
                     return;
                 }
                 let opts = libp2p::swarm::dial_opts::DialOpts::peer_id(peer)
@@ -550,12 +515,15 @@ impl EventLoop {
                 match self.swarm.dial(opts) {
                     Ok(()) => self.connect_waiters.entry(peer).or_default().push(reply),
                     Err(e) => {
-                        let _ = reply.send(Err(format!("dialing {peer}: {e}")));
+                        let _ = reply.send(Err(SwarmError::Unreachable {
+                            peer,
+                            reason: format!("dialing: {e}"),
+                        }));
                     }
                 }
             }
             Command::Authed(peer, state) => {
-                self.handle.auth.set(peer, state.clone());
+                self.shared.auth.set(peer, state.clone());
                 match state {
                     PeerAuth::Member => self.maybe_add_to_kad(peer),
                     PeerAuth::Denied(why) => {
@@ -567,10 +535,10 @@ impl EventLoop {
             }
             Command::AuthDeadline(peer) => {
                 if self.swarm.is_connected(&peer)
-                    && self.handle.auth.state(&peer) == PeerAuth::Pending
+                    && self.shared.auth.state(&peer) == PeerAuth::Pending
                 {
                     warn!(%peer, "did not prove the swarm key within the auth timeout; disconnecting");
-                    self.handle
+                    self.shared
                         .auth
                         .set(peer, PeerAuth::Denied("no proof of the swarm key".into()));
                     let _ = self.swarm.disconnect_peer_id(peer);
@@ -583,11 +551,12 @@ impl EventLoop {
                 let _ = reply.send(self.swarm.connected_peers().copied().collect());
             }
             Command::Addresses(peer, addrs) => self.learn(peer, addrs),
+            Command::Shutdown => {}
         }
     }
 
     fn learn(&mut self, peer: PeerId, addrs: Vec<Multiaddr>) {
-        if peer == self.handle.peer_id {
+        if peer == self.shared.peer_id {
             return;
         }
         let book = self.addr_book.entry(peer).or_default();
@@ -600,7 +569,7 @@ impl EventLoop {
     }
 
     fn maybe_add_to_kad(&mut self, peer: PeerId) {
-        if !self.handle.auth.is_member(&peer) || self.in_kad.contains(&peer) {
+        if !self.shared.auth.is_member(&peer) || self.in_kad.contains(&peer) {
             return;
         }
         let Some(addrs) = self.identified.get(&peer).cloned() else {
@@ -643,14 +612,17 @@ impl EventLoop {
                 }
                 if num_established.get() == 1 {
                     debug!(peer = %peer_id, "connected");
-                    if let Some(key) = self.handle.auth.key().cloned() {
-                        let h = self.handle.clone();
-                        tokio::spawn(async move { h.prove(peer_id, key).await });
-                        let tx = self.handle.cmd.clone();
-                        let t = self.handle.cfg.auth_timeout;
-                        tokio::spawn(async move {
+                    if let Some(key) = self.shared.auth.key().cloned() {
+                        let (sh, control) = (self.shared.clone(), self.control.clone());
+                        self.shared
+                            .spawn(admission::prove(sh, control, peer_id, key));
+                        let cmd = self.cmd.clone();
+                        let t = self.shared.cfg.auth_timeout;
+                        self.shared.spawn(async move {
                             tokio::time::sleep(t).await;
-                            let _ = tx.send(Command::AuthDeadline(peer_id)).await;
+                            if let Some(tx) = cmd.upgrade() {
+                                let _ = tx.send(Command::AuthDeadline(peer_id)).await;
+                            }
                         });
                     }
                 }
@@ -662,7 +634,7 @@ impl EventLoop {
                 ..
             } => {
                 debug!(peer = %peer_id, ?cause, "disconnected");
-                self.handle.auth.forget(&peer_id);
+                self.shared.auth.forget(&peer_id);
                 if self.in_kad.remove(&peer_id) {
                     self.swarm.behaviour_mut().kad.remove_peer(&peer_id);
                 }
@@ -674,7 +646,10 @@ impl EventLoop {
             } => {
                 if let Some(ws) = self.connect_waiters.remove(&peer) {
                     for w in ws {
-                        let _ = w.send(Err(format!("dialing {peer}: {error}")));
+                        let _ = w.send(Err(SwarmError::Unreachable {
+                            peer,
+                            reason: format!("dialing: {error}"),
+                        }));
                     }
                 }
             }
@@ -715,29 +690,28 @@ impl EventLoop {
         }
     }
 
-    fn check_gossip(&mut self, from: &PeerId, m: &gossipsub::Message) -> Result<(), String> {
-        if !self.handle.auth.is_member(from) {
-            return Err(format!(
-                "forwarded by {from}, which has not proved the swarm key"
-            ));
+    fn check_gossip(&mut self, from: &PeerId, m: &gossipsub::Message) -> Result<(), BadGossip> {
+        if !self.shared.auth.is_member(from) {
+            return Err(BadGossip::NotMember(*from));
         }
         let env: StatusEnvelope =
-            postcard::from_bytes(&m.data).map_err(|e| format!("malformed status: {e}"))?;
-        let author = PeerId::from_bytes(&env.author).map_err(|e| format!("bad author: {e}"))?;
+            postcard::from_bytes(&m.data).map_err(|e| BadGossip::Malformed(e.to_string()))?;
+        let author =
+            PeerId::from_bytes(&env.author).map_err(|e| BadGossip::Malformed(e.to_string()))?;
         if m.source != Some(author) {
-            return Err(format!(
-                "status of {author} not signed by it ({:?})",
-                m.source
-            ));
+            return Err(BadGossip::NotSignedByAuthor {
+                author,
+                signer: m.source,
+            });
         }
-        if let Some(k) = self.handle.auth.key() {
+        if let Some(k) = self.shared.auth.key() {
             match env.mac {
                 Some(mac) if mac == k.mac(&env.mac_payload()) => {}
-                Some(_) => return Err(format!("status of {author}: wrong swarm key MAC")),
-                None => return Err(format!("status of {author}: no swarm key MAC")),
+                Some(_) => return Err(BadGossip::Mac(author, "wrong")),
+                None => return Err(BadGossip::Mac(author, "no")),
             }
         }
-        if author == self.handle.peer_id {
+        if author == self.shared.peer_id {
             return Ok(());
         }
         let addrs: Vec<Multiaddr> = env
@@ -747,21 +721,20 @@ impl EventLoop {
             .filter_map(|a| Multiaddr::try_from(a.clone()).ok())
             .collect();
         self.learn(author, addrs.clone());
-        if let Ok(mut v) = self.handle.view.lock() {
-            let newer = v
-                .get(&author)
-                .is_none_or(|s| env.seq > s.seq || env.seq == 1);
-            if newer {
-                v.insert(
-                    author,
-                    ViewSlot {
-                        status: env.status,
-                        addrs,
-                        seq: env.seq,
-                        at: Instant::now(),
-                    },
-                );
-            }
+        let mut v = lock(&self.shared.view);
+        let newer = v
+            .get(&author)
+            .is_none_or(|s| env.seq > s.seq || env.seq == 1);
+        if newer {
+            v.insert(
+                author,
+                ViewSlot {
+                    status: env.status,
+                    addrs,
+                    seq: env.seq,
+                    at: Instant::now(),
+                },
+            );
         }
         Ok(())
     }
@@ -771,7 +744,7 @@ impl EventLoop {
             kad::Event::InboundRequest {
                 request: kad::InboundRequest::AddProvider { record: Some(r) },
             } => {
-                if self.handle.auth.is_member(&r.provider) {
+                if self.shared.auth.is_member(&r.provider) {
                     if let Err(e) = self.swarm.behaviour_mut().kad.store_mut().add_provider(r) {
                         warn!("storing a provider record: {e}");
                     }
@@ -806,7 +779,7 @@ impl EventLoop {
                 }
                 if done {
                     if let Some((found, reply)) = self.provider_queries.remove(&id) {
-                        let _ = reply.send(Ok(found.into_iter().collect()));
+                        let _ = reply.send(found.into_iter().collect());
                     }
                 }
             }
@@ -826,297 +799,5 @@ impl StatusEnvelope {
             &self.addrs,
         ))
         .unwrap_or_default()
-    }
-}
-
-impl SwarmHandle {
-    async fn send(&self, c: Command) -> Result<(), SwarmError> {
-        self.cmd.send(c).await.map_err(|_| SwarmError::Stopped)
-    }
-
-    /// Announces (and keeps re-announcing) that this peer serves `model`.
-    pub async fn provide(&self, model: &str) -> Result<(), SwarmError> {
-        let (tx, rx) = oneshot::channel();
-        self.send(Command::Provide(model.to_string(), tx)).await?;
-        rx.await.map_err(|_| SwarmError::Stopped)
-    }
-
-    pub async fn stop_providing(&self, model: &str) -> Result<(), SwarmError> {
-        self.send(Command::StopProviding(model.to_string())).await
-    }
-
-    /// The providers of `model` the DHT knows now (one query).
-    pub async fn providers(&self, model: &str) -> Result<Vec<PeerId>, SwarmError> {
-        let (tx, rx) = oneshot::channel();
-        self.send(Command::Providers(model.to_string(), tx)).await?;
-        rx.await
-            .map_err(|_| SwarmError::Stopped)?
-            .map_err(SwarmError::Dht)
-    }
-
-    /// This peer's listen addresses, each ending in `/p2p/<peer id>`.
-    pub async fn listen_addrs(&self) -> Vec<Multiaddr> {
-        let (tx, rx) = oneshot::channel();
-        if self.send(Command::ListenAddrs(tx)).await.is_err() {
-            return Vec::new();
-        }
-        rx.await
-            .unwrap_or_default()
-            .into_iter()
-            .map(|a| a.with_p2p(self.peer_id).unwrap_or_else(|a| a))
-            .collect()
-    }
-
-    pub async fn connected_peers(&self) -> Vec<PeerId> {
-        let (tx, rx) = oneshot::channel();
-        if self.send(Command::Connected(tx)).await.is_err() {
-            return Vec::new();
-        }
-        rx.await.unwrap_or_default()
-    }
-
-    /// Tells the address book where `peer` listens.
-    pub async fn add_addresses(&self, peer: PeerId, addrs: Vec<Multiaddr>) {
-        let _ = self.send(Command::Addresses(peer, addrs)).await;
-    }
-
-    /// Connects to `peer` (through the address book) unless connected already.
-    pub async fn connect(&self, peer: PeerId) -> Result<(), SwarmError> {
-        let (tx, rx) = oneshot::channel();
-        self.send(Command::Connect(peer, tx)).await?;
-        match tokio::time::timeout(self.cfg.open_timeout, rx).await {
-            Err(_) => Err(SwarmError::Timeout(format!("connecting to {peer}"))),
-            Ok(Err(_)) => Err(SwarmError::Stopped),
-            Ok(Ok(r)) => r.map_err(|e| SwarmError::Unreachable { peer, reason: e }),
-        }
-    }
-
-    /// Updates what this peer gossips.
-    pub fn set_status(&self, f: impl FnOnce(&mut PeerStatus)) {
-        if let Ok(mut s) = self.status.lock() {
-            f(&mut s);
-        }
-    }
-
-    pub fn set_models(&self, models: Vec<ModelStatus>) {
-        self.set_status(|s| s.models = models);
-    }
-
-    /// The live view: every peer heard from within three status intervals (this one too).
-    pub fn view(&self) -> Vec<ViewEntry> {
-        let expiry = self.cfg.status_interval * 3;
-        let Ok(v) = self.view.lock() else {
-            return Vec::new();
-        };
-        let mut out: Vec<ViewEntry> = v
-            .iter()
-            .filter(|(_, s)| s.at.elapsed() <= expiry)
-            .map(|(p, s)| ViewEntry {
-                peer: *p,
-                status: s.status.clone(),
-                addrs: s.addrs.clone(),
-                age: s.at.elapsed(),
-                is_self: *p == self.peer_id,
-            })
-            .collect();
-        out.sort_by_key(|e| e.peer.to_string());
-        out
-    }
-
-    /// Signs a digest with this peer's key.
-    pub fn sign(&self, digest: &[u8; 32]) -> Vec<u8> {
-        super::sign::sign(&self.keypair, digest)
-    }
-
-    /// Opens a stream to `peer` and reads its [`Admission`].
-    pub async fn open(&self, peer: PeerId, protocol: StreamProtocol) -> Result<Stream, SwarmError> {
-        if peer == self.peer_id {
-            return Err(SwarmError::Protocol(
-                "a peer cannot open a stream to itself".into(),
-            ));
-        }
-        let _ = self.connect(peer).await;
-        let mut control = self.control.clone();
-        let t = self.cfg.open_timeout;
-        let mut s = tokio::time::timeout(t, control.open_stream(peer, protocol.clone()))
-            .await
-            .map_err(|_| SwarmError::Timeout(format!("opening {protocol} to {peer}")))?
-            .map_err(|e| SwarmError::Unreachable {
-                peer,
-                reason: format!("{protocol}: {e}"),
-            })?;
-        let adm: Admission =
-            tokio::time::timeout(t + self.cfg.auth_timeout, read_frame(&mut s, 4096))
-                .await
-                .map_err(|_| SwarmError::Timeout(format!("admission on {protocol} from {peer}")))?
-                .map_err(|e| SwarmError::Unreachable {
-                    peer,
-                    reason: e.to_string(),
-                })?;
-        match adm {
-            Admission::Accepted => Ok(s),
-            Admission::Refused(reason) => Err(SwarmError::Refused { peer, reason }),
-        }
-    }
-
-    /// Serves `protocol`: every inbound stream is admitted (swarm key, concurrent streams
-    /// per peer, request rate: a refusal is written to the stream and logged) and handed
-    /// to `handler` on its own task; a handler's error is logged with the peer.
-    pub fn serve<H, F>(&self, protocol: StreamProtocol, handler: H) -> Result<(), SwarmError>
-    where
-        H: Fn(PeerId, Stream) -> F + Send + Sync + 'static,
-        F: Future<Output = Result<(), String>> + Send + 'static,
-    {
-        let mut control = self.control.clone();
-        let mut incoming = control
-            .accept(protocol.clone())
-            .map_err(|e| SwarmError::Setup(format!("{protocol}: {e}")))?;
-        let h = self.clone();
-        let handler = Arc::new(handler);
-        let name: &'static str = Box::leak(protocol.to_string().into_boxed_str());
-        tokio::spawn(async move {
-            while let Some((peer, mut stream)) = incoming.next().await {
-                let h = h.clone();
-                let handler = handler.clone();
-                tokio::spawn(async move {
-                    let limit = h.cfg.max_frame_bytes;
-                    if let Err(why) = h.admit(&peer, name).await {
-                        warn!(%peer, protocol = name, "refused: {why}");
-                        let _ = write_frame(&mut stream, &Admission::Refused(why), limit).await;
-                        return;
-                    }
-                    let _guard = OpenGuard {
-                        h: h.clone(),
-                        peer,
-                        name,
-                    };
-                    if write_frame(&mut stream, &Admission::Accepted, limit)
-                        .await
-                        .is_err()
-                    {
-                        return;
-                    }
-                    if let Err(e) = handler(peer, stream).await {
-                        warn!(%peer, protocol = name, "{e}");
-                    }
-                });
-            }
-        });
-        Ok(())
-    }
-
-    async fn admit(&self, peer: &PeerId, name: &'static str) -> Result<(), String> {
-        self.auth.wait_member(peer, self.cfg.auth_timeout).await?;
-        let mut l = self
-            .limits
-            .lock()
-            .map_err(|_| "internal: limits lock".to_string())?;
-        let now = Instant::now();
-        let (rate, burst) = (self.cfg.max_requests_per_s, self.cfg.request_burst);
-        l.buckets.take(peer, now, rate, burst)?;
-        let open = l.open.entry((*peer, name)).or_insert(0);
-        if *open >= self.cfg.max_streams_per_peer {
-            return Err(format!(
-                "too many concurrent {name} streams (limit {})",
-                self.cfg.max_streams_per_peer
-            ));
-        }
-        *open += 1;
-        Ok(())
-    }
-
-    /// Sends our proof of the swarm key to `peer`.
-    async fn prove(&self, peer: PeerId, key: SwarmKey) {
-        let proof = AuthProof {
-            proof: key.proof(&self.peer_id, &peer),
-        };
-        let mut control = self.control.clone();
-        let r: Result<AuthVerdict, String> = async {
-            let mut s =
-                tokio::time::timeout(self.cfg.auth_timeout, control.open_stream(peer, AUTH))
-                    .await
-                    .map_err(|_| "timed out".to_string())?
-                    .map_err(|e| e.to_string())?;
-            write_frame(&mut s, &proof, 1024)
-                .await
-                .map_err(|e| e.to_string())?;
-            tokio::time::timeout(self.cfg.auth_timeout, read_frame(&mut s, 4096))
-                .await
-                .map_err(|_| "timed out".to_string())?
-                .map_err(|e: FrameError| e.to_string())
-        }
-        .await;
-        match r {
-            Ok(AuthVerdict::Accepted) => debug!(%peer, "accepted our swarm key proof"),
-            Ok(AuthVerdict::Denied(why)) => warn!(%peer, "denied our swarm key proof: {why}"),
-            Err(e) => debug!(%peer, "sending swarm key proof: {e}"),
-        }
-    }
-
-    /// Verifies the proofs peers send (closed swarm), or accepts everyone (open swarm).
-    fn accept_auth(&self) -> Result<(), SwarmError> {
-        let mut control = self.control.clone();
-        let mut incoming = control
-            .accept(AUTH)
-            .map_err(|e| SwarmError::Setup(format!("{AUTH}: {e}")))?;
-        let h = self.clone();
-        tokio::spawn(async move {
-            while let Some((peer, mut stream)) = incoming.next().await {
-                let h = h.clone();
-                tokio::spawn(async move {
-                    let got = tokio::time::timeout(
-                        h.cfg.auth_timeout,
-                        read_frame::<_, AuthProof>(&mut stream, 1024),
-                    )
-                    .await;
-                    let verdict = match (&got, h.auth.key()) {
-                        (_, None) => AuthVerdict::Accepted,
-                        (Ok(Ok(p)), Some(k)) if p.proof == k.proof(&peer, &h.peer_id) => {
-                            AuthVerdict::Accepted
-                        }
-                        (Ok(Ok(_)), Some(_)) => AuthVerdict::Denied("wrong swarm key".into()),
-                        (Ok(Err(e)), Some(_)) => AuthVerdict::Denied(format!("bad proof: {e}")),
-                        (Err(_), Some(_)) => {
-                            AuthVerdict::Denied("no proof within the auth timeout".into())
-                        }
-                    };
-                    let _ = write_frame(&mut stream, &verdict, 1024).await;
-                    if h.auth.key().is_some() {
-                        let state = match verdict {
-                            AuthVerdict::Accepted => {
-                                info!(%peer, "proved the swarm key");
-                                PeerAuth::Member
-                            }
-                            AuthVerdict::Denied(why) => PeerAuth::Denied(why),
-                        };
-                        let _ = h.send(Command::Authed(peer, state)).await;
-                    } else {
-                        let _ = h.send(Command::Authed(peer, PeerAuth::Member)).await;
-                    }
-                });
-            }
-        });
-        Ok(())
-    }
-}
-
-/// Releases a peer's concurrent-stream slot when a served stream ends.
-struct OpenGuard {
-    h: SwarmHandle,
-    peer: PeerId,
-    name: &'static str,
-}
-
-impl Drop for OpenGuard {
-    fn drop(&mut self) {
-        if let Ok(mut l) = self.h.limits.lock() {
-            let key = (self.peer, self.name);
-            if let Some(n) = l.open.get_mut(&key) {
-                *n = n.saturating_sub(1);
-                if *n == 0 {
-                    l.open.remove(&key);
-                }
-            }
-        }
     }
 }

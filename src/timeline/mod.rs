@@ -17,6 +17,7 @@
 //!
 //! Owns: token bookkeeping. Plain data and algorithms: never touches LibTorch or the network.
 
+pub mod digest;
 pub mod fragment;
 pub mod layout;
 pub mod synth;

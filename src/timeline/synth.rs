@@ -10,7 +10,7 @@
 //! `vocab` (special ids 0..16 are never used).
 
 use super::{Call, Episode, EpisodeStatus};
-use crate::engine::Rng;
+use crate::base::Rng;
 
 /// The shape of a synthetic trace.
 #[derive(Debug, Clone)]

@@ -22,6 +22,7 @@ use serde::{Deserialize, Serialize};
 use tch::Tensor;
 
 use super::trainer::{StepMetrics, Trainer};
+use super::TrainError;
 use crate::model::checkpoint::{load_model, save_checkpoint};
 use crate::model::llama::DType;
 use crate::model::{ModelCard, ModelSource};
@@ -41,13 +42,13 @@ pub struct RunDir {
     pub dir: PathBuf,
 }
 
-fn io(path: &Path, e: impl std::fmt::Display) -> String {
-    format!("{}: {e}", path.display())
+fn io(path: &Path, e: impl std::fmt::Display) -> TrainError {
+    TrainError::file(path, e)
 }
 
 impl RunDir {
     /// Opens (creating) a run directory.
-    pub fn open(dir: &Path) -> Result<RunDir, String> {
+    pub fn open(dir: &Path) -> Result<RunDir, TrainError> {
         std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
         Ok(RunDir {
             dir: dir.to_path_buf(),
@@ -63,7 +64,7 @@ impl RunDir {
     }
 
     /// Appends one step's metrics (one JSON line, flushed).
-    pub fn append(&self, m: &StepMetrics) -> Result<(), String> {
+    pub fn append(&self, m: &StepMetrics) -> Result<(), TrainError> {
         let path = self.metrics_path();
         let mut f = std::fs::OpenOptions::new()
             .create(true)
@@ -76,7 +77,7 @@ impl RunDir {
     }
 
     /// Every step's metrics so far.
-    pub fn metrics(&self) -> Result<Vec<StepMetrics>, String> {
+    pub fn metrics(&self) -> Result<Vec<StepMetrics>, TrainError> {
         let path = self.metrics_path();
         let text = match std::fs::read_to_string(&path) {
             Ok(t) => t,
@@ -98,14 +99,13 @@ impl RunDir {
         trainer: &Trainer,
         card: &ModelCard,
         extra: serde_json::Value,
-    ) -> Result<(), String> {
+    ) -> Result<(), TrainError> {
         let tmp = self.dir.join("checkpoint.tmp");
         if tmp.exists() {
             std::fs::remove_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
         }
         std::fs::create_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
-        save_checkpoint(&tmp.join("model"), card, &trainer.model, DType::F32)
-            .map_err(|e| e.to_string())?;
+        save_checkpoint(&tmp.join("model"), card, &trainer.model, DType::F32)?;
         let (m, v) = trainer.opt.moments();
         let named: Vec<(String, Tensor)> = m
             .iter()
@@ -167,7 +167,7 @@ impl RunDir {
     /// Restores `trainer` (weights, optimizer, step, version) from the latest checkpoint
     /// and cuts `metrics.jsonl` back to its steps. Returns the saved state (with the
     /// caller's `extra`), or `None` when the run has no checkpoint yet.
-    pub fn resume(&self, trainer: &mut Trainer) -> Result<Option<SavedState>, String> {
+    pub fn resume(&self, trainer: &mut Trainer) -> Result<Option<SavedState>, TrainError> {
         let Some(ck) = self.latest() else {
             return Ok(None);
         };
@@ -180,35 +180,35 @@ impl RunDir {
             trainer.model.device(),
             DType::F32,
         )
-        .map_err(|e| e.to_string())?
+?
         .model;
         let (mine, theirs) = (trainer.model.parameters(), loaded.parameters());
         if mine.len() != theirs.len() {
-            return Err(format!(
-                "{}: the checkpoint's model has {} tensors, the trainer's {}",
-                ck.display(),
-                theirs.len(),
-                mine.len()
+            return Err(io(
+                &ck,
+                format!(
+                    "the checkpoint's model has {} tensors, the trainer's {}",
+                    theirs.len(),
+                    mine.len()
+                ),
             ));
         }
-        tch::no_grad(|| -> Result<(), String> {
+        tch::no_grad(|| -> Result<(), TrainError> {
             for (i, (mut d, s)) in mine.into_iter().zip(&theirs).enumerate() {
                 if d.size() != s.size() {
-                    return Err(format!(
-                        "{}: tensor {i} is {:?}, the trainer's {:?}",
-                        ck.display(),
-                        s.size(),
-                        d.size()
+                    return Err(io(
+                        &ck,
+                        format!("tensor {i} is {:?}, the trainer's {:?}", s.size(), d.size()),
                     ));
                 }
-                d.f_copy_(s).map_err(|e| e.to_string())?;
+                d.f_copy_(s)?;
             }
             Ok(())
         })?;
         let opt_path = ck.join("optimizer.safetensors");
         let named = Tensor::read_safetensors(&opt_path).map_err(|e| io(&opt_path, e))?;
         let n = trainer.model.parameters().len();
-        let get = |prefix: &str| -> Result<Vec<Tensor>, String> {
+        let get = |prefix: &str| -> Result<Vec<Tensor>, TrainError> {
             (0..n)
                 .map(|i| {
                     let key = format!("{prefix}.{i}");

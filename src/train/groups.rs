@@ -28,16 +28,30 @@ pub enum AdvantageKind {
     Rloo,
 }
 
+/// An advantage name that is none of ours.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown advantage {0:?} (grpo, dr_grpo, rloo)")]
+pub struct UnknownAdvantage(pub String);
+
 impl std::str::FromStr for AdvantageKind {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = UnknownAdvantage;
+    fn from_str(s: &str) -> Result<Self, UnknownAdvantage> {
         match s {
             "grpo" => Ok(AdvantageKind::Grpo),
             "dr_grpo" | "dr-grpo" => Ok(AdvantageKind::DrGrpo),
             "rloo" => Ok(AdvantageKind::Rloo),
-            _ => Err(format!("unknown advantage {s:?} (grpo, dr_grpo, rloo)")),
+            _ => Err(UnknownAdvantage(s.to_string())),
         }
     }
+}
+
+/// Why an episode was not buffered.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BufferError {
+    #[error("episode {0} is still running")]
+    Running(String),
+    #[error("episode {episode} is already in group {group}")]
+    Duplicate { episode: String, group: String },
 }
 
 /// Rewards closer together than this count as equal (no signal).
@@ -139,7 +153,7 @@ impl GroupBuffer {
     }
 
     /// Adds an episode (finished or aborted); running episodes are refused.
-    pub fn add(&mut self, episode: Episode) -> Result<(), String> {
+    pub fn add(&mut self, episode: Episode) -> Result<(), BufferError> {
         self.add_sized(episode, None)
     }
 
@@ -147,9 +161,13 @@ impl GroupBuffer {
     /// (taken without waiting for the timeout) once `size` episodes arrived, finished or
     /// aborted, and trained on its finished ones (at most `size`) when there are at least
     /// `min_episodes`.
-    pub fn add_sized(&mut self, episode: Episode, size: Option<usize>) -> Result<(), String> {
+    pub fn add_sized(
+        &mut self,
+        episode: Episode,
+        size: Option<usize>,
+    ) -> Result<(), BufferError> {
         if episode.status == EpisodeStatus::Running {
-            return Err(format!("episode {} is still running", episode.id));
+            return Err(BufferError::Running(episode.id));
         }
         let p = self
             .pending
@@ -163,10 +181,10 @@ impl GroupBuffer {
             p.size = Some(n);
         }
         if p.episodes.iter().any(|e| e.id == episode.id) {
-            return Err(format!(
-                "episode {} is already in group {}",
-                episode.id, episode.group_id
-            ));
+            return Err(BufferError::Duplicate {
+                episode: episode.id,
+                group: episode.group_id,
+            });
         }
         p.episodes.push(episode);
         Ok(())

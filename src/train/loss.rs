@@ -25,6 +25,7 @@
 //! GSPO is the sequence ratio with sequence-level normalisation (its gradient is then
 //! `s_i A_i mean_t ∇lp_t`, as in the paper).
 
+use super::TrainError;
 use tch::{Kind, Tensor};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -154,10 +155,11 @@ pub fn policy_loss(
     cfg: &LossConfig,
     x: &LossInputs,
     counts: BatchCounts,
-) -> Result<(Tensor, LossSums), String> {
+) -> Result<(Tensor, LossSums), TrainError> {
+    let bad = TrainError::Invalid;
     let t = x.logprobs.size();
     if t.len() != 1 {
-        return Err(format!("logprobs must be [T], got {t:?}"));
+        return Err(bad(format!("logprobs must be [T], got {t:?}")));
     }
     for (name, v) in [
         ("behaviour_logprobs", Some(x.behaviour_logprobs)),
@@ -170,15 +172,17 @@ pub fn policy_loss(
     ] {
         if let Some(v) = v {
             if v.size() != t {
-                return Err(format!("{name} is {:?}, logprobs {t:?}", v.size()));
+                return Err(bad(format!("{name} is {:?}, logprobs {t:?}", v.size())));
             }
         }
     }
     if cfg.kl_coef != 0.0 && x.reference_logprobs.is_none() {
-        return Err("kl_coef is set but no reference logprobs were given".into());
+        return Err(bad(
+            "kl_coef is set but no reference logprobs were given".into(),
+        ));
     }
     if cfg.entropy_coef != 0.0 && x.entropy.is_none() {
-        return Err("entropy_coef is set but no entropies were given".into());
+        return Err(bad("entropy_coef is set but no entropies were given".into()));
     }
     let f = |v: &Tensor| v.to_kind(Kind::Float);
     let lp = f(x.logprobs);

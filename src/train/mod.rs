@@ -1,6 +1,10 @@
-//! Training. Today: the AdamW optimizer over a model's parameter tensors. The RL trainer
-//! (group buffer, advantages, GRPO-family losses, policy versions, checkpoints) builds on it
-//! in the trainer issue.
+//! Training: the group buffer and advantages ([`groups`]), GRPO-family losses ([`loss`]),
+//! AdamW ([`optim`]), the trainer that turns groups of episodes into optimizer steps and
+//! policy versions ([`trainer`]), checkpoints and run directories ([`checkpoint`]), and
+//! the reward curve ([`plot`]).
+//!
+//! Owns: the optimisation of one model copy. Never serves requests or moves bytes between
+//! peers (the server role brings episodes in and the new weights to its engine).
 
 pub mod checkpoint;
 pub mod groups;
@@ -9,11 +13,42 @@ pub mod optim;
 pub mod plot;
 pub mod trainer;
 
+use std::path::{Path, PathBuf};
+
 use tch::{Kind, Tensor};
 
 use crate::model::llama::Llama;
 use crate::model::ModelError;
 use crate::timeline::layout::PackedRow;
+use crate::timeline::TimelineError;
+
+/// What can go wrong while training.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    #[error("{}: {problem}", path.display())]
+    File { path: PathBuf, problem: String },
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error("libtorch: {0}")]
+    Torch(#[from] tch::TchError),
+    /// Inputs that do not fit together (shapes, settings, a checkpoint of another model).
+    #[error("{0}")]
+    Invalid(String),
+    #[error("packing the batch: {0}")]
+    Layout(#[from] TimelineError),
+    #[error(transparent)]
+    Kernel(#[from] agentjet_kernels::KernelError),
+}
+
+impl TrainError {
+    /// A file error naming the file.
+    pub fn file(path: &Path, e: impl std::fmt::Display) -> TrainError {
+        TrainError::File {
+            path: path.to_path_buf(),
+            problem: e.to_string(),
+        }
+    }
+}
 
 /// The current policy's log-probability of every target of `row` (in `row.targets`
 /// order), float32 [targets], differentiable: one forward over the row

@@ -5,6 +5,8 @@
 
 use tch::{no_grad, Tensor};
 
+use super::TrainError;
+
 #[derive(Debug, Clone)]
 pub struct AdamWConfig {
     pub lr: f64,
@@ -60,14 +62,14 @@ impl AdamW {
     }
 
     /// Restores moments and the step count (from a checkpoint): shapes must match.
-    pub fn restore(&mut self, m: &[Tensor], v: &[Tensor], step: i64) -> Result<(), String> {
+    pub fn restore(&mut self, m: &[Tensor], v: &[Tensor], step: i64) -> Result<(), TrainError> {
         if m.len() != self.params.len() || v.len() != self.params.len() {
-            return Err(format!(
+            return Err(TrainError::Invalid(format!(
                 "optimizer state has {}/{} moments for {} parameters",
                 m.len(),
                 v.len(),
                 self.params.len()
-            ));
+            )));
         }
         no_grad(|| {
             for (i, (dst, src)) in self
@@ -78,13 +80,13 @@ impl AdamW {
                 .enumerate()
             {
                 if dst.size() != src.size() {
-                    return Err(format!(
+                    return Err(TrainError::Invalid(format!(
                         "optimizer moment {i} is {:?}, the parameter's {:?}",
                         src.size(),
                         dst.size()
-                    ));
+                    )));
                 }
-                dst.f_copy_(src).map_err(|e| e.to_string())?;
+                dst.f_copy_(src)?;
             }
             Ok(())
         })?;

@@ -24,8 +24,10 @@ use tch::{Kind, Tensor};
 use super::groups::{Group, ReadyReport};
 use super::loss::{policy_loss, BatchCounts, LossConfig, LossInputs, LossSums};
 use super::optim::{AdamW, AdamWConfig};
+use super::TrainError;
 use crate::model::llama::Llama;
 use crate::timeline::layout::{pack, Layout, PackedRow};
+use crate::timeline::Episode;
 
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", tag = "kind")]
@@ -178,15 +180,15 @@ impl Trainer {
         mut model: Llama,
         reference: Option<Llama>,
         cfg: TrainerConfig,
-    ) -> Result<Trainer, String> {
+    ) -> Result<Trainer, TrainError> {
         if cfg.loss.kl_coef != 0.0 && reference.is_none() {
-            return Err("kl_coef is set: a reference model is needed".into());
+            return Err(TrainError::Invalid(
+                "kl_coef is set: a reference model is needed".into(),
+            ));
         }
         model.set_trainable(true);
         if cfg.bf16 {
-            model
-                .set_compute_kind(Some(Kind::BFloat16))
-                .map_err(|e| e.to_string())?;
+            model.set_compute_kind(Some(Kind::BFloat16))?;
         }
         let opt = AdamW::new(model.parameters(), cfg.optim.clone());
         Ok(Trainer {
@@ -215,7 +217,11 @@ impl Trainer {
 
     /// One optimizer step over `groups` (from [`super::groups::GroupBuffer::take_ready`],
     /// whose report is folded into the metrics).
-    pub fn step(&mut self, groups: &[Group], report: &ReadyReport) -> Result<StepMetrics, String> {
+    pub fn step(
+        &mut self,
+        groups: &[Group],
+        report: &ReadyReport,
+    ) -> Result<StepMetrics, TrainError> {
         let t0 = Instant::now();
         let mut m = StepMetrics {
             step: self.step,
@@ -245,7 +251,7 @@ impl Trainer {
                 / n)
                 .sqrt();
         }
-        let batch: Vec<(&crate::timeline::Episode, f32)> = groups
+        let batch: Vec<(&Episode, f32)> = groups
             .iter()
             .flat_map(|g| {
                 g.episodes
@@ -262,8 +268,7 @@ impl Trainer {
                 &batch,
                 self.cfg.layout,
                 self.cfg.micro_batch_tokens,
-            )
-            .map_err(|e| format!("packing the batch: {e}"))?
+            )?
         };
         // Staleness: per call (episode, call index), versions behind now.
         let mut calls: HashMap<(u32, u32), u64> = HashMap::new();
@@ -353,7 +358,7 @@ impl Trainer {
         seq_of: &BTreeMap<u32, i64>,
         seq_len: &HashMap<u32, usize>,
         counts: BatchCounts,
-    ) -> Result<(f64, LossSums), String> {
+    ) -> Result<(f64, LossSums), TrainError> {
         let dev = self.model.device();
         let long = |v: Vec<i64>| Tensor::from_slice(&v).to_device(dev);
         let float = |v: Vec<f32>| Tensor::from_slice(&v).to_device(dev);
@@ -370,11 +375,9 @@ impl Trainer {
         );
         let beh = float(row.targets.iter().map(|t| t.behaviour_logprob).collect());
         let adv = float(row.targets.iter().map(|t| t.advantage).collect());
-        let err = |e: crate::model::ModelError| e.to_string();
         let h = self
             .model
-            .forward_row_hidden(&ids, &pos, &row.parent, Some(&from))
-            .map_err(err)?;
+            .forward_row_hidden(&ids, &pos, &row.parent, Some(&from))?;
         let w = self.model.output_weight();
         let hd = h.detach();
         let wd = w.detach();
@@ -383,9 +386,7 @@ impl Trainer {
         let reference = match &self.reference {
             Some(r) => {
                 let _g = tch::no_grad_guard();
-                let rh = r
-                    .forward_row_hidden(&ids, &pos, &row.parent, Some(&from))
-                    .map_err(err)?;
+                let rh = r.forward_row_hidden(&ids, &pos, &row.parent, Some(&from))?;
                 Some(
                     agentjet_kernels::logprobs::token_logprobs(
                         &rh,

@@ -75,7 +75,7 @@ impl Tiny {
     /// flat). Drawn from our own seeded generator, not LibTorch's global one, so tests
     /// running in parallel threads always get the same weights for the same `seed`.
     pub fn weights(&self) -> Vec<(String, Tensor)> {
-        let rng = std::cell::RefCell::new(agentjet::engine::Rng::seeded(self.seed as u64));
+        let rng = std::cell::RefCell::new(agentjet::base::Rng::seeded(self.seed as u64));
         let (h, i, hd) = (self.hidden, self.inter, self.head_dim());
         let r = |shape: &[i64]| {
             let n: i64 = shape.iter().product();

@@ -196,7 +196,7 @@ pub async fn signed_call(
     seed: u64,
 ) -> Result<agentjet::timeline::Call, String> {
     use agentjet::swarm::frame::{read_frame, write_frame};
-    use agentjet::swarm::protocol::{InferFrame, InferRequest, INFER};
+    use agentjet::rpc::{InferFrame, InferRequest, INFER};
     let mut s = h.open(server, INFER).await.map_err(|e| e.to_string())?;
     let limit = h.cfg.max_frame_bytes;
     let req = InferRequest {

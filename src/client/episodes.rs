@@ -7,9 +7,10 @@
 //!
 //! `<run-dir>/episodes.jsonl` gets one line per episode (status, reward, calls, what each
 //! server answered); `<run-dir>/episodes/` the agents' stdout/stderr. A progress line every
-//! few seconds, a summary table at the end. Stops: level 1 (first Ctrl-C) starts nothing
-//! new and lets running episodes finish and be submitted; level 2 (second Ctrl-C) kills
-//! the running agents (their episodes are aborted and reported).
+//! few seconds, a summary table at the end. Stops: a drain (first Ctrl-C or SIGTERM, or
+//! the time limit) starts nothing new and lets running episodes finish and be submitted;
+//! an abort (a second one) kills the running agents (their episodes are aborted and
+//! reported, so their groups still complete on the servers).
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -19,15 +20,19 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use tokio::sync::{watch, Semaphore};
+use tokio::sync::Semaphore;
 
 use super::runner::{run_agent, AgentOutcome, AgentSpec};
 use super::submit::submit_to_model;
 use super::tasks::{Schedule, Task};
-use super::SwarmBackend;
-use crate::openai::server::{PostedReward, Tracking};
+use super::backend::SwarmBackend;
+use super::ClientError;
+use crate::base::stop::TaskTracker;
+use crate::base::{lock, Stop};
+use crate::openai::reward::PostedReward;
+use crate::openai::server::Tracking;
 use crate::openai::Backend;
-use crate::swarm::protocol::SubmitReply;
+use crate::rpc::SubmitReply;
 use crate::timeline::{Episode, EpisodeStatus};
 
 /// What the loop runs.
@@ -91,10 +96,10 @@ pub async fn run_episodes(
     mut schedule: Schedule,
     backend: Arc<SwarmBackend>,
     tracking: Tracking,
-    stop: watch::Receiver<u8>,
-) -> Result<Summary, String> {
+    stop: Stop,
+) -> Result<Summary, ClientError> {
     let logs = cfg.run_dir.join("episodes");
-    std::fs::create_dir_all(&logs).map_err(|e| format!("{}: {e}", logs.display()))?;
+    std::fs::create_dir_all(&logs).map_err(|e| ClientError::io(&logs, e))?;
     let mut agent = cfg.agent.clone();
     agent.logs = logs;
     let agent = Arc::new(agent);
@@ -104,7 +109,7 @@ pub async fn run_episodes(
             .create(true)
             .append(true)
             .open(&journal_path)
-            .map_err(|e| format!("{}: {e}", journal_path.display()))?,
+            .map_err(|e| ClientError::io(&journal_path, e))?,
     ));
     let stats = Arc::new(Stats::default());
     let sem = Arc::new(Semaphore::new(cfg.concurrency.max(1)));
@@ -133,20 +138,22 @@ pub async fn run_episodes(
             }
         })
     };
-    let mut handles = Vec::new();
+    let running = TaskTracker::new();
     'groups: for g in 0..cfg.groups {
         let (_, task) = schedule.next_task();
         let group_id = format!("{}-g{g}-{}", cfg.run_id, task.id);
         for r in 0..cfg.num_repeat {
-            let mut st = stop.clone();
             let permit = tokio::select! {
-                p = sem.clone().acquire_owned() => p.map_err(|e| e.to_string())?,
-                _ = st.wait_for(|l| *l >= 1) => break 'groups,
+                p = sem.clone().acquire_owned() => match p {
+                    Ok(p) => p,
+                    Err(_) => break 'groups, // never closed
+                },
+                _ = stop.requested() => break 'groups,
             };
-            if *stop.borrow() >= 1 {
+            if stop.mode().is_some() {
                 break 'groups;
             }
-            let ep = EpisodeJob {
+            let ep = EpisodeRun {
                 id: format!("{}-g{g}-e{r}", cfg.run_id),
                 group_id: group_id.clone(),
                 task: task.clone(),
@@ -162,28 +169,25 @@ pub async fn run_episodes(
                 cfg.dry_run,
             );
             let st = stop.clone();
-            handles.push(tokio::spawn(async move {
+            running.spawn(async move {
                 let _permit = permit;
                 stats.running.fetch_add(1, Ordering::Relaxed);
                 let line = ep
-                    .run(&agent, &backend, &tracking, &stats, &models, dry, st)
+                    .run(&agent, &backend, &tracking, &stats, &models, dry, &st)
                     .await;
                 stats.running.fetch_sub(1, Ordering::Relaxed);
-                if let Ok(mut j) = journal.lock() {
-                    let _ = writeln!(j, "{line}");
-                }
-            }));
+                let _ = writeln!(lock(&journal), "{line}");
+            });
         }
     }
-    if *stop.borrow() >= 1 {
+    if stop.mode().is_some() {
         println!(
             "stopping: no new episodes; {} running finish and are submitted (Ctrl-C again aborts them)",
             stats.running.load(Ordering::Relaxed)
         );
     }
-    for h in handles {
-        let _ = h.await;
-    }
+    running.close();
+    running.wait().await;
     progress.abort();
     println!(
         "{}",
@@ -204,16 +208,14 @@ fn progress_line(stats: &Stats, t0: Instant, total: usize, limit: Option<Duratio
         None => format!("{done}/{total} done"),
     };
     let mut rewards = String::new();
-    if let Ok(m) = stats.per_model.lock() {
-        for (name, s) in m.iter() {
-            let recent = &s.rewards[s.rewards.len().saturating_sub(32)..];
-            rewards.push_str(&format!(
-                " | {name}: reward {:.3} (last {}), submitted {}",
-                mean(recent),
-                recent.len(),
-                s.submitted
-            ));
-        }
+    for (name, s) in lock(&stats.per_model).iter() {
+        let recent = &s.rewards[s.rewards.len().saturating_sub(32)..];
+        rewards.push_str(&format!(
+            " | {name}: reward {:.3} (last {}), submitted {}",
+            mean(recent),
+            recent.len(),
+            s.submitted
+        ));
     }
     format!(
         "[{:>4.0}s] episodes {of}, {} running, {} aborted | {:.2} calls/s{}",
@@ -243,49 +245,45 @@ fn summary(stats: &Stats, cfg: &RunConfig, t0: Instant) -> Summary {
         "{:<24} {:>9} {:>9} {:>8} {:>11}  REWARD BY QUARTER OF THE RUN",
         "MODEL", "SUBMITTED", "REJECTED", "FAILED", "REWARD MEAN"
     );
-    if let Ok(m) = stats.per_model.lock() {
-        for (name, s) in m.iter() {
-            let n = s.rewards.len();
-            let quarters: Vec<f64> = (0..4)
-                .map(|q| mean(&s.rewards[q * n / 4..(q + 1) * n / 4]))
-                .collect();
-            println!(
-                "{:<24} {:>9} {:>9} {:>8} {:>11.3}  {}",
-                name,
-                s.submitted,
-                s.rejected,
-                s.failed,
-                mean(&s.rewards),
-                quarters
-                    .iter()
-                    // A quarter without episodes (a run of fewer than 4) has no mean.
-                    .map(|q| if q.is_nan() {
-                        "-".into()
-                    } else {
-                        format!("{q:.3}")
-                    })
-                    .collect::<Vec<_>>()
-                    .join(" -> ")
-            );
-            out.models.insert(name.clone(), (s.submitted, quarters));
-        }
+    for (name, s) in lock(&stats.per_model).iter() {
+        let n = s.rewards.len();
+        let quarters: Vec<f64> = (0..4)
+            .map(|q| mean(&s.rewards[q * n / 4..(q + 1) * n / 4]))
+            .collect();
+        println!(
+            "{:<24} {:>9} {:>9} {:>8} {:>11.3}  {}",
+            name,
+            s.submitted,
+            s.rejected,
+            s.failed,
+            mean(&s.rewards),
+            quarters
+                .iter()
+                // A quarter without episodes (a run of fewer than 4) has no mean.
+                .map(|q| if q.is_nan() {
+                    "-".into()
+                } else {
+                    format!("{q:.3}")
+                })
+                .collect::<Vec<_>>()
+                .join(" -> ")
+        );
+        out.models.insert(name.clone(), (s.submitted, quarters));
     }
-    if let Ok(r) = stats.reasons.lock() {
-        for (why, n) in r.iter() {
-            println!("aborted x{n}: {why}");
-        }
+    for (why, n) in lock(&stats.reasons).iter() {
+        println!("aborted x{n}: {why}");
     }
     out
 }
 
-struct EpisodeJob {
+struct EpisodeRun {
     id: String,
     group_id: String,
     task: Task,
     group_size: u32,
 }
 
-impl EpisodeJob {
+impl EpisodeRun {
     /// Runs the agent, submits, and returns the journal line.
     #[allow(clippy::too_many_arguments)]
     async fn run(
@@ -296,7 +294,7 @@ impl EpisodeJob {
         stats: &Stats,
         models: &[String],
         dry_run: bool,
-        mut stop: watch::Receiver<u8>,
+        stop: &Stop,
     ) -> Value {
         let t0 = Instant::now();
         let tracker = tracking.tracker.clone();
@@ -325,7 +323,7 @@ impl EpisodeJob {
             &self.task,
             &tracking.rewards,
             transcript,
-            &mut stop,
+            stop,
         )
         .await;
         let calls = tracking.tracker.take(&self.id).unwrap_or_default();
@@ -335,7 +333,7 @@ impl EpisodeJob {
         let external_file = (!external_calls.is_empty()).then(|| {
             agent.logs.join(format!(
                 "{}.external.jsonl",
-                crate::safe_file_name(&self.id)
+                crate::base::safe_file_name(&self.id)
             ))
         });
         if let Some(path) = &external_file {
@@ -368,11 +366,9 @@ impl EpisodeJob {
                     reason: why.clone(),
                 };
                 stats.aborted.fetch_add(1, Ordering::Relaxed);
-                if let Ok(mut r) = stats.reasons.lock() {
-                    // Reasons vary in their details; group them by their start.
-                    let key: String = why.chars().take(80).collect();
-                    *r.entry(key).or_default() += 1;
-                }
+                // Reasons vary in their details; group them by their start.
+                let key: String = why.chars().take(80).collect();
+                *lock(&stats.reasons).entry(key).or_default() += 1;
             }
         }
         let mut answers = serde_json::Map::new();
@@ -393,9 +389,11 @@ impl EpisodeJob {
                 }
             }
             if let (EpisodeStatus::Finished, Some(r)) = (&ep.status, ep.reward_for(model)) {
-                if let Ok(mut m) = stats.per_model.lock() {
-                    m.entry(model.clone()).or_default().rewards.push(r);
-                }
+                lock(&stats.per_model)
+                    .entry(model.clone())
+                    .or_default()
+                    .rewards
+                    .push(r);
             }
             if dry_run {
                 continue;
@@ -409,8 +407,8 @@ impl EpisodeJob {
                 Duration::from_secs(60),
             )
             .await;
-            let mut per = stats.per_model.lock().ok();
-            let ms = per.as_mut().map(|m| m.entry(model.clone()).or_default());
+            let mut per = lock(&stats.per_model);
+            let ms = per.entry(model.clone()).or_default();
             let answer = match r {
                 Ok((peer, out)) => match out.reply {
                     SubmitReply::Stored {
@@ -418,17 +416,13 @@ impl EpisodeJob {
                         fragments_known,
                         ..
                     } => {
-                        if let Some(s) = ms {
-                            s.submitted += 1;
-                        }
+                        ms.submitted += 1;
                         json!({"server": peer.to_string(), "stored": true,
                                "fragments_sent": fragments_received, "fragments_known": fragments_known,
                                "bytes_sent": out.bytes_sent})
                     }
                     SubmitReply::Rejected(why) => {
-                        if let Some(s) = ms {
-                            s.rejected += 1;
-                        }
+                        ms.rejected += 1;
                         tracing::warn!(episode = self.id, model, "rejected: {why}");
                         json!({"server": peer.to_string(), "rejected": why})
                     }
@@ -437,9 +431,7 @@ impl EpisodeJob {
                     }
                 },
                 Err(e) => {
-                    if let Some(s) = ms {
-                        s.failed += 1;
-                    }
+                    ms.failed += 1;
                     tracing::warn!(episode = self.id, model, "not submitted: {e}");
                     json!({"error": e})
                 }
@@ -471,11 +463,16 @@ impl EpisodeJob {
 }
 
 /// Per-model counts for tests and callers that read the journal.
-pub fn read_journal(path: &std::path::Path) -> Result<Vec<Value>, String> {
-    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+pub fn read_journal(path: &std::path::Path) -> Result<Vec<Value>, ClientError> {
+    let text = std::fs::read_to_string(path).map_err(|e| ClientError::io(path, e))?;
     text.lines()
         .filter(|l| !l.trim().is_empty())
-        .map(|l| serde_json::from_str(l).map_err(|e| format!("{}: {e}", path.display())))
+        .map(|l| {
+            serde_json::from_str(l).map_err(|e| ClientError::Journal {
+                path: path.to_path_buf(),
+                problem: e.to_string(),
+            })
+        })
         .collect()
 }
 

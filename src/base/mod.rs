@@ -1,0 +1,16 @@
+//! The base layer: small, LibTorch-free pieces every other layer may use and that use
+//! nothing of the crate themselves: the random generator, the stop signal of a process
+//! and its tasks, the lock policy, and file names.
+//!
+//! Owns: only these. Never imports another module of the crate (the layering test
+//! checks it; see docs/ARCHITECTURE.md).
+
+pub mod files;
+pub mod rng;
+pub mod stop;
+pub mod sync;
+
+pub use files::safe_file_name;
+pub use rng::Rng;
+pub use stop::{Stop, StopMode};
+pub use sync::lock;

@@ -1,0 +1,529 @@
+//! The command line: one flag set per role (`--role server|client|peer`) and the tool
+//! subcommands, and their conversion into the library's configurations. Validation that
+//! needs no I/O happens here; the roles validate the rest.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use agentjet::client::tasks::{load_source, Schedule};
+use agentjet::client::{ClientConfig, EpisodeJob};
+use agentjet::engine::EngineConfig;
+use agentjet::openai::external::ExternalModel;
+use agentjet::swarm::{self, Multiaddr, Role as WireRole, SwarmConfig, SwarmKey};
+use anyhow::{anyhow, bail, Context, Result};
+use clap::{Parser, Subcommand, ValueEnum};
+
+pub const EXAMPLES: &str = "\
+Roles (each has its own flags: `agentjet-peer --role server --help`):
+  --role server   host a model on this machine and train it (--model, --http, --no-train, ...)
+  --role client   run an agent on tasks against the swarm's models (--agent, --tasks, ...)
+  --role peer     only relay gossip and the DHT (a bootstrap peer)
+  Every role: --bootstrap MULTIADDR, --listen MULTIADDR, --data-dir DIR, --swarm-key FILE,
+  --drain-timeout SECONDS (Ctrl-C or SIGTERM drains; a second one aborts).
+
+Examples:
+  # chat with the default model (SmolLM2-135M-Instruct; fetched by bootstrap/setup.sh)
+  agentjet-peer generate --model smollm2 --prompt \"What is the capital of France?\"
+
+  # any Llama/Mistral/Qwen2 checkpoint: an HF directory or a GGUF file
+  agentjet-peer generate --model ./Qwen2.5-0.5B-Instruct --prompt \"Hi\" --temperature 0.7 --seed 1
+
+  # save as an HF checkpoint (loads in transformers and back here)
+  agentjet-peer export --model smollm2 --out ./smollm2-hf
+
+  # the swarm: a server prints its address; anyone joins through it
+  agentjet-peer --role server --model smollm2
+  agentjet-peer --role client --bootstrap /ip4/127.0.0.1/udp/4001/quic-v1/p2p/<peer id> --proxy-port 8080
+  agentjet-peer status --bootstrap /ip4/127.0.0.1/udp/4001/quic-v1/p2p/<peer id>";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Role {
+    /// Host trainable models on this machine (GPU or CPU) and train them.
+    Server,
+    /// Run agents on tasks against the swarm's models.
+    Client,
+    /// Only relay gossip and the DHT: a bootstrap peer any other can join through.
+    Peer,
+}
+
+/// The role named on a command line (`--role X` or `--role=X`), if any.
+pub fn role_of(args: &[String]) -> Option<Role> {
+    let mut it = args.iter().skip(1);
+    while let Some(a) = it.next() {
+        let value = match a.strip_prefix("--role=") {
+            Some(v) => Some(v.to_string()),
+            None if a == "--role" => it.next().cloned(),
+            None => None,
+        };
+        if let Some(v) = value {
+            return Role::from_str(&v, true).ok();
+        }
+    }
+    None
+}
+
+/// AgentJet-RS peer: a peer-to-peer elastic swarm for RL of LLM agents.
+#[derive(Debug, Parser)]
+#[command(name = "agentjet-peer", version, about, after_help = EXAMPLES)]
+pub struct Cli {
+    /// Join the swarm in this role (see "Roles" below; each role has its own flags).
+    #[arg(long, value_enum)]
+    pub role: Option<Role>,
+
+    /// Log filter (tracing's EnvFilter syntax), e.g. `info` or `agentjet=debug`.
+    #[arg(long, env = "AGENTJET_LOG", default_value = "warn", global = true)]
+    pub log: String,
+
+    #[command(subcommand)]
+    pub command: Option<Command>,
+}
+
+/// Flags every role has: where it listens, whom it joins, who it is.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SwarmArgs {
+    /// Address to listen on (repeatable). Default: QUIC and TCP on all interfaces, port
+    /// 4001 for servers and plain peers, a free port for clients.
+    #[arg(long = "listen", value_name = "MULTIADDR")]
+    pub listen: Vec<String>,
+    /// A peer to join through (repeatable), e.g. /ip4/10.0.0.5/udp/4001/quic-v1/p2p/12D3...
+    #[arg(long = "bootstrap", value_name = "MULTIADDR")]
+    pub bootstrap: Vec<String>,
+    /// A file of bootstrap addresses, one per line (default: bootstrap/peers.txt if it exists).
+    #[arg(long)]
+    pub bootstrap_file: Option<PathBuf>,
+    /// Identity key, episodes, caches: one directory per peer (default:
+    /// ~/.local/share/agentjet/<role>). Peers side by side on one machine need their own.
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    /// The swarm key file (a closed swarm: peers without the key get no service).
+    #[arg(long)]
+    pub swarm_key: Option<PathBuf>,
+    /// Provider record lifetime in seconds (a dead server disappears within two).
+    #[arg(long, default_value_t = 30.0)]
+    pub provider_ttl: f64,
+    /// Seconds between status gossip messages.
+    #[arg(long, default_value_t = 2.0)]
+    pub status_interval: f64,
+    /// Seconds of silence after which a QUIC connection is dead.
+    #[arg(long, default_value_t = 3.0)]
+    pub idle_timeout: f64,
+    /// Largest protocol message accepted, bytes.
+    #[arg(long, default_value_t = 16 << 20)]
+    pub max_message_bytes: usize,
+    /// Concurrent streams one peer may have open with this one, per protocol.
+    #[arg(long, default_value_t = 256)]
+    pub max_streams_per_peer: usize,
+    /// New streams per second one peer may open (sustained).
+    #[arg(long, default_value_t = 500.0)]
+    pub max_requests_per_s: f64,
+    /// Seconds a stop (Ctrl-C or SIGTERM) may take to let running work finish before
+    /// what still runs is aborted.
+    #[arg(long, default_value_t = 120.0)]
+    pub drain_timeout: f64,
+}
+
+/// `agentjet-peer --role server`.
+#[derive(Debug, Parser)]
+#[command(name = "agentjet-peer --role server", about = "Host a model and train it")]
+pub struct ServerCli {
+    #[arg(long, value_enum)]
+    pub role: Role,
+    #[arg(long, env = "AGENTJET_LOG", default_value = "warn")]
+    pub log: String,
+    #[command(flatten)]
+    pub swarm: SwarmArgs,
+    /// The model to host: `smollm2`, a GGUF file, or an HF directory.
+    #[arg(long, default_value = "smollm2")]
+    pub model: String,
+    /// The name the swarm knows the model by (default: the --model argument).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// `auto` (CUDA when available), `cpu`, `cuda` or `cuda:N`.
+    #[arg(long, default_value = "auto")]
+    pub device: String,
+    /// `f32` or `bf16`; default f32 on CPU, bf16 on CUDA.
+    #[arg(long)]
+    pub dtype: Option<String>,
+    /// Also serve the OpenAI-compatible HTTP API at HOST:PORT.
+    #[arg(long, value_name = "HOST:PORT")]
+    pub http: Option<String>,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// Serve only, do not train on submitted episodes.
+    #[arg(long)]
+    pub no_train: bool,
+    /// AdamW learning rate.
+    #[arg(long, default_value_t = 1e-5)]
+    pub learning_rate: f64,
+    /// Steps of linear learning-rate warmup.
+    #[arg(long, default_value_t = 0)]
+    pub warmup_steps: u64,
+    /// Trainable groups per optimizer step.
+    #[arg(long, default_value_t = 4)]
+    pub groups_per_step: usize,
+    /// The group size assumed when a client does not say it.
+    #[arg(long, default_value_t = 4)]
+    pub num_repeat: usize,
+    /// Seconds a group waits for its missing episodes before training on what arrived
+    /// (at least 2 finished).
+    #[arg(long, default_value_t = 600.0)]
+    pub group_timeout: f64,
+    /// Group advantage: `grpo`, `dr_grpo` or `rloo`.
+    #[arg(long, default_value = "grpo")]
+    pub advantage: String,
+    /// Calls sampled more than this many policy versions ago are not trained on.
+    #[arg(long, default_value_t = 4)]
+    pub max_staleness: u64,
+    /// Save a checkpoint every N steps (and when stopped).
+    #[arg(long, default_value_t = 20)]
+    pub checkpoint_every: u64,
+}
+
+/// `agentjet-peer --role client`.
+#[derive(Debug, Parser)]
+#[command(
+    name = "agentjet-peer --role client",
+    about = "Run an agent on tasks against the swarm's models"
+)]
+pub struct ClientCli {
+    #[arg(long, value_enum)]
+    pub role: Role,
+    #[arg(long, env = "AGENTJET_LOG", default_value = "warn")]
+    pub log: String,
+    #[command(flatten)]
+    pub swarm: SwarmArgs,
+    /// A model to reach through the swarm (repeatable; default smollm2).
+    #[arg(long = "model")]
+    pub models: Vec<String>,
+    /// Port of the local OpenAI-compatible proxy on 127.0.0.1 (0 = a free one).
+    #[arg(long, default_value_t = 0)]
+    pub proxy_port: u16,
+    /// Seconds to wait for a provider of each model at start.
+    #[arg(long, default_value_t = 120.0)]
+    pub wait: f64,
+    /// Run this command once per episode (its own process group; see README).
+    #[arg(long)]
+    pub agent: Option<String>,
+    /// A task file (JSONL) or a directory of them, optionally `:WEIGHT` for its share when
+    /// several are mixed (repeatable).
+    #[arg(long = "tasks", value_name = "PATH[:WEIGHT]")]
+    pub tasks: Vec<String>,
+    /// Reward command given the task and the transcript (instead of the agent's).
+    #[arg(long)]
+    pub grader: Option<String>,
+    /// Episodes per task (GRPO's group).
+    #[arg(long, default_value_t = 4)]
+    pub num_repeat: usize,
+    /// Episodes running at once.
+    #[arg(long, default_value_t = 8)]
+    pub concurrency: usize,
+    /// Seconds an episode may run before it is killed and aborted.
+    #[arg(long, default_value_t = 300.0)]
+    pub episode_timeout: f64,
+    /// Groups to run in all (default: every task once, times --epochs).
+    #[arg(long)]
+    pub groups: Option<usize>,
+    /// Start no new episode after this many seconds (running ones finish).
+    #[arg(long, value_name = "SECONDS")]
+    pub time_limit: Option<f64>,
+    /// Passes over the task sources (when --groups is not given).
+    #[arg(long, default_value_t = 1)]
+    pub epochs: usize,
+    /// Run episodes but submit nothing (debug an agent against the live model).
+    #[arg(long)]
+    pub dry_run: bool,
+    /// A model that is not trained, served by any OpenAI-compatible endpoint
+    /// (`NAME=URL[#REMOTE]`, e.g. `judge=http://127.0.0.1:8000/v1`; repeatable). Its calls
+    /// are forwarded as they are, recorded in the run dir, never submitted. API key:
+    /// env AGENTJET_EXTERNAL_KEY_<NAME> or AGENTJET_EXTERNAL_KEY.
+    #[arg(long = "external-model", value_name = "NAME=URL[#REMOTE]")]
+    pub external_models: Vec<String>,
+    /// Where episode logs and the summary go (default: <data-dir>/runs/<time>).
+    #[arg(long)]
+    pub run_dir: Option<PathBuf>,
+}
+
+/// `agentjet-peer --role peer`.
+#[derive(Debug, Parser)]
+#[command(
+    name = "agentjet-peer --role peer",
+    about = "Relay gossip and the DHT (a bootstrap peer)"
+)]
+pub struct PeerCli {
+    #[arg(long, value_enum)]
+    pub role: Role,
+    #[arg(long, env = "AGENTJET_LOG", default_value = "warn")]
+    pub log: String,
+    #[command(flatten)]
+    pub swarm: SwarmArgs,
+}
+
+/// The engine's bounds (`serve` and `--role server`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct EngineArgs {
+    /// Sequences decoded together at most.
+    #[arg(long, default_value_t = 32)]
+    pub max_batch: usize,
+    /// Requests waiting beyond the batch before refusing (429; a swarm client re-routes).
+    #[arg(long, default_value_t = 256)]
+    pub max_queue: usize,
+    /// KV-cache positions (prompt + max_tokens of running requests) at most.
+    #[arg(long, default_value_t = 65536)]
+    pub max_kv_positions: usize,
+    /// Prompt tokens prefilled together in one pass at most.
+    #[arg(long, default_value_t = 8192)]
+    pub max_prefill_tokens: usize,
+}
+
+impl EngineArgs {
+    pub fn config(&self) -> EngineConfig {
+        EngineConfig {
+            max_batch: self.max_batch,
+            max_queue: self.max_queue,
+            max_kv_positions: self.max_kv_positions,
+            max_prefill_tokens: self.max_prefill_tokens,
+        }
+    }
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct ModelArgs {
+    /// `smollm2` (the default model), a GGUF file, or an HF model directory.
+    #[arg(long, default_value = "smollm2")]
+    pub model: String,
+    /// `auto` (CUDA when available), `cpu`, `cuda` or `cuda:N`.
+    #[arg(long, default_value = "auto")]
+    pub device: String,
+    /// `f32` or `bf16`; default f32 on CPU, bf16 on CUDA.
+    #[arg(long)]
+    pub dtype: Option<String>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Chat-formatted generation with the KV cache, streamed to the terminal.
+    Generate {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// The user message.
+        #[arg(long)]
+        prompt: String,
+        /// A system message (otherwise the template's default, if it has one).
+        #[arg(long)]
+        system: Option<String>,
+        #[arg(long, default_value_t = 256)]
+        max_tokens: usize,
+        /// 0 = greedy.
+        #[arg(long, default_value_t = 0.0)]
+        temperature: f64,
+        #[arg(long, default_value_t = 1.0)]
+        top_p: f64,
+        #[arg(long, default_value_t = 0)]
+        top_k: usize,
+        /// Drop tokens less likely than this fraction of the most likely one.
+        #[arg(long, default_value_t = 0.0)]
+        min_p: f64,
+        /// HF-style repetition penalty over prompt and output (1.0 = off).
+        #[arg(long, default_value_t = 1.0)]
+        repetition_penalty: f64,
+        #[arg(long)]
+        seed: Option<u64>,
+        /// Print the token ids and logprobs after the text.
+        #[arg(long)]
+        show_tokens: bool,
+    },
+    /// Serve a model over the OpenAI-compatible API on this machine (no swarm).
+    Serve {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Address to listen on; loopback by default.
+        #[arg(long, default_value = "127.0.0.1")]
+        host: String,
+        /// Port (0 picks a free one and prints it).
+        #[arg(long, default_value_t = 8000)]
+        port: u16,
+        /// The model name clients use (default: the --model argument).
+        #[arg(long)]
+        served_model_name: Option<String>,
+        #[command(flatten)]
+        engine: EngineArgs,
+        /// max_tokens for requests that give none.
+        #[arg(long, default_value_t = 1024)]
+        default_max_tokens: usize,
+        /// Track chat calls per episode (the API key names the episode): each call
+        /// extends the exact token ids of the episode's previous call (token-in-token-out),
+        /// and breaks are counted in /metrics.
+        #[arg(long)]
+        track_episodes: bool,
+        /// Seconds a stop (Ctrl-C or SIGTERM) lets running requests finish.
+        #[arg(long, default_value_t = 120.0)]
+        drain_timeout: f64,
+    },
+    /// Save a model as an HF-compatible checkpoint directory.
+    Export {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Output directory (must not exist, or be empty).
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Join a swarm briefly and print its peers as a table.
+    Status {
+        /// A peer of the swarm (repeatable).
+        #[arg(long = "bootstrap", value_name = "MULTIADDR", required = true)]
+        bootstrap: Vec<String>,
+        /// The swarm key file, for a closed swarm.
+        #[arg(long)]
+        swarm_key: Option<PathBuf>,
+        /// Seconds to listen for status gossip.
+        #[arg(long, default_value_t = 6.0)]
+        wait: f64,
+    },
+    /// Write a new random swarm key to a file (share it with every peer of the swarm).
+    SwarmKey {
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Print what a model is: architecture, sizes, special tokens, chat template.
+    Info {
+        /// `smollm2`, a GGUF file, or an HF model directory.
+        #[arg(long, default_value = "smollm2")]
+        model: String,
+    },
+}
+
+/// A positive number of seconds.
+pub fn secs(name: &str, v: f64) -> Result<Duration> {
+    if !(v.is_finite() && v > 0.0) {
+        bail!("--{name} must be a positive number of seconds, got {v}");
+    }
+    Ok(Duration::from_secs_f64(v))
+}
+
+pub fn load_key(path: Option<&Path>) -> Result<Option<SwarmKey>> {
+    path.map(|p| SwarmKey::load(p).map_err(|e| anyhow!(e)))
+        .transpose()
+}
+
+pub fn parse_addrs(flag: &str, addrs: &[String]) -> Result<Vec<Multiaddr>> {
+    addrs
+        .iter()
+        .map(|a| swarm::parse_addr(a).map_err(|e| anyhow!("--{flag}: {e}")))
+        .collect()
+}
+
+impl SwarmArgs {
+    /// The peer's data directory (`--data-dir`, else `~/.local/share/agentjet/<role>`).
+    pub fn data_dir(&self, role: &str) -> PathBuf {
+        if let Some(d) = &self.data_dir {
+            return d.clone();
+        }
+        let base = std::env::var_os("XDG_DATA_HOME")
+            .map(PathBuf::from)
+            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".local/share")))
+            .unwrap_or_else(|| PathBuf::from("."));
+        base.join("agentjet").join(role)
+    }
+
+    /// The node's configuration; the identity key lives in `dir`.
+    pub fn config(&self, role: WireRole, dir: &Path) -> Result<SwarmConfig> {
+        let key = swarm::load_or_create_identity(&dir.join("identity.key"))?;
+        let mut cfg = SwarmConfig::new(role, key);
+        let port = if role == WireRole::Client { 0 } else { 4001 };
+        cfg.listen = if self.listen.is_empty() {
+            vec![
+                format!("/ip4/0.0.0.0/udp/{port}/quic-v1").parse()?,
+                format!("/ip4/0.0.0.0/tcp/{port}").parse()?,
+            ]
+        } else {
+            parse_addrs("listen", &self.listen)?
+        };
+        let mut boot = parse_addrs("bootstrap", &self.bootstrap)?;
+        let file = self.bootstrap_file.clone().or_else(|| {
+            let d = PathBuf::from("bootstrap/peers.txt");
+            (self.bootstrap.is_empty() && d.is_file()).then_some(d)
+        });
+        if let Some(f) = file {
+            boot.extend(swarm::read_bootstrap_file(&f)?);
+        }
+        cfg.bootstrap = boot;
+        cfg.swarm_key = load_key(self.swarm_key.as_deref())?;
+        cfg.provider_ttl = secs("provider-ttl", self.provider_ttl)?;
+        cfg.status_interval = secs("status-interval", self.status_interval)?;
+        cfg.quic_idle_timeout = secs("idle-timeout", self.idle_timeout)?;
+        cfg.max_frame_bytes = self.max_message_bytes;
+        cfg.max_streams_per_peer = self.max_streams_per_peer.max(1);
+        cfg.max_requests_per_s = self.max_requests_per_s;
+        cfg.request_burst = (self.max_requests_per_s * 2.0).max(1.0);
+        Ok(cfg)
+    }
+}
+
+impl ClientCli {
+    pub fn config(&self) -> Result<ClientConfig> {
+        let data_dir = self.swarm.data_dir("client");
+        let swarm = self.swarm.config(WireRole::Client, &data_dir)?;
+        let models = if self.models.is_empty() {
+            vec!["smollm2".to_string()]
+        } else {
+            self.models.clone()
+        };
+        let external = self
+            .external_models
+            .iter()
+            .map(|spec| {
+                ExternalModel::parse(spec, |k| std::env::var(k).ok())
+                    .map(Arc::new)
+                    .map_err(|e| anyhow!("--external-model {e}"))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let job = match &self.agent {
+            None => {
+                if !self.tasks.is_empty() {
+                    bail!("--tasks needs --agent COMMAND (the agent to run on them)");
+                }
+                None
+            }
+            Some(command) => {
+                if self.tasks.is_empty() {
+                    bail!("--agent needs --tasks FILE (JSONL, one task per line)");
+                }
+                let sources = self
+                    .tasks
+                    .iter()
+                    .map(|t| load_source(t).context("--tasks"))
+                    .collect::<Result<Vec<_>>>()?;
+                let schedule = Schedule::new(sources)?;
+                let groups = self.groups.unwrap_or_else(|| {
+                    agentjet::client::episodes::default_groups(&schedule, self.epochs)
+                });
+                Some(EpisodeJob {
+                    command: command.clone(),
+                    schedule,
+                    grader: self.grader.clone(),
+                    episode_timeout: secs("episode-timeout", self.episode_timeout)?,
+                    groups,
+                    num_repeat: self.num_repeat,
+                    concurrency: self.concurrency,
+                    dry_run: self.dry_run,
+                    time_limit: self
+                        .time_limit
+                        .map(|t| secs("time-limit", t))
+                        .transpose()?,
+                    run_dir: self.run_dir.clone(),
+                })
+            }
+        };
+        Ok(ClientConfig {
+            swarm,
+            data_dir,
+            models,
+            wait: secs("wait", self.wait)?,
+            proxy_port: self.proxy_port,
+            external,
+            job,
+            drain_timeout: secs("drain-timeout", self.swarm.drain_timeout)?,
+        })
+    }
+}

@@ -1,0 +1,235 @@
+//! `agentjet-peer`: the one binary of AgentJet-RS. CLI only: parse the role's or the
+//! tool's flags, build one runtime, turn Ctrl-C and SIGTERM into the library's stop, and
+//! hand off to the role (`agentjet::server::run`, `agentjet::client::run`) or tool.
+//!
+//! Stopping is the same in every command: the first Ctrl-C or SIGTERM drains (running
+//! work finishes, state is saved, exit 0), a second one aborts.
+
+mod args;
+mod roles;
+mod tools;
+
+use agentjet::base::{Stop, StopMode};
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+
+use args::{Cli, ClientCli, Command, PeerCli, Role};
+
+/// A parsed command line: a role with its own flags, or a tool.
+enum Parsed {
+    Server(args::ServerCli),
+    Client(ClientCli),
+    Peer(PeerCli),
+    Tool(Cli),
+}
+
+fn main() {
+    let argv: Vec<String> = std::env::args().collect();
+    let parsed = match args::role_of(&argv) {
+        Some(Role::Server) => Parsed::Server(args::ServerCli::parse_from(&argv)),
+        Some(Role::Client) => Parsed::Client(ClientCli::parse_from(&argv)),
+        Some(Role::Peer) => Parsed::Peer(PeerCli::parse_from(&argv)),
+        None => Parsed::Tool(Cli::parse_from(&argv)),
+    };
+    let filter = match &parsed {
+        Parsed::Server(c) => &c.log,
+        Parsed::Client(c) => &c.log,
+        Parsed::Peer(c) => &c.log,
+        Parsed::Tool(c) => &c.log,
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_new(filter)
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let result = match parsed {
+        Parsed::Server(cli) => run_server(cli),
+        Parsed::Client(cli) => with_signals(|stop| roles::client(cli, stop)),
+        Parsed::Peer(cli) => with_signals(|stop| roles::peer(cli, stop)),
+        Parsed::Tool(cli) => run_tool(cli),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {}", report(&e));
+        std::process::exit(1);
+    }
+}
+
+/// The error and its causes on one line, each cause said once (the library's errors
+/// already name their cause in their own message).
+fn report(e: &anyhow::Error) -> String {
+    let mut msg = e.to_string();
+    for cause in e.chain().skip(1) {
+        let c = cause.to_string();
+        if !msg.contains(&c) {
+            msg.push_str(": ");
+            msg.push_str(&c);
+        }
+    }
+    msg
+}
+
+#[cfg(feature = "torch")]
+fn run_server(cli: args::ServerCli) -> Result<()> {
+    with_signals(|stop| roles::server(cli, stop))
+}
+
+#[cfg(not(feature = "torch"))]
+fn run_server(_cli: args::ServerCli) -> Result<()> {
+    bail!(
+        "this agentjet-peer was built without LibTorch (`--no-default-features`): it can be a \
+         client or a plain peer; rebuild with the default `torch` feature to serve models"
+    )
+}
+
+/// The one async runtime of the process.
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+}
+
+pub fn flush_stdout() {
+    use std::io::Write as _;
+    let _ = std::io::stdout().flush();
+}
+
+/// Turns Ctrl-C and SIGTERM into `stop`: the first drains, the second aborts.
+async fn watch_signals(stop: Stop) {
+    #[cfg(unix)]
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+    for mode in [StopMode::Drain, StopMode::Abort] {
+        #[cfg(unix)]
+        {
+            let sigterm = async {
+                match term.as_mut() {
+                    Some(t) => {
+                        t.recv().await;
+                    }
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = sigterm => {}
+            }
+        }
+        #[cfg(not(unix))]
+        let _ = tokio::signal::ctrl_c().await;
+        if mode == StopMode::Abort {
+            println!("aborting what still runs");
+            flush_stdout();
+        }
+        stop.request(mode);
+    }
+}
+
+/// Runs `body` on the runtime with a stop fed by the signals.
+fn with_signals<F, Fut>(body: F) -> Result<()>
+where
+    F: FnOnce(Stop) -> Fut,
+    Fut: std::future::Future<Output = Result<()>>,
+{
+    let rt = runtime()?;
+    let stop = Stop::new();
+    rt.spawn(watch_signals(stop.clone()));
+    let r = rt.block_on(body(stop));
+    // Tasks that ignored the stop do not hold the exit.
+    rt.shutdown_timeout(std::time::Duration::from_secs(1));
+    r
+}
+
+fn run_tool(cli: Cli) -> Result<()> {
+    match cli.command {
+        None => {
+            use clap::CommandFactory;
+            Cli::command().print_help()?;
+            println!();
+            Ok(())
+        }
+        Some(Command::Status {
+            bootstrap,
+            swarm_key,
+            wait,
+        }) => runtime()?.block_on(tools::status(&bootstrap, swarm_key.as_deref(), wait)),
+        Some(Command::SwarmKey { out }) => {
+            if out.exists() {
+                bail!("{} exists; not overwriting a swarm key", out.display());
+            }
+            std::fs::write(&out, agentjet::swarm::SwarmKey::generate().to_file_text())
+                .with_context(|| format!("writing {}", out.display()))?;
+            println!("wrote a new swarm key to {}", out.display());
+            Ok(())
+        }
+        Some(Command::Info { model }) => tools::info(&model),
+        #[cfg(feature = "torch")]
+        Some(Command::Generate {
+            model,
+            prompt,
+            system,
+            max_tokens,
+            temperature,
+            top_p,
+            top_k,
+            min_p,
+            repetition_penalty,
+            seed,
+            show_tokens,
+        }) => tools::torch_cmds::generate(
+            &model,
+            &prompt,
+            system.as_deref(),
+            max_tokens,
+            agentjet::engine::SamplingParams {
+                temperature,
+                top_p,
+                top_k,
+                min_p,
+                repetition_penalty,
+                ..Default::default()
+            },
+            seed,
+            show_tokens,
+        ),
+        #[cfg(feature = "torch")]
+        Some(Command::Export { model, out }) => tools::torch_cmds::export(&model, &out),
+        #[cfg(feature = "torch")]
+        Some(Command::Serve {
+            model,
+            host,
+            port,
+            served_model_name,
+            engine,
+            default_max_tokens,
+            track_episodes,
+            drain_timeout,
+        }) => {
+            let drain = args::secs("drain-timeout", drain_timeout)?;
+            with_signals(|stop| async move {
+                tools::torch_cmds::serve(
+                    &model,
+                    &host,
+                    port,
+                    served_model_name,
+                    engine.config(),
+                    agentjet::openai::server::FacadeConfig {
+                        default_max_tokens,
+                        track_episodes,
+                        ..Default::default()
+                    },
+                    drain,
+                    stop,
+                )
+                .await
+            })
+        }
+        #[cfg(not(feature = "torch"))]
+        Some(Command::Generate { .. } | Command::Export { .. } | Command::Serve { .. }) => bail!(
+            "this agentjet-peer was built without LibTorch (`--no-default-features`); \
+             rebuild with the default `torch` feature to run models"
+        ),
+    }
+}

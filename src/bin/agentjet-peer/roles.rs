@@ -1,0 +1,97 @@
+//! `--role server|client|peer`: builds the role's configuration from its flags, starts the
+//! library's role on the one runtime, and stops it on Ctrl-C / SIGTERM (see `main`).
+
+use std::time::Duration;
+
+use agentjet::base::Stop;
+use agentjet::swarm::{self, Role as WireRole};
+use anyhow::Result;
+
+use super::args::{secs, ClientCli, PeerCli};
+
+/// `--role client`: the proxy, and the agent on the tasks when given.
+pub async fn client(cli: ClientCli, stop: Stop) -> Result<()> {
+    let cfg = cli.config()?;
+    let client = agentjet::client::run(cfg, &stop).await?;
+    client.finish().await?;
+    Ok(())
+}
+
+/// `--role peer`: only the node (gossip, DHT) until stopped.
+pub async fn peer(cli: PeerCli, stop: Stop) -> Result<()> {
+    let dir = cli.swarm.data_dir("peer");
+    let cfg = cli.swarm.config(WireRole::Plain, &dir)?;
+    let closed = cfg.swarm_key.is_some();
+    let node = swarm::spawn_node(cfg).await?;
+    let addrs = node.listen_addrs().await;
+    println!("peer id: {}", node.peer_id);
+    for a in &addrs {
+        println!("listening on {a}");
+    }
+    if closed {
+        println!("swarm key: set (a closed swarm)");
+    }
+    super::flush_stdout();
+    stop.requested().await;
+    node.shutdown(Duration::from_secs(5)).await;
+    Ok(())
+}
+
+#[cfg(feature = "torch")]
+pub use torch::server;
+
+#[cfg(feature = "torch")]
+mod torch {
+    use super::*;
+    use crate::args::ServerCli;
+    use agentjet::server::{ServeLimits, ServerConfig, TrainSettings};
+    use agentjet::train::groups::AdvantageKind;
+
+    impl ServerCli {
+        pub fn config(&self) -> Result<ServerConfig> {
+            let data_dir = self.swarm.data_dir("server");
+            let swarm = self.swarm.config(WireRole::Server, &data_dir)?;
+            let advantage: AdvantageKind = self
+                .advantage
+                .parse()
+                .map_err(|e| anyhow::anyhow!("--advantage: {e}"))?;
+            let train = (!self.no_train)
+                .then(|| -> Result<TrainSettings> {
+                    Ok(TrainSettings {
+                        learning_rate: self.learning_rate,
+                        warmup_steps: self.warmup_steps,
+                        groups_per_step: self.groups_per_step.max(1),
+                        num_repeat: self.num_repeat.max(1),
+                        group_timeout: secs("group-timeout", self.group_timeout)?,
+                        min_episodes: 2,
+                        advantage,
+                        max_staleness: Some(self.max_staleness),
+                        checkpoint_every: self.checkpoint_every.max(1),
+                        micro_batch_tokens: 4096,
+                    })
+                })
+                .transpose()?;
+            Ok(ServerConfig {
+                swarm,
+                data_dir,
+                model: self.model.clone(),
+                served_model_name: self.served_model_name.clone(),
+                device: self.device.clone(),
+                dtype: self.dtype.clone(),
+                engine: self.engine.config(),
+                http: self.http.clone(),
+                train,
+                limits: ServeLimits::default(),
+                drain_timeout: secs("drain-timeout", self.swarm.drain_timeout)?,
+            })
+        }
+    }
+
+    /// `--role server`: the model, served and trained, until stopped.
+    pub async fn server(cli: ServerCli, stop: Stop) -> Result<()> {
+        let cfg = cli.config()?;
+        let server = agentjet::server::run(cfg, &stop).await?;
+        server.finish().await?;
+        Ok(())
+    }
+}

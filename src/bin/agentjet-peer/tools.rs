@@ -1,0 +1,269 @@
+//! The tool subcommands: `generate`, `serve`, `export`, `info`, `status`.
+
+use std::path::Path;
+
+use agentjet::base::Stop;
+use agentjet::swarm::{self, Role as WireRole, SwarmConfig};
+use anyhow::{bail, Context, Result};
+
+use super::args::{load_key, parse_addrs, secs};
+
+pub fn info(spec: &str) -> Result<()> {
+    use agentjet::model::{ModelCard, ModelSource};
+    let source = ModelSource::resolve(spec)?;
+    let card = ModelCard::load(&source).with_context(|| format!("loading {spec}"))?;
+    let c = &card.config;
+    println!("name:        {}", card.name);
+    println!("family:      {:?}", c.family);
+    println!(
+        "layers:      {}  hidden: {}  intermediate: {}  heads: {} (kv {})  head_dim: {}",
+        c.num_hidden_layers,
+        c.hidden_size,
+        c.intermediate_size,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.head_dim
+    );
+    println!(
+        "vocab:       {}  context: {}  rope_theta: {}  tied head: {}",
+        c.vocab_size, c.max_position_embeddings, c.rope_theta, c.tie_word_embeddings
+    );
+    println!(
+        "bos: {:?}  eos: {:?}  stop ids: {:?}",
+        card.tokenizer.bos.as_ref().map(|t| &t.content),
+        card.tokenizer.eos.as_ref().map(|t| &t.content),
+        card.generation.eos_token_ids
+    );
+    match &card.chat_template_source {
+        Some(t) => println!("chat template ({} chars):\n{t}", t.len()),
+        None => println!("chat template: none"),
+    }
+    Ok(())
+}
+
+/// `agentjet-peer status`: joins, listens to the status gossip, prints the table.
+pub async fn status(bootstrap: &[String], key: Option<&Path>, wait: f64) -> Result<()> {
+    let mut cfg = SwarmConfig::new(WireRole::Client, swarm::Keypair::generate_ed25519());
+    cfg.listen = vec!["/ip4/0.0.0.0/udp/0/quic-v1".parse()?];
+    cfg.bootstrap = parse_addrs("bootstrap", bootstrap)?;
+    cfg.swarm_key = load_key(key)?;
+    let wait = secs("wait", wait)?;
+    let h = swarm::spawn_node(cfg).await?;
+    tokio::time::sleep(wait).await;
+    let connected = h.connected_peers().await;
+    if connected.is_empty() {
+        bail!(
+            "could not reach any bootstrap peer within {:.0} s",
+            wait.as_secs_f64()
+        );
+    }
+    let view: Vec<_> = h.view().into_iter().filter(|e| !e.is_self).collect();
+    println!(
+        "{:<54} {:<7} {:<28} {:>5} {:>6} {:>9} {:>8} {:>6}",
+        "PEER", "ROLE", "MODELS (VERSION)", "LOAD", "QUEUE", "FREE KV", "EPISODES", "AGE"
+    );
+    for e in &view {
+        let models: Vec<String> = e
+            .status
+            .models
+            .iter()
+            .map(|m| format!("{} (v{})", m.name, m.policy_version))
+            .collect();
+        println!(
+            "{:<54} {:<7} {:<28} {:>5.2} {:>6} {:>9} {:>8} {:>5.1}s",
+            e.peer.to_string(),
+            e.status.role.as_str(),
+            if models.is_empty() {
+                "-".to_string()
+            } else {
+                models.join(", ")
+            },
+            e.status.load,
+            e.status.queue_depth,
+            e.status.free_kv_positions,
+            e.status.episodes,
+            e.age.as_secs_f64()
+        );
+    }
+    println!("{} peers (this status probe not counted)", view.len());
+    Ok(())
+}
+
+#[cfg(feature = "torch")]
+pub mod torch_cmds {
+    use super::*;
+    use crate::args::ModelArgs;
+    use agentjet::engine::{self, GenerateRequest, SamplingParams};
+    use agentjet::model::checkpoint::{load_model, parse_placement, save_checkpoint, LoadedModel};
+    use agentjet::model::{ChatRequest, ModelSource, StreamDecoder};
+    use serde_json::json;
+    use std::io::Write;
+
+    pub fn load(args: &ModelArgs) -> Result<LoadedModel> {
+        let (device, dtype) = parse_placement(&args.device, args.dtype.as_deref())?;
+        let source = ModelSource::resolve(&args.model)?;
+        load_model(&source, device, dtype).with_context(|| format!("loading model {}", args.model))
+    }
+
+    pub fn generate(
+        args: &ModelArgs,
+        prompt: &str,
+        system: Option<&str>,
+        max_tokens: usize,
+        sampling: SamplingParams,
+        seed: Option<u64>,
+        show_tokens: bool,
+    ) -> Result<()> {
+        sampling.validate().map_err(|e| anyhow::anyhow!("--{e}"))?;
+        let loaded = load(args)?;
+        let card = &loaded.card;
+        let mut messages = Vec::new();
+        if let Some(s) = system {
+            messages.push(json!({"role": "system", "content": s}));
+        }
+        messages.push(json!({"role": "user", "content": prompt}));
+        let text = match &card.chat_template_source {
+            Some(_) => card.chat_template(&args.model)?.render(&ChatRequest {
+                messages: &messages,
+                add_generation_prompt: true,
+                ..Default::default()
+            })?,
+            None => {
+                eprintln!(
+                    "note: {} has no chat template; using the prompt as raw text",
+                    args.model
+                );
+                prompt.to_string()
+            }
+        };
+        let ids = if card.chat_template_source.is_some() {
+            card.tokenizer.encode(&text)?
+        } else {
+            card.tokenizer.encode_with_bos(&text)?
+        };
+        let req = GenerateRequest {
+            prompt: ids,
+            max_tokens,
+            sampling,
+            seed,
+            stop_token_ids: card.generation.eos_token_ids.clone(),
+            top_logprobs: 0,
+            constraint: None,
+        };
+        let mut decoder = StreamDecoder::new();
+        let stdout = std::io::stdout();
+        let mut write_err = None;
+        let gen = engine::generate(&loaded.model, &req, |id, _lp| {
+            if card.is_stop_token(id) {
+                return true;
+            }
+            match decoder.push(&card.tokenizer, id) {
+                Ok(Some(piece)) => {
+                    let mut out = stdout.lock();
+                    if let Err(e) = out.write_all(piece.as_bytes()).and_then(|_| out.flush()) {
+                        write_err = Some(e);
+                        return false;
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    write_err = Some(std::io::Error::other(e.to_string()));
+                    return false;
+                }
+            }
+            true
+        })?;
+        if let Some(e) = write_err {
+            if e.kind() != std::io::ErrorKind::BrokenPipe {
+                return Err(e).context("writing generated text");
+            }
+            return Ok(());
+        }
+        println!();
+        if show_tokens {
+            println!("prompt ids: {:?}", req.prompt);
+            println!("generated ids: {:?}", gen.tokens);
+            let lps: Vec<String> = gen.logprobs.iter().map(|l| format!("{l:.4}")).collect();
+            println!("logprobs: [{}]", lps.join(", "));
+        }
+        eprintln!(
+            "[{} prompt tokens in {:.2}s, {} generated, {:.1} tokens/s decode, finish: {:?}, device {:?} {:?}]",
+            req.prompt.len(),
+            gen.prefill_time.as_secs_f64(),
+            gen.tokens.len(),
+            gen.decode_tokens_per_s(),
+            gen.finish_reason,
+            loaded.model.device(),
+            loaded.model.dtype(),
+        );
+        Ok(())
+    }
+
+    /// `serve`: the OpenAI-compatible API on one engine, until stopped (a drain lets the
+    /// requests in flight finish, streams included, within `drain_timeout`).
+    #[allow(clippy::too_many_arguments)]
+    pub async fn serve(
+        args: &ModelArgs,
+        host: &str,
+        port: u16,
+        served_model_name: Option<String>,
+        engine_cfg: agentjet::engine::EngineConfig,
+        facade: agentjet::openai::server::FacadeConfig,
+        drain_timeout: std::time::Duration,
+        stop: Stop,
+    ) -> Result<()> {
+        use agentjet::base::stop::wind_down;
+        use agentjet::openai::http::serve_until;
+        use agentjet::openai::server::router;
+        use agentjet::openai::LocalBackend;
+        use std::sync::Arc;
+        let args2 = args.clone();
+        let loaded = tokio::task::spawn_blocking(move || load(&args2)).await??;
+        let model_context = loaded.model.max_positions();
+        let name = served_model_name.unwrap_or_else(|| args.model.clone());
+        let engine = agentjet::engine::spawn_engine(loaded.model, engine_cfg)
+            .context("starting the engine")?;
+        // A request must fit one KV slot of the engine.
+        let max_context = model_context.min(engine.max_sequence);
+        let backend = Arc::new(LocalBackend {
+            name: name.clone(),
+            card: Arc::new(loaded.card),
+            engine,
+            max_context,
+        });
+        let tasks = facade.tasks.clone();
+        let app = router(backend, facade);
+        let listener = tokio::net::TcpListener::bind((host, port))
+            .await
+            .with_context(|| format!("binding {host}:{port}"))?;
+        let addr = listener.local_addr()?;
+        println!("serving {name} at http://{addr}/v1 (OpenAI-compatible; Ctrl-C or SIGTERM stops)");
+        crate::flush_stdout();
+        let http = tasks.spawn(serve_until(listener, app, stop.clone()));
+        stop.requested().await;
+        println!("stopping: running requests finish (a second Ctrl-C or SIGTERM aborts)");
+        crate::flush_stdout();
+        if !wind_down(&tasks, &stop, drain_timeout, std::time::Duration::from_secs(5)).await {
+            tracing::warn!("requests still running after the abort; dropped");
+        }
+        if let Ok(Err(e)) = http.await {
+            return Err(e).context("serving HTTP");
+        }
+        println!("stopped");
+        Ok(())
+    }
+
+    pub fn export(args: &ModelArgs, out: &std::path::Path) -> Result<()> {
+        let loaded = load(args)?;
+        let dtype = loaded.model.dtype();
+        save_checkpoint(out, &loaded.card, &loaded.model, dtype)
+            .with_context(|| format!("saving checkpoint to {}", out.display()))?;
+        println!(
+            "saved {} ({:?}) to {}",
+            loaded.card.name,
+            dtype,
+            out.display()
+        );
+        Ok(())
+    }
+}

@@ -1,0 +1,576 @@
+//! The Llama-family decoder on LibTorch: RMSNorm, rotary embeddings (with linear / Llama 3
+//! scaling or GGUF frequency factors), grouped-query attention, SwiGLU MLP, tied or untied
+//! LM head, optional q/k/v biases (Qwen2); prefill and incremental decode with a KV cache.
+//!
+//! Owns: the parameters and the forward pass. Parameters keep HF's layout except that
+//! q/k/v and gate/up are fused into one matrix each (fewer, larger matmuls per token);
+//! [`Llama::hf_tensors`] splits them back into HF's names for checkpoints.
+//!
+//! Precision: `DType::F32` computes in float32 with LibTorch. `DType::BF16` on CUDA is
+//! plain bfloat16; on the CPU it stores the matrices in bfloat16 (half the bytes to read per
+//! decoded token, which is what CPU decode is bound by) but keeps activations, norms and
+//! the KV cache in float32, using agentjet-kernels' bf16 matmul for up to 16 rows and a
+//! bfloat16 GEMM for prefill. Loading such a model sets LibTorch to one intra-op thread
+//! for the process, because the kernel pool takes the cores.
+//!
+//! Files: this one holds the parameters, caches, loading and HF export; `parts` the
+//! pieces every forward path shares (one q/k/v + rotary path, the layer loop, MLP, head);
+//! `paths` the four forward paths, which differ only in their attention strategy.
+//!
+//! Must never: sample, schedule, or know where token ids came from. `tch::Tensor` is not
+//! `Sync`: a `Llama` lives on one thread (the engine's) and others talk to it by channel.
+
+use agentjet_kernels::MAX_ROWS;
+
+/// Activation rows up to which a bf16 matrix product on the CPU runs agentjet-kernels'
+/// matmul; more go to LibTorch's bf16 GEMM (AMX where the CPU has it) split across the
+/// kernel pool. Measured on SmolLM2 decode steps (2 AMX cores): the kernel is faster for 1
+/// and 2 rows (20 vs 36 ms, 27 vs 33 ms), the GEMM from 4 rows on (34 vs 40 ms; at 16
+/// rows 57 vs 124 ms).
+const KERNEL_ROWS: usize = if MAX_ROWS < 2 { MAX_ROWS } else { 2 };
+use tch::{Device, Kind, Tensor};
+
+use super::config::LlamaConfig;
+use super::weights::{load_checked, unpermute_qk, WeightSource};
+use super::ModelError;
+
+/// Numeric type of the weights and activations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DType {
+    F32,
+    BF16,
+}
+
+impl DType {
+    pub fn kind(self) -> Kind {
+        match self {
+            DType::F32 => Kind::Float,
+            DType::BF16 => Kind::BFloat16,
+        }
+    }
+    pub fn hf_name(self) -> &'static str {
+        match self {
+            DType::F32 => "float32",
+            DType::BF16 => "bfloat16",
+        }
+    }
+    pub fn parse(s: &str) -> Option<DType> {
+        match s {
+            "f32" | "float32" | "fp32" => Some(DType::F32),
+            "bf16" | "bfloat16" => Some(DType::BF16),
+            _ => None,
+        }
+    }
+}
+
+struct DecoderLayer {
+    input_layernorm: Tensor,
+    post_attention_layernorm: Tensor,
+    /// [ (heads + 2 kv_heads) * head_dim, hidden ]
+    qkv_proj: Tensor,
+    qkv_bias: Option<Tensor>,
+    o_proj: Tensor,
+    /// [ 2 * intermediate, hidden ]: gate rows then up rows.
+    gate_up_proj: Tensor,
+    down_proj: Tensor,
+}
+
+/// Per-layer key/value tensors of shape [batch, kv_heads, capacity, head_dim]; the first
+/// `len` positions are filled.
+pub struct KvCache {
+    k: Vec<Tensor>,
+    v: Vec<Tensor>,
+    len: usize,
+    capacity: usize,
+    batch: usize,
+}
+
+impl KvCache {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+    pub fn batch(&self) -> usize {
+        self.batch
+    }
+}
+
+/// Key/value storage for many sequences at once: per layer one tensor
+/// [slots, kv_heads, capacity, head_dim]. Running sequences occupy slots `0..n`, so a decode
+/// step attends over one view of the first `n` slots with a length mask: one attention call
+/// per layer for the whole batch.
+pub struct SlotCache {
+    k: Vec<Tensor>,
+    v: Vec<Tensor>,
+    slots: usize,
+    capacity: usize,
+}
+
+impl SlotCache {
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+    /// Bytes held (allocated once, up front).
+    pub fn bytes(&self) -> usize {
+        self.k
+            .iter()
+            .chain(self.v.iter())
+            .map(|t| t.numel() * t.kind().elt_size_in_bytes())
+            .sum()
+    }
+    /// Copies the first `len` positions of slot `from` into slot `to` (compaction, and
+    /// forking one prefilled prompt into several sequences).
+    pub fn copy_slot(&mut self, from: usize, to: usize, len: usize) -> Result<(), ModelError> {
+        if from == to || len == 0 {
+            return Ok(());
+        }
+        for t in self.k.iter().chain(self.v.iter()) {
+            let src = t.f_narrow(0, from as i64, 1)?.f_narrow(2, 0, len as i64)?;
+            t.f_narrow(0, to as i64, 1)?
+                .f_narrow(2, 0, len as i64)?
+                .f_copy_(&src)?;
+        }
+        Ok(())
+    }
+}
+
+/// Which positions to compute logits for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Logits {
+    /// Only the last position of each row: [batch, vocab].
+    Last,
+    /// Every position: [batch, seq, vocab].
+    All,
+}
+
+pub struct Llama {
+    pub config: LlamaConfig,
+    device: Device,
+    dtype: DType,
+    /// Activations, norms, biases and the KV cache: float32, except bfloat16 on CUDA.
+    act: Kind,
+    embed_tokens: Tensor,
+    layers: Vec<DecoderLayer>,
+    norm: Tensor,
+    /// `None` when tied to `embed_tokens`.
+    lm_head: Option<Tensor>,
+    /// Rotations `exp(i * position * inv_freq)`, [max_positions, head_dim / 2], complex64.
+    rope: Tensor,
+    /// Mixed precision for training: matrix products run in this kind over the float32
+    /// weights (cast on the fly, so gradients reach the float32 master weights).
+    compute: Option<Kind>,
+}
+
+impl std::fmt::Debug for Llama {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Llama")
+            .field("config", &self.config)
+            .field("device", &self.device)
+            .field("dtype", &self.dtype)
+            .finish()
+    }
+}
+
+mod parts;
+mod paths;
+
+impl Llama {
+    /// Builds the decoder from HF-named weights, checking every name and shape.
+    pub fn load(
+        config: LlamaConfig,
+        src: &mut dyn WeightSource,
+        device: Device,
+        dtype: DType,
+    ) -> Result<Llama, ModelError> {
+        let _guard = tch::no_grad_guard();
+        let c = &config;
+        let (h, i, hd) = (
+            c.hidden_size as i64,
+            c.intermediate_size as i64,
+            c.head_dim as i64,
+        );
+        let (nh, nkv, v) = (
+            c.num_attention_heads as i64,
+            c.num_key_value_heads as i64,
+            c.vocab_size as i64,
+        );
+        let kind = dtype.kind();
+        // On the CPU a bfloat16 model keeps bfloat16 matrices (half the bytes to read per
+        // token) but computes in float32: decode runs agentjet-kernels' bf16 matmul.
+        let act = if dtype == DType::BF16 && device.is_cuda() {
+            Kind::BFloat16
+        } else {
+            Kind::Float
+        };
+        let place = |t: Tensor| -> Result<Tensor, ModelError> {
+            Ok(t.f_to_device(device)?.f_to_kind(kind)?.f_contiguous()?)
+        };
+        if dtype == DType::BF16 && device == Device::Cpu && tch::get_num_threads() != 1 {
+            // agentjet-kernels' pool takes the cores for bf16 decode; OpenMP workers
+            // spinning beside it would halve its speed (measured: 110 ms vs 23 ms a token).
+            tracing::info!(
+                "bf16 on CPU: LibTorch intra-op threads {} -> 1, kernel pool {} workers",
+                tch::get_num_threads(),
+                agentjet_kernels::pool().workers()
+            );
+            tch::set_num_threads(1);
+        }
+        if dtype == DType::BF16 && device == Device::Cpu {
+            one_torch_thread_per_worker();
+        }
+        let place_act = |t: Tensor| -> Result<Tensor, ModelError> {
+            Ok(t.f_to_device(device)?.f_to_kind(act)?.f_contiguous()?)
+        };
+        let embed_tokens = place(load_checked(src, "model.embed_tokens.weight", &[v, h])?)?;
+        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        for l in 0..c.num_hidden_layers {
+            let p = format!("model.layers.{l}.");
+            let get = |src: &mut dyn WeightSource, n: &str, shape: &[i64]| {
+                load_checked(src, &format!("{p}{n}"), shape)
+            };
+            let q = to_interleaved(&get(src, "self_attn.q_proj.weight", &[nh * hd, h])?, nh)?;
+            let k = to_interleaved(&get(src, "self_attn.k_proj.weight", &[nkv * hd, h])?, nkv)?;
+            let vv = get(src, "self_attn.v_proj.weight", &[nkv * hd, h])?;
+            let qkv_bias = if c.attention_bias {
+                let qb = to_interleaved(&get(src, "self_attn.q_proj.bias", &[nh * hd])?, nh)?;
+                let kb = to_interleaved(&get(src, "self_attn.k_proj.bias", &[nkv * hd])?, nkv)?;
+                let vb = get(src, "self_attn.v_proj.bias", &[nkv * hd])?;
+                Some(place(Tensor::f_cat(
+                    &[
+                        qb.to_kind(Kind::Float),
+                        kb.to_kind(Kind::Float),
+                        vb.to_kind(Kind::Float),
+                    ],
+                    0,
+                )?)?)
+            } else {
+                None
+            };
+            let gate = get(src, "mlp.gate_proj.weight", &[i, h])?;
+            let up = get(src, "mlp.up_proj.weight", &[i, h])?;
+            layers.push(DecoderLayer {
+                input_layernorm: place_act(get(src, "input_layernorm.weight", &[h])?)?,
+                post_attention_layernorm: place_act(get(
+                    src,
+                    "post_attention_layernorm.weight",
+                    &[h],
+                )?)?,
+                qkv_proj: place(Tensor::f_cat(
+                    &[
+                        q.to_kind(Kind::Float),
+                        k.to_kind(Kind::Float),
+                        vv.to_kind(Kind::Float),
+                    ],
+                    0,
+                )?)?,
+                qkv_bias,
+                o_proj: place(get(src, "self_attn.o_proj.weight", &[h, nh * hd])?)?,
+                gate_up_proj: place(Tensor::f_cat(
+                    &[gate.to_kind(Kind::Float), up.to_kind(Kind::Float)],
+                    0,
+                )?)?,
+                down_proj: place(get(src, "mlp.down_proj.weight", &[h, i])?)?,
+            });
+        }
+        let norm = place_act(load_checked(src, "model.norm.weight", &[h])?)?;
+        let lm_head = if c.tie_word_embeddings {
+            None
+        } else {
+            Some(place(load_checked(src, "lm_head.weight", &[v, h])?)?)
+        };
+        let factors = src.rope_freq_factors()?;
+        let rope = rope_table(c, factors.as_deref(), device)?;
+        Ok(Llama {
+            config,
+            device,
+            dtype,
+            act,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            rope,
+            compute: None,
+        })
+    }
+
+    /// Runs the matrix products of a float32 model in `kind` (bfloat16: about twice the
+    /// speed on CPUs with AMX and on GPUs), casting the float32 weights on the fly so that
+    /// gradients and the optimizer stay in float32; `None`: float32 throughout.
+    pub fn set_compute_kind(&mut self, kind: Option<Kind>) -> Result<(), ModelError> {
+        if kind.is_some() && self.dtype != DType::F32 {
+            return Err(ModelError::Invalid(
+                "mixed-precision compute needs a float32 model (its weights are the master copy)"
+                    .into(),
+            ));
+        }
+        self.compute = kind;
+        Ok(())
+    }
+
+    /// Call on a thread that will run this model, before it does. For bf16 on the CPU this
+    /// gives that thread (and the kernel pool's workers) one OpenMP thread: OpenMP's setting
+    /// is per thread, and a new thread starts with one per core, whose spinning beside the
+    /// pool made a 32-row decode step 4.8x slower (measured: 320 ms vs 67 ms).
+    pub fn prepare_thread(&self) {
+        if self.device == Device::Cpu && self.dtype == DType::BF16 {
+            one_torch_thread_per_worker();
+        }
+    }
+
+    pub fn device(&self) -> Device {
+        self.device
+    }
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The largest number of positions a sequence may have.
+    pub fn max_positions(&self) -> usize {
+        self.rope.size()[0] as usize
+    }
+
+    /// Zeroed per-layer key and value tensors [rows, kv_heads, capacity, head_dim], the
+    /// capacity capped at the model's context.
+    fn zeroed_kv(
+        &self,
+        rows: usize,
+        capacity: usize,
+    ) -> Result<(Vec<Tensor>, Vec<Tensor>, usize), ModelError> {
+        let capacity = capacity.min(self.max_positions());
+        let shape = [
+            rows as i64,
+            self.config.num_key_value_heads as i64,
+            capacity as i64,
+            self.config.head_dim as i64,
+        ];
+        let opts = (self.act, self.device);
+        let mut k = Vec::with_capacity(self.layers.len());
+        let mut v = Vec::with_capacity(self.layers.len());
+        for _ in 0..self.layers.len() {
+            k.push(Tensor::f_zeros(shape, opts)?);
+            v.push(Tensor::f_zeros(shape, opts)?);
+        }
+        Ok((k, v, capacity))
+    }
+
+    /// An empty cache for `batch` rows of up to `capacity` positions.
+    pub fn new_cache(&self, batch: usize, capacity: usize) -> Result<KvCache, ModelError> {
+        let (k, v, capacity) = self.zeroed_kv(batch, capacity)?;
+        Ok(KvCache {
+            k,
+            v,
+            len: 0,
+            capacity,
+            batch,
+        })
+    }
+
+    /// Every parameter tensor (fused as stored: qkv and gate/up are one matrix each; a
+    /// tied head is not repeated), for training.
+    pub fn parameters(&self) -> Vec<Tensor> {
+        let mut p = vec![self.embed_tokens.shallow_clone()];
+        for l in &self.layers {
+            p.push(l.input_layernorm.shallow_clone());
+            p.push(l.post_attention_layernorm.shallow_clone());
+            p.push(l.qkv_proj.shallow_clone());
+            if let Some(b) = &l.qkv_bias {
+                p.push(b.shallow_clone());
+            }
+            p.push(l.o_proj.shallow_clone());
+            p.push(l.gate_up_proj.shallow_clone());
+            p.push(l.down_proj.shallow_clone());
+        }
+        p.push(self.norm.shallow_clone());
+        if let Some(h) = &self.lm_head {
+            p.push(h.shallow_clone());
+        }
+        p
+    }
+
+    /// Makes every parameter require gradients (or not).
+    pub fn set_trainable(&mut self, on: bool) {
+        for mut t in self.parameters() {
+            let _ = t.requires_grad_(on);
+        }
+    }
+
+    /// The output layer's weight, [vocab, hidden] (the token embedding when tied).
+    pub fn output_weight(&self) -> &Tensor {
+        self.lm_head.as_ref().unwrap_or(&self.embed_tokens)
+    }
+
+    /// Storage for `slots` sequences of up to `capacity` positions each (zeroed).
+    pub fn new_slot_cache(&self, slots: usize, capacity: usize) -> Result<SlotCache, ModelError> {
+        let (k, v, capacity) = self.zeroed_kv(slots, capacity)?;
+        Ok(SlotCache {
+            k,
+            v,
+            slots,
+            capacity,
+        })
+    }
+
+    /// The parameters under HF's names and shapes (fused matrices split back), on the
+    /// model's device and dtype. Tied heads are not repeated.
+    pub fn hf_tensors(&self) -> Result<Vec<(String, Tensor)>, ModelError> {
+        let c = &self.config;
+        let (nh, nkv, hd, inter) = (
+            c.num_attention_heads as i64,
+            c.num_key_value_heads as i64,
+            c.head_dim as i64,
+            c.intermediate_size as i64,
+        );
+        let mut out = vec![(
+            "model.embed_tokens.weight".to_string(),
+            self.embed_tokens.shallow_clone(),
+        )];
+        for (l, layer) in self.layers.iter().enumerate() {
+            let p = format!("model.layers.{l}.");
+            let split3 = |t: &Tensor| -> Result<[Tensor; 3], ModelError> {
+                Ok([
+                    unpermute_qk(&t.f_narrow(0, 0, nh * hd)?, nh)?,
+                    unpermute_qk(&t.f_narrow(0, nh * hd, nkv * hd)?, nkv)?,
+                    t.f_narrow(0, (nh + nkv) * hd, nkv * hd)?,
+                ])
+            };
+            let [q, k, v] = split3(&layer.qkv_proj)?;
+            out.push((format!("{p}self_attn.q_proj.weight"), q));
+            out.push((format!("{p}self_attn.k_proj.weight"), k));
+            out.push((format!("{p}self_attn.v_proj.weight"), v));
+            if let Some(bias) = &layer.qkv_bias {
+                let [q, k, v] = split3(bias)?;
+                out.push((format!("{p}self_attn.q_proj.bias"), q));
+                out.push((format!("{p}self_attn.k_proj.bias"), k));
+                out.push((format!("{p}self_attn.v_proj.bias"), v));
+            }
+            out.push((
+                format!("{p}self_attn.o_proj.weight"),
+                layer.o_proj.shallow_clone(),
+            ));
+            out.push((
+                format!("{p}mlp.gate_proj.weight"),
+                layer.gate_up_proj.f_narrow(0, 0, inter)?,
+            ));
+            out.push((
+                format!("{p}mlp.up_proj.weight"),
+                layer.gate_up_proj.f_narrow(0, inter, inter)?,
+            ));
+            out.push((
+                format!("{p}mlp.down_proj.weight"),
+                layer.down_proj.shallow_clone(),
+            ));
+            out.push((
+                format!("{p}input_layernorm.weight"),
+                layer.input_layernorm.shallow_clone(),
+            ));
+            out.push((
+                format!("{p}post_attention_layernorm.weight"),
+                layer.post_attention_layernorm.shallow_clone(),
+            ));
+        }
+        out.push(("model.norm.weight".to_string(), self.norm.shallow_clone()));
+        if let Some(head) = &self.lm_head {
+            out.push(("lm_head.weight".to_string(), head.shallow_clone()));
+        }
+        Ok(out)
+    }
+}
+
+/// A tensor handed to the kernel pool's workers for read-only use.
+struct SharedTensor(Tensor);
+// SAFETY: the workers only read it (narrow, matmul) while `split_bf16_gemm` waits for
+// them; LibTorch's reference counts are atomic.
+unsafe impl Sync for SharedTensor {}
+
+/// `x · wᵀ` on the CPU with the rows of `w` split across the kernel pool, each share a
+/// single-threaded LibTorch GEMM; the shares are concatenated along the last dimension.
+fn split_bf16_gemm(x: &Tensor, w: &Tensor) -> Result<Tensor, ModelError> {
+    let pool = agentjet_kernels::pool();
+    let workers = pool.workers() as i64;
+    let n = w.size()[0];
+    if workers <= 1 || n < 64 {
+        return Ok(x.f_linear(w, None::<&Tensor>)?);
+    }
+    let per = (n + workers - 1) / workers;
+    let xs: Vec<SharedTensor> = (0..workers)
+        .map(|_| SharedTensor(x.shallow_clone()))
+        .collect();
+    let ws: Vec<SharedTensor> = (0..workers)
+        .map(|_| SharedTensor(w.shallow_clone()))
+        .collect();
+    let parts: std::sync::Mutex<Vec<Option<Result<Tensor, tch::TchError>>>> =
+        std::sync::Mutex::new((0..workers).map(|_| None).collect());
+    pool.run(&|wi| {
+        let wi = wi as i64;
+        let j0 = (wi * per).min(n);
+        let len = per.min(n - j0);
+        if len == 0 {
+            return;
+        }
+        let part = ws[wi as usize]
+            .0
+            .f_narrow(0, j0, len)
+            .and_then(|wpart| xs[wi as usize].0.f_linear(&wpart, None::<&Tensor>));
+        parts.lock().unwrap_or_else(|p| p.into_inner())[wi as usize] = Some(part);
+    });
+    let parts = parts.into_inner().unwrap_or_else(|p| p.into_inner());
+    let mut outs = Vec::new();
+    for p in parts.into_iter().flatten() {
+        outs.push(p?);
+    }
+    Ok(Tensor::f_cat(&outs, -1)?)
+}
+
+/// One LibTorch (OpenMP) thread on the calling thread and on every kernel-pool worker.
+fn one_torch_thread_per_worker() {
+    agentjet_kernels::pool().run(&|_| tch::set_num_threads(1));
+}
+
+/// llama.cpp's Q/K row order, where the two halves HF rotates together are adjacent:
+/// row (head, half, i) moves to (head, i, half).
+fn to_interleaved(t: &Tensor, n_head: i64) -> Result<Tensor, ModelError> {
+    let shape = t.size();
+    let half = shape[0] / n_head / 2;
+    let mut split = vec![n_head, 2, half];
+    split.extend_from_slice(&shape[1..]);
+    Ok(t.f_reshape(&split)?.f_transpose(1, 2)?.f_reshape(&shape)?)
+}
+
+/// Rotations as HF computes their angles: float32 `position * inv_freq`, then
+/// `cos + i sin`, [max_positions, head_dim / 2] complex64.
+fn rope_table(
+    c: &LlamaConfig,
+    factors: Option<&[f32]>,
+    device: Device,
+) -> Result<Tensor, ModelError> {
+    let mut inv: Vec<f32> = c.inv_freq().iter().map(|&f| f as f32).collect();
+    if let Some(f) = factors {
+        if f.len() != inv.len() {
+            return Err(ModelError::Invalid(format!(
+                "rope_freqs has {} factors, expected {}",
+                f.len(),
+                inv.len()
+            )));
+        }
+        for (i, d) in inv.iter_mut().zip(f) {
+            *i /= d;
+        }
+    }
+    let max = c.max_position_embeddings.max(1) as i64;
+    let pos = Tensor::f_arange(max, (Kind::Float, Device::Cpu))?;
+    let inv = Tensor::f_from_slice(&inv)?;
+    let angles = pos.f_outer(&inv)?;
+    let table = Tensor::f_stack(&[angles.f_cos()?, angles.f_sin()?], -1)?
+        .f_view_as_complex()?
+        .f_to_device(device)?;
+    Ok(table)
+}

@@ -1,0 +1,156 @@
+//! The facade's one way to a model: the [`Backend`] trait. `serve` and a server's `--http`
+//! plug in a local engine ([`LocalBackend`]); the client plugs in the swarm. The facade
+//! hears each choice as a stream of [`ChoiceEvent`]s: the engine's tokens and finish,
+//! and, from a remote server, the signatures that attest them ([`SignedPart`]), which the
+//! tracker keeps with the call. The engine itself never signs anything.
+//!
+//! Owns: the backend contract. Never renders chat or touches HTTP.
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use futures_util::{Stream, StreamExt};
+use tokio_stream::wrappers::UnboundedReceiverStream;
+
+use crate::engine::{EngineError, EngineEvent, EngineHandle, FinishReason, GenerateRequest};
+use crate::model::ModelCard;
+
+/// Tokens `start..upto` of a choice as one call a server signed (the signature is
+/// opaque here: the swarm's encoding of the server's signature over the call's digest).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SignedPart {
+    pub start: usize,
+    pub upto: usize,
+    pub policy_version: u64,
+    pub signature: Vec<u8>,
+}
+
+/// What a requester hears about one choice, in order: tokens (each possibly preceded by
+/// the signature that covers it), then one `Finished` or one `Failed`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ChoiceEvent {
+    Token {
+        id: u32,
+        logprob: f64,
+        /// The request's `top_logprobs` most likely tokens at this position.
+        top: Vec<(u32, f64)>,
+    },
+    Finished {
+        reason: FinishReason,
+        prompt_tokens: usize,
+        completion_tokens: usize,
+        /// The policy version the choice started on.
+        policy_version: u64,
+    },
+    Failed(String),
+    /// From a remote server, just before the token it covers: its signature over the call
+    /// whose prompt is the request's prompt plus this choice's tokens before `start`, and
+    /// whose completion is the tokens `start..upto`.
+    Signed(SignedPart),
+}
+
+impl From<EngineEvent> for ChoiceEvent {
+    fn from(e: EngineEvent) -> ChoiceEvent {
+        match e {
+            EngineEvent::Token { id, logprob, top } => ChoiceEvent::Token { id, logprob, top },
+            EngineEvent::Finished {
+                reason,
+                prompt_tokens,
+                completion_tokens,
+                policy_version,
+            } => ChoiceEvent::Finished {
+                reason,
+                prompt_tokens,
+                completion_tokens,
+                policy_version,
+            },
+            EngineEvent::Failed(m) => ChoiceEvent::Failed(m),
+        }
+    }
+}
+
+/// One choice's events. Dropping it cancels the choice.
+pub type ChoiceStream = Pin<Box<dyn Stream<Item = ChoiceEvent> + Send>>;
+
+/// What the facade needs from whatever runs the model.
+pub trait Backend: Send + Sync + 'static {
+    /// Names of the models served, for `/v1/models` and routing.
+    fn model_ids(&self) -> Vec<String>;
+    /// The card (tokenizer, template, limits) of a served model.
+    fn card(&self, model: &str) -> Option<Arc<ModelCard>>;
+    /// The longest sequence (prompt + completion) a model takes.
+    fn max_context(&self, model: &str) -> Option<usize>;
+    /// False while starting up (answers 503).
+    fn ready(&self) -> bool;
+    /// Starts `n` generations from one prompt (choice `i` seeded with `seed + i`); their
+    /// events stream back, one stream per choice. Dropping a stream cancels its choice.
+    fn submit(
+        &self,
+        model: &str,
+        req: GenerateRequest,
+        n: usize,
+    ) -> Result<Vec<ChoiceStream>, EngineError>;
+    /// Extra Prometheus lines (engine gauges and counters).
+    fn metrics(&self) -> String;
+}
+
+/// One model served by a local engine thread (what `agentjet-peer serve` runs).
+pub struct LocalBackend {
+    pub name: String,
+    pub card: Arc<ModelCard>,
+    pub engine: EngineHandle,
+    pub max_context: usize,
+}
+
+impl Backend for LocalBackend {
+    fn model_ids(&self) -> Vec<String> {
+        vec![self.name.clone()]
+    }
+    fn card(&self, model: &str) -> Option<Arc<ModelCard>> {
+        (model == self.name).then(|| self.card.clone())
+    }
+    fn max_context(&self, model: &str) -> Option<usize> {
+        (model == self.name).then_some(self.max_context)
+    }
+    fn ready(&self) -> bool {
+        true
+    }
+    fn submit(
+        &self,
+        _model: &str,
+        req: GenerateRequest,
+        n: usize,
+    ) -> Result<Vec<ChoiceStream>, EngineError> {
+        Ok(self
+            .engine
+            .submit_n(req, n)?
+            .into_iter()
+            .map(|rx| Box::pin(UnboundedReceiverStream::new(rx).map(ChoiceEvent::from)) as ChoiceStream)
+            .collect())
+    }
+    fn metrics(&self) -> String {
+        use std::sync::atomic::Ordering::Relaxed;
+        let s = &self.engine.stats;
+        let m = &self.name;
+        format!(
+            "# TYPE agentjet_engine_running gauge\nagentjet_engine_running{{model=\"{m}\"}} {}\n\
+             # TYPE agentjet_engine_waiting gauge\nagentjet_engine_waiting{{model=\"{m}\"}} {}\n\
+             # TYPE agentjet_engine_kv_bytes gauge\nagentjet_engine_kv_bytes{{model=\"{m}\"}} {}\n\
+             # TYPE agentjet_engine_completed_total counter\nagentjet_engine_completed_total{{model=\"{m}\"}} {}\n\
+             # TYPE agentjet_engine_cancelled_total counter\nagentjet_engine_cancelled_total{{model=\"{m}\"}} {}\n\
+             # TYPE agentjet_engine_generated_tokens_total counter\nagentjet_engine_generated_tokens_total{{model=\"{m}\"}} {}\n\
+             # TYPE agentjet_engine_prefill_tokens_total counter\nagentjet_engine_prefill_tokens_total{{model=\"{m}\"}} {}\n\
+             # TYPE agentjet_engine_prefill_passes_total counter\nagentjet_engine_prefill_passes_total{{model=\"{m}\"}} {}\n\
+             # TYPE agentjet_policy_version gauge\nagentjet_policy_version{{model=\"{m}\"}} {}\n",
+            s.running.load(Relaxed),
+            s.waiting.load(Relaxed),
+            s.kv_bytes.load(Relaxed),
+            s.completed.load(Relaxed),
+            s.cancelled.load(Relaxed),
+            s.generated_tokens.load(Relaxed),
+            s.prefill_tokens.load(Relaxed),
+            s.prefill_passes.load(Relaxed),
+            s.policy_version.load(Relaxed),
+        )
+    }
+}

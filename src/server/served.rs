@@ -1,0 +1,284 @@
+//! One served model, shared by the protocol handlers: its card, engine, bounds, the
+//! fragment cache, where episodes are stored, and what the server gossips about it.
+//!
+//! Owns: the served model's shared state and its registration with the swarm (handlers,
+//! provider record, status). Never trains (see [`super::train`]).
+
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use tracing::Instrument;
+
+use super::train::TrainerInput;
+use super::ServerError;
+use crate::base::stop::{Stop, TaskTracker};
+use crate::base::{lock, safe_file_name};
+use crate::engine::{EngineHandle, TokenBytes};
+use crate::model::ModelCard;
+use crate::rpc::{CardBlob, CardReply, CardRequest, CARD, INFER, SUBMIT};
+use crate::swarm::frame::{read_frame, write_frame, FrameError};
+use crate::swarm::{ModelStatus, PeerId, Role, Stream, SwarmHandle};
+use crate::timeline::fragment::{Fragment, FragmentHash};
+
+/// Bounds on what a caller may ask.
+#[derive(Debug, Clone)]
+pub struct ServeLimits {
+    pub max_n: u32,
+    pub max_top_logprobs: u32,
+    /// Fragments kept for deduplication at most (bytes); past it the cache restarts empty.
+    pub fragment_cache_bytes: usize,
+    /// Timelines, branches and fragment references one manifest may have at most.
+    pub max_manifest_refs: usize,
+}
+
+impl Default for ServeLimits {
+    fn default() -> Self {
+        ServeLimits {
+            max_n: 64,
+            max_top_logprobs: 20,
+            fragment_cache_bytes: 512 << 20,
+            max_manifest_refs: 1 << 20,
+        }
+    }
+}
+
+#[derive(Default)]
+pub(super) struct FragmentCache {
+    pub(super) map: HashMap<FragmentHash, (Fragment, usize)>,
+    pub(super) bytes: usize,
+}
+
+/// One served model, shared by the protocol handlers.
+pub struct ServedModel {
+    pub name: String,
+    pub card: Arc<ModelCard>,
+    pub engine: EngineHandle,
+    pub max_context: usize,
+    pub max_batch: usize,
+    pub(super) vocab: Arc<TokenBytes>,
+    card_blob: ([u8; 32], Vec<u8>),
+    pub(super) swarm: SwarmHandle,
+    pub(super) limits: ServeLimits,
+    pub(super) cache: Mutex<FragmentCache>,
+    pub(super) episodes_dir: PathBuf,
+    pub episodes_stored: AtomicU64,
+    /// Servers of this model ever seen in the swarm view (their signatures are accepted).
+    servers: Mutex<HashSet<PeerId>>,
+    /// Where stored episodes go to be trained on (none: serving only, or stopped).
+    trainer: Mutex<Option<std::sync::mpsc::Sender<TrainerInput>>>,
+    /// The trainer's step count, gossiped with the status.
+    pub train_step: AtomicU64,
+    /// The role's stop: once asked, new calls and submissions are refused (with `retry`).
+    pub(super) stop: Stop,
+    /// The role's tasks: every handler holds a token of it while it runs.
+    pub(super) tasks: TaskTracker,
+}
+
+/// The card as the blob clients fetch: its HF files, postcard-encoded, and its blake3.
+pub fn card_blob(name: &str, card: &ModelCard) -> Result<([u8; 32], Vec<u8>), ServerError> {
+    let dir = std::env::temp_dir().join(format!(
+        "agentjet-card-{}-{}",
+        std::process::id(),
+        blake3::hash(name.as_bytes()).to_hex()
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).map_err(|e| ServerError::io(&dir, e))?;
+    let r = (|| {
+        card.write_card_files(&dir, "float32")?;
+        let mut files = Vec::new();
+        for f in [
+            "config.json",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "generation_config.json",
+        ] {
+            let p = dir.join(f);
+            files.push((
+                f.to_string(),
+                std::fs::read(&p).map_err(|e| ServerError::io(&p, e))?,
+            ));
+        }
+        let blob = postcard::to_allocvec(&CardBlob {
+            model: name.to_string(),
+            files,
+        })
+        .map_err(|e| ServerError::Encode(e.to_string()))?;
+        Ok((*blake3::hash(&blob).as_bytes(), blob))
+    })();
+    let _ = std::fs::remove_dir_all(&dir);
+    r
+}
+
+impl ServedModel {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        name: String,
+        card: Arc<ModelCard>,
+        engine: EngineHandle,
+        max_context: usize,
+        max_batch: usize,
+        swarm: SwarmHandle,
+        data_dir: &Path,
+        limits: ServeLimits,
+        stop: Stop,
+        tasks: TaskTracker,
+    ) -> Result<Arc<ServedModel>, ServerError> {
+        let card_blob = card_blob(&name, &card)?;
+        let vocab = Arc::new(card.tokenizer.token_bytes(card.config.vocab_size));
+        let episodes_dir = data_dir.join("episodes").join(safe_file_name(&name));
+        std::fs::create_dir_all(&episodes_dir).map_err(|e| ServerError::io(&episodes_dir, e))?;
+        let stored = std::fs::read_dir(&episodes_dir)
+            .map(|d| d.count())
+            .unwrap_or(0) as u64;
+        Ok(Arc::new(ServedModel {
+            name,
+            card,
+            engine,
+            max_context,
+            max_batch,
+            vocab,
+            card_blob,
+            swarm,
+            limits,
+            cache: Mutex::new(FragmentCache::default()),
+            episodes_dir,
+            episodes_stored: AtomicU64::new(stored),
+            servers: Mutex::new(HashSet::new()),
+            trainer: Mutex::new(None),
+            train_step: AtomicU64::new(0),
+            stop,
+            tasks,
+        }))
+    }
+
+    /// Sends every episode stored from now on to `tx` (the training loop).
+    pub fn set_trainer(&self, tx: std::sync::mpsc::Sender<TrainerInput>) {
+        *lock(&self.trainer) = Some(tx);
+    }
+
+    /// Hands a stored episode to the training loop, if one runs.
+    pub(super) fn train_on(&self, stored: super::StoredEpisode) {
+        let mut t = lock(&self.trainer);
+        if let Some(tx) = t.as_ref() {
+            if tx.send(TrainerInput::Episode(Box::new(stored))).is_err() {
+                // Stored on disk all the same: a restarted trainer takes it (consumed.log).
+                tracing::warn!("the training loop has stopped; episodes are stored only");
+                *t = None;
+            }
+        }
+    }
+
+    /// The directory episodes are stored in.
+    pub fn episodes_dir(&self) -> &Path {
+        &self.episodes_dir
+    }
+
+    /// True once the role was asked to stop: new work is refused.
+    pub(super) fn stopping(&self) -> bool {
+        self.stop.mode().is_some()
+    }
+
+    /// Registers the protocol handlers, announces the model, and keeps its status fresh
+    /// (until the role stops).
+    pub async fn start(self: &Arc<Self>) -> Result<(), ServerError> {
+        let m = self.clone();
+        self.swarm.serve(INFER, move |peer, s| {
+            let m = m.clone();
+            let running = m.tasks.token();
+            async move {
+                let _running = running;
+                m.infer(s)
+                    .instrument(tracing::debug_span!("call", %peer))
+                    .await
+            }
+        })?;
+        let m = self.clone();
+        self.swarm.serve(CARD, move |_peer, s| {
+            let m = m.clone();
+            async move { m.card(s).await }
+        })?;
+        let m = self.clone();
+        self.swarm.serve(SUBMIT, move |peer, s| {
+            let m = m.clone();
+            let running = m.tasks.token();
+            async move {
+                let _running = running;
+                m.submit(s)
+                    .instrument(tracing::info_span!("episode", %peer, id = tracing::field::Empty))
+                    .await
+            }
+        })?;
+        self.publish_status();
+        self.swarm.provide(&self.name).await?;
+        let m = self.clone();
+        let stop = self.stop.clone();
+        self.tasks.spawn(async move {
+            let mut tick = tokio::time::interval(m.swarm.cfg.status_interval / 2);
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => m.publish_status(),
+                    _ = stop.requested() => return,
+                }
+            }
+        });
+        Ok(())
+    }
+
+    pub(super) fn publish_status(&self) {
+        let s = &self.engine.stats;
+        let running = s.running.load(Ordering::Relaxed);
+        let waiting = s.waiting.load(Ordering::Relaxed);
+        let version = s.policy_version.load(Ordering::Relaxed);
+        let free = (self.max_batch.saturating_sub(running) * self.engine.max_sequence) as u64;
+        let episodes = self.episodes_stored.load(Ordering::Relaxed);
+        let name = self.name.clone();
+        let load = running as f32 / self.max_batch.max(1) as f32;
+        self.swarm.set_status(|st| {
+            st.models = vec![ModelStatus {
+                name,
+                policy_version: version,
+                train_step: self.train_step.load(Ordering::Relaxed),
+            }];
+            st.load = load;
+            st.queue_depth = waiting as u32;
+            st.free_kv_positions = free;
+            st.episodes = episodes;
+        });
+    }
+
+    pub(super) fn limit(&self) -> usize {
+        self.swarm.cfg.max_frame_bytes
+    }
+
+    async fn card(&self, mut s: Stream) -> Result<(), FrameError> {
+        let req: CardRequest = read_frame(&mut s, 4096).await?;
+        let reply = if req.model == self.name {
+            CardReply::Card {
+                hash: self.card_blob.0,
+                blob: self.card_blob.1.clone(),
+            }
+        } else {
+            CardReply::Unknown(format!(
+                "this server serves {:?}, not {:?}",
+                self.name, req.model
+            ))
+        };
+        write_frame(&mut s, &reply, self.limit()).await
+    }
+
+    /// The peers whose signatures count for this model: this server and every server the
+    /// swarm view has shown serving it.
+    pub(super) fn known_servers(&self) -> HashSet<PeerId> {
+        let mut set = lock(&self.servers);
+        for e in self.swarm.view() {
+            if e.status.role == Role::Server && e.status.models.iter().any(|m| m.name == self.name)
+            {
+                set.insert(e.peer);
+            }
+        }
+        set.insert(self.swarm.peer_id);
+        set.clone()
+    }
+}

@@ -1,0 +1,313 @@
+//! Who gets served: the swarm-key exchange on `/agentjet/auth/1` (see [`super::auth`]),
+//! and the admission of every inbound stream of a served protocol: the opener must have
+//! proved the swarm key, be under its request rate, and have fewer than
+//! `max_streams_per_peer` streams of that protocol open. A refused opener reads the reason
+//! as the stream's first frame ([`Admission::Refused`]); an admitted one reads
+//! [`Admission::Accepted`] and is handed to the protocol's handler.
+//!
+//! Owns: the per-peer bounds and the accept loops. Every task here runs in the node's
+//! task tracker and ends with the node; none holds a command sender that would keep the
+//! event loop alive.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Instant;
+
+use futures::StreamExt;
+use libp2p::{PeerId, Stream, StreamProtocol};
+use tracing::{debug, info, warn};
+
+use super::auth::{NotMember, PeerAuth, SwarmKey};
+use super::frame::{read_frame, write_frame};
+use super::node::{Command, Shared};
+use super::protocol::{Admission, AuthProof, AuthVerdict, AUTH};
+use super::SwarmError;
+use crate::base::lock;
+
+/// Rate buckets kept before the refilled ones are pruned.
+const MAX_IDLE_BUCKETS: usize = 1024;
+
+/// Why an inbound stream was refused (sent to the opener as its first frame).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum Refusal {
+    #[error(transparent)]
+    NotMember(#[from] NotMember),
+    #[error("over the request rate limit ({rate}/s, burst {burst})")]
+    RateLimited { rate: f64, burst: f64 },
+    #[error("too many concurrent {protocol} streams (limit {limit})")]
+    TooManyStreams {
+        protocol: &'static str,
+        limit: usize,
+    },
+}
+
+/// Why our proof of the swarm key did not reach a peer (logged).
+#[derive(Debug, thiserror::Error)]
+enum ProveError {
+    #[error("timed out")]
+    TimedOut,
+    #[error("opening the stream: {0}")]
+    Open(String),
+    #[error(transparent)]
+    Frame(#[from] super::frame::FrameError),
+}
+
+/// Per-peer admission bounds (concurrent streams, request rate).
+#[derive(Default)]
+pub(super) struct Limits {
+    open: HashMap<(PeerId, &'static str), usize>,
+    buckets: RateTable,
+}
+
+/// A token bucket per peer: `burst` requests at once, refilled at `rate` per second.
+#[derive(Default)]
+struct RateTable {
+    buckets: HashMap<PeerId, (f64, Instant)>,
+}
+
+impl RateTable {
+    /// Takes one request of `peer`'s bucket at `now`, or says why not.
+    fn take(&mut self, peer: &PeerId, now: Instant, rate: f64, burst: f64) -> Result<(), Refusal> {
+        let level =
+            |b: &(f64, Instant)| b.0 + rate * now.saturating_duration_since(b.1).as_secs_f64();
+        if self.buckets.len() >= MAX_IDLE_BUCKETS {
+            // A bucket that has refilled is the same as none: forget those, so peers that
+            // came and went (or a stream of fresh peer ids) do not grow the table.
+            self.buckets.retain(|_, b| level(b) < burst);
+        }
+        let b = self.buckets.entry(*peer).or_insert((burst, now));
+        b.0 = level(b).min(burst);
+        b.1 = now;
+        if b.0 < 1.0 {
+            return Err(Refusal::RateLimited { rate, burst });
+        }
+        b.0 -= 1.0;
+        Ok(())
+    }
+}
+
+/// Releases a peer's concurrent-stream slot when a served stream ends (however it ends:
+/// the handler returned, failed, or was cancelled with the node).
+struct OpenGuard {
+    shared: Arc<Shared>,
+    peer: PeerId,
+    name: &'static str,
+}
+
+impl Drop for OpenGuard {
+    fn drop(&mut self) {
+        let mut l = lock(&self.shared.limits);
+        let key = (self.peer, self.name);
+        if let Some(n) = l.open.get_mut(&key) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                l.open.remove(&key);
+            }
+        }
+    }
+}
+
+impl Shared {
+    /// Spawns `fut` in the node's tracker, cancelled when the node ends.
+    pub(super) fn spawn(&self, fut: impl Future<Output = ()> + Send + 'static) {
+        let ended = self.ended.clone();
+        self.tasks.spawn(async move {
+            tokio::select! {
+                _ = ended.cancelled() => {}
+                _ = fut => {}
+            }
+        });
+    }
+
+    async fn admit(&self, peer: &PeerId, name: &'static str) -> Result<(), Refusal> {
+        self.auth.wait_member(peer, self.cfg.auth_timeout).await?;
+        let mut l = lock(&self.limits);
+        let (rate, burst) = (self.cfg.max_requests_per_s, self.cfg.request_burst);
+        l.buckets.take(peer, Instant::now(), rate, burst)?;
+        let open = l.open.entry((*peer, name)).or_insert(0);
+        if *open >= self.cfg.max_streams_per_peer {
+            return Err(Refusal::TooManyStreams {
+                protocol: name,
+                limit: self.cfg.max_streams_per_peer,
+            });
+        }
+        *open += 1;
+        Ok(())
+    }
+}
+
+/// Serves `protocol` (see [`super::SwarmHandle::serve`]).
+pub(super) fn serve<H, F, E>(
+    shared: &Arc<Shared>,
+    control: &libp2p_stream::Control,
+    protocol: StreamProtocol,
+    handler: H,
+) -> Result<(), SwarmError>
+where
+    H: Fn(PeerId, Stream) -> F + Send + Sync + 'static,
+    F: Future<Output = Result<(), E>> + Send + 'static,
+        E: std::fmt::Display + Send + 'static,
+{
+    let mut incoming = control
+        .clone()
+        .accept(protocol.clone())
+        .map_err(|e| SwarmError::Setup(format!("{protocol}: {e}")))?;
+    let handler = Arc::new(handler);
+    let name: &'static str = Box::leak(protocol.to_string().into_boxed_str());
+    let sh = shared.clone();
+    shared.spawn(async move {
+        while let Some((peer, mut stream)) = incoming.next().await {
+            let handler = handler.clone();
+            let shared = sh.clone();
+            sh.spawn(async move {
+                let limit = shared.cfg.max_frame_bytes;
+                if let Err(why) = shared.admit(&peer, name).await {
+                    warn!(%peer, protocol = name, "refused: {why}");
+                    let refused = Admission::Refused(why.to_string());
+                    let _ = write_frame(&mut stream, &refused, limit).await;
+                    return;
+                }
+                let _guard = OpenGuard {
+                    shared: shared.clone(),
+                    peer,
+                    name,
+                };
+                if write_frame(&mut stream, &Admission::Accepted, limit)
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+                if let Err(e) = handler(peer, stream).await {
+                    warn!(%peer, protocol = name, "{e}");
+                }
+            });
+        }
+    });
+    Ok(())
+}
+
+/// Sends our proof of the swarm key to `peer`.
+pub(super) async fn prove(
+    shared: Arc<Shared>,
+    mut control: libp2p_stream::Control,
+    peer: PeerId,
+    key: SwarmKey,
+) {
+    let proof = AuthProof {
+        proof: key.proof(&shared.peer_id, &peer),
+    };
+    let t = shared.cfg.auth_timeout;
+    let r: Result<AuthVerdict, ProveError> = async {
+        let mut s = tokio::time::timeout(t, control.open_stream(peer, AUTH))
+            .await
+            .map_err(|_| ProveError::TimedOut)?
+            .map_err(|e| ProveError::Open(e.to_string()))?;
+        write_frame(&mut s, &proof, 1024).await?;
+        Ok(tokio::time::timeout(t, read_frame(&mut s, 4096))
+            .await
+            .map_err(|_| ProveError::TimedOut)??)
+    }
+    .await;
+    match r {
+        Ok(AuthVerdict::Accepted) => debug!(%peer, "accepted our swarm key proof"),
+        Ok(AuthVerdict::Denied(why)) => warn!(%peer, "denied our swarm key proof: {why}"),
+        Err(e) => debug!(%peer, "sending swarm key proof: {e}"),
+    }
+}
+
+/// Verifies the proofs peers send (closed swarm), or accepts everyone (open swarm), and
+/// tells the event loop through `cmd` (a weak sender: this loop never keeps the node up).
+pub(super) fn accept_auth(
+    shared: &Arc<Shared>,
+    control: &libp2p_stream::Control,
+    cmd: tokio::sync::mpsc::WeakSender<Command>,
+) -> Result<(), SwarmError> {
+    let mut incoming = control
+        .clone()
+        .accept(AUTH)
+        .map_err(|e| SwarmError::Setup(format!("{AUTH}: {e}")))?;
+    let sh = shared.clone();
+    shared.spawn(async move {
+        while let Some((peer, mut stream)) = incoming.next().await {
+            let h = sh.clone();
+            let cmd = cmd.clone();
+            sh.spawn(async move {
+                let got = tokio::time::timeout(
+                    h.cfg.auth_timeout,
+                    read_frame::<_, AuthProof>(&mut stream, 1024),
+                )
+                .await;
+                let verdict = match (&got, h.auth.key()) {
+                    (_, None) => AuthVerdict::Accepted,
+                    (Ok(Ok(p)), Some(k)) if p.proof == k.proof(&peer, &h.peer_id) => {
+                        AuthVerdict::Accepted
+                    }
+                    (Ok(Ok(_)), Some(_)) => AuthVerdict::Denied("wrong swarm key".into()),
+                    (Ok(Err(e)), Some(_)) => AuthVerdict::Denied(format!("bad proof: {e}")),
+                    (Err(_), Some(_)) => {
+                        AuthVerdict::Denied("no proof within the auth timeout".into())
+                    }
+                };
+                let _ = write_frame(&mut stream, &verdict, 1024).await;
+                let state = match verdict {
+                    AuthVerdict::Accepted => {
+                        if h.auth.key().is_some() {
+                            info!(%peer, "proved the swarm key");
+                        }
+                        PeerAuth::Member
+                    }
+                    AuthVerdict::Denied(why) => PeerAuth::Denied(why),
+                };
+                if let Some(tx) = cmd.upgrade() {
+                    let _ = tx.send(Command::Authed(peer, state)).await;
+                }
+            });
+        }
+    });
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn buckets_refuse_past_the_burst_refill_and_idle_ones_are_forgotten() {
+        let t0 = Instant::now();
+        let mut t = RateTable::default();
+        let p = PeerId::random();
+        for _ in 0..3 {
+            t.take(&p, t0, 1.0, 3.0).unwrap();
+        }
+        let e = t.take(&p, t0, 1.0, 3.0).unwrap_err();
+        assert!(e.to_string().contains("rate limit (1/s, burst 3)"), "{e}");
+        t.take(&p, t0 + Duration::from_millis(1100), 1.0, 3.0)
+            .unwrap();
+        // 3000 one-off peers: the table stays bounded once their buckets refilled.
+        for i in 0..3000u64 {
+            let now = t0 + Duration::from_secs(10 + i * 5);
+            t.take(&PeerId::random(), now, 1.0, 3.0).unwrap();
+        }
+        assert!(t.buckets.len() <= MAX_IDLE_BUCKETS, "{}", t.buckets.len());
+        // Buckets still draining are kept: a busy peer's survives the pruning.
+        let busy = PeerId::random();
+        let late = t0 + Duration::from_secs(100_000);
+        for _ in 0..3 {
+            t.take(&busy, late, 1.0, 3.0).unwrap();
+        }
+        for _ in 0..2 * MAX_IDLE_BUCKETS {
+            t.take(&PeerId::random(), late, 1.0, 3.0).unwrap();
+        }
+        assert!(
+            t.buckets.len() > 2 * MAX_IDLE_BUCKETS,
+            "draining buckets are kept"
+        );
+        assert!(
+            t.take(&busy, late, 1.0, 3.0).is_err(),
+            "its bucket was not reset"
+        );
+    }
+}

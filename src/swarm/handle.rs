@@ -1,0 +1,193 @@
+//! The handle the rest of the program holds: cheap to clone, it sends [`Command`]s to the
+//! event loop (each with a oneshot for its answer) and opens streams through
+//! `libp2p-stream`'s control, which needs no round trip through the loop. The node runs as
+//! long as a handle exists, or until [`SwarmHandle::shutdown`].
+//!
+//! Owns: the request side of the node's API. Never touches the `Swarm` itself.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use libp2p::{Multiaddr, PeerId, Stream, StreamProtocol};
+use tokio::sync::{mpsc, oneshot};
+
+use super::admission;
+use super::auth::AuthTable;
+use super::frame::read_frame;
+use super::node::{Command, Shared, ViewEntry};
+use super::protocol::{Admission, ModelStatus, PeerStatus};
+use super::{SwarmConfig, SwarmError};
+use crate::base::lock;
+
+/// The handle the rest of the program holds.
+#[derive(Clone)]
+pub struct SwarmHandle {
+    pub peer_id: PeerId,
+    pub cfg: Arc<SwarmConfig>,
+    pub auth: Arc<AuthTable>,
+    pub(super) shared: Arc<Shared>,
+    pub(super) cmd: mpsc::Sender<Command>,
+    pub(super) control: libp2p_stream::Control,
+}
+
+impl SwarmHandle {
+    async fn send(&self, c: Command) -> Result<(), SwarmError> {
+        self.cmd.send(c).await.map_err(|_| SwarmError::Stopped)
+    }
+
+    /// Announces (and keeps re-announcing) that this peer serves `model`.
+    pub async fn provide(&self, model: &str) -> Result<(), SwarmError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Command::Provide(model.to_string(), tx)).await?;
+        rx.await.map_err(|_| SwarmError::Stopped)
+    }
+
+    pub async fn stop_providing(&self, model: &str) -> Result<(), SwarmError> {
+        self.send(Command::StopProviding(model.to_string())).await
+    }
+
+    /// The providers of `model` the DHT knows now (one query).
+    pub async fn providers(&self, model: &str) -> Result<Vec<PeerId>, SwarmError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Command::Providers(model.to_string(), tx)).await?;
+        rx.await.map_err(|_| SwarmError::Stopped)
+    }
+
+    /// This peer's listen addresses, each ending in `/p2p/<peer id>`.
+    pub async fn listen_addrs(&self) -> Vec<Multiaddr> {
+        let (tx, rx) = oneshot::channel();
+        if self.send(Command::ListenAddrs(tx)).await.is_err() {
+            return Vec::new();
+        }
+        rx.await
+            .unwrap_or_default()
+            .into_iter()
+            .map(|a| a.with_p2p(self.peer_id).unwrap_or_else(|a| a))
+            .collect()
+    }
+
+    pub async fn connected_peers(&self) -> Vec<PeerId> {
+        let (tx, rx) = oneshot::channel();
+        if self.send(Command::Connected(tx)).await.is_err() {
+            return Vec::new();
+        }
+        rx.await.unwrap_or_default()
+    }
+
+    /// Tells the address book where `peer` listens.
+    pub async fn add_addresses(&self, peer: PeerId, addrs: Vec<Multiaddr>) {
+        let _ = self.send(Command::Addresses(peer, addrs)).await;
+    }
+
+    /// Connects to `peer` (through the address book) unless connected already.
+    pub async fn connect(&self, peer: PeerId) -> Result<(), SwarmError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Command::Connect(peer, tx)).await?;
+        match tokio::time::timeout(self.cfg.open_timeout, rx).await {
+            Err(_) => Err(SwarmError::Timeout(format!("connecting to {peer}"))),
+            Ok(Err(_)) => Err(SwarmError::Stopped),
+            Ok(Ok(r)) => r,
+        }
+    }
+
+    /// Updates what this peer gossips.
+    pub fn set_status(&self, f: impl FnOnce(&mut PeerStatus)) {
+        f(&mut lock(&self.shared.status));
+    }
+
+    pub fn set_models(&self, models: Vec<ModelStatus>) {
+        self.set_status(|s| s.models = models);
+    }
+
+    /// The live view: every peer heard from within three status intervals (this one too).
+    pub fn view(&self) -> Vec<ViewEntry> {
+        let expiry = self.cfg.status_interval * 3;
+        let v = lock(&self.shared.view);
+        let mut out: Vec<ViewEntry> = v
+            .iter()
+            .filter(|(_, s)| s.at.elapsed() <= expiry)
+            .map(|(p, s)| ViewEntry {
+                peer: *p,
+                status: s.status.clone(),
+                addrs: s.addrs.clone(),
+                age: s.at.elapsed(),
+                is_self: *p == self.peer_id,
+            })
+            .collect();
+        out.sort_by_key(|e| e.peer.to_string());
+        out
+    }
+
+    /// Signs a digest with this peer's key.
+    pub fn sign(&self, digest: &[u8; 32]) -> Vec<u8> {
+        super::sign::sign(&self.shared.keypair, digest)
+    }
+
+    /// Opens a stream to `peer` and reads its [`Admission`].
+    pub async fn open(&self, peer: PeerId, protocol: StreamProtocol) -> Result<Stream, SwarmError> {
+        if peer == self.peer_id {
+            return Err(SwarmError::Protocol(
+                "a peer cannot open a stream to itself".into(),
+            ));
+        }
+        let _ = self.connect(peer).await;
+        let mut control = self.control.clone();
+        let t = self.cfg.open_timeout;
+        let mut s = tokio::time::timeout(t, control.open_stream(peer, protocol.clone()))
+            .await
+            .map_err(|_| SwarmError::Timeout(format!("opening {protocol} to {peer}")))?
+            .map_err(|e| SwarmError::Unreachable {
+                peer,
+                reason: format!("{protocol}: {e}"),
+            })?;
+        let adm: Admission =
+            tokio::time::timeout(t + self.cfg.auth_timeout, read_frame(&mut s, 4096))
+                .await
+                .map_err(|_| SwarmError::Timeout(format!("admission on {protocol} from {peer}")))?
+                .map_err(|e| SwarmError::Unreachable {
+                    peer,
+                    reason: e.to_string(),
+                })?;
+        match adm {
+            Admission::Accepted => Ok(s),
+            Admission::Refused(reason) => Err(SwarmError::Refused { peer, reason }),
+        }
+    }
+
+    /// Serves `protocol`: every inbound stream is admitted (swarm key, concurrent streams
+    /// per peer, request rate: a refusal is written to the stream and logged) and handed
+    /// to `handler` on its own task; a handler's error is logged with the peer. The accept
+    /// loop and the handlers run in the node's task tracker and end with the node.
+    pub fn serve<H, F, E>(&self, protocol: StreamProtocol, handler: H) -> Result<(), SwarmError>
+    where
+        H: Fn(PeerId, Stream) -> F + Send + Sync + 'static,
+        F: Future<Output = Result<(), E>> + Send + 'static,
+        E: std::fmt::Display + Send + 'static,
+    {
+        admission::serve(&self.shared, &self.control, protocol, handler)
+    }
+
+    /// Stops the node now: the event loop ends (connections close, listeners release
+    /// their ports), every task of the node is cancelled, and this returns once they have
+    /// ended (or after `timeout`). Other handles then answer [`SwarmError::Stopped`].
+    /// Without it the node ends when its last handle is dropped.
+    pub async fn shutdown(&self, timeout: Duration) {
+        let _ = self.cmd.send(Command::Shutdown).await;
+        self.shared.tasks.close();
+        if tokio::time::timeout(timeout, self.shared.tasks.wait())
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                running = self.shared.tasks.len(),
+                "swarm tasks still running after the shutdown timeout"
+            );
+        }
+    }
+
+    /// A token cancelled when the node has ended (holding it does not keep the node up).
+    pub fn ended(&self) -> crate::base::stop::CancellationToken {
+        self.shared.ended.clone()
+    }
+}
