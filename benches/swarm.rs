@@ -42,8 +42,8 @@ use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use agentjet::client::submit::{prepare, submit};
 use agentjet::base::Rng;
+use agentjet::client::submit::{prepare, submit};
 use agentjet::rpc::SubmitReply;
 use agentjet::swarm::{spawn_node, Keypair, PeerId, Role, SwarmConfig};
 use agentjet::timeline::{Episode, EpisodeStatus};

@@ -9,6 +9,8 @@ echo "[test] cargo fmt --check"
 cargo fmt --all -- --check
 echo "[test] cargo clippy --all-targets -- -D warnings"
 cargo clippy --workspace --all-targets -- -D warnings
+echo "[test] cargo clippy --no-default-features (the client-only build, without LibTorch)"
+cargo clippy --no-default-features --lib --bins -- -D warnings
 echo "[test] cargo doc --no-deps (warnings denied)"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps
 cargo test --release --workspace "$@"

@@ -98,13 +98,13 @@ fn code_only(src: &str) -> String {
                 // A char literal ('a', '\n', '\u{..}') or a lifetime ('a): skip only
                 // the former.
                 let rest = &src[i..];
-                let lit = if rest.starts_with("'\\") {
-                    rest[2..].find('\'').map(|e| e + 3)
-                } else {
-                    rest.char_indices()
+                let lit = match rest.strip_prefix("'\\") {
+                    Some(esc) => esc.find('\'').map(|e| e + 3),
+                    None => rest
+                        .char_indices()
                         .nth(2)
                         .filter(|(_, c)| *c == '\'')
-                        .map(|(k, _)| k + 1)
+                        .map(|(k, _)| k + 1),
                 };
                 match lit {
                     Some(len) => {
@@ -176,12 +176,7 @@ fn crate_uses(src: &str) -> Vec<(String, usize)> {
 }
 
 /// The layer violations of one file of module `module` (`file` only names it).
-fn violations(
-    table: &BTreeMap<String, usize>,
-    module: &str,
-    file: &str,
-    src: &str,
-) -> Vec<String> {
+fn violations(table: &BTreeMap<String, usize>, module: &str, file: &str, src: &str) -> Vec<String> {
     let Some(&mine) = table.get(module) else {
         return vec![format!(
             "{file}: module `{module}` is not in the layer table of docs/ARCHITECTURE.md"
@@ -229,7 +224,12 @@ fn every_module_uses_only_lower_layers() {
     let mut seen = std::collections::BTreeSet::new();
     for f in &files {
         let rel = f.strip_prefix(&src).unwrap();
-        let first = rel.components().next().unwrap().as_os_str().to_string_lossy();
+        let first = rel
+            .components()
+            .next()
+            .unwrap()
+            .as_os_str()
+            .to_string_lossy();
         // The binary is above every layer; lib.rs only declares the modules.
         if first == "bin" || first == "lib.rs" {
             continue;
@@ -269,18 +269,34 @@ fn an_upward_import_fails_the_check() {
         assert!(v[0].contains("arrows point down"), "{v:?}");
     }
     // The swarm may not name what it carries: a same-layer or upward import fails too.
-    let v = violations(&table, "swarm", "src/swarm/x.rs", "use crate::model::ModelCard;");
+    let v = violations(
+        &table,
+        "swarm",
+        "src/swarm/x.rs",
+        "use crate::model::ModelCard;",
+    );
     assert_eq!(v.len(), 1, "{v:?}");
-    let v = violations(&table, "swarm", "src/swarm/x.rs", "use crate::timeline::Call;");
+    let v = violations(
+        &table,
+        "swarm",
+        "src/swarm/x.rs",
+        "use crate::timeline::Call;",
+    );
     assert_eq!(v.len(), 1, "{v:?}");
     // Downward imports, own-module paths, comments and strings are fine.
     let ok = "use crate::base::Rng; // crate::server is above\n\
               use crate::model::{ModelCard, TokenBytes};\n\
               const S: &str = \"crate::client\";\n\
               /* crate::openai */ fn f() -> crate::engine::EngineError { todo!() }\n";
-    assert_eq!(violations(&table, "openai", "src/openai/x.rs", ok), Vec::<String>::new());
+    assert_eq!(
+        violations(&table, "openai", "src/openai/x.rs", ok),
+        Vec::<String>::new()
+    );
     // A module missing from the table fails.
-    assert_eq!(violations(&table, "newthing", "src/newthing/mod.rs", "").len(), 1);
+    assert_eq!(
+        violations(&table, "newthing", "src/newthing/mod.rs", "").len(),
+        1
+    );
 }
 
 /// Every markdown link target and every `../` path in `file` (relative to its folder)
@@ -303,18 +319,26 @@ fn bad_links(file: &Path) -> Vec<String> {
             targets.push(word.to_string());
         }
     }
+    targets.sort();
+    targets.dedup();
     for t in targets {
         let path = t.split('#').next().unwrap_or("");
         if path.is_empty() {
             continue; // an anchor on the same page
         }
         if path.contains("://") || path.starts_with("mailto:") {
-            out.push(format!("{}: {t} points outside the repository", file.display()));
+            out.push(format!(
+                "{}: {t} points outside the repository",
+                file.display()
+            ));
             continue;
         }
         match dir.join(path).canonicalize() {
             Ok(p) if p.starts_with(&repo) => {}
-            Ok(_) => out.push(format!("{}: {t} points outside the repository", file.display())),
+            Ok(_) => out.push(format!(
+                "{}: {t} points outside the repository",
+                file.display()
+            )),
             Err(_) => out.push(format!("{}: {t} does not exist", file.display())),
         }
     }
@@ -334,7 +358,11 @@ fn readme_and_docs_link_only_inside_the_repository() {
     // The check itself: a link out of the repository is caught.
     let tmp = root().join("target").join("layering-link-check.md");
     std::fs::create_dir_all(tmp.parent().unwrap()).unwrap();
-    std::fs::write(&tmp, "See [the plan](../../shared/DESIGN.md) and `../../x`.\n").unwrap();
+    std::fs::write(
+        &tmp,
+        "See [the plan](../../shared/DESIGN.md) and `../../x`.\n",
+    )
+    .unwrap();
     let caught = bad_links(&tmp);
     let _ = std::fs::remove_file(&tmp);
     assert_eq!(caught.len(), 2, "{caught:?}");

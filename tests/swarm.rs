@@ -154,8 +154,8 @@ fn clients_find_servers_through_the_dht_and_survive_a_killed_server() {
 mod library {
     use super::*;
     use agentjet::client::submit::{prepare, submit};
-    use agentjet::swarm::frame::{read_frame, write_raw};
     use agentjet::rpc::{InferFrame, SubmitReply, INFER};
+    use agentjet::swarm::frame::{read_frame, write_raw};
     use agentjet::swarm::{spawn_node, Keypair, PeerId, Role, SwarmConfig, SwarmHandle, SwarmKey};
     use agentjet::timeline::{Call, Episode};
     use futures::io::AsyncWriteExt;

@@ -1,13 +1,13 @@
 //! Memory-efficient token log-probabilities (and entropies) of an output layer, forward and
 //! backward, never holding more than `chunk` rows of `[tokens x vocabulary]` logits.
 //!
-//! For hidden states `h` [T, d], output weights `w` [V, d] and target ids `y` [T], with
+//! For hidden states `h` [T, d], output weights `w` [V, d] and target ids `y` `[T]`, with
 //! `z = h wᵀ` and `lse = logsumexp(z)` per row:
 //!
 //! - log-probability `lp_t = log_softmax(z_t)_{y_t}`
 //! - entropy `H_t = -Σ_j p_j log p_j`, `p = softmax(z_t)`
 //!
-//! Backward, given `g_lp = ∂L/∂lp` and `g_H = ∂L/∂H` [T]:
+//! Backward, given `g_lp = ∂L/∂lp` and `g_H = ∂L/∂H` `[T]`:
 //!
 //! - `∂lp_t/∂z_t = onehot(y_t) - p`
 //! - `∂H_t/∂z_tj = -p_j (log p_j + H_t)`
@@ -32,7 +32,7 @@ fn shape(problem: String) -> KernelError {
     }
 }
 
-/// The values of one pass: log-probabilities, and entropies when asked for, [T] float32.
+/// The values of one pass: log-probabilities, and entropies when asked for, `[T]` float32.
 pub struct TokenLogprobs {
     pub logprobs: Tensor,
     pub entropy: Option<Tensor>,
@@ -92,7 +92,7 @@ pub fn token_logprobs(
 
 /// Backward: the gradients of a loss with respect to `h` and `w`, given the loss's
 /// gradients `g_lp` with respect to each log-probability and `g_entropy` with respect to
-/// each entropy (both [T]). Recomputes each chunk's logits; returns (∂L/∂h [T, d] in h's
+/// each entropy (both `[T]`). Recomputes each chunk's logits; returns (∂L/∂h [T, d] in h's
 /// kind, ∂L/∂w [V, d] in w's kind).
 pub fn token_logprobs_backward(
     h: &Tensor,

@@ -132,7 +132,11 @@ mod tests {
         assert_eq!(b.requested().await, StopMode::Abort);
         a.aborted().await;
         root.request(StopMode::Drain);
-        assert_eq!(root.mode(), Some(StopMode::Abort), "a drain does not undo an abort");
+        assert_eq!(
+            root.mode(),
+            Some(StopMode::Abort),
+            "a drain does not undo an abort"
+        );
     }
 
     #[tokio::test]
@@ -149,7 +153,13 @@ mod tests {
             s.aborted().await;
         });
         stop.request(StopMode::Drain);
-        let ended = wind_down(&tasks, &stop, Duration::from_millis(200), Duration::from_millis(200)).await;
+        let ended = wind_down(
+            &tasks,
+            &stop,
+            Duration::from_millis(200),
+            Duration::from_millis(200),
+        )
+        .await;
         assert!(ended);
         assert_eq!(stop.mode(), Some(StopMode::Abort), "the drain timed out");
         // A task that ignores even the abort is reported.
@@ -157,6 +167,14 @@ mod tests {
         let tasks = TaskTracker::new();
         tasks.spawn(std::future::pending::<()>());
         stop.request(StopMode::Abort);
-        assert!(!wind_down(&tasks, &stop, Duration::from_millis(200), Duration::from_millis(200)).await);
+        assert!(
+            !wind_down(
+                &tasks,
+                &stop,
+                Duration::from_millis(200),
+                Duration::from_millis(200)
+            )
+            .await
+        );
     }
 }

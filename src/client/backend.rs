@@ -25,7 +25,7 @@ use tracing::{info, warn};
 use super::ClientError;
 use crate::base::lock;
 use crate::base::stop::{Stop, TaskTracker};
-use crate::engine::{EngineError, GenerateRequest};
+use crate::engine::{EngineError, EngineEvent, GenerateRequest};
 use crate::model::{ModelCard, ModelError};
 use crate::openai::{Backend, ChoiceEvent, ChoiceStream, SignedPart};
 use crate::rpc::{CardBlob, CardReply, CardRequest, InferFrame, InferRequest, CARD, INFER};
@@ -86,7 +86,10 @@ impl Router {
     }
 
     pub fn providers(&self, model: &str) -> Vec<PeerId> {
-        lock(&self.providers).get(model).cloned().unwrap_or_default()
+        lock(&self.providers)
+            .get(model)
+            .cloned()
+            .unwrap_or_default()
     }
 
     fn failed(&self, peer: PeerId) {
@@ -394,7 +397,9 @@ impl RemoteCall {
                     AttemptEnd::CallerGone => return,
                     AttemptEnd::Fatal(e) => {
                         for i in g {
-                            let _ = runs[i].tx.send(ChoiceEvent::Failed(e.clone()));
+                            let _ = runs[i]
+                                .tx
+                                .send(ChoiceEvent::Engine(EngineEvent::Failed(e.clone())));
                             runs[i].done = true;
                         }
                     }
@@ -413,9 +418,9 @@ impl RemoteCall {
             return;
         }
         for r in runs.iter().filter(|r| !r.done) {
-            let _ = r.tx.send(ChoiceEvent::Failed(format!(
+            let _ = r.tx.send(ChoiceEvent::Engine(EngineEvent::Failed(format!(
                 "no provider could serve the call: {last_err}"
-            )));
+            ))));
         }
     }
 
@@ -516,7 +521,7 @@ impl RemoteCall {
                     if run.tx.send(signed).is_err()
                         || run
                             .tx
-                            .send(ChoiceEvent::Token { id, logprob, top })
+                            .send(ChoiceEvent::Engine(EngineEvent::Token { id, logprob, top }))
                             .is_err()
                     {
                         return AttemptEnd::CallerGone;
@@ -536,12 +541,12 @@ impl RemoteCall {
                         ));
                     };
                     let run = &mut runs[i];
-                    let ev = ChoiceEvent::Finished {
+                    let ev = ChoiceEvent::Engine(EngineEvent::Finished {
                         reason,
                         prompt_tokens: self.req.prompt.len(),
                         completion_tokens: run.tokens.len(),
                         policy_version,
-                    };
+                    });
                     run.done = true;
                     finished += 1;
                     let _ = run.tx.send(ev);
@@ -550,7 +555,9 @@ impl RemoteCall {
                     if let Some(i) = choice_of(choice) {
                         runs[i].done = true;
                         finished += 1;
-                        let _ = runs[i].tx.send(ChoiceEvent::Failed(message));
+                        let _ = runs[i]
+                            .tx
+                            .send(ChoiceEvent::Engine(EngineEvent::Failed(message)));
                     }
                 }
                 InferFrame::Rejected { message, retry } => {

@@ -22,10 +22,10 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 use tokio::sync::Semaphore;
 
+use super::backend::SwarmBackend;
 use super::runner::{run_agent, AgentOutcome, AgentSpec};
 use super::submit::submit_to_model;
 use super::tasks::{Schedule, Task};
-use super::backend::SwarmBackend;
 use super::ClientError;
 use crate::base::stop::TaskTracker;
 use crate::base::{lock, Stop};
@@ -433,7 +433,7 @@ impl EpisodeRun {
                 Err(e) => {
                     ms.failed += 1;
                     tracing::warn!(episode = self.id, model, "not submitted: {e}");
-                    json!({"error": e})
+                    json!({"error": e.to_string()})
                 }
             };
             answers.insert(model.clone(), answer);

@@ -191,10 +191,9 @@ async fn start(cfg: ClientConfig, stop: Stop) -> Result<Client, ClientError> {
         }
         None => stop.child(),
     };
-    let closed = cfg.swarm.swarm_key.is_some();
     let swarm = spawn_node(cfg.swarm.clone()).await?;
     let listen_addrs = swarm.listen_addrs().await;
-    announce(&swarm, &listen_addrs, closed);
+    println!("{}", swarm.introduction(&listen_addrs));
     let backend = Arc::new(
         SwarmBackend::connect(
             swarm.clone(),
@@ -307,18 +306,6 @@ async fn start(cfg: ClientConfig, stop: Stop) -> Result<Client, ClientError> {
     })
 }
 
-/// Prints who this peer is and where it listens.
-fn announce(swarm: &SwarmHandle, addrs: &[Multiaddr], closed_swarm: bool) {
-    println!("peer id: {}", swarm.peer_id);
-    for a in addrs {
-        println!("listening on {a}");
-    }
-    if closed_swarm {
-        println!("swarm key: set (a closed swarm)");
-    }
-    flush_stdout();
-}
-
 fn flush_stdout() {
     use std::io::Write as _;
     let _ = std::io::stdout().flush();
@@ -355,7 +342,13 @@ impl Client {
         let mode = self.stop.mode().unwrap_or(crate::base::StopMode::Drain);
         self.stop.request(mode);
         self.proxy_stop.request(mode);
-        wind_down(&self.tasks, &self.proxy_stop, self.drain_timeout, ABORT_GRACE).await;
+        wind_down(
+            &self.tasks,
+            &self.proxy_stop,
+            self.drain_timeout,
+            ABORT_GRACE,
+        )
+        .await;
         self.swarm.shutdown(ABORT_GRACE).await;
         Ok(summary)
     }

@@ -4,8 +4,8 @@
 use std::collections::HashMap;
 
 use crate::rpc::{CompactSignature, FragmentBatch, SubmitManifest, SubmitReply, SUBMIT};
-use crate::swarm::frame::{read_frame, write_frame};
 use crate::swarm::frame::FrameError;
+use crate::swarm::frame::{read_frame, write_frame};
 use crate::swarm::sign::{split, SignatureError};
 use crate::swarm::{PeerId, SwarmError, SwarmHandle};
 use crate::timeline::fragment::{fragment_timeline, EpisodeManifest, FragmentHash};

@@ -87,8 +87,7 @@ fn read_jsonl(path: &Path, out: &mut Vec<Task>) -> Result<(), TaskError> {
             line: i + 1,
             problem,
         };
-        let t: Task =
-            serde_json::from_str(line).map_err(|e| bad(format!("not a task ({e})")))?;
+        let t: Task = serde_json::from_str(line).map_err(|e| bad(format!("not a task ({e})")))?;
         if t.id.is_empty() {
             return Err(bad("empty task id".into()));
         }

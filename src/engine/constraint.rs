@@ -39,7 +39,10 @@ pub enum ConstraintError {
         Some(t) => format!("token {t} does not"),
         None => "no token of the vocabulary".to_string(),
     })]
-    OffPattern { token: Option<u32>, describe: String },
+    OffPattern {
+        token: Option<u32>,
+        describe: String,
+    },
 }
 
 /// Consecutive whitespace bytes allowed between JSON tokens (stops a model from padding

@@ -160,7 +160,11 @@ pub struct EngineInbox {
 impl EngineHandle {
     /// A handle and the inbox of the engine thread that serves it: a queue of
     /// `max_queue` requests, batches of `max_batch`, `max_sequence` positions per request.
-    pub fn new(max_queue: usize, max_batch: usize, max_sequence: usize) -> (EngineHandle, EngineInbox) {
+    pub fn new(
+        max_queue: usize,
+        max_batch: usize,
+        max_sequence: usize,
+    ) -> (EngineHandle, EngineInbox) {
         let (tx, rx) = mpsc::sync_channel(max_queue.max(1));
         let stats = Arc::new(EngineStats::default());
         let weights = Arc::new(Mutex::new(None));

@@ -55,7 +55,10 @@ impl SamplingParams {
     pub fn validate(&self) -> Result<(), SamplingError> {
         let bad = |field: &'static str, problem: String| Err(SamplingError { field, problem });
         if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
-            return bad("temperature", format!("must be >= 0, got {}", self.temperature));
+            return bad(
+                "temperature",
+                format!("must be >= 0, got {}", self.temperature),
+            );
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return bad("top_p", format!("must be in (0, 1], got {}", self.top_p));

@@ -34,7 +34,12 @@ impl EngineHandle {
     pub fn update_weights(&self, params: &[Tensor], version: u64) -> Result<(), EngineError> {
         let (done, wait) = std::sync::mpsc::channel();
         self.offer_weights(PendingWeights {
-            params: Box::new(params.iter().map(|p| p.shallow_clone()).collect::<Vec<Tensor>>()),
+            params: Box::new(
+                params
+                    .iter()
+                    .map(|p| p.shallow_clone())
+                    .collect::<Vec<Tensor>>(),
+            ),
             version,
             done,
         })?;
@@ -194,7 +199,9 @@ impl EngineLoop {
             }
             Ok(())
         })();
-        copied.map_err(|e| EngineError::WeightsRejected(format!("copying the new weights failed: {e}")))
+        copied.map_err(|e| {
+            EngineError::WeightsRejected(format!("copying the new weights failed: {e}"))
+        })
     }
 
     /// Moves queued submissions into the local waiting list while the batch has room.

@@ -216,7 +216,7 @@ fn strftime(fmt: &str, secs: i64) -> String {
 
 impl ChatTemplate {
     /// Compiles `source` (and a tool-use variant, if the model ships one).
-    /// `special_tokens` are the (name, text) pairs HF passes in, e.g. ("bos_token", "<s>").
+    /// `special_tokens` are the (name, text) pairs HF passes in, e.g. `("bos_token", "<s>")`.
     pub fn new(
         source: String,
         tool_use_source: Option<String>,

@@ -48,7 +48,11 @@ pub fn parse_placement(device: &str, dtype: Option<&str>) -> Result<(Device, DTy
                 }
                 Device::Cuda(n)
             }
-            _ => return invalid(format!("--device {other:?}: expected auto, cpu, cuda or cuda:N")),
+            _ => {
+                return invalid(format!(
+                    "--device {other:?}: expected auto, cpu, cuda or cuda:N"
+                ))
+            }
         },
     };
     let dtype = match dtype {

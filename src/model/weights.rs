@@ -238,7 +238,7 @@ impl GgufSource {
 }
 
 /// Undoes llama.cpp's interleaving of rotary halves in Q/K rows (`convert_hf_to_gguf.py`'s
-/// `permute`), restoring HF's rotate-half layout. Works for weights [out, in] and biases [out].
+/// `permute`), restoring HF's rotate-half layout. Works for weights [out, in] and biases `[out]`.
 pub fn unpermute_qk(t: &Tensor, n_head: i64) -> Result<Tensor, ModelError> {
     let shape = t.size();
     let out = shape[0];

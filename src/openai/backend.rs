@@ -12,7 +12,7 @@ use std::sync::Arc;
 use futures_util::{Stream, StreamExt};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
-use crate::engine::{EngineError, EngineEvent, EngineHandle, FinishReason, GenerateRequest};
+use crate::engine::{EngineError, EngineEvent, EngineHandle, GenerateRequest};
 use crate::model::ModelCard;
 
 /// Tokens `start..upto` of a choice as one call a server signed (the signature is
@@ -25,48 +25,16 @@ pub struct SignedPart {
     pub signature: Vec<u8>,
 }
 
-/// What a requester hears about one choice, in order: tokens (each possibly preceded by
-/// the signature that covers it), then one `Finished` or one `Failed`.
+/// What a requester hears about one choice, in order: the engine's events (tokens, then
+/// one `Finished` or one `Failed`), each token possibly preceded by the signature that
+/// covers it (from a remote server).
 #[derive(Debug, Clone, PartialEq)]
 pub enum ChoiceEvent {
-    Token {
-        id: u32,
-        logprob: f64,
-        /// The request's `top_logprobs` most likely tokens at this position.
-        top: Vec<(u32, f64)>,
-    },
-    Finished {
-        reason: FinishReason,
-        prompt_tokens: usize,
-        completion_tokens: usize,
-        /// The policy version the choice started on.
-        policy_version: u64,
-    },
-    Failed(String),
+    Engine(EngineEvent),
     /// From a remote server, just before the token it covers: its signature over the call
     /// whose prompt is the request's prompt plus this choice's tokens before `start`, and
     /// whose completion is the tokens `start..upto`.
     Signed(SignedPart),
-}
-
-impl From<EngineEvent> for ChoiceEvent {
-    fn from(e: EngineEvent) -> ChoiceEvent {
-        match e {
-            EngineEvent::Token { id, logprob, top } => ChoiceEvent::Token { id, logprob, top },
-            EngineEvent::Finished {
-                reason,
-                prompt_tokens,
-                completion_tokens,
-                policy_version,
-            } => ChoiceEvent::Finished {
-                reason,
-                prompt_tokens,
-                completion_tokens,
-                policy_version,
-            },
-            EngineEvent::Failed(m) => ChoiceEvent::Failed(m),
-        }
-    }
 }
 
 /// One choice's events. Dropping it cancels the choice.
@@ -125,7 +93,9 @@ impl Backend for LocalBackend {
             .engine
             .submit_n(req, n)?
             .into_iter()
-            .map(|rx| Box::pin(UnboundedReceiverStream::new(rx).map(ChoiceEvent::from)) as ChoiceStream)
+            .map(|rx| {
+                Box::pin(UnboundedReceiverStream::new(rx).map(ChoiceEvent::Engine)) as ChoiceStream
+            })
             .collect())
     }
     fn metrics(&self) -> String {

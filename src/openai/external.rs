@@ -23,6 +23,7 @@ use http_body_util::{BodyStream, Full};
 use hyper_util::rt::TokioIo;
 use serde_json::{json, Value};
 
+use crate::base::lock;
 use crate::base::stop::TaskTracker;
 
 /// The most bytes of one response kept in its record (the agent gets all of it).
@@ -104,9 +105,7 @@ impl ExternalModel {
         }
         let (url, remote) = match rest.split_once('#') {
             Some((u, r)) if !r.trim().is_empty() => (u, r.trim().to_string()),
-            Some(_) => {
-                return Err(bad("nothing after '#' (the remote model name)".into()))
-            }
+            Some(_) => return Err(bad("nothing after '#' (the remote model name)".into())),
             None => (rest, name.to_string()),
         };
         if !(url.trim().starts_with("http://") || url.trim().starts_with("https://")) {
@@ -119,9 +118,7 @@ impl ExternalModel {
         let https = match uri.scheme_str() {
             Some("http") => false,
             Some("https") => true,
-            _ => {
-                return Err(bad("the URL must start with http:// or https://".into()))
-            }
+            _ => return Err(bad("the URL must start with http:// or https://".into())),
         };
         let host = uri
             .host()
@@ -213,35 +210,28 @@ pub struct ExternalLog {
 
 impl ExternalLog {
     fn push(&self, episode: &str, call: ExternalCall) {
-        if let Ok(mut m) = self.calls.lock() {
-            // Bounded like the tracker: episodes nobody collects are forgotten.
-            if m.len() >= 4096 && !m.contains_key(episode) {
-                m.clear();
-            }
-            let (calls, unrecorded) = m.entry(episode.to_string()).or_default();
-            if calls.len() < MAX_RECORDED_CALLS {
-                calls.push(call);
-            } else {
-                *unrecorded += 1;
-            }
+        let mut m = lock(&self.calls);
+        // Bounded like the tracker: episodes nobody collects are forgotten.
+        if m.len() >= 4096 && !m.contains_key(episode) {
+            m.clear();
+        }
+        let (calls, unrecorded) = m.entry(episode.to_string()).or_default();
+        if calls.len() < MAX_RECORDED_CALLS {
+            calls.push(call);
+        } else {
+            *unrecorded += 1;
         }
     }
     /// The episode's calls so far, leaving them in place.
     pub fn peek(&self, episode: &str) -> Vec<ExternalCall> {
-        self.calls
-            .lock()
-            .ok()
-            .and_then(|m| m.get(episode).map(|(c, _)| c.clone()))
+        lock(&self.calls)
+            .get(episode)
+            .map(|(c, _)| c.clone())
             .unwrap_or_default()
     }
     /// The episode's calls, forgetting them.
     pub fn take(&self, episode: &str) -> Vec<ExternalCall> {
-        let (calls, unrecorded) = self
-            .calls
-            .lock()
-            .ok()
-            .and_then(|mut m| m.remove(episode))
-            .unwrap_or_default();
+        let (calls, unrecorded) = lock(&self.calls).remove(episode).unwrap_or_default();
         if unrecorded > 0 {
             tracing::warn!(
                 episode,
@@ -301,7 +291,9 @@ fn tls_config() -> Result<Arc<rustls::ClientConfig>, ExternalError> {
 async fn connect(m: &ExternalModel) -> Result<Box<dyn Io>, ExternalError> {
     let tcp = tokio::net::TcpStream::connect((m.host.as_str(), m.port))
         .await
-        .map_err(|e| ExternalError::Connect(format!("cannot connect to {}:{}: {e}", m.host, m.port)))?;
+        .map_err(|e| {
+            ExternalError::Connect(format!("cannot connect to {}:{}: {e}", m.host, m.port))
+        })?;
     let _ = tcp.set_nodelay(true);
     if !m.https {
         return Ok(Box::new(tcp));

@@ -89,14 +89,23 @@ mod tests {
 
     #[test]
     fn rewards_parse_one_or_per_model_and_refuse_the_rest() {
-        assert_eq!(parse_reward(&json!({"reward": 0.5})), Ok(PostedReward::One(0.5)));
+        assert_eq!(
+            parse_reward(&json!({"reward": 0.5})),
+            Ok(PostedReward::One(0.5))
+        );
         let per = parse_reward(&json!({"rewards": {"a": 1, "b": 0}})).unwrap();
         assert_eq!(
             per,
             PostedReward::PerModel([("a".into(), 1.0), ("b".into(), 0.0)].into())
         );
-        assert_eq!(parse_reward(&json!({"rewards": {}})), Err(RewardError::Empty));
-        assert_eq!(parse_reward(&json!({"rewards": 3})), Err(RewardError::NotAnObject));
+        assert_eq!(
+            parse_reward(&json!({"rewards": {}})),
+            Err(RewardError::Empty)
+        );
+        assert_eq!(
+            parse_reward(&json!({"rewards": 3})),
+            Err(RewardError::NotAnObject)
+        );
         assert_eq!(parse_reward(&json!({"score": 1})), Err(RewardError::Shape));
         let e = parse_reward(&json!({"reward": "x"})).unwrap_err();
         assert_eq!(e.to_string(), "reward must be a finite number, got \"x\"");

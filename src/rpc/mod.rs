@@ -53,7 +53,7 @@ pub enum InferFrame {
         top: Vec<(u32, f64)>,
         /// The policy version the signature names (the one the choice started on).
         policy_version: u64,
-        /// [`super::sign::CallSignature`] (postcard) over the call with the choice's
+        /// `[`super::sign::CallSignature`]` (postcard) over the call with the choice's
         /// tokens so far, this one included, as its completion.
         signature: Vec<u8>,
     },
@@ -170,8 +170,21 @@ mod tests {
             policy_version: 3,
         };
         let fb = postcard::to_allocvec(&f).unwrap();
-        assert_eq!(fb, [1, 1, 1, 2, 5, 3], "the finish frame's wire format changed");
+        assert_eq!(
+            fb,
+            [1, 1, 1, 2, 5, 3],
+            "the finish frame's wire format changed"
+        );
     }
 
-    const EXPECTED_INFER_V1: &str = "";
+    const EXPECTED_INFER_V1: &str = concat!(
+        "016d0201ac0205",                     // model "m", prompt [1, 300], max_tokens 5
+        "000000000000e03f000000000000f03f03", // temperature 0.5, top_p 1, top_k 3
+        "0000000000000000",                   // min_p 0
+        "00000000000000000000000000000000",   // presence, frequency penalties 0
+        "000000000000f03f",                   // repetition penalty 1
+        "0107000080bf",                       // logit_bias [(7, -1.0)]
+        "010901020100", // seed Some(9), stop [2], top_logprobs 1, no constraint
+        "02",           // n
+    );
 }

@@ -30,7 +30,9 @@ pub enum BadCall {
     EmptyPrompt,
     #[error("token id {id} is outside the vocabulary ({vocab})")]
     OutOfVocab { id: u32, vocab: usize },
-    #[error("context_length_exceeded: {prompt} prompt + {max_tokens} max tokens > {limit} positions")]
+    #[error(
+        "context_length_exceeded: {prompt} prompt + {max_tokens} max tokens > {limit} positions"
+    )]
     Context {
         prompt: usize,
         max_tokens: u32,

@@ -152,12 +152,11 @@ pub async fn run(cfg: ServerConfig, stop: &Stop) -> Result<Server, ServerError> 
 }
 
 async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Server, ServerError> {
-    let (device, dtype) = parse_placement(&cfg.device, cfg.dtype.as_deref()).map_err(|e| {
-        ServerError::Model {
+    let (device, dtype) =
+        parse_placement(&cfg.device, cfg.dtype.as_deref()).map_err(|e| ServerError::Model {
             spec: cfg.model.clone(),
             source: e,
-        }
-    })?;
+        })?;
     let spec = cfg.model.clone();
     let train = cfg.train.is_some();
     // Loading takes seconds: off the async threads.
@@ -186,10 +185,9 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
     let engine = spawn_engine(loaded.model, cfg.engine.clone()).map_err(ServerError::Engine)?;
     let max_context = model_context.min(engine.max_sequence);
     let card = Arc::new(loaded.card);
-    let closed = cfg.swarm.swarm_key.is_some();
     let swarm = spawn_node(cfg.swarm.clone()).await?;
     let listen_addrs = swarm.listen_addrs().await;
-    announce(&swarm, &listen_addrs, closed);
+    println!("{}", swarm.introduction(&listen_addrs));
     let served = ServedModel::new(
         name.clone(),
         card.clone(),
@@ -239,12 +237,10 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
                     addr: addr.clone(),
                     source,
                 })?;
-            let local = listener
-                .local_addr()
-                .map_err(|source| ServerError::Http {
-                    addr: addr.clone(),
-                    source,
-                })?;
+            let local = listener.local_addr().map_err(|source| ServerError::Http {
+                addr: addr.clone(),
+                source,
+            })?;
             println!("http at http://{local}/v1");
             let stop = stop.clone();
             tasks.spawn(async move {
@@ -268,18 +264,6 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
         tasks,
         training,
     })
-}
-
-/// Prints who this peer is and where it listens (what a user passes as `--bootstrap`).
-pub fn announce(swarm: &SwarmHandle, addrs: &[Multiaddr], closed_swarm: bool) {
-    println!("peer id: {}", swarm.peer_id);
-    for a in addrs {
-        println!("listening on {a}");
-    }
-    if closed_swarm {
-        println!("swarm key: set (a closed swarm)");
-    }
-    flush_stdout();
 }
 
 fn flush_stdout() {

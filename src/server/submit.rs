@@ -92,7 +92,9 @@ impl ServedModel {
         }
         for r in man.reward.iter().chain(man.rewards.values()) {
             if !r.is_finite() {
-                return Err(SubmitError::Manifest(format!("reward {r} is not a finite number")));
+                return Err(SubmitError::Manifest(format!(
+                    "reward {r} is not a finite number"
+                )));
             }
         }
         if m.signatures.len() != man.timelines.len() {
@@ -117,15 +119,24 @@ impl ServedModel {
                 )));
             }
             if sigs.len() != t.calls as usize {
-                return Err(SubmitError::Manifest(format!("{} signatures for {} calls", sigs.len(), t.calls)));
+                return Err(SubmitError::Manifest(format!(
+                    "{} signatures for {} calls",
+                    sigs.len(),
+                    t.calls
+                )));
             }
         }
         let calls: usize = man.timelines.iter().map(|t| t.calls as usize).sum();
         if m.signers.len() > calls.max(1) {
-            return Err(SubmitError::Manifest(format!("{} signers for {calls} calls", m.signers.len())));
+            return Err(SubmitError::Manifest(format!(
+                "{} signers for {calls} calls",
+                m.signers.len()
+            )));
         }
         if m.signers.iter().any(|k| k.len() > MAX_SIGNATURE_BYTES) {
-            return Err(SubmitError::Manifest(format!("a signer key over {MAX_SIGNATURE_BYTES} bytes")));
+            return Err(SubmitError::Manifest(format!(
+                "a signer key over {MAX_SIGNATURE_BYTES} bytes"
+            )));
         }
         Ok(())
     }
@@ -224,13 +235,8 @@ impl ServedModel {
                         join(key, &cs.signature)
                     }
                 };
-                let digest = call_digest(
-                    &t.model,
-                    &c.prompt,
-                    &c.completion,
-                    &c.logprobs,
-                    c.version,
-                );
+                let digest =
+                    call_digest(&t.model, &c.prompt, &c.completion, &c.logprobs, c.version);
                 let signer = verify(&sig, &digest).map_err(|e| SubmitError::Signature {
                     call: c.call,
                     source: e,
@@ -296,7 +302,6 @@ impl ServedModel {
         write_atomic(&path, &bytes).map_err(|source| SubmitError::Store { path, source })?;
         Ok(stored)
     }
-}
 }
 
 /// An episode as a server stores it.

@@ -65,9 +65,9 @@ impl TrainingHandle {
     /// A drain returns once the step in progress is done and the checkpoint saved.
     pub fn stop(self, mode: StopMode) -> Result<(), TrainingError> {
         let _ = self.tx.send(TrainerInput::Stop(mode));
-        self.thread
-            .join()
-            .unwrap_or_else(|_| Err(TrainError::Invalid("the training thread panicked".into()).into()))
+        self.thread.join().unwrap_or_else(|_| {
+            Err(TrainError::Invalid("the training thread panicked".into()).into())
+        })
     }
 }
 

@@ -147,7 +147,7 @@ pub(super) fn serve<H, F, E>(
 where
     H: Fn(PeerId, Stream) -> F + Send + Sync + 'static,
     F: Future<Output = Result<(), E>> + Send + 'static,
-        E: std::fmt::Display + Send + 'static,
+    E: std::fmt::Display + Send + 'static,
 {
     let mut incoming = control
         .clone()

@@ -31,7 +31,9 @@ use crate::base::lock;
 /// Why a swarm key file was not accepted.
 #[derive(Debug, thiserror::Error)]
 pub enum KeyError {
-    #[error("expected 64 hex digits, or the three lines `{KEY_HEADER}`, `/base16/`, 64 hex digits")]
+    #[error(
+        "expected 64 hex digits, or the three lines `{KEY_HEADER}`, `/base16/`, 64 hex digits"
+    )]
     Format,
     #[error("the key must be 64 hex digits (32 bytes), got {0} characters")]
     Length(usize),

@@ -186,6 +186,17 @@ impl SwarmHandle {
         }
     }
 
+    /// What a peer prints about itself at start: its id, each listen address (what others
+    /// pass as `--bootstrap`), and whether the swarm is closed.
+    pub fn introduction(&self, addrs: &[Multiaddr]) -> String {
+        let mut lines = vec![format!("peer id: {}", self.peer_id)];
+        lines.extend(addrs.iter().map(|a| format!("listening on {a}")));
+        if self.auth.key().is_some() {
+            lines.push("swarm key: set (a closed swarm)".into());
+        }
+        lines.join("\n")
+    }
+
     /// A token cancelled when the node has ended (holding it does not keep the node up).
     pub fn ended(&self) -> crate::base::stop::CancellationToken {
         self.shared.ended.clone()

@@ -84,9 +84,7 @@ pub fn load_or_create_identity(path: &Path) -> Result<Keypair, PeerFileError> {
         std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
     }
     let key = Keypair::generate_ed25519();
-    let bytes = key
-        .to_protobuf_encoding()
-        .expect("an ed25519 key encodes");
+    let bytes = key.to_protobuf_encoding().expect("an ed25519 key encodes");
     let tmp = path.with_extension("tmp");
     std::fs::write(&tmp, &bytes).map_err(|e| io(&tmp, e))?;
     #[cfg(unix)]

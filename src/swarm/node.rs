@@ -1,6 +1,6 @@
 //! The libp2p node: one event loop task owns the `Swarm` (identify, ping, gossipsub,
 //! Kademlia, raw streams); the rest of the program holds a cloneable [`SwarmHandle`] that
-//! sends [`Command`]s over a bounded channel (each with a oneshot for its answer) and opens
+//! sends `Command`s over a bounded channel (each with a oneshot for its answer) and opens
 //! or accepts streams through `libp2p-stream`'s control, which needs no round trip through
 //! the loop. Nothing outside the loop touches the swarm.
 //!
@@ -143,11 +143,8 @@ enum BadGossip {
     NotMember(PeerId),
     #[error("malformed status: {0}")]
     Malformed(String),
-    #[error("status of {author} not signed by it ({signer:?})")]
-    NotSignedByAuthor {
-        author: PeerId,
-        signer: Option<PeerId>,
-    },
+    #[error("status of {author} not signed by it (signed by {signer})")]
+    NotSignedByAuthor { author: PeerId, signer: String },
     #[error("status of {0}: {1} swarm key MAC")]
     Mac(PeerId, &'static str),
 }
@@ -701,7 +698,7 @@ impl EventLoop {
         if m.source != Some(author) {
             return Err(BadGossip::NotSignedByAuthor {
                 author,
-                signer: m.source,
+                signer: m.source.map_or_else(|| "nobody".into(), |p| p.to_string()),
             });
         }
         if let Some(k) = self.shared.auth.key() {

@@ -51,8 +51,8 @@ pub fn split(encoded: &[u8]) -> Result<(Vec<u8>, Vec<u8>), SignatureError> {
     if encoded.len() > MAX_SIGNATURE_BYTES {
         return Err(SignatureError::TooLarge(encoded.len()));
     }
-    let s: CallSignature = postcard::from_bytes(encoded)
-        .map_err(|e| SignatureError::Malformed(e.to_string()))?;
+    let s: CallSignature =
+        postcard::from_bytes(encoded).map_err(|e| SignatureError::Malformed(e.to_string()))?;
     Ok((s.public_key, s.signature))
 }
 

@@ -179,8 +179,7 @@ impl RunDir {
             &ModelSource::HfDir(ck.join("model")),
             trainer.model.device(),
             DType::F32,
-        )
-?
+        )?
         .model;
         let (mine, theirs) = (trainer.model.parameters(), loaded.parameters());
         if mine.len() != theirs.len() {

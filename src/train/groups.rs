@@ -161,11 +161,7 @@ impl GroupBuffer {
     /// (taken without waiting for the timeout) once `size` episodes arrived, finished or
     /// aborted, and trained on its finished ones (at most `size`) when there are at least
     /// `min_episodes`.
-    pub fn add_sized(
-        &mut self,
-        episode: Episode,
-        size: Option<usize>,
-    ) -> Result<(), BufferError> {
+    pub fn add_sized(&mut self, episode: Episode, size: Option<usize>) -> Result<(), BufferError> {
         if episode.status == EpisodeStatus::Running {
             return Err(BufferError::Running(episode.id));
         }

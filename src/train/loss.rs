@@ -87,7 +87,7 @@ impl LossConfig {
     }
 }
 
-/// The per-token inputs of one micro-batch (all [T], on one device).
+/// The per-token inputs of one micro-batch (all `[T]`, on one device).
 pub struct LossInputs<'a> {
     pub logprobs: &'a Tensor,
     /// `None`: the update's starting policy is the current one (one step per batch), so
@@ -98,7 +98,7 @@ pub struct LossInputs<'a> {
     /// Sequence (episode) index of each token, int64, in 0..`seq_count`.
     pub seq: &'a Tensor,
     pub seq_count: i64,
-    /// How many tokens each token's sequence has in the whole batch, [T].
+    /// How many tokens each token's sequence has in the whole batch, `[T]`.
     pub seq_len: &'a Tensor,
     pub reference_logprobs: Option<&'a Tensor>,
     pub entropy: Option<&'a Tensor>,
@@ -178,7 +178,7 @@ pub fn policy_loss(
     }
     if cfg.kl_coef != 0.0 && x.reference_logprobs.is_none() {
         return Err(bad(
-            "kl_coef is set but no reference logprobs were given".into(),
+            "kl_coef is set but no reference logprobs were given".into()
         ));
     }
     if cfg.entropy_coef != 0.0 && x.entropy.is_none() {

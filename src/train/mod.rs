@@ -51,7 +51,7 @@ impl TrainError {
 }
 
 /// The current policy's log-probability of every target of `row` (in `row.targets`
-/// order), float32 [targets], differentiable: one forward over the row
+/// order), float32 `[targets]`, differentiable: one forward over the row
 /// ([`Llama::forward_row`]), logits only where a target is predicted.
 pub fn target_logprobs(model: &Llama, row: &PackedRow) -> Result<Tensor, ModelError> {
     let dev = model.device();

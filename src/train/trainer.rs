@@ -8,7 +8,7 @@
 //! 3. Each row: the model's final hidden states at the target positions, then token
 //!    log-probabilities and entropies through the chunked kernel
 //!    ([`agentjet_kernels::logprobs`]), never a [tokens x vocabulary] log-softmax at once;
-//!    the loss ([`super::loss`]) on those [T] vectors gives ∂L/∂lp and ∂L/∂H; the kernel's
+//!    the loss ([`super::loss`]) on those `[T]` vectors gives ∂L/∂lp and ∂L/∂H; the kernel's
 //!    backward turns them into ∂L/∂h and ∂L/∂W_out, and one backward pass carries ∂L/∂h
 //!    through the model. Gradients accumulate over the rows (normalised by the whole
 //!    batch's counts, so the sum is the batch gradient).

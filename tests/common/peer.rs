@@ -195,8 +195,8 @@ pub async fn signed_call(
     max_tokens: u32,
     seed: u64,
 ) -> Result<agentjet::timeline::Call, String> {
-    use agentjet::swarm::frame::{read_frame, write_frame};
     use agentjet::rpc::{InferFrame, InferRequest, INFER};
+    use agentjet::swarm::frame::{read_frame, write_frame};
     let mut s = h.open(server, INFER).await.map_err(|e| e.to_string())?;
     let limit = h.cfg.max_frame_bytes;
     let req = InferRequest {

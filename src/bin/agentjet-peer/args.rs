@@ -8,7 +8,6 @@ use std::time::Duration;
 
 use agentjet::client::tasks::{load_source, Schedule};
 use agentjet::client::{ClientConfig, EpisodeJob};
-use agentjet::engine::EngineConfig;
 use agentjet::openai::external::ExternalModel;
 use agentjet::swarm::{self, Multiaddr, Role as WireRole, SwarmConfig, SwarmKey};
 use anyhow::{anyhow, bail, Context, Result};
@@ -123,16 +122,27 @@ pub struct SwarmArgs {
     pub drain_timeout: f64,
 }
 
-/// `agentjet-peer --role server`.
-#[derive(Debug, Parser)]
-#[command(name = "agentjet-peer --role server", about = "Host a model and train it")]
-pub struct ServerCli {
+/// What every role's command line has: the role, the log filter, the swarm flags.
+#[derive(Debug, Clone, clap::Args)]
+pub struct RoleCommon {
     #[arg(long, value_enum)]
     pub role: Role,
+    /// Log filter (tracing's EnvFilter syntax), e.g. `info` or `agentjet=debug`.
     #[arg(long, env = "AGENTJET_LOG", default_value = "warn")]
     pub log: String,
     #[command(flatten)]
     pub swarm: SwarmArgs,
+}
+
+/// `agentjet-peer --role server`.
+#[derive(Debug, Parser)]
+#[command(
+    name = "agentjet-peer --role server",
+    about = "Host a model and train it"
+)]
+pub struct ServerCli {
+    #[command(flatten)]
+    pub common: RoleCommon,
     /// The model to host: `smollm2`, a GGUF file, or an HF directory.
     #[arg(long, default_value = "smollm2")]
     pub model: String,
@@ -187,12 +197,8 @@ pub struct ServerCli {
     about = "Run an agent on tasks against the swarm's models"
 )]
 pub struct ClientCli {
-    #[arg(long, value_enum)]
-    pub role: Role,
-    #[arg(long, env = "AGENTJET_LOG", default_value = "warn")]
-    pub log: String,
     #[command(flatten)]
-    pub swarm: SwarmArgs,
+    pub common: RoleCommon,
     /// A model to reach through the swarm (repeatable; default smollm2).
     #[arg(long = "model")]
     pub models: Vec<String>,
@@ -251,12 +257,8 @@ pub struct ClientCli {
     about = "Relay gossip and the DHT (a bootstrap peer)"
 )]
 pub struct PeerCli {
-    #[arg(long, value_enum)]
-    pub role: Role,
-    #[arg(long, env = "AGENTJET_LOG", default_value = "warn")]
-    pub log: String,
     #[command(flatten)]
-    pub swarm: SwarmArgs,
+    pub common: RoleCommon,
 }
 
 /// The engine's bounds (`serve` and `--role server`).
@@ -276,9 +278,10 @@ pub struct EngineArgs {
     pub max_prefill_tokens: usize,
 }
 
+#[cfg(feature = "torch")]
 impl EngineArgs {
-    pub fn config(&self) -> EngineConfig {
-        EngineConfig {
+    pub fn config(&self) -> agentjet::engine::EngineConfig {
+        agentjet::engine::EngineConfig {
             max_batch: self.max_batch,
             max_queue: self.max_queue,
             max_kv_positions: self.max_kv_positions,
@@ -462,8 +465,8 @@ impl SwarmArgs {
 
 impl ClientCli {
     pub fn config(&self) -> Result<ClientConfig> {
-        let data_dir = self.swarm.data_dir("client");
-        let swarm = self.swarm.config(WireRole::Client, &data_dir)?;
+        let data_dir = self.common.swarm.data_dir("client");
+        let swarm = self.common.swarm.config(WireRole::Client, &data_dir)?;
         let models = if self.models.is_empty() {
             vec!["smollm2".to_string()]
         } else {
@@ -507,10 +510,7 @@ impl ClientCli {
                     num_repeat: self.num_repeat,
                     concurrency: self.concurrency,
                     dry_run: self.dry_run,
-                    time_limit: self
-                        .time_limit
-                        .map(|t| secs("time-limit", t))
-                        .transpose()?,
+                    time_limit: self.time_limit.map(|t| secs("time-limit", t)).transpose()?,
                     run_dir: self.run_dir.clone(),
                 })
             }
@@ -523,7 +523,7 @@ impl ClientCli {
             proxy_port: self.proxy_port,
             external,
             job,
-            drain_timeout: secs("drain-timeout", self.swarm.drain_timeout)?,
+            drain_timeout: secs("drain-timeout", self.common.swarm.drain_timeout)?,
         })
     }
 }

@@ -5,6 +5,9 @@
 //! Stopping is the same in every command: the first Ctrl-C or SIGTERM drains (running
 //! work finishes, state is saved, exit 0), a second one aborts.
 
+// The flags' doc comments are `--help` text, where `<role>` is a placeholder, not HTML.
+#![allow(rustdoc::invalid_html_tags)]
+
 mod args;
 mod roles;
 mod tools;
@@ -32,9 +35,9 @@ fn main() {
         None => Parsed::Tool(Cli::parse_from(&argv)),
     };
     let filter = match &parsed {
-        Parsed::Server(c) => &c.log,
-        Parsed::Client(c) => &c.log,
-        Parsed::Peer(c) => &c.log,
+        Parsed::Server(c) => &c.common.log,
+        Parsed::Client(c) => &c.common.log,
+        Parsed::Peer(c) => &c.common.log,
         Parsed::Tool(c) => &c.log,
     };
     tracing_subscriber::fmt()

@@ -7,7 +7,7 @@ use agentjet::base::Stop;
 use agentjet::swarm::{self, Role as WireRole};
 use anyhow::Result;
 
-use super::args::{secs, ClientCli, PeerCli};
+use super::args::{ClientCli, PeerCli};
 
 /// `--role client`: the proxy, and the agent on the tasks when given.
 pub async fn client(cli: ClientCli, stop: Stop) -> Result<()> {
@@ -19,18 +19,10 @@ pub async fn client(cli: ClientCli, stop: Stop) -> Result<()> {
 
 /// `--role peer`: only the node (gossip, DHT) until stopped.
 pub async fn peer(cli: PeerCli, stop: Stop) -> Result<()> {
-    let dir = cli.swarm.data_dir("peer");
-    let cfg = cli.swarm.config(WireRole::Plain, &dir)?;
-    let closed = cfg.swarm_key.is_some();
+    let dir = cli.common.swarm.data_dir("peer");
+    let cfg = cli.common.swarm.config(WireRole::Plain, &dir)?;
     let node = swarm::spawn_node(cfg).await?;
-    let addrs = node.listen_addrs().await;
-    println!("peer id: {}", node.peer_id);
-    for a in &addrs {
-        println!("listening on {a}");
-    }
-    if closed {
-        println!("swarm key: set (a closed swarm)");
-    }
+    println!("{}", node.introduction(&node.listen_addrs().await));
     super::flush_stdout();
     stop.requested().await;
     node.shutdown(Duration::from_secs(5)).await;
@@ -43,14 +35,14 @@ pub use torch::server;
 #[cfg(feature = "torch")]
 mod torch {
     use super::*;
-    use crate::args::ServerCli;
+    use crate::args::{secs, ServerCli};
     use agentjet::server::{ServeLimits, ServerConfig, TrainSettings};
     use agentjet::train::groups::AdvantageKind;
 
     impl ServerCli {
         pub fn config(&self) -> Result<ServerConfig> {
-            let data_dir = self.swarm.data_dir("server");
-            let swarm = self.swarm.config(WireRole::Server, &data_dir)?;
+            let data_dir = self.common.swarm.data_dir("server");
+            let swarm = self.common.swarm.config(WireRole::Server, &data_dir)?;
             let advantage: AdvantageKind = self
                 .advantage
                 .parse()
@@ -82,7 +74,7 @@ mod torch {
                 http: self.http.clone(),
                 train,
                 limits: ServeLimits::default(),
-                drain_timeout: secs("drain-timeout", self.swarm.drain_timeout)?,
+                drain_timeout: secs("drain-timeout", self.common.swarm.drain_timeout)?,
             })
         }
     }

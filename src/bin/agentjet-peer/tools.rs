@@ -2,7 +2,6 @@
 
 use std::path::Path;
 
-use agentjet::base::Stop;
 use agentjet::swarm::{self, Role as WireRole, SwarmConfig};
 use anyhow::{bail, Context, Result};
 
@@ -93,6 +92,7 @@ pub async fn status(bootstrap: &[String], key: Option<&Path>, wait: f64) -> Resu
 pub mod torch_cmds {
     use super::*;
     use crate::args::ModelArgs;
+    use agentjet::base::Stop;
     use agentjet::engine::{self, GenerateRequest, SamplingParams};
     use agentjet::model::checkpoint::{load_model, parse_placement, save_checkpoint, LoadedModel};
     use agentjet::model::{ChatRequest, ModelSource, StreamDecoder};
@@ -243,7 +243,14 @@ pub mod torch_cmds {
         stop.requested().await;
         println!("stopping: running requests finish (a second Ctrl-C or SIGTERM aborts)");
         crate::flush_stdout();
-        if !wind_down(&tasks, &stop, drain_timeout, std::time::Duration::from_secs(5)).await {
+        if !wind_down(
+            &tasks,
+            &stop,
+            drain_timeout,
+            std::time::Duration::from_secs(5),
+        )
+        .await
+        {
             tracing::warn!("requests still running after the abort; dropped");
         }
         if let Ok(Err(e)) = http.await {

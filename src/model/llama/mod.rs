@@ -33,6 +33,7 @@ use tch::{Device, Kind, Tensor};
 use super::config::LlamaConfig;
 use super::weights::{load_checked, unpermute_qk, WeightSource};
 use super::ModelError;
+use crate::base::lock;
 
 /// Numeric type of the weights and activations.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -520,7 +521,7 @@ fn split_bf16_gemm(x: &Tensor, w: &Tensor) -> Result<Tensor, ModelError> {
             .0
             .f_narrow(0, j0, len)
             .and_then(|wpart| xs[wi as usize].0.f_linear(&wpart, None::<&Tensor>));
-        parts.lock().unwrap_or_else(|p| p.into_inner())[wi as usize] = Some(part);
+        lock(&parts)[wi as usize] = Some(part);
     });
     let parts = parts.into_inner().unwrap_or_else(|p| p.into_inner());
     let mut outs = Vec::new();

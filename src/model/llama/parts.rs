@@ -19,7 +19,12 @@ pub(super) struct Qkv {
 
 impl Llama {
     /// `x · wᵀ (+ bias)` for activations `x` [.., k] and a weight matrix `w` [n, k].
-    pub(super) fn linear(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor, ModelError> {
+    pub(super) fn linear(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        bias: Option<&Tensor>,
+    ) -> Result<Tensor, ModelError> {
         if let Some(k) = self
             .compute
             .filter(|&k| k != x.kind() && w.kind() == x.kind())

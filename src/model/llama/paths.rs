@@ -66,7 +66,11 @@ impl Llama {
         let x = self.embed(ids)?;
         // Attention strategy: append to the cache, attend over it.
         let x = self.run_layers(x, &rope, &[b, t], |l, Qkv { q, k, v }| {
-            let (q, k, v) = (q.f_transpose(1, 2)?, k.f_transpose(1, 2)?, v.f_transpose(1, 2)?);
+            let (q, k, v) = (
+                q.f_transpose(1, 2)?,
+                k.f_transpose(1, 2)?,
+                v.f_transpose(1, 2)?,
+            );
             cache.k[l].f_narrow(2, start, t)?.f_copy_(&k)?;
             cache.v[l].f_narrow(2, start, t)?.f_copy_(&v)?;
             let (kk, vv) = if start == 0 {
@@ -99,7 +103,7 @@ impl Llama {
     }
 
     /// The training forward of one packed row (see `timeline::layout`): `ids` and
-    /// `positions` are [n] int64; `parent[i]` is the row index of token i's predecessor in
+    /// `positions` are `[n]` int64; `parent[i]` is the row index of token i's predecessor in
     /// its sequence (-1 for a first token). Sequences packed side by side, or sharing
     /// prefixes as a tree, each see only their own tokens, at their own positions.
     ///
@@ -108,7 +112,7 @@ impl Llama {
     /// itself, so the cost is that of the sequences, not of the row squared. (A segment
     /// with ancestors recomputes its ancestors' attention rows to stay on the causal
     /// kernel; their projections and MLPs are not recomputed.) No KV cache;
-    /// differentiable. Returns float32 logits of the row indices in `rows` ([m], int64;
+    /// differentiable. Returns float32 logits of the row indices in `rows` (`[m]`, int64;
     /// repeats allowed), or of every token: [m or n, vocab].
     pub fn forward_row(
         &self,

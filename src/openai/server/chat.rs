@@ -168,10 +168,17 @@ pub(super) async fn chat_inner(
     if req.stream {
         let include_usage = req.stream_options.as_ref().is_some_and(|o| o.include_usage);
         let on_done = on_done.map(|f| Box::new(f) as OnDone);
-        return Ok(
-            stream_chat(&st.cfg.tasks, id, p, rxs, include_usage, tools_on, on_done, timeline)
-                .into_response(),
-        );
+        return Ok(stream_chat(
+            &st.cfg.tasks,
+            id,
+            p,
+            rxs,
+            include_usage,
+            tools_on,
+            on_done,
+            timeline,
+        )
+        .into_response());
     }
     let mut choices = Vec::with_capacity(p.n);
     let mut usage_completion = 0;

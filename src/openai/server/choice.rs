@@ -32,7 +32,11 @@ pub(super) struct ChoiceState {
 }
 
 impl ChoiceState {
-    fn new(card: Arc<ModelCard>, stops: Vec<String>, want_logprobs: bool) -> ChoiceState {
+    pub(super) fn new(
+        card: Arc<ModelCard>,
+        stops: Vec<String>,
+        want_logprobs: bool,
+    ) -> ChoiceState {
         ChoiceState {
             card,
             decoder: StreamDecoder::new(),
@@ -50,7 +54,7 @@ impl ChoiceState {
     }
 
     /// What the tracker records: the tokens and the signed calls covering them.
-    fn record(&self) -> ChoiceRecord {
+    pub(super) fn record(&self) -> ChoiceRecord {
         ChoiceRecord {
             tokens: self.tokens.clone(),
             logprobs: self.raw_logprobs.clone(),
@@ -58,13 +62,16 @@ impl ChoiceState {
         }
     }
 
-    fn token_text(&self, id: u32) -> String {
+    pub(super) fn token_text(&self, id: u32) -> String {
         self.card.tokenizer.decode(&[id], false).unwrap_or_default()
     }
 
     /// Handles one engine event; returns the newly visible text and the new logprob
     /// entries. Sets `finish` when the choice is done.
-    fn on_event(&mut self, ev: ChoiceEvent) -> Result<(String, Vec<TokenLogprob>), ApiError> {
+    pub(super) fn on_event(
+        &mut self,
+        ev: ChoiceEvent,
+    ) -> Result<(String, Vec<TokenLogprob>), ApiError> {
         match ev {
             ChoiceEvent::Signed(part) => {
                 if self.finish.is_none() {
@@ -72,7 +79,7 @@ impl ChoiceState {
                 }
                 Ok((String::new(), vec![]))
             }
-            ChoiceEvent::Token { id, logprob, top } => {
+            ChoiceEvent::Engine(EngineEvent::Token { id, logprob, top }) => {
                 if self.finish.is_some() {
                     return Ok((String::new(), vec![]));
                 }
@@ -123,25 +130,30 @@ impl ChoiceState {
                 }
                 Ok((text, new_lps))
             }
-            ChoiceEvent::Finished {
+            ChoiceEvent::Engine(EngineEvent::Finished {
                 reason,
                 completion_tokens,
                 policy_version,
                 ..
-            } => {
+            }) => {
                 self.policy_version = policy_version;
                 self.completion_tokens = completion_tokens;
                 let rest = self.stop.flush();
                 self.finish = Some(finish_str(reason));
                 Ok((rest, vec![]))
             }
-            ChoiceEvent::Failed(msg) => Err(ApiError::server(format!("generation failed: {msg}"))),
+            ChoiceEvent::Engine(EngineEvent::Failed(msg)) => {
+                Err(ApiError::server(format!("generation failed: {msg}")))
+            }
         }
     }
 }
 
 /// Drives one choice to its end (non-streaming).
-pub(super) async fn run_choice(mut rx: ChoiceStream, mut st: ChoiceState) -> Result<ChoiceState, ApiError> {
+pub(super) async fn run_choice(
+    mut rx: ChoiceStream,
+    mut st: ChoiceState,
+) -> Result<ChoiceState, ApiError> {
     while st.finish.is_none() {
         match rx.next().await {
             Some(ev) => {

@@ -21,7 +21,10 @@ pub(super) async fn completions(
     answer(&st, result)
 }
 
-pub(super) async fn completions_inner(st: &Arc<AppState>, body: Bytes) -> Result<Response, ApiError> {
+pub(super) async fn completions_inner(
+    st: &Arc<AppState>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
     let req: CompletionRequest = parse_body(&body)?;
     let (card, ctx) = resolve_model(st, &req.model)?;
     let top = match req.logprobs {

@@ -14,7 +14,7 @@ pub struct ApiError {
 }
 
 impl ApiError {
-    fn bad(param: &str, message: impl Into<String>) -> ApiError {
+    pub(super) fn bad(param: &str, message: impl Into<String>) -> ApiError {
         ApiError {
             status: StatusCode::BAD_REQUEST,
             message: message.into(),
@@ -23,7 +23,7 @@ impl ApiError {
             code: None,
         }
     }
-    fn server(message: impl Into<String>) -> ApiError {
+    pub(super) fn server(message: impl Into<String>) -> ApiError {
         ApiError {
             status: StatusCode::INTERNAL_SERVER_ERROR,
             message: message.into(),
@@ -64,6 +64,9 @@ pub(super) fn engine_error(e: EngineError) -> ApiError {
             param: None,
             code: Some("engine_stopped"),
         },
+        other @ (EngineError::Failed(_)
+        | EngineError::WeightUpdateBusy
+        | EngineError::WeightsRejected(_)) => ApiError::server(other.to_string()),
     }
 }
 

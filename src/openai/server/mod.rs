@@ -1,7 +1,7 @@
 //! The HTTP server of the facade (axum), split the way TGI's router is: routes and shared
-//! state here; validation into a plan ([`plan`]); chat rendering ([`render`]); one
-//! choice's decoding ([`choice`]); the two endpoints that answer whole or streamed
-//! ([`chat`], [`completions`]); the error shape and its mapping ([`error`]).
+//! state here; validation into a plan (`plan`); chat rendering (`render`); one choice's
+//! decoding (`choice`); the two endpoints that answer whole or streamed (`chat`,
+//! `completions`); the error shape and its mapping (`error`).
 
 mod chat;
 mod choice;
@@ -26,24 +26,23 @@ use futures_util::StreamExt;
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value as Json_};
 
-use super::external::{forward, model_entry, ExternalLog, ExternalModel};
-use super::text::{parse_tool_calls, StopMatcher};
-use crate::base::lock;
-use crate::base::stop::TaskTracker;
 use super::backend::{Backend, ChoiceEvent, ChoiceStream, SignedPart};
+use super::external::{forward, model_entry, ExternalLog, ExternalModel};
 use super::reward::{parse_reward, Rewards};
+use super::text::{parse_tool_calls, StopMatcher};
 use super::track::{ChoiceRecord, Outcome, Tracker};
 use super::types::*;
+use crate::base::lock;
+use crate::base::stop::TaskTracker;
 use crate::engine::{
-    Constraint, EngineError, FinishReason, GenerateRequest, SamplingParams, TokenBytes,
-    ToolSpec,
+    Constraint, EngineError, EngineEvent, FinishReason, GenerateRequest, SamplingParams,
+    TokenBytes, ToolSpec,
 };
 use crate::model::chat_template::ChatTemplate;
 use crate::model::{ChatRequest, ModelCard, StreamDecoder, TemplateError};
 
-
-use chat::chat_completions;
-use choice::{finish_str, run_choice, ChoiceState};
+use chat::{chat_completions, external_of, forward_external};
+use choice::{run_choice, ChoiceState};
 use completions::completions;
 pub use error::ApiError;
 use error::{engine_error, parse_body};

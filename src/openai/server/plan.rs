@@ -31,7 +31,10 @@ pub(super) struct Common<'a> {
     pub(super) extra: SamplingParams,
 }
 
-pub(super) fn resolve_model(st: &AppState, model: &str) -> Result<(Arc<ModelCard>, usize), ApiError> {
+pub(super) fn resolve_model(
+    st: &AppState,
+    model: &str,
+) -> Result<(Arc<ModelCard>, usize), ApiError> {
     if !st.backend.ready() {
         return Err(ApiError {
             status: StatusCode::SERVICE_UNAVAILABLE,

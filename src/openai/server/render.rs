@@ -21,7 +21,10 @@ pub(super) fn tool_system_text(tools: &[Json_]) -> String {
 /// system message; an assistant's `tool_calls` become the `<tool_call>` text the model
 /// wrote (arguments verbatim); a `tool` message becomes a user turn in
 /// `<tool_response>` tags; a null content becomes "".
-pub(super) fn messages_without_tool_support(messages: &[Json_], tools: Option<&[Json_]>) -> Vec<Json_> {
+pub(super) fn messages_without_tool_support(
+    messages: &[Json_],
+    tools: Option<&[Json_]>,
+) -> Vec<Json_> {
     let mut out: Vec<Json_> = Vec::with_capacity(messages.len() + 1);
     if let Some(tools) = tools.filter(|t| !t.is_empty()) {
         let text = tool_system_text(tools);
@@ -99,7 +102,11 @@ pub(super) struct ChatRenderer {
 }
 
 impl ChatRenderer {
-    fn new(card: &ModelCard, model: &str, req: &ChatCompletionRequest) -> Result<Self, ApiError> {
+    pub(super) fn new(
+        card: &ModelCard,
+        model: &str,
+        req: &ChatCompletionRequest,
+    ) -> Result<Self, ApiError> {
         if req.messages.is_empty() {
             return Err(ApiError::bad("messages", "messages must not be empty"));
         }
@@ -136,7 +143,7 @@ impl ChatRenderer {
         })
     }
 
-    fn render(
+    pub(super) fn render(
         &self,
         messages: &[Json_],
         add_generation_prompt: bool,
@@ -148,12 +155,11 @@ impl ChatRenderer {
         } else {
             (messages, self.tools.as_deref())
         };
-        self.tmpl
-            .render(&ChatRequest {
-                messages,
-                tools,
-                add_generation_prompt,
-                extra: None,
-            })
+        self.tmpl.render(&ChatRequest {
+            messages,
+            tools,
+            add_generation_prompt,
+            extra: None,
+        })
     }
 }
