@@ -15,6 +15,7 @@ mod tools;
 use agentjet::base::{Stop, StopMode};
 use anyhow::{bail, Context, Result};
 use clap::Parser;
+use tokio::signal::unix::{signal, Signal, SignalKind};
 
 use args::{Cli, ClientCli, Command, PeerCli, Role};
 
@@ -100,33 +101,35 @@ pub fn flush_stdout() {
     let _ = std::io::stdout().flush();
 }
 
-/// Turns Ctrl-C and SIGTERM into `stop`: the first drains, the second aborts.
-async fn watch_signals(stop: Stop) {
-    #[cfg(unix)]
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
-    for mode in [StopMode::Drain, StopMode::Abort] {
-        #[cfg(unix)]
-        {
-            let sigterm = async {
-                match term.as_mut() {
-                    Some(t) => {
-                        t.recv().await;
-                    }
-                    None => std::future::pending().await,
-                }
-            };
+/// Ctrl-C (SIGINT) and SIGTERM, registered as soon as a command starts, so that a signal
+/// sent while a model is still loading is not missed (and does not kill the process).
+struct StopSignals {
+    interrupt: Signal,
+    terminate: Signal,
+}
+
+impl StopSignals {
+    /// Registers both; call within the runtime.
+    fn register() -> Result<StopSignals> {
+        Ok(StopSignals {
+            interrupt: signal(SignalKind::interrupt()).context("listening for Ctrl-C")?,
+            terminate: signal(SignalKind::terminate()).context("listening for SIGTERM")?,
+        })
+    }
+
+    /// Turns the signals into `stop`: the first drains, the second aborts.
+    async fn watch(mut self, stop: Stop) {
+        for mode in [StopMode::Drain, StopMode::Abort] {
             tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
-                _ = sigterm => {}
+                _ = self.interrupt.recv() => {}
+                _ = self.terminate.recv() => {}
             }
+            if mode == StopMode::Abort {
+                println!("aborting what still runs");
+                flush_stdout();
+            }
+            stop.request(mode);
         }
-        #[cfg(not(unix))]
-        let _ = tokio::signal::ctrl_c().await;
-        if mode == StopMode::Abort {
-            println!("aborting what still runs");
-            flush_stdout();
-        }
-        stop.request(mode);
     }
 }
 
@@ -138,11 +141,32 @@ where
 {
     let rt = runtime()?;
     let stop = Stop::new();
-    rt.spawn(watch_signals(stop.clone()));
+    let signals = {
+        let _in_runtime = rt.enter();
+        StopSignals::register()?
+    };
+    rt.spawn(signals.watch(stop.clone()));
     let r = rt.block_on(body(stop));
     // Tasks that ignored the stop do not hold the exit.
     rt.shutdown_timeout(std::time::Duration::from_secs(1));
     r
+}
+
+/// Runs blocking work (a model on this thread) with the same signals: `work` sees the stop
+/// (a drain) and ends early where that makes sense; an abort ends the process at once.
+#[cfg(feature = "torch")]
+fn blocking_with_signals<F>(work: F) -> Result<()>
+where
+    F: FnOnce(Stop) -> Result<()> + Send + 'static,
+{
+    with_signals(|stop| async move {
+        let s = stop.clone();
+        let job = tokio::task::spawn_blocking(move || work(s));
+        tokio::select! {
+            r = job => r.context("the command's thread")?,
+            _ = stop.aborted() => bail!("aborted (a second Ctrl-C or SIGTERM)"),
+        }
+    })
 }
 
 fn run_tool(cli: Cli) -> Result<()> {
@@ -181,24 +205,31 @@ fn run_tool(cli: Cli) -> Result<()> {
             repetition_penalty,
             seed,
             show_tokens,
-        }) => tools::torch_cmds::generate(
-            &model,
-            &prompt,
-            system.as_deref(),
-            max_tokens,
-            agentjet::engine::SamplingParams {
-                temperature,
-                top_p,
-                top_k,
-                min_p,
-                repetition_penalty,
-                ..Default::default()
-            },
-            seed,
-            show_tokens,
-        ),
+        }) => blocking_with_signals(move |stop| {
+            tools::torch_cmds::generate(
+                &model,
+                &prompt,
+                system.as_deref(),
+                max_tokens,
+                agentjet::engine::SamplingParams {
+                    temperature,
+                    top_p,
+                    top_k,
+                    min_p,
+                    repetition_penalty,
+                    ..Default::default()
+                },
+                seed,
+                show_tokens,
+                &stop,
+            )
+        }),
         #[cfg(feature = "torch")]
-        Some(Command::Export { model, out }) => tools::torch_cmds::export(&model, &out),
+        Some(Command::Export { model, out }) => {
+            // A drain lets the checkpoint be written to its end (it is renamed into place
+            // only when whole); an abort leaves no checkpoint.
+            blocking_with_signals(move |_| tools::torch_cmds::export(&model, &out))
+        }
         #[cfg(feature = "torch")]
         Some(Command::Serve {
             model,

@@ -113,6 +113,7 @@ pub mod torch_cmds {
         sampling: SamplingParams,
         seed: Option<u64>,
         show_tokens: bool,
+        stop: &Stop,
     ) -> Result<()> {
         sampling.validate().map_err(|e| anyhow::anyhow!("--{e}"))?;
         let loaded = load(args)?;
@@ -154,6 +155,10 @@ pub mod torch_cmds {
         let stdout = std::io::stdout();
         let mut write_err = None;
         let gen = engine::generate(&loaded.model, &req, |id, _lp| {
+            // A stop (Ctrl-C or SIGTERM) ends the answer here; the report still comes.
+            if stop.mode().is_some() {
+                return false;
+            }
             if card.is_stop_token(id) {
                 return true;
             }
