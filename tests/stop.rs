@@ -349,3 +349,95 @@ async fn a_swarm_node_ends_when_its_last_handle_is_dropped() {
     }
     assert!(bound, "port {port} is still bound");
 }
+
+/// A command run as a user runs it, with its stdout lines collected.
+fn spawn_peer(args: &[&str]) -> (std::process::Child, std::sync::mpsc::Receiver<String>) {
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_agentjet-peer"))
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for l in BufReader::new(out).lines().map_while(Result::ok) {
+            let _ = tx.send(l);
+        }
+    });
+    (child, rx)
+}
+
+fn line_starting(rx: &std::sync::mpsc::Receiver<String>, prefix: &str) -> String {
+    loop {
+        let l = rx
+            .recv_timeout(Duration::from_secs(120))
+            .unwrap_or_else(|_| panic!("no line {prefix:?}"));
+        if let Some(rest) = l.strip_prefix(prefix) {
+            return rest.to_string();
+        }
+    }
+}
+
+#[test]
+fn serve_drains_a_stream_on_sigterm_and_generate_stops_its_answer() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = slow_model(dir.path());
+    let model = model.to_str().unwrap();
+    let (mut serve, lines) = spawn_peer(&[
+        "serve",
+        "--model",
+        model,
+        "--served-model-name",
+        "tiny",
+        "--device",
+        "cpu",
+        "--port",
+        "0",
+        "--max-batch",
+        "2",
+        "--max-kv-positions",
+        "8192",
+    ]);
+    let at = line_starting(&lines, "serving tiny at ");
+    let base = at
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .trim_end_matches("/v1");
+    let stream = start_stream(base, 1500);
+    let signalled = Instant::now();
+    unsafe { libc::kill(serve.id() as i32, libc::SIGTERM) };
+    let status = serve.wait().unwrap();
+    assert!(status.success(), "serve exited {status:?}");
+    let (body, done) = stream.join().unwrap();
+    assert!(done.expect("no [DONE]") > signalled);
+    // The last chunk of the choice: finish reason "length" with all 1500 token ids.
+    let last: Value = body
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|l| l.contains("\"finish_reason\":\"length\""))
+        .map(|l| serde_json::from_str(l).unwrap())
+        .next()
+        .expect("no finish chunk");
+    let ids = last["choices"][0]["token_ids"].as_array().map(Vec::len);
+    assert_eq!(ids, Some(1500), "the stream was cut short: {last}");
+
+    // generate: a stop ends the answer where it is (once it has begun), reports, exits 0.
+    let mut gen = std::process::Command::new(env!("CARGO_BIN_EXE_agentjet-peer"))
+        .args([
+            "generate", "--model", model, "--device", "cpu", "--prompt", "hello",
+        ])
+        .args(["--max-tokens", "3500"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = [0u8; 1];
+    std::io::Read::read_exact(gen.stdout.as_mut().unwrap(), &mut first).unwrap();
+    unsafe { libc::kill(gen.id() as i32, libc::SIGINT) };
+    let out = gen.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("finish: Cancelled"), "{stderr}");
+}
