@@ -206,12 +206,11 @@ fn run_tool(cli: Cli) -> Result<()> {
             seed,
             show_tokens,
         }) => blocking_with_signals(move |stop| {
-            tools::torch_cmds::generate(
-                &model,
-                &prompt,
-                system.as_deref(),
+            let ask = tools::torch_cmds::Ask {
+                prompt,
+                system,
                 max_tokens,
-                agentjet::engine::SamplingParams {
+                sampling: agentjet::engine::SamplingParams {
                     temperature,
                     top_p,
                     top_k,
@@ -221,8 +220,8 @@ fn run_tool(cli: Cli) -> Result<()> {
                 },
                 seed,
                 show_tokens,
-                &stop,
-            )
+            };
+            tools::torch_cmds::generate(&model, ask, &stop)
         }),
         #[cfg(feature = "torch")]
         Some(Command::Export { model, out }) => {

@@ -105,21 +105,30 @@ pub mod torch_cmds {
         load_model(&source, device, dtype).with_context(|| format!("loading model {}", args.model))
     }
 
-    pub fn generate(
-        args: &ModelArgs,
-        prompt: &str,
-        system: Option<&str>,
-        max_tokens: usize,
-        sampling: SamplingParams,
-        seed: Option<u64>,
-        show_tokens: bool,
-        stop: &Stop,
-    ) -> Result<()> {
+    /// What `generate` is asked.
+    pub struct Ask {
+        pub prompt: String,
+        pub system: Option<String>,
+        pub max_tokens: usize,
+        pub sampling: SamplingParams,
+        pub seed: Option<u64>,
+        pub show_tokens: bool,
+    }
+
+    pub fn generate(args: &ModelArgs, ask: Ask, stop: &Stop) -> Result<()> {
+        let Ask {
+            prompt,
+            system,
+            max_tokens,
+            sampling,
+            seed,
+            show_tokens,
+        } = ask;
         sampling.validate().map_err(|e| anyhow::anyhow!("--{e}"))?;
         let loaded = load(args)?;
         let card = &loaded.card;
         let mut messages = Vec::new();
-        if let Some(s) = system {
+        if let Some(s) = &system {
             messages.push(json!({"role": "system", "content": s}));
         }
         messages.push(json!({"role": "user", "content": prompt}));
@@ -134,7 +143,7 @@ pub mod torch_cmds {
                     "note: {} has no chat template; using the prompt as raw text",
                     args.model
                 );
-                prompt.to_string()
+                prompt.clone()
             }
         };
         let ids = if card.chat_template_source.is_some() {
