@@ -44,6 +44,7 @@
 
 pub mod base;
 pub mod client;
+pub mod collective;
 pub mod engine;
 pub mod model;
 pub mod openai;

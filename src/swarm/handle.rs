@@ -80,6 +80,15 @@ impl SwarmHandle {
         let _ = self.send(Command::Addresses(peer, addrs)).await;
     }
 
+    /// The addresses the address book holds for `peer` (from identify, gossip and dials).
+    pub async fn addresses_of(&self, peer: PeerId) -> Vec<Multiaddr> {
+        let (tx, rx) = oneshot::channel();
+        if self.send(Command::AddressesOf(peer, tx)).await.is_err() {
+            return Vec::new();
+        }
+        rx.await.unwrap_or_default()
+    }
+
     /// Connects to `peer` (through the address book) unless connected already.
     pub async fn connect(&self, peer: PeerId) -> Result<(), SwarmError> {
         let (tx, rx) = oneshot::channel();

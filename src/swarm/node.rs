@@ -160,6 +160,8 @@ pub(super) enum Command {
     ListenAddrs(oneshot::Sender<Vec<Multiaddr>>),
     Connected(oneshot::Sender<Vec<PeerId>>),
     Addresses(PeerId, Vec<Multiaddr>),
+    /// The addresses the address book holds for a peer.
+    AddressesOf(PeerId, oneshot::Sender<Vec<Multiaddr>>),
     /// End the loop now (see [`SwarmHandle::shutdown`]).
     Shutdown,
 }
@@ -548,6 +550,9 @@ impl EventLoop {
                 let _ = reply.send(self.swarm.connected_peers().copied().collect());
             }
             Command::Addresses(peer, addrs) => self.learn(peer, addrs),
+            Command::AddressesOf(peer, reply) => {
+                let _ = reply.send(self.addr_book.get(&peer).cloned().unwrap_or_default());
+            }
             Command::Shutdown => {}
         }
     }

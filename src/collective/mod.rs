@@ -1,0 +1,174 @@
+//! The collective: what the servers of one model do together. Today: the data plane
+//! (sealed point-to-point links set up through the swarm) and the ring all-reduce over
+//! them. Training-group membership, the step protocol, joiners and DiLoCo build on these
+//! (issue 15, in progress); nothing in the server uses the collective yet.
+//!
+//! The data plane is a TCP connection per link carrying AES-256-GCM frames ([`seal`]),
+//! not the swarm's QUIC streams: bulk tensors need throughput that a user-space QUIC
+//! stack on the CPU does not give (measured in `cargo bench --bench allreduce`). Security
+//! does not move: a link's key and one-use token are handed over the swarm's
+//! authenticated, encrypted stream (`/agentjet/collective/1`), to the peer the swarm
+//! authenticated, after the swarm key's admission; every frame is authenticated, and a
+//! frame that was altered, replayed or reordered kills the link ([`link`]).
+//!
+//! Owns: moving and reducing tensors between members. Never touches LibTorch (callers
+//! hand it `f32` slices) and never decides membership.
+
+pub mod link;
+pub mod rendezvous;
+pub mod ring;
+pub mod seal;
+
+pub use link::{LinkError, LinkListener, LinkOffer, LinkRx, LinkTx};
+pub use rendezvous::{ask_link, serve_links, LinkAsk, OfferBook, COLLECTIVE};
+pub use ring::{Ring, RingError, RoundStats, Wire};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::SocketAddr;
+    use std::time::Duration;
+
+    /// `n` rings over loopback TCP, linked directly (no swarm): member r dials r+1.
+    pub(crate) fn local_rings(n: usize) -> Vec<Ring> {
+        if n == 1 {
+            return vec![Ring::solo()];
+        }
+        let listeners: Vec<LinkListener> = (0..n)
+            .map(|_| LinkListener::bind("127.0.0.1:0".parse().unwrap()).unwrap())
+            .collect();
+        let offers: Vec<LinkOffer> = listeners.iter().map(|l| l.offer()).collect();
+        let t = Duration::from_secs(10);
+        let mut halves: Vec<(Option<LinkTx>, Option<LinkRx>)> =
+            (0..n).map(|_| (None, None)).collect();
+        std::thread::scope(|s| {
+            let accepts: Vec<_> = (0..n)
+                .map(|r| {
+                    let (l, o) = (&listeners[r], &offers[r]);
+                    s.spawn(move || l.accept(o, t).unwrap())
+                })
+                .collect();
+            let dials: Vec<_> = (0..n)
+                .map(|r| {
+                    let right = (r + 1) % n;
+                    let o = offers[right].clone();
+                    s.spawn(move || {
+                        let addr: SocketAddr = format!("127.0.0.1:{}", o.port).parse().unwrap();
+                        link::dial(addr, &o, t).unwrap()
+                    })
+                })
+                .collect();
+            for (r, h) in dials.into_iter().enumerate() {
+                // Member r's link to its right: its sending half is r's, the receiving
+                // half (what r+1 sends back) is unused by the ring.
+                halves[r].0 = Some(h.join().unwrap().0);
+            }
+            for (r, h) in accepts.into_iter().enumerate() {
+                halves[r].1 = Some(h.join().unwrap().1);
+            }
+        });
+        halves
+            .into_iter()
+            .enumerate()
+            .map(|(r, (tx, rx))| Ring::new(r, n, tx.unwrap(), rx.unwrap()))
+            .collect()
+    }
+
+    fn run(rings: Vec<Ring>, inputs: Vec<Vec<f32>>, wire: Wire) -> Vec<Vec<f32>> {
+        std::thread::scope(|s| {
+            let hs: Vec<_> = rings
+                .into_iter()
+                .zip(inputs)
+                .map(|(mut ring, mut data)| {
+                    s.spawn(move || {
+                        ring.all_reduce(&mut data, wire).unwrap();
+                        data
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    #[test]
+    fn every_member_ends_with_the_same_sum_at_interesting_sizes() {
+        for n in 1usize..=4 {
+            for len in [0usize, 1, n.saturating_sub(1), n, 1000, 4 * 256 * 1024 + 3] {
+                let inputs: Vec<Vec<f32>> = (0..n)
+                    .map(|r| {
+                        (0..len)
+                            .map(|i| ((i * 7 + r * 13) % 101) as f32 * 0.25 - 3.0)
+                            .collect()
+                    })
+                    .collect();
+                let want: Vec<f32> = (0..len)
+                    .map(|i| inputs.iter().map(|v| v[i]).sum())
+                    .collect();
+                let mut rings = local_rings(n);
+                for r in &mut rings {
+                    r.chunk = 1000; // several frames per segment
+                }
+                let out = run(rings, inputs, Wire::F32);
+                for (r, o) in out.iter().enumerate() {
+                    assert_eq!(o, &out[0], "member {r} of {n} differs (len {len})");
+                    // Small integers times 0.25: every partial sum is exact in f32.
+                    assert_eq!(o, &want, "n {n} len {len}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_bf16_wire_agrees_bit_for_bit_and_stays_close() {
+        let n = 3;
+        let len = 10_001;
+        let inputs: Vec<Vec<f32>> = (0..n)
+            .map(|r| {
+                (0..len)
+                    .map(|i| ((i as f32) * 0.37 + r as f32).sin())
+                    .collect()
+            })
+            .collect();
+        let want: Vec<f32> = (0..len)
+            .map(|i| inputs.iter().map(|v| v[i]).sum())
+            .collect();
+        let out = run(local_rings(n), inputs, Wire::Bf16);
+        for o in &out {
+            assert_eq!(
+                o.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                out[0].iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+            );
+        }
+        let worst = out[0]
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        // Three terms in [-1, 1], two bf16 roundings per hop: well under 0.05.
+        assert!(worst < 0.05, "{worst}");
+    }
+
+    #[test]
+    fn a_stalled_member_fails_the_round_within_the_timeout() {
+        let mut rings = local_rings(3);
+        let stalled = rings.pop().unwrap();
+        for r in &rings {
+            r.set_timeout(Duration::from_millis(300)).unwrap();
+        }
+        let t0 = std::time::Instant::now();
+        let errs: Vec<RingError> = std::thread::scope(|s| {
+            let hs: Vec<_> = rings
+                .into_iter()
+                .map(|mut ring| {
+                    s.spawn(move || ring.all_reduce(&mut vec![1.0; 1 << 20], Wire::F32))
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().unwrap().unwrap_err())
+                .collect()
+        });
+        drop(stalled);
+        assert_eq!(errs.len(), 2);
+        assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    }
+}
