@@ -39,6 +39,8 @@ pub enum LinkError {
     Closed,
     #[error("the peer's hello did not match the offer")]
     BadHello,
+    #[error("a frame of {got} bytes where {want} were due")]
+    Length { got: usize, want: usize },
 }
 
 /// `buf` with `len` bytes, keeping what it holds (no zeroing when it does not grow).
@@ -121,6 +123,28 @@ impl LinkRx {
         self.bytes += (n + 4) as u64;
         let plain = self.open.open(&mut self.buf)?;
         Ok(&plain[..n - TAG_LEN])
+    }
+
+    /// Receives one frame whose plaintext must be exactly `out.len()` bytes, opened
+    /// straight into `out` (no copy after). On an error `out` holds garbage.
+    pub fn recv_into(&mut self, out: &mut [u8]) -> Result<(), LinkError> {
+        let mut header = [0u8; 4];
+        self.tcp
+            .read_exact(&mut header)
+            .map_err(|e| io_err(e, "waiting for a frame"))?;
+        let n = Sealer::frame_len(header)?;
+        if n != out.len() + TAG_LEN {
+            return Err(LinkError::Length {
+                got: n - TAG_LEN,
+                want: out.len(),
+            });
+        }
+        set_len(&mut self.buf, n);
+        self.tcp
+            .read_exact(&mut self.buf)
+            .map_err(|e| io_err(e, "reading a frame"))?;
+        self.bytes += (n + 4) as u64;
+        Ok(self.open.open_into(&self.buf, out)?)
     }
 
     /// Bounds every later read (a silent peer then fails the round).

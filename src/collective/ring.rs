@@ -79,7 +79,7 @@ impl RoundStats {
 }
 
 /// Default values per frame: 256 Ki (1 MiB of f32).
-pub const DEFAULT_CHUNK: usize = 16 << 10;
+pub const DEFAULT_CHUNK: usize = 64 << 10;
 
 fn segment(len: usize, size: usize, i: usize) -> std::ops::Range<usize> {
     (i * len / size)..((i + 1) * len / size)
@@ -112,13 +112,10 @@ fn split_two(
 #[inline]
 fn to_bf16(x: f32) -> u16 {
     let b = x.to_bits();
-    let rounded = (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16;
-    let nan = (b & 0x7fff_ffff) > 0x7f80_0000;
-    if nan {
-        ((b >> 16) as u16) | 0x40
-    } else {
-        rounded
-    }
+    let rounded = b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16;
+    let quiet_nan = (b >> 16) | 0x40;
+    let nan_mask = (((b & 0x7fff_ffff) > 0x7f80_0000) as u32).wrapping_neg();
+    (rounded ^ ((rounded ^ quiet_nan) & nan_mask)) as u16
 }
 
 #[inline]
@@ -219,6 +216,12 @@ fn recv_segment(
 ) -> Result<(), RingError> {
     let w = wire.bytes_per_value();
     for part in seg.chunks_mut(chunk.max(1)) {
+        if store && wire == Wire::F32 && cfg!(target_endian = "little") {
+            // The wire bytes are the values: opened straight into the data.
+            rx.recv_into(bytemuck::cast_slice_mut(part))
+                .map_err(RingError::Recv)?;
+            continue;
+        }
         let bytes = rx.recv().map_err(RingError::Recv)?;
         if bytes.len() != part.len() * w {
             return Err(RingError::Framing {
