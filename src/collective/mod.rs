@@ -26,52 +26,10 @@ pub use ring::{Ring, RingError, RoundStats, Wire};
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::net::SocketAddr;
     use std::time::Duration;
 
-    /// `n` rings over loopback TCP, linked directly (no swarm): member r dials r+1.
     pub(crate) fn local_rings(n: usize) -> Vec<Ring> {
-        if n == 1 {
-            return vec![Ring::solo()];
-        }
-        let listeners: Vec<LinkListener> = (0..n)
-            .map(|_| LinkListener::bind("127.0.0.1:0".parse().unwrap()).unwrap())
-            .collect();
-        let offers: Vec<LinkOffer> = listeners.iter().map(|l| l.offer()).collect();
-        let t = Duration::from_secs(10);
-        let mut halves: Vec<(Option<LinkTx>, Option<LinkRx>)> =
-            (0..n).map(|_| (None, None)).collect();
-        std::thread::scope(|s| {
-            let accepts: Vec<_> = (0..n)
-                .map(|r| {
-                    let (l, o) = (&listeners[r], &offers[r]);
-                    s.spawn(move || l.accept(o, t).unwrap())
-                })
-                .collect();
-            let dials: Vec<_> = (0..n)
-                .map(|r| {
-                    let right = (r + 1) % n;
-                    let o = offers[right].clone();
-                    s.spawn(move || {
-                        let addr: SocketAddr = format!("127.0.0.1:{}", o.port).parse().unwrap();
-                        link::dial(addr, &o, t).unwrap()
-                    })
-                })
-                .collect();
-            for (r, h) in dials.into_iter().enumerate() {
-                // Member r's link to its right: its sending half is r's, the receiving
-                // half (what r+1 sends back) is unused by the ring.
-                halves[r].0 = Some(h.join().unwrap().0);
-            }
-            for (r, h) in accepts.into_iter().enumerate() {
-                halves[r].1 = Some(h.join().unwrap().1);
-            }
-        });
-        halves
-            .into_iter()
-            .enumerate()
-            .map(|(r, (tx, rx))| Ring::new(r, n, tx.unwrap(), rx.unwrap()))
-            .collect()
+        Ring::loopback(n).unwrap()
     }
 
     fn run(rings: Vec<Ring>, inputs: Vec<Vec<f32>>, wire: Wire) -> Vec<Vec<f32>> {

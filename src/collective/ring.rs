@@ -17,7 +17,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::link::{LinkError, LinkRx, LinkTx};
+use super::link::{dial, LinkError, LinkListener, LinkOffer, LinkRx, LinkTx};
 
 /// How values travel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -270,6 +270,54 @@ impl Ring {
 
     /// Member `rank` of a ring of `size`, sending to its right neighbour and receiving
     /// from its left one.
+    /// `n` rings over loopback TCP in this process, linked directly (no swarm: member r
+    /// dials r+1 with the offer r+1 made). For tests and benchmarks of the data plane.
+    pub fn loopback(n: usize) -> Result<Vec<Ring>, LinkError> {
+        if n == 1 {
+            return Ok(vec![Ring::solo()]);
+        }
+        let loopback: std::net::IpAddr = std::net::Ipv4Addr::LOCALHOST.into();
+        let listeners = (0..n)
+            .map(|_| LinkListener::bind(std::net::SocketAddr::new(loopback, 0)))
+            .collect::<Result<Vec<_>, _>>()?;
+        let offers: Vec<LinkOffer> = listeners.iter().map(|l| l.offer()).collect();
+        let t = Duration::from_secs(10);
+        std::thread::scope(|s| {
+            let accepts: Vec<_> = (0..n)
+                .map(|r| {
+                    let (l, o) = (&listeners[r], &offers[r]);
+                    s.spawn(move || l.accept(o, t))
+                })
+                .collect();
+            let dials: Vec<_> = (0..n)
+                .map(|r| {
+                    let o = offers[(r + 1) % n].clone();
+                    s.spawn(move || dial(std::net::SocketAddr::new(loopback, o.port), &o, t))
+                })
+                .collect();
+            let joined = |h: std::thread::ScopedJoinHandle<
+                '_,
+                Result<(LinkTx, LinkRx), LinkError>,
+            >| { h.join().unwrap_or_else(|_| Err(LinkError::Closed)) };
+            // Member r's sending half is its link to the right; its receiving half is what
+            // its left neighbour's dial reached (r's accept). The other halves go unused.
+            let txs = dials
+                .into_iter()
+                .map(|h| joined(h).map(|l| l.0))
+                .collect::<Result<Vec<_>, _>>()?;
+            let rxs = accepts
+                .into_iter()
+                .map(|h| joined(h).map(|l| l.1))
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok(txs
+                .into_iter()
+                .zip(rxs)
+                .enumerate()
+                .map(|(r, (tx, rx))| Ring::new(r, n, tx, rx))
+                .collect())
+        })
+    }
+
     pub fn new(rank: usize, size: usize, right: LinkTx, left: LinkRx) -> Ring {
         Ring {
             rank,

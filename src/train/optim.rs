@@ -96,20 +96,31 @@ impl AdamW {
 
     /// The global norm of the current gradients (0 for parameters without one).
     pub fn grad_norm(&self) -> f64 {
-        let mut sq = 0.0;
-        for p in &self.params {
-            let g = p.grad();
-            if g.defined() {
-                sq += g.square().sum(tch::Kind::Double).double_value(&[]);
-            }
-        }
-        sq.sqrt()
+        norm_of(self.params.iter().map(|p| p.grad()))
     }
 
     /// One step with the accumulated gradients, which it then zeroes. Returns the gradient
     /// norm before clipping.
     pub fn step(&mut self) -> f64 {
-        let norm = self.grad_norm();
+        let mut grads: Vec<Tensor> = self.params.iter().map(|p| p.grad()).collect();
+        let norm = self.step_with(&mut grads);
+        no_grad(|| {
+            for g in &mut grads {
+                if g.defined() {
+                    let _ = g.zero_();
+                }
+            }
+        });
+        norm
+    }
+
+    /// One step with the gradients `grads` (one per parameter, in order; an undefined
+    /// tensor skips its parameter), clipped in place. Returns the norm before clipping.
+    /// The same gradient bytes give the same parameter bytes on every machine of one kind:
+    /// what keeps the members of a training group identical.
+    pub fn step_with(&mut self, grads: &mut [Tensor]) -> f64 {
+        assert_eq!(grads.len(), self.params.len(), "one gradient per parameter");
+        let norm = norm_of(grads.iter().map(Tensor::shallow_clone));
         let clip = match self.cfg.max_grad_norm {
             Some(max) if norm > max && norm.is_finite() => max / (norm + 1e-6),
             _ => 1.0,
@@ -120,8 +131,13 @@ impl AdamW {
         let bc2 = 1.0 - b2.powi(self.step as i32);
         let lr = self.cfg.lr;
         no_grad(|| {
-            for ((p, m), v) in self.params.iter().zip(&mut self.m).zip(&mut self.v) {
-                let mut g = p.grad();
+            for (((p, m), v), g) in self
+                .params
+                .iter()
+                .zip(&mut self.m)
+                .zip(&mut self.v)
+                .zip(grads.iter_mut())
+            {
                 if !g.defined() {
                     continue;
                 }
@@ -134,20 +150,30 @@ impl AdamW {
                 if p.dim() > 1 && self.cfg.weight_decay != 0.0 {
                     let _ = p.g_mul_scalar_(1.0 - lr * self.cfg.weight_decay);
                 }
-                let _ = m.lerp_(&g, 1.0 - b1);
+                let _ = m.lerp_(&*g, 1.0 - b1);
                 let _ = v.g_mul_scalar_(b2);
-                let _ = v.addcmul_(&(&g * (1.0 - b2)), &g);
+                let _ = v.addcmul_(&(&*g * (1.0 - b2)), &*g);
                 // p -= lr * (m / bc1) / (sqrt(v / bc2) + eps)
                 let mut denom = v.sqrt();
                 let _ = denom.g_mul_scalar_(1.0 / bc2.sqrt());
                 let _ = denom.g_add_scalar_(self.cfg.eps);
                 let _ = denom.g_mul_scalar_(-bc1 / lr);
                 let _ = p.addcdiv_(m, &denom);
-                let _ = g.zero_();
             }
         });
         norm
     }
+}
+
+/// The global L2 norm of `grads` (undefined ones count 0), summed in f64 in order.
+fn norm_of(grads: impl Iterator<Item = Tensor>) -> f64 {
+    let mut sq = 0.0;
+    for g in grads {
+        if g.defined() {
+            sq += g.square().sum(tch::Kind::Double).double_value(&[]);
+        }
+    }
+    sq.sqrt()
 }
 
 #[cfg(test)]

@@ -22,7 +22,7 @@ use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
 use super::groups::{Group, ReadyReport};
-use super::loss::{policy_loss, BatchCounts, LossConfig, LossInputs, LossSums};
+use super::loss::{policy_loss, BatchCounts, LossConfig, LossInputs, LossSums, Normalization};
 use super::optim::{AdamW, AdamWConfig};
 use super::TrainError;
 use crate::model::llama::Llama;
@@ -164,6 +164,57 @@ impl StepMetrics {
     }
 }
 
+/// What [`Trainer::prepare`] made of a step's groups: the rows this trainer computes.
+pub struct Prepared {
+    m: StepMetrics,
+    rows: Vec<PackedRow>,
+    seq_of: BTreeMap<u32, i64>,
+    seq_len: HashMap<u32, usize>,
+    rewards: Vec<f64>,
+    t0: Instant,
+}
+
+impl Prepared {
+    /// Sampled tokens this trainer trains on.
+    pub fn tokens(&self) -> usize {
+        self.rows.iter().map(|r| r.targets.len()).sum()
+    }
+}
+
+/// One trainer's share of a step: its unnormalised flat gradient (parameters in
+/// [`Llama::parameters`] order) and its [`Stat`] sums. Both are summed across a group.
+#[derive(Debug, Clone)]
+pub struct LocalGradient {
+    pub grad: Vec<f32>,
+    pub stats: Vec<f32>,
+}
+
+/// The sums a step's members add up besides the gradient (indices into
+/// [`LocalGradient::stats`]); they give the group's loss normaliser and its metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stat {
+    Tokens,
+    Seqs,
+    Loss,
+    Entropy,
+    Kl,
+    Clipped,
+    IsWeight,
+    IsCapped,
+    RewardSum,
+    RewardSq,
+    Rewards,
+    TokensComputed,
+    Groups,
+    Episodes,
+    Skipped,
+    Stale,
+}
+
+impl Stat {
+    pub const COUNT: usize = 16;
+}
+
 pub struct Trainer {
     pub model: Llama,
     /// The frozen reference for the KL term (needed when `loss.kl_coef` is not 0).
@@ -216,12 +267,26 @@ impl Trainer {
     }
 
     /// One optimizer step over `groups` (from [`super::groups::GroupBuffer::take_ready`],
-    /// whose report is folded into the metrics).
+    /// whose report is folded into the metrics): [`Trainer::prepare`],
+    /// [`Trainer::gradient`] and [`Trainer::apply`] with nobody else's sums.
     pub fn step(
         &mut self,
         groups: &[Group],
         report: &ReadyReport,
     ) -> Result<StepMetrics, TrainError> {
+        let p = self.prepare(groups, report)?;
+        let local = self.gradient(&p)?;
+        self.apply(p, &local.grad, &local.stats)
+    }
+
+    /// The number of values in a flat gradient ([`LocalGradient::grad`]).
+    pub fn gradient_len(&self) -> usize {
+        self.model.parameters().iter().map(Tensor::numel).sum()
+    }
+
+    /// A step's first part: packs `groups` into rows, drops stale calls, and counts what
+    /// this trainer will contribute. Runs no model.
+    pub fn prepare(&self, groups: &[Group], report: &ReadyReport) -> Result<Prepared, TrainError> {
         let t0 = Instant::now();
         let mut m = StepMetrics {
             step: self.step,
@@ -241,16 +306,6 @@ impl Trainer {
             })
             .chain(report.skipped_rewards.iter().copied())
             .collect();
-        if !rewards.is_empty() {
-            let n = rewards.len() as f64;
-            m.reward_mean = rewards.iter().sum::<f64>() / n;
-            m.reward_std = (rewards
-                .iter()
-                .map(|r| (r - m.reward_mean).powi(2))
-                .sum::<f64>()
-                / n)
-                .sqrt();
-        }
         let batch: Vec<(&Episode, f32)> = groups
             .iter()
             .flat_map(|g| {
@@ -291,7 +346,7 @@ impl Trainer {
             }
             rows.retain(|r| !r.targets.is_empty());
         }
-        // Sequences (episodes) and their target counts over the whole batch.
+        // Sequences (episodes) and their target counts over this trainer's rows.
         let mut seq_of: BTreeMap<u32, i64> = BTreeMap::new();
         let mut seq_len: HashMap<u32, usize> = HashMap::new();
         for r in &rows {
@@ -301,54 +356,170 @@ impl Trainer {
                 *seq_len.entry(t.key.episode).or_default() += 1;
             }
         }
-        let counts = BatchCounts {
-            tokens: rows.iter().map(|r| r.targets.len()).sum::<usize>() as f64,
-            seqs: seq_of.len() as f64,
-        };
-        m.tokens_trained = counts.tokens as usize;
         m.tokens_computed = rows.iter().map(PackedRow::len).sum();
+        Ok(Prepared {
+            m,
+            rows,
+            seq_of,
+            seq_len,
+            rewards,
+            t0,
+        })
+    }
+
+    /// A step's second part: this trainer's gradient of the UNNORMALISED loss (the sum
+    /// over its tokens, or over its sequences' token means) as one flat vector, and its
+    /// [`Stat`] sums. The parameters' own gradients are left zeroed. Members of a group add
+    /// these up (any order of machines, the same bytes everywhere) before
+    /// [`Trainer::apply`]; the loss is linear in its normaliser, so dividing the sum by
+    /// the group's count is the gradient of one trainer on the union of the batches.
+    pub fn gradient(&self, p: &Prepared) -> Result<LocalGradient, TrainError> {
+        let mut stats = vec![0f32; Stat::COUNT];
+        let sums = self.backward_rows(p, &mut stats)?;
+        let params = self.model.parameters();
+        let mut grad = vec![0f32; params.iter().map(Tensor::numel).sum()];
+        let mut at = 0;
+        tch::no_grad(|| -> Result<(), TrainError> {
+            for t in &params {
+                let n = t.numel();
+                let mut g = t.grad();
+                if g.defined() {
+                    let flat = g
+                        .to_kind(Kind::Float)
+                        .to_device(tch::Device::Cpu)
+                        .contiguous();
+                    flat.f_copy_data(&mut grad[at..at + n], n)?;
+                    let _ = g.zero_();
+                }
+                at += n;
+            }
+            Ok(())
+        })?;
+        let rewards = &p.rewards;
+        let m = &p.m;
+        for (k, v) in [
+            (Stat::Tokens, sums.tokens),
+            (Stat::Seqs, p.seq_of.len() as f64),
+            (Stat::Entropy, sums.entropy),
+            (Stat::Kl, sums.kl),
+            (Stat::Clipped, sums.clipped),
+            (Stat::IsWeight, sums.is_weight),
+            (Stat::IsCapped, sums.is_capped),
+            (Stat::RewardSum, rewards.iter().sum()),
+            (Stat::RewardSq, rewards.iter().map(|r| r * r).sum()),
+            (Stat::Rewards, rewards.len() as f64),
+            (Stat::TokensComputed, m.tokens_computed as f64),
+            (Stat::Groups, m.groups as f64),
+            (Stat::Episodes, m.episodes as f64),
+            (Stat::Skipped, m.skipped_groups as f64),
+            (Stat::Stale, m.dropped_stale_calls as f64),
+        ] {
+            stats[k as usize] += v as f32;
+        }
+        Ok(LocalGradient { grad, stats })
+    }
+
+    /// A step's last part: AdamW on `grad` (the group's sum of [`LocalGradient::grad`])
+    /// divided by the group's count from `stats` (the sum of the stats). Every member that
+    /// applies the same bytes gets the same parameters. With no token trained anywhere
+    /// the step still counts (the schedule moves on) and the weights and version stay.
+    pub fn apply(
+        &mut self,
+        p: Prepared,
+        grad: &[f32],
+        stats: &[f32],
+    ) -> Result<StepMetrics, TrainError> {
+        let mut m = p.m;
+        let st = |k: Stat| stats.get(k as usize).copied().unwrap_or(0.0) as f64;
         m.lr = learning_rate(
             self.cfg.optim.lr,
             self.cfg.warmup_steps,
             self.cfg.schedule,
             self.step,
         );
-        if rows.is_empty() {
-            // Nothing trainable: the step counts (the schedule moves on), the weights and
-            // the version stay.
+        let rewards = st(Stat::Rewards);
+        if rewards > 0.0 {
+            m.reward_mean = st(Stat::RewardSum) / rewards;
+            m.reward_std = (st(Stat::RewardSq) / rewards - m.reward_mean.powi(2))
+                .max(0.0)
+                .sqrt();
+        }
+        m.groups = st(Stat::Groups) as usize;
+        m.episodes = st(Stat::Episodes) as usize;
+        m.skipped_groups = st(Stat::Skipped) as usize;
+        m.dropped_stale_calls = st(Stat::Stale) as usize;
+        m.tokens_computed = st(Stat::TokensComputed) as usize;
+        let tokens = st(Stat::Tokens);
+        m.tokens_trained = tokens as usize;
+        if tokens == 0.0 {
             self.step += 1;
             m.step = self.step;
             m.version = self.version;
-            m.seconds = t0.elapsed().as_secs_f64();
+            m.seconds = p.t0.elapsed().as_secs_f64();
             return Ok(m);
         }
-        let mut sums = LossSums::default();
-        let mut loss_total = 0.0;
-        for row in &rows {
-            let (loss, s) = self.row_backward(row, &seq_of, &seq_len, counts)?;
-            loss_total += loss;
-            sums.add(&s);
+        let norm = match self.cfg.loss.normalization {
+            Normalization::Token => tokens,
+            Normalization::Sequence => st(Stat::Seqs),
+        }
+        .max(1.0);
+        let params = self.model.parameters();
+        let total: usize = params.iter().map(Tensor::numel).sum();
+        if grad.len() != total {
+            return Err(TrainError::Invalid(format!(
+                "a summed gradient of {} values for {total} parameter values",
+                grad.len()
+            )));
+        }
+        let mut grads = Vec::with_capacity(params.len());
+        let mut at = 0;
+        for t in &params {
+            let n = t.numel();
+            let g = Tensor::from_slice(&grad[at..at + n])
+                .view(t.size().as_slice())
+                .to_device(t.device())
+                / norm;
+            grads.push(g);
+            at += n;
         }
         self.opt.cfg.lr = m.lr;
-        m.grad_norm = self.opt.step();
+        m.grad_norm = self.opt.step_with(&mut grads);
         self.step += 1;
         self.version += 1;
         if let tch::Device::Cuda(i) = self.model.device() {
             tch::Cuda::synchronize(i as i64);
         }
-        let n = sums.tokens.max(1.0);
         m.trained = true;
         m.step = self.step;
         m.version = self.version;
-        m.loss = loss_total;
-        m.entropy = sums.entropy / n;
-        m.kl = self.reference.as_ref().map(|_| sums.kl / n);
-        m.clip_frac = sums.clipped / n;
-        m.is_weight_mean = sums.is_weight / n;
-        m.is_capped_frac = sums.is_capped / n;
-        m.seconds = t0.elapsed().as_secs_f64();
+        m.loss = st(Stat::Loss) / norm;
+        m.entropy = st(Stat::Entropy) / tokens;
+        m.kl = self.reference.as_ref().map(|_| st(Stat::Kl) / tokens);
+        m.clip_frac = st(Stat::Clipped) / tokens;
+        m.is_weight_mean = st(Stat::IsWeight) / tokens;
+        m.is_capped_frac = st(Stat::IsCapped) / tokens;
+        m.seconds = p.t0.elapsed().as_secs_f64();
         m.tokens_per_s = m.tokens_computed as f64 / m.seconds.max(1e-9);
         Ok(m)
+    }
+
+    /// Forward and backward of every row of `p` (gradients accumulate in the parameters);
+    /// the loss sum goes into `stats`.
+    fn backward_rows(&self, p: &Prepared, stats: &mut [f32]) -> Result<LossSums, TrainError> {
+        // Unnormalised: the count is applied to the group's sum in `apply`.
+        let counts = BatchCounts {
+            tokens: 1.0,
+            seqs: 1.0,
+        };
+        let mut sums = LossSums::default();
+        let mut loss_total = 0.0;
+        for row in &p.rows {
+            let (loss, s) = self.row_backward(row, &p.seq_of, &p.seq_len, counts)?;
+            loss_total += loss;
+            sums.add(&s);
+        }
+        stats[Stat::Loss as usize] += loss_total as f32;
+        Ok(sums)
     }
 
     /// Forward, loss and backward of one row; returns its share of the loss and its sums.
