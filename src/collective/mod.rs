@@ -1,7 +1,7 @@
-//! The collective: what the servers of one model do together. Today: the data plane
-//! (sealed point-to-point links set up through the swarm) and the ring all-reduce over
-//! them. Training-group membership, the step protocol, joiners and DiLoCo build on these
-//! (issue 15, in progress); nothing in the server uses the collective yet.
+//! The collective: what the servers of one model do together. The data plane (sealed
+//! point-to-point links set up through the swarm), the ring all-reduce over them, and the
+//! training group ([`group`]: masterless membership epochs, heartbeats, step rounds with
+//! a commit). The server's training loop drives a group (`server::train`).
 //!
 //! The data plane is a TCP connection per link carrying AES-256-GCM frames ([`seal`]),
 //! not the swarm's QUIC streams: bulk tensors need throughput that a user-space QUIC
@@ -14,6 +14,7 @@
 //! Owns: moving and reducing tensors between members. Never touches LibTorch (callers
 //! hand it `f32` slices) and never decides membership.
 
+pub mod group;
 pub mod link;
 pub mod rendezvous;
 pub mod ring;

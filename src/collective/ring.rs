@@ -57,6 +57,9 @@ pub struct Ring {
     left: Option<LinkRx>,
     /// Values per frame (the pipeline's grain).
     pub chunk: usize,
+    /// A pause between the reduce-scatter and the all-gather (tests hold a round there
+    /// to kill a member mid-round). None in normal use.
+    pub midway_pause: Option<Duration>,
 }
 
 /// What one round cost.
@@ -265,6 +268,7 @@ impl Ring {
             right: None,
             left: None,
             chunk: DEFAULT_CHUNK,
+            midway_pause: None,
         }
     }
 
@@ -325,6 +329,7 @@ impl Ring {
             right: Some(right),
             left: Some(left),
             chunk: DEFAULT_CHUNK,
+            midway_pause: None,
         }
     }
 
@@ -353,6 +358,9 @@ impl Ring {
         for k in 0..n - 1 {
             let (s, g) = (at(r + n - k), at(r + 2 * n - k - 1));
             exchange(tx, rx, data, s, g, wire, chunk, false)?;
+        }
+        if let Some(p) = self.midway_pause {
+            std::thread::sleep(p);
         }
         if wire == Wire::Bf16 {
             // The owner's sum as everyone else will receive it.

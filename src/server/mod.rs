@@ -21,6 +21,7 @@
 //! its step and saves its checkpoint; then the swarm node stops. Past the drain timeout,
 //! or on an abort, what still runs is cancelled.
 
+mod group_loop;
 pub mod infer;
 pub mod served;
 pub mod submit;
@@ -204,9 +205,13 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
         (Some(settings), Some(model)) => {
             let run_dir = cfg.data_dir.join("runs").join(safe_file_name(&name));
             let served = served.clone();
+            let rt = tokio::runtime::Handle::current();
+            // Group links listen where the swarm does.
+            let ip = crate::collective::rendezvous::ip_of(&listen_addrs)
+                .unwrap_or(std::net::Ipv4Addr::UNSPECIFIED.into());
             Some(
                 tokio::task::spawn_blocking(move || {
-                    train::start_training(served, model, settings, &run_dir)
+                    train::start_training(served, model, settings, &run_dir, rt, ip)
                 })
                 .await
                 .map_err(|e| ServerError::Panicked(e.to_string()))??,

@@ -19,7 +19,7 @@ use crate::engine::{EngineHandle, TokenBytes};
 use crate::model::ModelCard;
 use crate::rpc::{CardBlob, CardReply, CardRequest, CARD, INFER, SUBMIT};
 use crate::swarm::frame::{read_frame, write_frame, FrameError};
-use crate::swarm::{ModelStatus, PeerId, Role, Stream, SwarmHandle};
+use crate::swarm::{GroupStatus, ModelStatus, PeerId, Role, Stream, SwarmHandle};
 use crate::timeline::fragment::{Fragment, FragmentHash};
 
 /// Bounds on what a caller may ask.
@@ -70,6 +70,8 @@ pub struct ServedModel {
     trainer: Mutex<Option<std::sync::mpsc::Sender<TrainerInput>>>,
     /// The trainer's step count, gossiped with the status.
     pub train_step: AtomicU64,
+    /// Its training group as this member sees it (gossiped; none: not in a group).
+    pub group: Mutex<Option<GroupStatus>>,
     /// The role's stop: once asked, new calls and submissions are refused (with `retry`).
     pub(super) stop: Stop,
     /// The role's tasks: every handler holds a token of it while it runs.
@@ -148,6 +150,7 @@ impl ServedModel {
             servers: Mutex::new(HashSet::new()),
             trainer: Mutex::new(None),
             train_step: AtomicU64::new(0),
+            group: Mutex::new(None),
             stop,
             tasks,
         }))
@@ -240,6 +243,7 @@ impl ServedModel {
                 name,
                 policy_version: version,
                 train_step: self.train_step.load(Ordering::Relaxed),
+                group: lock(&self.group).clone(),
             }];
             st.load = load;
             st.queue_depth = waiting as u32;

@@ -17,20 +17,24 @@
 //! (the episodes of unsaved steps are trained again after a restart, see above).
 
 use std::collections::HashSet;
+use std::net::IpAddr;
 use std::path::Path;
 use std::sync::atomic::Ordering;
-use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
+use std::sync::mpsc::Sender;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use tracing::{info, warn};
+use tracing::warn;
 
+use super::group_loop::MemberLoop;
 use super::{ServedModel, StoredEpisode};
 use crate::base::StopMode;
+use crate::collective::group::{self, GroupNode};
+use crate::collective::Wire;
 use crate::engine::EngineError;
 use crate::model::llama::Llama;
 use crate::train::checkpoint::RunDir;
-use crate::train::groups::{AdvantageKind, Group, GroupBuffer, GroupConfig, ReadyReport};
+use crate::train::groups::{AdvantageKind, GroupBuffer, GroupConfig};
 use crate::train::optim::AdamWConfig;
 use crate::train::trainer::{Trainer, TrainerConfig};
 use crate::train::TrainError;
@@ -89,6 +93,34 @@ pub struct TrainSettings {
     pub max_staleness: Option<u64>,
     pub checkpoint_every: u64,
     pub micro_batch_tokens: usize,
+    /// How the servers of the model train together.
+    pub collective: CollectiveSettings,
+}
+
+/// The training group's settings (see [`crate::collective::group`]).
+#[derive(Debug, Clone)]
+pub struct CollectiveSettings {
+    /// A round's bound: a member that stalls or dies longer fails the round everywhere.
+    /// It must exceed the slowest member's gradient time (members wait for each other).
+    pub timeout: Duration,
+    /// Between heartbeat rounds (step boundaries) while no step is due.
+    pub heartbeat: Duration,
+    /// How gradients travel.
+    pub wire: Wire,
+    /// Tests only: hold every gradient round this long between its reduce-scatter and
+    /// its all-gather (to kill a member mid-round).
+    pub midway_pause: Option<Duration>,
+}
+
+impl Default for CollectiveSettings {
+    fn default() -> Self {
+        CollectiveSettings {
+            timeout: Duration::from_secs(60),
+            heartbeat: Duration::from_millis(500),
+            wire: Wire::F32,
+            midway_pause: None,
+        }
+    }
 }
 
 impl Default for TrainSettings {
@@ -104,16 +136,9 @@ impl Default for TrainSettings {
             max_staleness: Some(4),
             checkpoint_every: 20,
             micro_batch_tokens: 4096,
+            collective: CollectiveSettings::default(),
         }
     }
-}
-
-fn add_report(into: &mut ReadyReport, r: ReadyReport) {
-    into.skipped_equal += r.skipped_equal;
-    into.dropped_short += r.dropped_short;
-    into.aborted += r.aborted;
-    into.skipped_rewards.extend(r.skipped_rewards);
-    into.taken.extend(r.taken);
 }
 
 /// The ledger of consumed episodes in a run directory: one `STEP<TAB>EPISODE ID` line per
@@ -155,7 +180,7 @@ fn consumed_upto(run_dir: &Path, step: u64) -> Result<HashSet<String>, TrainErro
     Ok(ids)
 }
 
-fn append_consumed(run_dir: &Path, step: u64, ids: &[String]) -> Result<(), TrainError> {
+pub(super) fn append_consumed(run_dir: &Path, step: u64, ids: &[String]) -> Result<(), TrainError> {
     use std::io::Write;
     let path = run_dir.join(CONSUMED);
     let text: String = ids.iter().map(|id| format!("{step}\t{id}\n")).collect();
@@ -208,6 +233,8 @@ pub fn start_training(
     model: Llama,
     settings: TrainSettings,
     run_dir: &Path,
+    rt: tokio::runtime::Handle,
+    ip: IpAddr,
 ) -> Result<TrainingHandle, TrainingError> {
     let run_dir = RunDir::open(run_dir)?;
     let mut trainer = Trainer::new(
@@ -260,11 +287,32 @@ pub fn start_training(
     for ep in again {
         let _ = tx.send(TrainerInput::Episode(Box::new(ep)));
     }
+    let node = GroupNode::start(
+        served.swarm.clone(),
+        rt,
+        group::GroupConfig {
+            name: served.name.clone(),
+            timeout: settings.collective.timeout,
+            heartbeat: settings.collective.heartbeat,
+        },
+        ip,
+    )
+    .map_err(|e| TrainError::Invalid(format!("joining the training group: {e}")))?;
     served.set_trainer(tx.clone());
     let thread = std::thread::Builder::new()
         .name(format!("trainer-{}", served.name))
         .spawn(move || {
-            let r = train_loop(&served, trainer, &run_dir, &settings, rx);
+            let buffer = GroupBuffer::new(
+                GroupConfig {
+                    num_repeat: settings.num_repeat,
+                    min_episodes: settings.min_episodes,
+                    timeout: settings.group_timeout,
+                },
+                &served.name,
+                settings.advantage,
+            );
+            let r = MemberLoop::new(&served, trainer, &run_dir, &settings, rx, buffer, node)
+                .and_then(MemberLoop::run);
             if let Err(e) = &r {
                 tracing::error!(model = served.name, "the training loop stopped: {e}");
                 eprintln!("training of {:?} stopped: {e}", served.name);
@@ -273,103 +321,4 @@ pub fn start_training(
         })
         .map_err(TrainingError::Thread)?;
     Ok(TrainingHandle { tx, thread })
-}
-
-/// How often the loop looks at its groups' timeouts when no episode arrives.
-const GROUP_CLOCK: Duration = Duration::from_millis(500);
-
-fn train_loop(
-    served: &ServedModel,
-    mut trainer: Trainer,
-    run_dir: &RunDir,
-    s: &TrainSettings,
-    rx: Receiver<TrainerInput>,
-) -> Result<(), TrainingError> {
-    let mut buffer = GroupBuffer::new(
-        GroupConfig {
-            num_repeat: s.num_repeat,
-            min_episodes: s.min_episodes,
-            timeout: s.group_timeout,
-        },
-        &served.name,
-        s.advantage,
-    );
-    let mut ready: Vec<Group> = Vec::new();
-    let mut report = ReadyReport::default();
-    let mut last_saved = trainer.steps();
-    let save = |trainer: &Trainer| -> Result<(), TrainError> {
-        run_dir.save(trainer, &served.card, serde_json::json!({}))
-    };
-    loop {
-        match rx.recv_timeout(GROUP_CLOCK) {
-            Ok(TrainerInput::Stop(StopMode::Abort)) => {
-                println!(
-                    "training: aborted at step {} (checkpoint of step {} kept)",
-                    trainer.steps(),
-                    last_saved
-                );
-                return Ok(());
-            }
-            Ok(TrainerInput::Stop(StopMode::Drain)) => {
-                if trainer.steps() != last_saved {
-                    save(&trainer)?;
-                    println!(
-                        "training: checkpoint at step {} saved on stop",
-                        trainer.steps()
-                    );
-                }
-                return Ok(());
-            }
-            Ok(TrainerInput::Episode(stored)) => {
-                let size = stored.manifest.group_size as usize;
-                let ep = stored.episode();
-                let id = ep.id.clone();
-                if let Err(e) = buffer.add_sized(ep, (size > 0).then_some(size)) {
-                    // A resubmission of an episode already buffered: trained once only.
-                    warn!(episode = id, "not buffered: {e}");
-                }
-            }
-            Err(RecvTimeoutError::Timeout) => {}
-            Err(RecvTimeoutError::Disconnected) => return Ok(()),
-        }
-        let (groups, r) = buffer.take_ready(Instant::now());
-        ready.extend(groups);
-        add_report(&mut report, r);
-        if ready.len() < s.groups_per_step.max(1) {
-            continue;
-        }
-        let batch: Vec<Group> = std::mem::take(&mut ready);
-        let rep = std::mem::take(&mut report);
-        info!(
-            step = trainer.steps() + 1,
-            groups = batch.len(),
-            "training step started"
-        );
-        let m = trainer.step(&batch, &rep)?;
-        append_consumed(&run_dir.dir, trainer.steps(), &rep.taken)?;
-        served
-            .engine
-            .update_weights(&trainer.model.parameters(), trainer.version())?;
-        served.train_step.store(trainer.steps(), Ordering::Relaxed);
-        println!("train {}", m.line());
-        info!(
-            step = m.step,
-            version = m.version,
-            reward = m.reward_mean,
-            "trained"
-        );
-        run_dir.append(&m)?;
-        if let Ok(all) = run_dir.metrics() {
-            let title = format!(
-                "{}: mean training reward per step (AgentJet server)",
-                served.name
-            );
-            let svg = crate::train::plot::reward_svg(&title, &all, None);
-            let _ = std::fs::write(run_dir.dir.join("reward.svg"), svg);
-        }
-        if trainer.steps() % s.checkpoint_every.max(1) == 0 {
-            save(&trainer)?;
-            last_saved = trainer.steps();
-        }
-    }
 }

@@ -66,6 +66,23 @@ pub struct ModelStatus {
     pub name: String,
     pub policy_version: u64,
     pub train_step: u64,
+    /// Set when this server trains the model as a member of its training group.
+    pub group: Option<GroupStatus>,
+}
+
+/// A training-group member's view of its group (gossiped; shown by `status`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct GroupStatus {
+    /// The membership epoch it is in (0: forming, not in a ring yet).
+    pub epoch: u64,
+    pub members: u32,
+    /// The first 8 bytes of the blake3 of its parameters, hex.
+    pub param_hash: String,
+    /// The last gradient all-reduce: milliseconds and bus bandwidth (GB/s).
+    pub allreduce_ms: f64,
+    pub allreduce_gbps: f64,
+    /// "sync" or "diloco/H".
+    pub mode: String,
 }
 
 /// What every peer gossips about itself every few seconds.

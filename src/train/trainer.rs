@@ -133,6 +133,16 @@ pub struct StepMetrics {
     pub staleness: BTreeMap<u64, usize>,
     /// False when nothing was trainable (no optimizer step, version unchanged).
     pub trained: bool,
+    /// Training-group members whose gradients the step summed (0: a trainer alone).
+    #[serde(default)]
+    pub members: usize,
+    /// The gradient all-reduce's seconds.
+    #[serde(default)]
+    pub allreduce_seconds: f64,
+    /// blake3 of the parameters after the step, hex (set by a group member: every member
+    /// of a group writes the same).
+    #[serde(default)]
+    pub param_hash: Option<String>,
 }
 
 impl StepMetrics {

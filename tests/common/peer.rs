@@ -99,6 +99,30 @@ impl Peer {
         }
     }
 
+    /// The first stdout line containing `needle` (the whole line).
+    pub fn wait_line_containing(&mut self, needle: &str, timeout: Duration) -> String {
+        if let Some(l) = self.seen.iter().find(|l| l.contains(needle)) {
+            return l.clone();
+        }
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) => {
+                    self.seen.push(l.clone());
+                    if l.contains(needle) {
+                        return l;
+                    }
+                }
+                Err(_) => panic!(
+                    "no line with {needle:?} within {timeout:?}; stdout {:?}; log:\n{}",
+                    self.seen,
+                    self.log_text()
+                ),
+            }
+        }
+    }
+
     /// Every stdout line so far (waits up to 2 s for the rest once the process exited).
     pub fn stdout(&mut self) -> String {
         let deadline = Instant::now() + Duration::from_secs(2);

@@ -188,6 +188,18 @@ pub struct ServerCli {
     /// Save a checkpoint every N steps (and when stopped).
     #[arg(long, default_value_t = 20)]
     pub checkpoint_every: u64,
+    /// Seconds a training-group round may take: a member that stalls or dies longer fails
+    /// the round at every member, and the others go on without it. Must exceed the
+    /// slowest member's gradient computation.
+    #[arg(long, default_value_t = 60.0)]
+    pub collective_timeout: f64,
+    /// How the training group's gradients travel: `f32` (exact) or `bf16` (half the bytes).
+    #[arg(long, default_value = "f32")]
+    pub allreduce_wire: String,
+    /// Tests only: hold every gradient all-reduce this many milliseconds between its
+    /// reduce-scatter and its all-gather.
+    #[arg(long, hide = true)]
+    pub test_midway_pause_ms: Option<u64>,
 }
 
 /// `agentjet-peer --role client`.

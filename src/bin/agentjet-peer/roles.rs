@@ -36,8 +36,11 @@ pub use torch::server;
 mod torch {
     use super::*;
     use crate::args::{secs, ServerCli};
+    use agentjet::collective::Wire;
+    use agentjet::server::train::CollectiveSettings;
     use agentjet::server::{ServeLimits, ServerConfig, TrainSettings};
     use agentjet::train::groups::AdvantageKind;
+    use std::time::Duration;
 
     impl ServerCli {
         pub fn config(&self) -> Result<ServerConfig> {
@@ -60,6 +63,18 @@ mod torch {
                         max_staleness: Some(self.max_staleness),
                         checkpoint_every: self.checkpoint_every.max(1),
                         micro_batch_tokens: 4096,
+                        collective: CollectiveSettings {
+                            timeout: secs("collective-timeout", self.collective_timeout)?,
+                            wire: match self.allreduce_wire.as_str() {
+                                "f32" => Wire::F32,
+                                "bf16" => Wire::Bf16,
+                                other => anyhow::bail!(
+                                    "--allreduce-wire {other:?}: expected f32 or bf16"
+                                ),
+                            },
+                            midway_pause: self.test_midway_pause_ms.map(Duration::from_millis),
+                            ..CollectiveSettings::default()
+                        },
                     })
                 })
                 .transpose()?;

@@ -1,0 +1,480 @@
+//! The training loop of a group member (a server alone is a group of one): form an epoch,
+//! catch up as the proposer decided, then heartbeat and step in the ring until it
+//! dissolves or fails, and form the next. See [`crate::collective::group`] for the
+//! protocol and why every member applies the same steps.
+//!
+//! A step here: the trainer's unnormalised gradient on the groups this member holds (none
+//! is fine), the stats round, the gradient round, the commit round, then
+//! [`Trainer::apply`] on the sums, the ledger, the engine's new weights and the metrics.
+//! The member keeps its own gradient until the step is applied (a failed step is retried
+//! from it in the next ring) and a summed gradient whose commit it did not see finish
+//! (applied if another member applied it).
+
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::time::{Duration, Instant};
+
+use tracing::{error, info, warn};
+
+use super::train::{append_consumed, CollectiveSettings, TrainSettings, TrainerInput};
+use super::{ServedModel, TrainingError};
+use crate::base::{lock, StopMode};
+use crate::collective::group::{Action, GroupError, GroupNode, MemberState, Membership};
+use crate::collective::RoundStats;
+use crate::swarm::GroupStatus;
+use crate::train::checkpoint::RunDir;
+use crate::train::groups::{Group, GroupBuffer, ReadyReport};
+use crate::train::trainer::{LocalGradient, Prepared, StepMetrics, Trainer};
+use crate::train::TrainError;
+
+/// A step computed here and not applied yet.
+struct Held {
+    prepared: Prepared,
+    local: LocalGradient,
+    /// The episode ids the step consumed (the ledger's, once applied).
+    taken: Vec<String>,
+}
+
+/// How a ring ended.
+enum Ended {
+    /// Dissolved cleanly at a heartbeat (a new epoch, or this member stops).
+    Dissolved,
+    /// A round failed: `0` says which.
+    Failed(GroupError),
+}
+
+pub(super) struct MemberLoop<'a> {
+    pub served: &'a ServedModel,
+    pub trainer: Trainer,
+    pub run_dir: &'a RunDir,
+    pub s: &'a TrainSettings,
+    pub rx: Receiver<TrainerInput>,
+    pub buffer: GroupBuffer,
+    pub node: GroupNode,
+    pub last_saved: u64,
+    ready: Vec<Group>,
+    report: ReadyReport,
+    held: Option<Held>,
+    /// The group's summed gradient and stats of step `steps + 1`, commit unseen.
+    pending: Option<(Vec<f32>, Vec<f32>)>,
+    stop: Option<StopMode>,
+    hash: [u8; 32],
+    last_round: Option<(RoundStats, usize)>,
+}
+
+/// blake3 of the parameters' bytes (float32, in [`crate::model::llama::Llama::parameters`]
+/// order).
+pub fn parameter_hash(t: &Trainer) -> Result<[u8; 32], TrainError> {
+    let mut h = blake3::Hasher::new();
+    for p in t.model.parameters() {
+        let flat = p
+            .detach()
+            .to_kind(tch::Kind::Float)
+            .to_device(tch::Device::Cpu)
+            .contiguous()
+            .view([-1]);
+        let v = Vec::<f32>::try_from(&flat)?;
+        h.update(bytemuck::cast_slice(&v));
+    }
+    Ok(*h.finalize().as_bytes())
+}
+
+fn hex8(h: &[u8; 32]) -> String {
+    h[..8].iter().map(|b| format!("{b:02x}")).collect()
+}
+
+impl<'a> MemberLoop<'a> {
+    pub fn new(
+        served: &'a ServedModel,
+        trainer: Trainer,
+        run_dir: &'a RunDir,
+        s: &'a TrainSettings,
+        rx: Receiver<TrainerInput>,
+        buffer: GroupBuffer,
+        node: GroupNode,
+    ) -> Result<MemberLoop<'a>, TrainingError> {
+        let hash = parameter_hash(&trainer)?;
+        let last_saved = trainer.steps();
+        Ok(MemberLoop {
+            served,
+            trainer,
+            run_dir,
+            s,
+            rx,
+            buffer,
+            node,
+            last_saved,
+            ready: Vec::new(),
+            report: ReadyReport::default(),
+            held: None,
+            pending: None,
+            stop: None,
+            hash,
+            last_round: None,
+        })
+    }
+
+    fn cs(&self) -> &CollectiveSettings {
+        &self.s.collective
+    }
+
+    fn state(&self) -> MemberState {
+        MemberState {
+            steps: self.trainer.steps(),
+            version: self.trainer.version(),
+            hash: self.hash,
+            values: self.trainer.gradient_len() as u64,
+            pending: self.pending.is_some(),
+            held: self.held.is_some(),
+        }
+    }
+
+    fn publish(&self, m: Option<&Membership>) {
+        let (allreduce_ms, allreduce_gbps) = match &self.last_round {
+            Some((r, values)) => (
+                r.seconds * 1e3,
+                r.bus_bandwidth(*values, m.map_or(1, |m| m.size())) / 1e9,
+            ),
+            None => (0.0, 0.0),
+        };
+        *lock(&self.served.group) = Some(GroupStatus {
+            epoch: m.map_or(0, |m| m.epoch()),
+            members: m.map_or(0, |m| m.size() as u32),
+            param_hash: hex8(&self.hash),
+            allreduce_ms,
+            allreduce_gbps,
+            mode: "sync".into(),
+        });
+    }
+
+    /// Takes what arrived (waiting up to `wait` for the first input).
+    fn pump(&mut self, wait: Duration) {
+        let deadline = Instant::now() + wait;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let input = if left.is_zero() {
+                match self.rx.try_recv() {
+                    Ok(i) => i,
+                    Err(std::sync::mpsc::TryRecvError::Empty) => return,
+                    Err(std::sync::mpsc::TryRecvError::Disconnected) => {
+                        self.stop.get_or_insert(StopMode::Drain);
+                        return;
+                    }
+                }
+            } else {
+                match self.rx.recv_timeout(left) {
+                    Ok(i) => i,
+                    Err(RecvTimeoutError::Timeout) => continue,
+                    Err(RecvTimeoutError::Disconnected) => {
+                        self.stop.get_or_insert(StopMode::Drain);
+                        return;
+                    }
+                }
+            };
+            match input {
+                TrainerInput::Stop(mode) => {
+                    // An abort overrides a drain, never the other way.
+                    if self.stop != Some(StopMode::Abort) {
+                        self.stop = Some(mode);
+                    }
+                }
+                TrainerInput::Episode(stored) => {
+                    let size = stored.manifest.group_size as usize;
+                    let ep = stored.episode();
+                    let id = ep.id.clone();
+                    if let Err(e) = self.buffer.add_sized(ep, (size > 0).then_some(size)) {
+                        // A resubmission of an episode already buffered: trained once.
+                        warn!(episode = id, "not buffered: {e}");
+                    }
+                }
+            }
+        }
+    }
+
+    fn take_ready(&mut self) {
+        let (groups, r) = self.buffer.take_ready(Instant::now());
+        self.ready.extend(groups);
+        let rep = &mut self.report;
+        rep.skipped_equal += r.skipped_equal;
+        rep.dropped_short += r.dropped_short;
+        rep.aborted += r.aborted;
+        rep.skipped_rewards.extend(r.skipped_rewards);
+        rep.taken.extend(r.taken);
+    }
+
+    /// Runs until the role stops (or the group cannot go on).
+    pub fn run(mut self) -> Result<(), TrainingError> {
+        loop {
+            if let Some(mode) = self.stop {
+                return self.finish(mode);
+            }
+            self.publish(None);
+            let state = self.state();
+            let formed = {
+                let (node, rx, buffer, stop) =
+                    (&mut self.node, &self.rx, &mut self.buffer, &mut self.stop);
+                let mut stopped = || {
+                    while let Ok(i) = rx.try_recv() {
+                        match i {
+                            TrainerInput::Stop(m) => {
+                                if *stop != Some(StopMode::Abort) {
+                                    *stop = Some(m);
+                                }
+                            }
+                            TrainerInput::Episode(stored) => {
+                                let size = stored.manifest.group_size as usize;
+                                let _ =
+                                    buffer.add_sized(stored.episode(), (size > 0).then_some(size));
+                            }
+                        }
+                    }
+                    stop.is_some()
+                };
+                node.form(&state, &mut stopped)
+            };
+            let mut m = match formed {
+                Ok(m) => m,
+                Err(GroupError::Stopped) => continue,
+                Err(e @ GroupError::Refused(_)) if self.stop.is_none() => {
+                    error!(model = self.served.name, "{e}");
+                    eprintln!("training of {:?}: {e}", self.served.name);
+                    *lock(&self.served.group) = None;
+                    self.node.leave();
+                    return Err(TrainError::Invalid(e.to_string()).into());
+                }
+                Err(e) => {
+                    warn!(model = self.served.name, "forming an epoch: {e}");
+                    continue;
+                }
+            };
+            if let Err(e) = self.catch_up(&m) {
+                *lock(&self.served.group) = None;
+                self.node.leave();
+                return Err(e);
+            }
+            self.publish(Some(&m));
+            println!(
+                "group {:?}: epoch {} with {} member(s), step {}, parameters {}",
+                self.served.name,
+                m.epoch(),
+                m.size(),
+                self.trainer.steps(),
+                hex8(&self.hash)
+            );
+            let ended = if m.start.retry {
+                match self.step_round(&mut m) {
+                    Ok(()) => self.ring_loop(&mut m),
+                    Err(e) => Ended::Failed(e),
+                }
+            } else {
+                self.ring_loop(&mut m)
+            };
+            match ended {
+                Ended::Dissolved => info!(model = self.served.name, "the ring dissolved"),
+                Ended::Failed(GroupError::Ring(e)) => {
+                    warn!(
+                        model = self.served.name,
+                        epoch = m.epoch(),
+                        "a round failed: {e}"
+                    );
+                    println!(
+                        "group {:?}: a round of epoch {} failed ({e}); forming the next",
+                        self.served.name,
+                        m.epoch()
+                    );
+                }
+                Ended::Failed(e) => return Err(TrainError::Invalid(e.to_string()).into()),
+            }
+        }
+    }
+
+    /// Does what the proposer decided this member does first; checks the parameters.
+    fn catch_up(&mut self, m: &Membership) -> Result<(), TrainingError> {
+        match m.action() {
+            Action::ApplyPending => {
+                let (grad, stats) = self.pending.take().ok_or_else(|| {
+                    TrainError::Invalid("told to apply a pending sum it does not hold".into())
+                })?;
+                info!(
+                    model = self.served.name,
+                    "applying the step another member applied"
+                );
+                self.apply(&grad, &stats, m.size())?;
+            }
+            Action::Ready => {
+                if self.pending.take().is_some() {
+                    info!(
+                        model = self.served.name,
+                        "no member applied the last step: its sum is dropped"
+                    );
+                }
+            }
+        }
+        if self.trainer.steps() != m.start.steps || self.hash != m.start.hash {
+            return Err(TrainError::Invalid(format!(
+                "after catching up, step {} parameters {} differ from the group's step {} parameters {}",
+                self.trainer.steps(),
+                hex8(&self.hash),
+                m.start.steps,
+                hex8(&m.start.hash)
+            ))
+            .into());
+        }
+        Ok(())
+    }
+
+    fn ring_loop(&mut self, m: &mut Membership) -> Ended {
+        loop {
+            self.pump(self.cs().heartbeat);
+            self.take_ready();
+            let beat = match self
+                .node
+                .heartbeat(m, self.ready.len(), self.stop.is_some())
+            {
+                Ok(b) => b,
+                Err(e) => return Ended::Failed(e),
+            };
+            if beat.dissolve {
+                return Ended::Dissolved;
+            }
+            if beat.ready >= self.s.groups_per_step.max(1) as f64 {
+                if let Err(e) = self.step_round(m) {
+                    return Ended::Failed(e);
+                }
+            }
+        }
+    }
+
+    /// One step in ring `m`: from the gradient held (a retry) or the groups ready now.
+    fn step_round(&mut self, m: &mut Membership) -> Result<(), GroupError> {
+        let held = match self.held.take() {
+            Some(h) => h,
+            None => {
+                let groups = std::mem::take(&mut self.ready);
+                let rep = std::mem::take(&mut self.report);
+                info!(
+                    step = self.trainer.steps() + 1,
+                    groups = groups.len(),
+                    members = m.size(),
+                    "training step started"
+                );
+                let computed = self
+                    .trainer
+                    .prepare(&groups, &rep)
+                    .and_then(|p| Ok((self.trainer.gradient(&p)?, p)));
+                let (local, prepared) = match computed {
+                    Ok(x) => x,
+                    Err(e) => {
+                        // This member cannot contribute: it leaves the ring (its groups
+                        // are dropped, their episodes stay stored).
+                        error!(model = self.served.name, "computing the gradient: {e}");
+                        return Err(GroupError::Refused(format!("computing the gradient: {e}")));
+                    }
+                };
+                Held {
+                    prepared,
+                    local,
+                    taken: rep.taken,
+                }
+            }
+        };
+        let mut stats = held.local.stats.clone();
+        let mut grad = held.local.grad.clone();
+        self.held = Some(held);
+        self.node.sum(m, &mut stats, crate::collective::Wire::F32)?;
+        m.ring.midway_pause = self.cs().midway_pause;
+        let round = self.node.sum(m, &mut grad, self.cs().wire);
+        m.ring.midway_pause = None;
+        let round = round?;
+        self.last_round = Some((round, grad.len()));
+        match self.node.commit(m) {
+            Ok(true) => self
+                .apply(&grad, &stats, m.size())
+                .map_err(|e| GroupError::Refused(e.to_string())),
+            Ok(false) => {
+                info!(
+                    model = self.served.name,
+                    "a member did not commit: the step is retried"
+                );
+                Ok(())
+            }
+            Err(e) => {
+                self.pending = Some((grad, stats));
+                Err(e)
+            }
+        }
+    }
+
+    /// Applies the summed gradient to the held step, then the ledger, engine and metrics.
+    fn apply(&mut self, grad: &[f32], stats: &[f32], members: usize) -> Result<(), TrainingError> {
+        let held = self
+            .held
+            .take()
+            .ok_or_else(|| TrainError::Invalid("a sum to apply but no step held".into()))?;
+        let mut m: StepMetrics = self.trainer.apply(held.prepared, grad, stats)?;
+        m.members = members;
+        m.allreduce_seconds = self.last_round.map_or(0.0, |(r, _)| r.seconds);
+        self.hash = parameter_hash(&self.trainer)?;
+        m.param_hash = Some(self.hash.iter().map(|b| format!("{b:02x}")).collect());
+        append_consumed(&self.run_dir.dir, self.trainer.steps(), &held.taken)?;
+        self.served
+            .engine
+            .update_weights(&self.trainer.model.parameters(), self.trainer.version())?;
+        self.served
+            .train_step
+            .store(self.trainer.steps(), Ordering::Relaxed);
+        println!("train {}", m.line());
+        info!(
+            step = m.step,
+            version = m.version,
+            reward = m.reward_mean,
+            members,
+            hash = hex8(&self.hash),
+            "trained"
+        );
+        self.run_dir.append(&m)?;
+        if let Ok(all) = self.run_dir.metrics() {
+            let title = format!(
+                "{}: mean training reward per step (AgentJet server)",
+                self.served.name
+            );
+            let svg = crate::train::plot::reward_svg(&title, &all, None);
+            let _ = std::fs::write(self.run_dir.dir.join("reward.svg"), svg);
+        }
+        if self.trainer.steps() % self.s.checkpoint_every.max(1) == 0 {
+            self.save()?;
+        }
+        Ok(())
+    }
+
+    fn save(&mut self) -> Result<(), TrainError> {
+        self.run_dir
+            .save(&self.trainer, &self.served.card, serde_json::json!({}))?;
+        self.last_saved = self.trainer.steps();
+        Ok(())
+    }
+
+    fn finish(mut self, mode: StopMode) -> Result<(), TrainingError> {
+        self.node.leave();
+        *lock(&self.served.group) = None;
+        match mode {
+            StopMode::Abort => {
+                println!(
+                    "training: aborted at step {} (checkpoint of step {} kept)",
+                    self.trainer.steps(),
+                    self.last_saved
+                );
+            }
+            StopMode::Drain => {
+                if self.trainer.steps() != self.last_saved {
+                    self.save()?;
+                    println!(
+                        "training: checkpoint at step {} saved on stop",
+                        self.trainer.steps()
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,218 @@
+//! Elastic data-parallel training with real processes on 127.0.0.1: several servers of one
+//! tiny model train as one group (a ring all-reduce of their gradients each step), stay
+//! bit-identical, and go on when one of them is killed in the middle of a round.
+
+mod common;
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use common::peer::{metric, wait_until, Peer};
+use serde_json::Value;
+
+fn tiny_model(dir: &Path) -> PathBuf {
+    common::Tiny {
+        max_pos: 1024,
+        ..Default::default()
+    }
+    .write_hf_dir(&dir.join("tiny-model"))
+}
+
+/// One chat call (8 tokens, temperature 1); reward 1 when the reply has an even number of
+/// characters (a coin flip for a random model: groups have signal). It thinks for 0.3 s
+/// first, so episodes arrive over several heartbeats (several steps).
+const AGENT: &str = r#"#!/bin/sh
+set -eu
+sleep 0.3
+reply=$(curl -sS --fail-with-body "$OPENAI_BASE_URL/chat/completions" \
+  -H "Authorization: Bearer $OPENAI_API_KEY" -H "Content-Type: application/json" \
+  -d '{"model": "tiny", "max_tokens": 8, "temperature": 1.0, "messages": [{"role": "user", "content": "hello"}]}')
+content=$(printf '%s' "$reply" | jq -r '.choices[0].message.content')
+if [ $(( ${#content} % 2 )) -eq 0 ]; then echo '{"reward": 1.0}'; else echo '{"reward": 0.0}'; fi
+"#;
+
+/// Server `name` of the tiny model served as "tiny" (data directory `dir/name`).
+fn server(dir: &Path, model: &Path, name: &str, boot: Option<&str>, extra: &[&str]) -> Peer {
+    let mut args = vec![
+        "--role",
+        "server",
+        "--model",
+        model.to_str().unwrap(),
+        "--served-model-name",
+        "tiny",
+        "--device",
+        "cpu",
+        "--learning-rate",
+        "1e-3",
+        "--group-timeout",
+        "5",
+        "--http",
+        "127.0.0.1:0",
+    ];
+    if let Some(b) = boot {
+        args.extend(["--bootstrap", b]);
+    }
+    args.extend(extra);
+    Peer::start(name, dir, &args)
+}
+
+fn client(dir: &Path, boot: &str, groups: usize, run: &str) -> Peer {
+    let agent = dir.join("agent.sh");
+    std::fs::write(&agent, AGENT).unwrap();
+    let tasks = dir.join("tasks.jsonl");
+    let lines: Vec<String> = (0..12)
+        .map(|i| format!("{{\"id\": \"t{i}\", \"data\": {{\"i\": {i}}}}}"))
+        .collect();
+    std::fs::write(&tasks, lines.join("\n") + "\n").unwrap();
+    let agent_cmd = format!("sh {}", agent.display());
+    let groups = groups.to_string();
+    let run_dir = dir.join(run);
+    Peer::start(
+        run,
+        dir,
+        &[
+            "--role",
+            "client",
+            "--model",
+            "tiny",
+            "--bootstrap",
+            boot,
+            "--agent",
+            &agent_cmd,
+            "--tasks",
+            tasks.to_str().unwrap(),
+            "--num-repeat",
+            "4",
+            "--groups",
+            &groups,
+            "--concurrency",
+            "8",
+            "--run-dir",
+            run_dir.to_str().unwrap(),
+        ],
+    )
+}
+
+fn metrics_lines(dir: &Path, name: &str) -> Vec<Value> {
+    std::fs::read_to_string(dir.join(name).join("runs/tiny/metrics.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+/// The ledger of server `name`: episode ids by step.
+fn consumed(dir: &Path, name: &str) -> BTreeMap<u64, Vec<String>> {
+    let mut by_step: BTreeMap<u64, Vec<String>> = BTreeMap::new();
+    let text =
+        std::fs::read_to_string(dir.join(name).join("runs/tiny/consumed.log")).unwrap_or_default();
+    for l in text.lines() {
+        let (s, id) = l.split_once('\t').unwrap();
+        by_step
+            .entry(s.parse().unwrap())
+            .or_default()
+            .push(id.to_string());
+    }
+    by_step
+}
+
+fn stored_ids(dir: &Path, name: &str) -> HashSet<String> {
+    agentjet::server::read_stored_episodes(&dir.join(name).join("episodes/tiny"))
+        .unwrap()
+        .into_iter()
+        .map(|e| e.manifest.episode_id)
+        .collect()
+}
+
+/// Each member's hash per trained step.
+fn hashes(lines: &[Value]) -> BTreeMap<u64, String> {
+    lines
+        .iter()
+        .filter(|l| l["trained"] == true)
+        .map(|l| {
+            (
+                l["step"].as_u64().unwrap(),
+                l["param_hash"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn three_servers_train_as_one_group_and_stay_bit_identical() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = tiny_model(d);
+    let gps = ["--groups-per-step", "2"];
+    let mut a = server(d, &model, "a", None, &gps);
+    let boot = a.addr();
+    let mut b = server(d, &model, "b", Some(&boot), &gps);
+    let mut c = server(d, &model, "c", Some(&boot), &gps);
+    let mut http = Vec::new();
+    for s in [&mut a, &mut b, &mut c] {
+        http.push(s.wait_line("http at", Duration::from_secs(120)));
+        s.wait_line("serving model", Duration::from_secs(120));
+    }
+    // All three in one epoch before any episode arrives.
+    for s in [&mut a, &mut b, &mut c] {
+        s.wait_line_containing("with 3 member(s)", Duration::from_secs(60));
+    }
+    let mut cl = client(d, &boot, 24, "run1");
+    let st = cl.child.wait().unwrap();
+    assert!(st.success(), "client failed:\n{}", cl.log_text());
+    wait_until("the last groups trained", Duration::from_secs(60), || {
+        ["a", "b", "c"].iter().all(|n| {
+            let used: usize = consumed(d, n).values().map(Vec::len).sum();
+            used == stored_ids(d, n).len()
+        })
+    });
+    let per: Vec<Vec<Value>> = ["a", "b", "c"]
+        .iter()
+        .map(|n| metrics_lines(d, n))
+        .collect();
+    let h: Vec<BTreeMap<u64, String>> = per.iter().map(|l| hashes(l)).collect();
+    println!(
+        "steps: {:?}",
+        per.iter()
+            .map(|l| l
+                .iter()
+                .map(|m| (m["step"].clone(), m["members"].clone(), m["groups"].clone()))
+                .collect::<Vec<_>>())
+            .collect::<Vec<_>>()
+    );
+    // Every member took every step, with the same parameters after each.
+    assert!(h[0].len() >= 5, "only {} steps trained", h[0].len());
+    assert_eq!(h[0], h[1], "members a and b differ");
+    assert_eq!(h[0], h[2], "members a and c differ");
+    for lines in &per {
+        for l in lines.iter().filter(|l| l["trained"] == true) {
+            assert_eq!(l["members"], 3, "{l}");
+        }
+    }
+    // The same policy version served by the three engines.
+    let versions: Vec<f64> = http
+        .iter()
+        .map(|u| metric(u, "agentjet_policy_version{model=\"tiny\"}").unwrap())
+        .collect();
+    assert!(
+        versions[0] >= 5.0 && versions.iter().all(|v| *v == versions[0]),
+        "{versions:?}"
+    );
+    // Each member trained the episodes it alone received: its ledger holds only its own
+    // stored episodes, the ledgers are disjoint, and every member contributed.
+    let mut all = HashSet::new();
+    for n in ["a", "b", "c"] {
+        let mine = stored_ids(d, n);
+        let used: Vec<String> = consumed(d, n).into_values().flatten().collect();
+        assert!(!used.is_empty(), "member {n} trained nothing of its own");
+        for id in &used {
+            assert!(
+                mine.contains(id),
+                "{n} consumed {id}, which it did not store"
+            );
+            assert!(all.insert(id.clone()), "{id} trained by two members");
+        }
+    }
+    assert_eq!(all.len(), 96, "24 groups of 4 episodes, each trained once");
+}
