@@ -215,4 +215,133 @@ fn three_servers_train_as_one_group_and_stay_bit_identical() {
         }
     }
     assert_eq!(all.len(), 96, "24 groups of 4 episodes, each trained once");
+
+    // `status` shows the group: three members, one epoch, one parameter hash.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_agentjet-peer"))
+        .args(["status", "--bootstrap", &boot, "--wait", "3"])
+        .output()
+        .unwrap();
+    let table = String::from_utf8_lossy(&out.stdout).to_string();
+    println!("{table}");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<Vec<&str>> = table
+        .lines()
+        .skip_while(|l| !l.starts_with("GROUP"))
+        .skip(1)
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(rows.len(), 3, "{table}");
+    let last = h[0].values().last().unwrap();
+    for r in &rows {
+        // GROUP MEMBER EPOCH MEMBERS STEP VERSION PARAMS ...
+        assert_eq!(r[0], "tiny", "{table}");
+        assert_eq!(r[2], rows[0][2], "one epoch: {table}");
+        assert_eq!(r[3], "3", "{table}");
+        assert_eq!(r[4], per[0].last().unwrap()["step"].to_string(), "{table}");
+        assert!(last.starts_with(r[6]), "{table}");
+    }
+}
+
+/// The `train` lines of a member's stdout so far, as (step, members).
+fn train_lines(p: &mut Peer) -> Vec<String> {
+    p.stdout_so_far()
+        .into_iter()
+        .filter(|l| l.starts_with("train step"))
+        .collect()
+}
+
+#[test]
+fn a_member_killed_mid_all_reduce_leaves_two_that_finish_the_step_and_go_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = tiny_model(d);
+    // Every gradient round holds 2.5 s between its reduce-scatter and its all-gather; a
+    // round's timeout is 4 s.
+    let extra = [
+        "--groups-per-step",
+        "2",
+        "--collective-timeout",
+        "4",
+        "--test-midway-pause-ms",
+        "2500",
+        "--checkpoint-every",
+        "1",
+    ];
+    let mut a = server(d, &model, "a", None, &extra);
+    let boot = a.addr();
+    let mut b = server(d, &model, "b", Some(&boot), &extra);
+    let mut c = server(d, &model, "c", Some(&boot), &extra);
+    for s in [&mut a, &mut b, &mut c] {
+        s.wait_line("serving model", Duration::from_secs(120));
+        s.wait_line_containing("with 3 member(s)", Duration::from_secs(60));
+    }
+    let mut cl = client(d, &boot, 24, "run1");
+    // The second step has started at c (the first completed with three members): c is
+    // now inside the gradient round's pause. Kill it there.
+    wait_until("c's second step", Duration::from_secs(120), || {
+        c.log_text().matches("training step started").count() >= 2
+    });
+    std::thread::sleep(Duration::from_millis(800));
+    let killed_in = metrics_lines(d, "c").len() as u64 + 1;
+    c.kill9();
+    let t_kill = std::time::Instant::now();
+    println!("killed c in its step {killed_in}");
+    // a and b finish that step, with two members.
+    let recovered = wait_until("a two-member step", Duration::from_secs(60), || {
+        metrics_lines(d, "a")
+            .iter()
+            .any(|l| l["trained"] == true && l["members"] == 2)
+    });
+    println!(
+        "recovery: the first two-member step completed {:.2} s after the kill ({:?} polled)",
+        t_kill.elapsed().as_secs_f64(),
+        recovered
+    );
+    let st = cl.child.wait().unwrap();
+    assert!(st.success(), "client failed:\n{}", cl.log_text());
+    wait_until("the last groups trained", Duration::from_secs(60), || {
+        ["a", "b"].iter().all(|n| {
+            let used: usize = consumed(d, n).values().map(Vec::len).sum();
+            used == stored_ids(d, n).len()
+        })
+    });
+    let (la, lb) = (metrics_lines(d, "a"), metrics_lines(d, "b"));
+    let steps = |l: &[Value]| -> Vec<(u64, u64)> {
+        l.iter()
+            .filter(|l| l["trained"] == true)
+            .map(|l| (l["step"].as_u64().unwrap(), l["members"].as_u64().unwrap()))
+            .collect()
+    };
+    println!("a: {:?}\nb: {:?}", steps(&la), steps(&lb));
+    println!("a's stdout: {:?}", train_lines(&mut a));
+    // The same steps, the same parameters after each, at both survivors.
+    assert_eq!(hashes(&la), hashes(&lb), "a and b differ");
+    assert_eq!(steps(&la), steps(&lb));
+    // Steps are numbered without a gap or a repeat: the killed step was taken once.
+    let s = steps(&la);
+    for (i, (step, _)) in s.iter().enumerate() {
+        assert_eq!(*step, i as u64 + 1, "{s:?}");
+    }
+    // The step c died in was finished by a and b alone, on their own episodes, and
+    // training went on after it.
+    let (step, members) = s[killed_in as usize - 1];
+    assert_eq!((step, members), (killed_in, 2), "{s:?}");
+    assert!(
+        s.len() > killed_in as usize,
+        "no step after the recovery: {s:?}"
+    );
+    let l = &la[killed_in as usize - 1];
+    let (ca, cb) = (consumed(d, "a"), consumed(d, "b"));
+    let theirs = ca.get(&killed_in).map_or(0, Vec::len) + cb.get(&killed_in).map_or(0, Vec::len);
+    // Its episodes (of trained groups; the ledgers also list skipped ones) are theirs:
+    // c's share, summed before the kill, is not in the retried step.
+    assert!(theirs > 0, "{l}");
+    assert!(
+        l["episodes"].as_u64().unwrap() as usize <= theirs,
+        "{l} vs {theirs}"
+    );
 }

@@ -388,9 +388,12 @@ impl<'a> MemberLoop<'a> {
         let round = round?;
         self.last_round = Some((round, grad.len()));
         match self.node.commit(m) {
-            Ok(true) => self
-                .apply(&grad, &stats, m.size())
-                .map_err(|e| GroupError::Refused(e.to_string())),
+            Ok(true) => {
+                self.apply(&grad, &stats, m.size())
+                    .map_err(|e| GroupError::Refused(e.to_string()))?;
+                self.publish(Some(m));
+                Ok(())
+            }
             Ok(false) => {
                 info!(
                     model = self.served.name,

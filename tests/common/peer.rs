@@ -99,6 +99,14 @@ impl Peer {
         }
     }
 
+    /// Every stdout line so far, without waiting.
+    pub fn stdout_so_far(&mut self) -> Vec<String> {
+        while let Ok(l) = self.lines.try_recv() {
+            self.seen.push(l);
+        }
+        self.seen.clone()
+    }
+
     /// The first stdout line containing `needle` (the whole line).
     pub fn wait_line_containing(&mut self, needle: &str, timeout: Duration) -> String {
         if let Some(l) = self.seen.iter().find(|l| l.contains(needle)) {

@@ -85,6 +85,49 @@ pub async fn status(bootstrap: &[String], key: Option<&Path>, wait: f64) -> Resu
         );
     }
     println!("{} peers (this status probe not counted)", view.len());
+    // Training groups: one line per member, grouped by model.
+    let mut members: Vec<(&str, String, &swarm::ModelStatus, &swarm::GroupStatus)> = view
+        .iter()
+        .flat_map(|e| {
+            e.status.models.iter().filter_map(move |m| {
+                m.group
+                    .as_ref()
+                    .map(|g| (m.name.as_str(), e.peer.to_string(), m, g))
+            })
+        })
+        .collect();
+    if !members.is_empty() {
+        members.sort_by(|a, b| (a.0, &a.1).cmp(&(b.0, &b.1)));
+        println!();
+        println!(
+            "{:<20} {:<54} {:>6} {:>7} {:>6} {:>7} {:<16} {:>10} {:>8} {:<6}",
+            "GROUP",
+            "MEMBER",
+            "EPOCH",
+            "MEMBERS",
+            "STEP",
+            "VERSION",
+            "PARAMS",
+            "ALLREDUCE",
+            "GB/S",
+            "MODE"
+        );
+        for (name, peer, m, g) in &members {
+            println!(
+                "{:<20} {:<54} {:>6} {:>7} {:>6} {:>7} {:<16} {:>8.1}ms {:>8.3} {:<6}",
+                name,
+                peer,
+                g.epoch,
+                g.members,
+                m.train_step,
+                m.policy_version,
+                g.param_hash,
+                g.allreduce_ms,
+                g.allreduce_gbps,
+                g.mode
+            );
+        }
+    }
     Ok(())
 }
 
