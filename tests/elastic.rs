@@ -125,6 +125,33 @@ fn stored_ids(dir: &Path, name: &str) -> HashSet<String> {
         .collect()
 }
 
+/// Waits (up to 60 s) until each named member consumed every episode it stored; on a
+/// timeout, prints the members' logs and fails.
+fn wait_all_consumed(d: &Path, names: &[&str], peers: &[&Peer]) {
+    let t0 = std::time::Instant::now();
+    loop {
+        let done = names.iter().all(|n| {
+            let used: usize = consumed(d, n).values().map(Vec::len).sum();
+            used == stored_ids(d, n).len()
+        });
+        if done {
+            return;
+        }
+        if t0.elapsed() > Duration::from_secs(60) {
+            for (n, p) in names.iter().zip(peers) {
+                let used: usize = consumed(d, n).values().map(Vec::len).sum();
+                eprintln!(
+                    "----- {n}: {used} of {} consumed\n{}",
+                    stored_ids(d, n).len(),
+                    p.log_text()
+                );
+            }
+            panic!("stored episodes not trained within 60 s");
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
 /// Each member's hash per trained step.
 fn hashes(lines: &[Value]) -> BTreeMap<u64, String> {
     lines
@@ -144,7 +171,7 @@ fn three_servers_train_as_one_group_and_stay_bit_identical() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let model = tiny_model(d);
-    let gps = ["--groups-per-step", "2"];
+    let gps = ["--groups-per-step", "1"];
     let mut a = server(d, &model, "a", None, &gps);
     let boot = a.addr();
     let mut b = server(d, &model, "b", Some(&boot), &gps);
@@ -161,12 +188,7 @@ fn three_servers_train_as_one_group_and_stay_bit_identical() {
     let mut cl = client(d, &boot, 24, "run1");
     let st = cl.child.wait().unwrap();
     assert!(st.success(), "client failed:\n{}", cl.log_text());
-    wait_until("the last groups trained", Duration::from_secs(60), || {
-        ["a", "b", "c"].iter().all(|n| {
-            let used: usize = consumed(d, n).values().map(Vec::len).sum();
-            used == stored_ids(d, n).len()
-        })
-    });
+    wait_all_consumed(d, &["a", "b", "c"], &[&a, &b, &c]);
     let per: Vec<Vec<Value>> = ["a", "b", "c"]
         .iter()
         .map(|n| metrics_lines(d, n))
@@ -263,7 +285,7 @@ fn a_member_killed_mid_all_reduce_leaves_two_that_finish_the_step_and_go_on() {
     // round's timeout is 4 s.
     let extra = [
         "--groups-per-step",
-        "2",
+        "1",
         "--collective-timeout",
         "4",
         "--test-midway-pause-ms",
@@ -303,12 +325,7 @@ fn a_member_killed_mid_all_reduce_leaves_two_that_finish_the_step_and_go_on() {
     );
     let st = cl.child.wait().unwrap();
     assert!(st.success(), "client failed:\n{}", cl.log_text());
-    wait_until("the last groups trained", Duration::from_secs(60), || {
-        ["a", "b"].iter().all(|n| {
-            let used: usize = consumed(d, n).values().map(Vec::len).sum();
-            used == stored_ids(d, n).len()
-        })
-    });
+    wait_all_consumed(d, &["a", "b"], &[&a, &b]);
     let (la, lb) = (metrics_lines(d, "a"), metrics_lines(d, "b"));
     let steps = |l: &[Value]| -> Vec<(u64, u64)> {
         l.iter()
@@ -344,4 +361,84 @@ fn a_member_killed_mid_all_reduce_leaves_two_that_finish_the_step_and_go_on() {
         l["episodes"].as_u64().unwrap() as usize <= theirs,
         "{l} vs {theirs}"
     );
+}
+
+#[test]
+fn a_fourth_server_joins_mid_run_and_is_bit_identical_from_its_first_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = tiny_model(d);
+    let gps = ["--groups-per-step", "1"];
+    let mut a = server(d, &model, "a", None, &gps);
+    let boot = a.addr();
+    let mut b = server(d, &model, "b", Some(&boot), &gps);
+    let mut c = server(d, &model, "c", Some(&boot), &gps);
+    for s in [&mut a, &mut b, &mut c] {
+        s.wait_line("serving model", Duration::from_secs(120));
+        s.wait_line_containing("with 3 member(s)", Duration::from_secs(60));
+    }
+    let mut cl = client(d, &boot, 12, "run1");
+    assert!(cl.child.wait().unwrap().success(), "{}", cl.log_text());
+    wait_all_consumed(d, &["a", "b", "c"], &[&a, &b, &c]);
+    let k = metrics_lines(d, "a").last().unwrap()["step"]
+        .as_u64()
+        .unwrap();
+    assert!(k >= 1);
+    // A fresh server of the model: it fetches the group's state and joins at step k.
+    let mut dd = server(d, &model, "d", Some(&boot), &gps);
+    let http_d = dd.wait_line("http at", Duration::from_secs(120));
+    let t0 = std::time::Instant::now();
+    let joined = loop {
+        if let Some(l) = dd
+            .stdout_so_far()
+            .into_iter()
+            .find(|l| l.contains("joined at step"))
+        {
+            break l;
+        }
+        if t0.elapsed() > Duration::from_secs(60) {
+            for p in [&a, &b, &c, &dd] {
+                eprintln!("-----\n{}", p.log_text());
+            }
+            panic!("the fourth server did not join within 60 s");
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    println!("{joined}");
+    assert!(
+        joined.contains(&format!("joined at step {k} ")),
+        "{joined} (group at {k})"
+    );
+    for s in [&mut a, &mut b, &mut c, &mut dd] {
+        s.wait_line_containing("with 4 member(s)", Duration::from_secs(60));
+    }
+    // Its engine serves the group's version at once.
+    let va = metrics_lines(d, "a").last().unwrap()["version"]
+        .as_f64()
+        .unwrap();
+    let vd = metric(&http_d, "agentjet_policy_version{model=\"tiny\"}").unwrap();
+    assert_eq!(vd, va, "the joiner serves v{vd}, the group is at v{va}");
+    let mut cl2 = client(d, &boot, 12, "run2");
+    assert!(cl2.child.wait().unwrap().success(), "{}", cl2.log_text());
+    wait_all_consumed(d, &["a", "b", "c", "d"], &[&a, &b, &c, &dd]);
+    let ha = hashes(&metrics_lines(d, "a"));
+    let hd = hashes(&metrics_lines(d, "d"));
+    println!("a: {ha:?}\nd: {hd:?}");
+    assert!(!hd.is_empty(), "the joiner took no step");
+    for (step, h) in &hd {
+        assert!(*step > k);
+        assert_eq!(ha.get(step), Some(h), "step {step}");
+    }
+    for n in ["b", "c"] {
+        let hn = hashes(&metrics_lines(d, n));
+        assert_eq!(hn, ha, "{n} differs from a");
+    }
+    let versions: Vec<f64> = [&mut a, &mut b, &mut c, &mut dd]
+        .into_iter()
+        .map(|p| {
+            let u = p.wait_line("http at", Duration::from_secs(1));
+            metric(&u, "agentjet_policy_version{model=\"tiny\"}").unwrap()
+        })
+        .collect();
+    assert!(versions.iter().all(|v| *v == versions[0]), "{versions:?}");
 }

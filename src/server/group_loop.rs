@@ -10,16 +10,21 @@
 //! from it in the next ring) and a summed gradient whose commit it did not see finish
 //! (applied if another member applied it).
 
+use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
 use tracing::{error, info, warn};
 
-use super::train::{append_consumed, CollectiveSettings, TrainSettings, TrainerInput};
+use super::group_state::{install_state, parameter_hash, state_bytes};
+use super::train::{
+    append_consumed, consumed_upto, unconsumed_episodes, CollectiveSettings, TrainSettings,
+    TrainerInput,
+};
 use super::{ServedModel, TrainingError};
 use crate::base::{lock, StopMode};
-use crate::collective::group::{Action, GroupError, GroupNode, MemberState, Membership};
+use crate::collective::group::{Action, GroupError, GroupNode, MemberState, Membership, Start};
 use crate::collective::RoundStats;
 use crate::swarm::GroupStatus;
 use crate::train::checkpoint::RunDir;
@@ -31,8 +36,10 @@ use crate::train::TrainError;
 struct Held {
     prepared: Prepared,
     local: LocalGradient,
-    /// The episode ids the step consumed (the ledger's, once applied).
-    taken: Vec<String>,
+    /// The groups and report it was computed from (back to the ready list if the step
+    /// is given up: a member that syncs to the group's state).
+    groups: Vec<Group>,
+    report: ReadyReport,
 }
 
 /// How a ring ended.
@@ -60,23 +67,16 @@ pub(super) struct MemberLoop<'a> {
     stop: Option<StopMode>,
     hash: [u8; 32],
     last_round: Option<(RoundStats, usize)>,
+    /// Every episode id the ledger held at start, until the first epoch settles it.
+    unsettled: Option<HashSet<String>>,
 }
 
-/// blake3 of the parameters' bytes (float32, in [`crate::model::llama::Llama::parameters`]
-/// order).
-pub fn parameter_hash(t: &Trainer) -> Result<[u8; 32], TrainError> {
-    let mut h = blake3::Hasher::new();
-    for p in t.model.parameters() {
-        let flat = p
-            .detach()
-            .to_kind(tch::Kind::Float)
-            .to_device(tch::Device::Cpu)
-            .contiguous()
-            .view([-1]);
-        let v = Vec::<f32>::try_from(&flat)?;
-        h.update(bytemuck::cast_slice(&v));
-    }
-    Ok(*h.finalize().as_bytes())
+fn merge(into: &mut ReadyReport, r: ReadyReport) {
+    into.skipped_equal += r.skipped_equal;
+    into.dropped_short += r.dropped_short;
+    into.aborted += r.aborted;
+    into.skipped_rewards.extend(r.skipped_rewards);
+    into.taken.extend(r.taken);
 }
 
 fn hex8(h: &[u8; 32]) -> String {
@@ -111,7 +111,41 @@ impl<'a> MemberLoop<'a> {
             stop: None,
             hash,
             last_round: None,
+            unsettled: None,
         })
+    }
+
+    /// After the first epoch, settles the ledger lines of steps after the checkpoint.
+    pub fn settle_after_first_epoch(mut self, ledger: HashSet<String>) -> Self {
+        self.unsettled = Some(ledger);
+        self
+    }
+
+    /// The ledger's steps beyond the step this member goes on from are lost (their
+    /// episodes are trained again); steps up to it are kept: either this member's own
+    /// checkpoint holds them, or the group's state it fetched does.
+    fn settle(&mut self) -> Result<(), TrainingError> {
+        let Some(before) = self.unsettled.take() else {
+            return Ok(());
+        };
+        let kept = consumed_upto(&self.run_dir.dir, self.trainer.steps())?;
+        let lost: Vec<_> = unconsumed_episodes(self.served, &kept)?
+            .into_iter()
+            .filter(|e| before.contains(&e.manifest.episode_id))
+            .collect();
+        if !lost.is_empty() {
+            println!(
+                "training: {} stored episodes not trained yet are fed to the trainer again",
+                lost.len()
+            );
+        }
+        for stored in lost {
+            let size = stored.manifest.group_size as usize;
+            let _ = self
+                .buffer
+                .add_sized(stored.episode(), (size > 0).then_some(size));
+        }
+        Ok(())
     }
 
     fn cs(&self) -> &CollectiveSettings {
@@ -194,12 +228,7 @@ impl<'a> MemberLoop<'a> {
     fn take_ready(&mut self) {
         let (groups, r) = self.buffer.take_ready(Instant::now());
         self.ready.extend(groups);
-        let rep = &mut self.report;
-        rep.skipped_equal += r.skipped_equal;
-        rep.dropped_short += r.dropped_short;
-        rep.aborted += r.aborted;
-        rep.skipped_rewards.extend(r.skipped_rewards);
-        rep.taken.extend(r.taken);
+        merge(&mut self.report, r);
     }
 
     /// Runs until the role stops (or the group cannot go on).
@@ -210,7 +239,7 @@ impl<'a> MemberLoop<'a> {
             }
             self.publish(None);
             let state = self.state();
-            let formed = {
+            let agreed = {
                 let (node, rx, buffer, stop) =
                     (&mut self.node, &self.rx, &mut self.buffer, &mut self.stop);
                 let mut stopped = || {
@@ -230,10 +259,10 @@ impl<'a> MemberLoop<'a> {
                     }
                     stop.is_some()
                 };
-                node.form(&state, &mut stopped)
+                node.agree(&state, &mut stopped)
             };
-            let mut m = match formed {
-                Ok(m) => m,
+            let start = match agreed {
+                Ok(s) => s,
                 Err(GroupError::Stopped) => continue,
                 Err(e @ GroupError::Refused(_)) if self.stop.is_none() => {
                     error!(model = self.served.name, "{e}");
@@ -247,7 +276,19 @@ impl<'a> MemberLoop<'a> {
                     continue;
                 }
             };
-            if let Err(e) = self.catch_up(&m) {
+            if let Err(e) = self.sync_or_offer(&start) {
+                warn!(model = self.served.name, "state transfer: {e}");
+                continue;
+            }
+            let mut m = match self.node.build(start) {
+                Ok(m) => m,
+                Err(e) => {
+                    warn!(model = self.served.name, "building the ring: {e}");
+                    std::thread::sleep(Duration::from_millis(200));
+                    continue;
+                }
+            };
+            if let Err(e) = self.catch_up(&m).and_then(|()| self.settle()) {
                 *lock(&self.served.group) = None;
                 self.node.leave();
                 return Err(e);
@@ -288,6 +329,65 @@ impl<'a> MemberLoop<'a> {
         }
     }
 
+    /// Before the ring: a Sync member fetches the group's state and installs it; the
+    /// others offer theirs when some member syncs.
+    fn sync_or_offer(&mut self, start: &Start) -> Result<(), TrainingError> {
+        let syncing = start.actions.contains(&Action::Sync);
+        match self.node.action_in(start) {
+            Some(Action::Sync) => {
+                let t0 = Instant::now();
+                println!(
+                    "group {:?}: fetching the group's state (step {}) from its members",
+                    self.served.name, start.steps
+                );
+                let bytes = self
+                    .node
+                    .fetch_state(start)
+                    .map_err(|e| TrainError::Invalid(e.to_string()))?;
+                // Its own step in progress is given up: its groups go back to the list.
+                if let Some(h) = self.held.take() {
+                    self.ready.extend(h.groups);
+                    merge(&mut self.report, h.report);
+                }
+                self.pending = None;
+                install_state(&mut self.trainer, &bytes)?;
+                self.hash = parameter_hash(&self.trainer)?;
+                if self.hash != start.hash || self.trainer.steps() != start.steps {
+                    return Err(TrainError::Invalid(format!(
+                        "the fetched state has step {} parameters {}, the group step {} parameters {}",
+                        self.trainer.steps(),
+                        hex8(&self.hash),
+                        start.steps,
+                        hex8(&start.hash)
+                    ))
+                    .into());
+                }
+                self.served
+                    .engine
+                    .update_weights(&self.trainer.model.parameters(), self.trainer.version())?;
+                self.served
+                    .train_step
+                    .store(self.trainer.steps(), Ordering::Relaxed);
+                self.save()?;
+                println!(
+                    "group {:?}: joined at step {} (policy version {}), {} bytes in {:.2} s",
+                    self.served.name,
+                    self.trainer.steps(),
+                    self.trainer.version(),
+                    bytes.len(),
+                    t0.elapsed().as_secs_f64()
+                );
+            }
+            Some(_) if syncing => {
+                let bytes = state_bytes(&self.trainer)?;
+                self.node
+                    .offer_state(bytes, self.trainer.steps(), self.hash);
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
     /// Does what the proposer decided this member does first; checks the parameters.
     fn catch_up(&mut self, m: &Membership) -> Result<(), TrainingError> {
         match m.action() {
@@ -301,6 +401,8 @@ impl<'a> MemberLoop<'a> {
                 );
                 self.apply(&grad, &stats, m.size())?;
             }
+            // Done before the ring was built.
+            Action::Sync => {}
             Action::Ready => {
                 if self.pending.take().is_some() {
                     info!(
@@ -374,7 +476,8 @@ impl<'a> MemberLoop<'a> {
                 Held {
                     prepared,
                     local,
-                    taken: rep.taken,
+                    groups,
+                    report: rep,
                 }
             }
         };
@@ -419,7 +522,7 @@ impl<'a> MemberLoop<'a> {
         m.allreduce_seconds = self.last_round.map_or(0.0, |(r, _)| r.seconds);
         self.hash = parameter_hash(&self.trainer)?;
         m.param_hash = Some(self.hash.iter().map(|b| format!("{b:02x}")).collect());
-        append_consumed(&self.run_dir.dir, self.trainer.steps(), &held.taken)?;
+        append_consumed(&self.run_dir.dir, self.trainer.steps(), &held.report.taken)?;
         self.served
             .engine
             .update_weights(&self.trainer.model.parameters(), self.trainer.version())?;

@@ -22,6 +22,7 @@
 //! or on an abort, what still runs is cancelled.
 
 mod group_loop;
+mod group_state;
 pub mod infer;
 pub mod served;
 pub mod submit;

@@ -149,7 +149,7 @@ const CONSUMED: &str = "consumed.log";
 
 /// The ids consumed by steps `1..=step` (the checkpoint's), cutting off later lines: their
 /// steps are lost with the restart, so their episodes are trained again.
-fn consumed_upto(run_dir: &Path, step: u64) -> Result<HashSet<String>, TrainError> {
+pub(super) fn consumed_upto(run_dir: &Path, step: u64) -> Result<HashSet<String>, TrainError> {
     let path = run_dir.join(CONSUMED);
     let text = match std::fs::read_to_string(&path) {
         Ok(t) => t,
@@ -193,7 +193,7 @@ pub(super) fn append_consumed(run_dir: &Path, step: u64, ids: &[String]) -> Resu
 }
 
 /// Stored episodes of `served` that the resumed trainer has not consumed, oldest first.
-fn unconsumed_episodes(
+pub(super) fn unconsumed_episodes(
     served: &ServedModel,
     consumed: &HashSet<String>,
 ) -> Result<Vec<StoredEpisode>, TrainError> {
@@ -276,7 +276,11 @@ pub fn start_training(
     // Episodes stored before this start that the checkpoint has not consumed (pending in
     // a group, trained by steps after the checkpoint, or stored while no trainer ran) are
     // trained now: an acknowledged episode is never lost to a restart.
-    let consumed = consumed_upto(&run_dir.dir, resumed.as_ref().map_or(0, |s| s.step))?;
+    //
+    // Episodes consumed by steps after the checkpoint are settled once the group's first
+    // epoch says at which step this member goes on (see `MemberLoop::settle`): trained
+    // again if those steps are lost, kept if the group's state (fetched) includes them.
+    let consumed = consumed_upto(&run_dir.dir, u64::MAX)?;
     let again = unconsumed_episodes(&served, &consumed)?;
     if !again.is_empty() {
         println!(
@@ -312,7 +316,7 @@ pub fn start_training(
                 settings.advantage,
             );
             let r = MemberLoop::new(&served, trainer, &run_dir, &settings, rx, buffer, node)
-                .and_then(MemberLoop::run);
+                .and_then(|l| l.settle_after_first_epoch(consumed).run());
             if let Err(e) = &r {
                 tracing::error!(model = served.name, "the training loop stopped: {e}");
                 eprintln!("training of {:?} stopped: {e}", served.name);

@@ -61,10 +61,13 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use proto::{ask, serve_one, Shared};
-pub use proto::{Action, AskError, Ballot, MemberState, Reply, Request, Start, GROUP};
+pub use proto::{
+    Action, AskError, Ballot, MemberState, Reply, Request, Snapshot, Start, StateManifest, GROUP,
+    STATE_CHUNK,
+};
 
 use super::link::{self, LinkError, LinkListener};
 use super::rendezvous::{ask_link, serve_links, LinkAsk, OfferBook, RendezvousError};
@@ -277,14 +280,16 @@ impl GroupNode {
         Ok(v[0] as usize == m.size())
     }
 
-    /// Forms the next epoch (blocking; `stopped` is polled): proposes when this member is
-    /// the smallest live candidate, else waits for a proposer's Start. Returns once a ring
-    /// is built. `state` is what this member reports (it cannot change while forming).
-    pub fn form(
+    /// Agrees on the next epoch (blocking; `stopped` is polled): proposes when this member
+    /// is the smallest live candidate, else waits for a proposer's Start. `state` is what
+    /// this member reports (it cannot change until [`GroupNode::build`]). A Sync member
+    /// fetches the state ([`GroupNode::fetch_state`]) and the others offer theirs
+    /// ([`GroupNode::offer_state`]) before building the ring.
+    pub fn agree(
         &mut self,
         state: &MemberState,
         stopped: &mut dyn FnMut() -> bool,
-    ) -> Result<Membership, GroupError> {
+    ) -> Result<Start, GroupError> {
         loop {
             if stopped() {
                 self.leave();
@@ -326,36 +331,152 @@ impl GroupNode {
                     self.suspected.insert(p, Instant::now());
                 }
             }
+            info!(
+                group = self.cfg.name,
+                epoch = start.ballot.epoch,
+                members = start.members.len(),
+                steps = start.steps,
+                action = ?self.action_in(&start),
+                "agreed"
+            );
             if !start.members.contains(&self.me.to_bytes()) {
-                // Left out by the proposer (a state no member can reach).
                 return Err(GroupError::Refused(format!(
-                    "left out of group {:?} epoch {}: its state (step {}) cannot join the group's (step {}); fetching the group's state is not built yet",
-                    self.cfg.name, start.ballot.epoch, state.steps, start.steps
+                    "left out of group {:?} epoch {}: its model has another shape than the group's",
+                    self.cfg.name, start.ballot.epoch
                 )));
             }
-            match self.build(start) {
-                Ok(m) => {
-                    {
-                        let mut g = lock(&self.shared.inner);
-                        g.state = None;
-                        g.reform = g.promised != m.start.ballot;
-                        g.start = None;
-                    }
-                    info!(
-                        group = self.cfg.name,
-                        epoch = m.epoch(),
-                        members = m.size(),
-                        rank = m.ring.rank,
-                        "group epoch formed"
-                    );
-                    return Ok(m);
+            return Ok(start);
+        }
+    }
+
+    /// Resolves once this member has promised a ballot other than `ballot` (a newer
+    /// epoch is being formed: whatever waits for `ballot` is moot).
+    async fn superseded(&self, ballot: &Ballot) {
+        loop {
+            if lock(&self.shared.inner).promised != *ballot {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// This member's action in `start`.
+    pub fn action_in(&self, start: &Start) -> Option<Action> {
+        let me = self.me.to_bytes();
+        let i = start.members.iter().position(|p| *p == me)?;
+        start.actions.get(i).copied()
+    }
+
+    /// Offers `bytes` (this member's state at `steps`, parameters `hash`) to joiners
+    /// until [`GroupNode::clear_state`].
+    pub fn offer_state(&self, bytes: Vec<u8>, steps: u64, hash: [u8; 32]) {
+        let chunks = bytes
+            .chunks(STATE_CHUNK)
+            .map(|c| *blake3::hash(c).as_bytes())
+            .collect();
+        let manifest = StateManifest {
+            len: bytes.len() as u64,
+            chunk: STATE_CHUNK as u64,
+            chunks,
+            steps,
+            hash,
+        };
+        lock(&self.shared.inner).snapshot = Some(Arc::new(Snapshot { manifest, bytes }));
+    }
+
+    pub fn clear_state(&self) {
+        lock(&self.shared.inner).snapshot = None;
+    }
+
+    /// Fetches the group's state for `start` from its Ready members, chunks spread over
+    /// all of them (a chunk that fails or does not match its blake3 is asked of the next
+    /// member). The caller checks the parameter hash of what it installs.
+    pub fn fetch_state(&self, start: &Start) -> Result<Vec<u8>, GroupError> {
+        let sources: Vec<PeerId> = start
+            .members
+            .iter()
+            .zip(&start.actions)
+            .filter(|(_, a)| **a == Action::Ready)
+            .filter_map(|(p, _)| peer_of(p).ok())
+            .collect();
+        if sources.is_empty() {
+            return Err(GroupError::Refused(
+                "no member to fetch the state from".into(),
+            ));
+        }
+        let ctl = self.control_timeout();
+        let group = self.cfg.name.clone();
+        self.rt.block_on(async {
+            // The members offer their state once their Start arrives: ask until one has.
+            let mut manifest = None;
+            let deadline = tokio::time::Instant::now() + ctl;
+            while manifest.is_none() && tokio::time::Instant::now() < deadline {
+                if lock(&self.shared.inner).promised != start.ballot {
+                    return Err(GroupError::Refused(
+                        "a newer ballot was promised while fetching the state".into(),
+                    ));
                 }
-                Err(e) => {
-                    warn!(group = self.cfg.name, "building the ring failed: {e}");
-                    std::thread::sleep(Duration::from_millis(200));
+                for p in &sources {
+                    let req = Request::Manifest {
+                        group: group.clone(),
+                    };
+                    match ask(&self.swarm, *p, &req, ctl).await {
+                        Ok(Reply::Manifest(m))
+                            if m.steps == start.steps && m.hash == start.hash =>
+                        {
+                            manifest = Some(m);
+                            break;
+                        }
+                        Ok(other) => debug!(group, peer = %p, "no usable manifest yet: {other:?}"),
+                        Err(e) => warn!(group, peer = %p, "no manifest: {e}"),
+                    }
+                }
+                if manifest.is_none() {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
                 }
             }
-        }
+            let m = manifest.ok_or_else(|| {
+                GroupError::Refused("no member offered the group's state".into())
+            })?;
+            let fetch = |i: usize| {
+                let (group, sources, m) = (group.clone(), &sources, &m);
+                async move {
+                    let want = m.chunks[i];
+                    for k in 0..sources.len() {
+                        let p = sources[(i + k) % sources.len()];
+                        let req = Request::Chunk {
+                            group: group.clone(),
+                            index: i as u32,
+                        };
+                        match ask(&self.swarm, p, &req, ctl).await {
+                            Ok(Reply::Chunk(b)) if *blake3::hash(&b).as_bytes() == want => {
+                                return Ok((i, b))
+                            }
+                            Ok(Reply::Chunk(_)) => {
+                                warn!(group, peer = %p, chunk = i, "a chunk that does not match its hash")
+                            }
+                            Ok(other) => warn!(group, peer = %p, chunk = i, "{other:?}"),
+                            Err(e) => warn!(group, peer = %p, chunk = i, "{e}"),
+                        }
+                    }
+                    Err(GroupError::Refused(format!("no member gave chunk {i} of the state")))
+                }
+            };
+            use futures::StreamExt;
+            let mut bytes = vec![0u8; m.len as usize];
+            let mut got = futures::stream::iter(0..m.chunks.len())
+                .map(fetch)
+                .buffer_unordered(4);
+            while let Some(r) = got.next().await {
+                let (i, b) = r?;
+                let at = i * m.chunk as usize;
+                if at + b.len() > bytes.len() {
+                    return Err(GroupError::Refused(format!("chunk {i} overruns the state")));
+                }
+                bytes[at..at + b.len()].copy_from_slice(&b);
+            }
+            Ok(bytes)
+        })
     }
 
     /// Waits for a Start of the ballot promised, polling `stopped` 4 times a second.
@@ -393,6 +514,12 @@ impl GroupNode {
             g.start = None;
             b
         };
+        info!(
+            group = self.cfg.name,
+            epoch = ballot.epoch,
+            candidates = cands.len(),
+            "proposing"
+        );
         let members: Vec<Vec<u8>> = cands.iter().map(|p| p.to_bytes()).collect();
         let prepare = Request::Prepare {
             group: self.cfg.name.clone(),
@@ -407,18 +534,20 @@ impl GroupNode {
         });
         let mut states: Vec<(PeerId, MemberState)> = vec![(self.me, mine.clone())];
         let mut excluded = Vec::new();
+        let mut refused = Vec::new();
         for (p, r) in others.iter().zip(replies) {
             match r {
                 Ok(Reply::State(st)) => states.push((*p, st)),
                 Ok(Reply::Refused { reason, promised }) => {
-                    if promised > ballot {
-                        let mut g = lock(&self.shared.inner);
-                        if promised > g.promised {
-                            g.promised.epoch = promised.epoch;
-                        }
+                    // Alive: it promised another ballot (or stops). Not suspected; the
+                    // next ballot goes above what it promised.
+                    let mut g = lock(&self.shared.inner);
+                    if promised.epoch > g.promised.epoch {
+                        g.promised.epoch = promised.epoch;
                     }
-                    warn!(group = self.cfg.name, peer = %p, "refused the ballot: {reason}");
-                    excluded.push(*p);
+                    drop(g);
+                    info!(group = self.cfg.name, peer = %p, "refused the ballot: {reason}");
+                    refused.push(*p);
                 }
                 Ok(other) => {
                     warn!(group = self.cfg.name, peer = %p, "answered {other:?} to a prepare");
@@ -430,16 +559,17 @@ impl GroupNode {
                 }
             }
         }
-        if !excluded.is_empty() {
-            // Left out now; the next ballot goes to the others.
+        if !excluded.is_empty() || !refused.is_empty() {
+            // The silent ones are left out; the next ballot goes to the others.
             for p in &excluded {
                 self.suspected.insert(*p, Instant::now());
             }
             return Err(GroupError::Refused(format!(
-                "{} of {} candidates did not promise ballot {}",
-                excluded.len(),
+                "{} of {} candidates did not promise ballot {} ({} refused)",
+                excluded.len() + refused.len(),
                 cands.len(),
-                ballot.epoch
+                ballot.epoch,
+                refused.len()
             )));
         }
         let start = decide(&self.cfg.name, ballot, states);
@@ -478,8 +608,28 @@ impl GroupNode {
         Ok(start)
     }
 
-    /// Sets the ring's links up: dial the right neighbour, accept the left one.
-    fn build(&self, start: Start) -> Result<Membership, GroupError> {
+    /// Sets the ring's links up for `start`: dial the right neighbour, accept the left
+    /// one. On an error, agree on the next epoch.
+    pub fn build(&self, start: Start) -> Result<Membership, GroupError> {
+        let m = self.link_up(start)?;
+        {
+            let mut g = lock(&self.shared.inner);
+            g.state = None;
+            g.reform = g.promised != m.start.ballot;
+            g.start = None;
+            g.snapshot = None;
+        }
+        info!(
+            group = self.cfg.name,
+            epoch = m.epoch(),
+            members = m.size(),
+            rank = m.ring.rank,
+            "group epoch formed"
+        );
+        Ok(m)
+    }
+
+    fn link_up(&self, start: Start) -> Result<Membership, GroupError> {
         let members = start
             .members
             .iter()
@@ -532,8 +682,14 @@ impl GroupNode {
                     .map_err(|_| GroupError::Refused("the accepting thread panicked".into()))?
                     .map_err(GroupError::from)
             };
-            tokio::join!(dial, accept)
-        });
+            let both = async { tokio::join!(dial, accept) };
+            tokio::select! {
+                r = both => Ok(r),
+                _ = self.superseded(&start.ballot) => Err(GroupError::Refused(
+                    "a newer ballot was promised while building the ring".into(),
+                )),
+            }
+        })?;
         let (tx, _) = dialed?;
         let (_, rx) = accepted?;
         let ring = Ring::new(rank, n, tx, rx);
@@ -591,7 +747,8 @@ pub fn decide(group: &str, ballot: Ballot, states: Vec<(PeerId, MemberState)>) -
         } else if s.steps + 1 == max_steps && s.pending {
             Some(Action::ApplyPending)
         } else {
-            None
+            // Behind, or different parameters: it fetches the group's state.
+            Some(Action::Sync)
         };
         match action {
             Some(a) => {
@@ -610,5 +767,79 @@ pub fn decide(group: &str, ballot: Ballot, states: Vec<(PeerId, MemberState)>) -
         hash,
         retry,
         excluded,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn st(steps: u64, hash: u8, pending: bool, held: bool) -> MemberState {
+        MemberState {
+            steps,
+            version: steps,
+            hash: [hash; 32],
+            values: 100,
+            pending,
+            held,
+        }
+    }
+
+    #[test]
+    fn the_proposer_applies_the_recovery_rule_and_sends_joiners_to_sync() {
+        let p: Vec<PeerId> = (0..5).map(|_| PeerId::random()).collect();
+        let b = Ballot {
+            epoch: 7,
+            proposer: p[0].to_bytes(),
+        };
+        let action_of = |s: &Start, peer: &PeerId| {
+            let i = s.members.iter().position(|m| *m == peer.to_bytes());
+            i.map(|i| s.actions[i])
+        };
+        // One survivor applied step 5 (its commit round finished); another holds the sum
+        // as pending: it applies it. A fresh joiner syncs; a wrong shape stays out.
+        let mut wrong_shape = st(0, 9, false, false);
+        wrong_shape.values = 99;
+        let s = decide(
+            "g",
+            b.clone(),
+            vec![
+                (p[0], st(5, 1, false, false)),
+                (p[1], st(4, 2, true, true)),
+                (p[2], st(0, 3, false, false)),
+                (p[3], wrong_shape),
+            ],
+        );
+        assert_eq!((s.steps, s.hash, s.retry), (5, [1; 32], false));
+        assert_eq!(action_of(&s, &p[0]), Some(Action::Ready));
+        assert_eq!(action_of(&s, &p[1]), Some(Action::ApplyPending));
+        assert_eq!(action_of(&s, &p[2]), Some(Action::Sync));
+        assert_eq!(action_of(&s, &p[3]), None);
+        assert_eq!(s.excluded, vec![p[3].to_bytes()]);
+        // Nobody applied step 5: pending sums are dropped and the step is retried from
+        // the gradients held.
+        let s = decide(
+            "g",
+            b.clone(),
+            vec![(p[0], st(4, 1, true, true)), (p[1], st(4, 1, false, true))],
+        );
+        assert_eq!((s.steps, s.retry), (4, true));
+        assert!(s.actions.iter().all(|a| *a == Action::Ready));
+        // Members ordered by peer id (the ring's order) whatever the reply order.
+        let mut sorted = s.members.clone();
+        sorted.sort();
+        assert_eq!(s.members, sorted);
+        // A member whose parameters differ at the same step syncs to the majority's.
+        let s = decide(
+            "g",
+            b,
+            vec![
+                (p[0], st(3, 1, false, false)),
+                (p[1], st(3, 2, false, false)),
+                (p[2], st(3, 2, false, false)),
+            ],
+        );
+        assert_eq!(s.hash, [2; 32]);
+        assert_eq!(action_of(&s, &p[0]), Some(Action::Sync));
     }
 }

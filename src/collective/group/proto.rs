@@ -55,6 +55,10 @@ pub enum Action {
     Ready,
     /// Apply the summed gradient it holds (another member applied that step).
     ApplyPending,
+    /// Fetch the group's state (parameters, optimizer, counters) from the members that
+    /// are `Ready`, before the ring is built: a joiner, or a member whose parameters
+    /// differ from the group's.
+    Sync,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -84,12 +88,45 @@ pub enum Request {
         members: Vec<Vec<u8>>,
     },
     Start(Start),
+    /// The state this member offers to joiners (while it is out of any ring).
+    Manifest {
+        group: String,
+    },
+    /// Chunk `index` of that state.
+    Chunk {
+        group: String,
+        index: u32,
+    },
 }
+
+/// A member's state as content-addressed chunks: a joiner fetches them from several
+/// members at once and checks each against its blake3.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StateManifest {
+    pub len: u64,
+    /// Bytes per chunk (the last one may be shorter).
+    pub chunk: u64,
+    pub chunks: Vec<[u8; 32]>,
+    /// The step count and parameter hash the state holds.
+    pub steps: u64,
+    pub hash: [u8; 32],
+}
+
+/// A state offered: its manifest and bytes.
+pub struct Snapshot {
+    pub manifest: StateManifest,
+    pub bytes: Vec<u8>,
+}
+
+/// Bytes per state chunk (under the swarm's 16 MiB frame limit).
+pub const STATE_CHUNK: usize = 8 << 20;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Reply {
     State(MemberState),
     Started,
+    Manifest(StateManifest),
+    Chunk(Vec<u8>),
     Refused { reason: String, promised: Ballot },
 }
 
@@ -111,6 +148,8 @@ pub(super) struct Inner {
     /// A higher ballot was promised while in a ring: leave it at the next heartbeat.
     pub reform: bool,
     pub stopping: bool,
+    /// The state offered to joiners.
+    pub snapshot: Option<Arc<Snapshot>>,
 }
 
 impl Shared {
@@ -168,6 +207,28 @@ impl Shared {
                     },
                 }
             }
+            Request::Manifest { group } => {
+                // (The guard must be gone before `refuse` locks again.)
+                let snap = lock(&self.inner).snapshot.clone();
+                match snap {
+                    Some(s) if group == self.group => Reply::Manifest(s.manifest.clone()),
+                    _ => self.refuse("no state offered"),
+                }
+            }
+            Request::Chunk { group, index } => {
+                let snap = lock(&self.inner).snapshot.clone();
+                match snap {
+                    Some(s) if group == self.group => {
+                        let at = index as usize * s.manifest.chunk as usize;
+                        if at >= s.bytes.len() && !(at == 0 && s.bytes.is_empty()) {
+                            return self.refuse(format!("no chunk {index}"));
+                        }
+                        let end = (at + s.manifest.chunk as usize).min(s.bytes.len());
+                        Reply::Chunk(s.bytes[at..end].to_vec())
+                    }
+                    _ => self.refuse("no state offered"),
+                }
+            }
             Request::Start(start) => {
                 let mut g = lock(&self.inner);
                 if start.group != self.group || start.ballot != g.promised || g.stopping {
@@ -197,7 +258,7 @@ pub(super) async fn serve_one(
             reason: "the handler panicked".into(),
             promised: Ballot::default(),
         });
-    write_frame(&mut s, &reply, LIMIT).await?;
+    write_frame(&mut s, &reply, STATE_CHUNK + 1024).await?;
     let _ = futures::io::AsyncWriteExt::close(&mut s).await;
     Ok(())
 }
@@ -209,10 +270,14 @@ pub(super) async fn ask(
     req: &Request,
     timeout: Duration,
 ) -> Result<Reply, AskError> {
+    let limit = match req {
+        Request::Chunk { .. } => STATE_CHUNK + 1024,
+        _ => LIMIT,
+    };
     let go = async {
         let mut s = swarm.open(peer, GROUP).await?;
         write_frame(&mut s, req, LIMIT).await?;
-        Ok(read_frame::<_, Reply>(&mut s, LIMIT).await?)
+        Ok(read_frame::<_, Reply>(&mut s, limit).await?)
     };
     tokio::time::timeout(timeout, go)
         .await
@@ -228,4 +293,94 @@ pub enum AskError {
     Frame(#[from] FrameError),
     #[error("no answer within {0:?}")]
     Timeout(Duration),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ballot(epoch: u64, who: u8) -> Ballot {
+        Ballot {
+            epoch,
+            proposer: vec![who],
+        }
+    }
+
+    #[test]
+    fn promises_only_go_up_and_a_state_is_asked_before_it_is_offered() {
+        let sh = Shared::new("g".into());
+        let ask_manifest = || sh.answer(Request::Manifest { group: "g".into() }, Duration::ZERO);
+        // Nothing offered yet: refused (and the lock released: asking again answers).
+        assert!(matches!(ask_manifest(), Reply::Refused { .. }));
+        assert!(matches!(ask_manifest(), Reply::Refused { .. }));
+        lock(&sh.inner).snapshot = Some(Arc::new(Snapshot {
+            manifest: StateManifest {
+                len: 3,
+                chunk: STATE_CHUNK as u64,
+                chunks: vec![*blake3::hash(b"abc").as_bytes()],
+                steps: 2,
+                hash: [7; 32],
+            },
+            bytes: b"abc".to_vec(),
+        }));
+        assert!(matches!(ask_manifest(), Reply::Manifest(m) if m.steps == 2));
+        let chunk = |index| {
+            sh.answer(
+                Request::Chunk {
+                    group: "g".into(),
+                    index,
+                },
+                Duration::ZERO,
+            )
+        };
+        assert_eq!(chunk(0), Reply::Chunk(b"abc".to_vec()));
+        assert!(matches!(chunk(1), Reply::Refused { .. }));
+        // A member out of any ring answers a prepare with its state; a lower or equal
+        // ballot is refused; a Start counts only for the ballot promised.
+        let st = MemberState {
+            steps: 2,
+            version: 2,
+            hash: [7; 32],
+            values: 10,
+            pending: false,
+            held: false,
+        };
+        lock(&sh.inner).state = Some(st.clone());
+        let prepare = |b: Ballot| {
+            sh.answer(
+                Request::Prepare {
+                    group: "g".into(),
+                    ballot: b,
+                    members: vec![],
+                },
+                Duration::from_millis(10),
+            )
+        };
+        assert_eq!(prepare(ballot(3, 1)), Reply::State(st));
+        assert!(matches!(prepare(ballot(3, 1)), Reply::Refused { .. }));
+        assert!(matches!(prepare(ballot(2, 9)), Reply::Refused { .. }));
+        let start = |b: Ballot| Start {
+            group: "g".into(),
+            ballot: b,
+            members: vec![],
+            actions: vec![],
+            steps: 2,
+            hash: [7; 32],
+            retry: false,
+            excluded: vec![],
+        };
+        assert!(matches!(
+            sh.answer(Request::Start(start(ballot(2, 1))), Duration::ZERO),
+            Reply::Refused { .. }
+        ));
+        assert_eq!(
+            sh.answer(Request::Start(start(ballot(3, 1))), Duration::ZERO),
+            Reply::Started
+        );
+        // Another group's requests are refused.
+        assert!(matches!(
+            sh.answer(Request::Manifest { group: "h".into() }, Duration::ZERO),
+            Reply::Refused { .. }
+        ));
+    }
 }
