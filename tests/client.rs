@@ -154,6 +154,16 @@ fn a_shell_agent_trains_the_server_and_bad_agents_are_aborted() {
     let metrics = dir.path().join("tiny/runs/tiny/metrics.jsonl");
     assert_trained_and_served(&metrics, &http, "tiny", &journal, Duration::from_secs(60));
     s.wait_line("train step", Duration::from_secs(10));
+    // Every group of this run is trained before the next run starts (the checks below
+    // are about the next run's steps).
+    let ledger = dir.path().join("tiny/runs/tiny/consumed.log");
+    common::peer::wait_until("run 1 trained", Duration::from_secs(60), || {
+        std::fs::read_to_string(&ledger)
+            .unwrap_or_default()
+            .lines()
+            .count()
+            == 24
+    });
 
     // Now agents that crash (e0) and hang (e1) in every group: aborted with the reason,
     // reported to the server (their groups complete), never trained on.

@@ -442,3 +442,72 @@ fn a_fourth_server_joins_mid_run_and_is_bit_identical_from_its_first_step() {
         .collect();
     assert!(versions.iter().all(|v| *v == versions[0]), "{versions:?}");
 }
+
+/// The step a member's first epoch line after a (re)start says it goes on from.
+fn first_epoch_step(p: &mut Peer) -> u64 {
+    let l = p.wait_line_containing("with 2 member(s)", Duration::from_secs(60));
+    let step = l.split("step ").nth(1).unwrap().split(',').next().unwrap();
+    step.trim().parse().unwrap()
+}
+
+#[test]
+fn a_whole_group_restarted_from_its_checkpoints_resumes_at_one_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = tiny_model(d);
+    let extra = ["--groups-per-step", "1", "--checkpoint-every", "1"];
+    let mut a = server(d, &model, "a", None, &extra);
+    let boot = a.addr();
+    let mut b = server(d, &model, "b", Some(&boot), &extra);
+    for s in [&mut a, &mut b] {
+        s.wait_line_containing("with 2 member(s)", Duration::from_secs(60));
+    }
+    let mut cl = client(d, &boot, 8, "run1");
+    assert!(cl.child.wait().unwrap().success(), "{}", cl.log_text());
+    wait_all_consumed(d, &["a", "b"], &[&a, &b]);
+    // Both drain (SIGTERM): each saves its checkpoint.
+    for p in [&a, &b] {
+        unsafe { libc::kill(p.child.id() as i32, libc::SIGTERM) };
+    }
+    for p in [&mut a, &mut b] {
+        assert!(p.child.wait().unwrap().success());
+    }
+    let before = |n: &str| {
+        metrics_lines(d, n).last().unwrap()["step"]
+            .as_u64()
+            .unwrap()
+    };
+    let (sa, sb) = (before("a"), before("b"));
+    println!("stopped at steps a {sa}, b {sb}");
+    // Restarted on the same data directories: one group, one step.
+    let mut a = server(d, &model, "a", None, &extra);
+    let boot = a.addr();
+    let mut b = server(d, &model, "b", Some(&boot), &extra);
+    let (ra, rb) = (first_epoch_step(&mut a), first_epoch_step(&mut b));
+    println!("resumed at a {ra}, b {rb}");
+    assert_eq!(ra, rb);
+    assert_eq!(ra, sa.max(sb));
+    let mut cl = client(d, &boot, 8, "run2");
+    assert!(cl.child.wait().unwrap().success(), "{}", cl.log_text());
+    wait_all_consumed(d, &["a", "b"], &[&a, &b]);
+    let (la, lb) = (metrics_lines(d, "a"), metrics_lines(d, "b"));
+    let (ha, hb) = (hashes(&la), hashes(&lb));
+    assert!(
+        ha.keys().any(|s| *s > ra),
+        "no step after the restart: {ha:?}"
+    );
+    for (s, h) in &ha {
+        if let Some(o) = hb.get(s) {
+            assert_eq!(h, o, "step {s}");
+        }
+    }
+    assert!(ha.keys().filter(|s| **s > ra).all(|s| hb.contains_key(s)));
+    // Nothing trained twice: every stored episode is in exactly one ledger line.
+    let mut seen = HashSet::new();
+    for n in ["a", "b"] {
+        for id in consumed(d, n).into_values().flatten() {
+            assert!(seen.insert(id.clone()), "{id} consumed twice");
+        }
+    }
+    assert_eq!(seen.len(), 64, "16 groups of 4 episodes");
+}

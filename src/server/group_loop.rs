@@ -205,22 +205,41 @@ impl<'a> MemberLoop<'a> {
                     }
                 }
             };
-            match input {
-                TrainerInput::Stop(mode) => {
-                    // An abort overrides a drain, never the other way.
-                    if self.stop != Some(StopMode::Abort) {
-                        self.stop = Some(mode);
-                    }
+            self.handle(input);
+        }
+    }
+
+    fn handle(&mut self, input: TrainerInput) {
+        match input {
+            TrainerInput::Stop(mode) => {
+                // An abort overrides a drain, never the other way.
+                if self.stop != Some(StopMode::Abort) {
+                    self.stop = Some(mode);
                 }
-                TrainerInput::Episode(stored) => {
-                    let size = stored.manifest.group_size as usize;
-                    let ep = stored.episode();
-                    let id = ep.id.clone();
-                    if let Err(e) = self.buffer.add_sized(ep, (size > 0).then_some(size)) {
-                        // A resubmission of an episode already buffered: trained once.
-                        warn!(episode = id, "not buffered: {e}");
-                    }
+            }
+            TrainerInput::Episode(stored) => {
+                let size = stored.manifest.group_size as usize;
+                let ep = stored.episode();
+                let id = ep.id.clone();
+                if let Err(e) = self.buffer.add_sized(ep, (size > 0).then_some(size)) {
+                    // A resubmission of an episode already buffered: trained once.
+                    warn!(episode = id, "not buffered: {e}");
                 }
+            }
+        }
+    }
+
+    /// Like [`MemberLoop::pump`], but returns as soon as one input arrived (and took
+    /// whatever else was already there).
+    fn pump_until_input(&mut self, wait: Duration) {
+        match self.rx.recv_timeout(wait) {
+            Ok(i) => {
+                self.handle(i);
+                self.pump(Duration::ZERO);
+            }
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => {
+                self.stop.get_or_insert(StopMode::Drain);
             }
         }
     }
@@ -427,7 +446,13 @@ impl<'a> MemberLoop<'a> {
 
     fn ring_loop(&mut self, m: &mut Membership) -> Ended {
         loop {
-            self.pump(self.cs().heartbeat);
+            if m.size() == 1 {
+                // Alone: no one to wait for, so no heartbeat period (a step starts as
+                // soon as the groups are there); newcomers are still looked for.
+                self.pump_until_input(self.cs().heartbeat);
+            } else {
+                self.pump(self.cs().heartbeat);
+            }
             self.take_ready();
             let beat = match self
                 .node
@@ -449,6 +474,12 @@ impl<'a> MemberLoop<'a> {
 
     /// One step in ring `m`: from the gradient held (a retry) or the groups ready now.
     fn step_round(&mut self, m: &mut Membership) -> Result<(), GroupError> {
+        if m.size() == 1 && self.held.is_none() {
+            self.solo_step()
+                .map_err(|e| GroupError::Refused(e.to_string()))?;
+            self.publish(Some(m));
+            return Ok(());
+        }
         let held = match self.held.take() {
             Some(h) => h,
             None => {
@@ -517,12 +548,37 @@ impl<'a> MemberLoop<'a> {
             .held
             .take()
             .ok_or_else(|| TrainError::Invalid("a sum to apply but no step held".into()))?;
-        let mut m: StepMetrics = self.trainer.apply(held.prepared, grad, stats)?;
+        let m: StepMetrics = self.trainer.apply(held.prepared, grad, stats)?;
+        self.after_step(m, &held.report.taken, members)
+    }
+
+    /// A step of a group of one: the trainer's own step (no flat copies of the gradient).
+    fn solo_step(&mut self) -> Result<(), TrainingError> {
+        let groups = std::mem::take(&mut self.ready);
+        let rep = std::mem::take(&mut self.report);
+        info!(
+            step = self.trainer.steps() + 1,
+            groups = groups.len(),
+            members = 1,
+            "training step started"
+        );
+        self.last_round = None;
+        let m = self.trainer.step(&groups, &rep)?;
+        self.after_step(m, &rep.taken, 1)
+    }
+
+    /// The ledger, the engine's new weights, the metrics and the checkpoint after a step.
+    fn after_step(
+        &mut self,
+        mut m: StepMetrics,
+        taken: &[String],
+        members: usize,
+    ) -> Result<(), TrainingError> {
         m.members = members;
         m.allreduce_seconds = self.last_round.map_or(0.0, |(r, _)| r.seconds);
         self.hash = parameter_hash(&self.trainer)?;
         m.param_hash = Some(self.hash.iter().map(|b| format!("{b:02x}")).collect());
-        append_consumed(&self.run_dir.dir, self.trainer.steps(), &held.report.taken)?;
+        append_consumed(&self.run_dir.dir, self.trainer.steps(), taken)?;
         self.served
             .engine
             .update_weights(&self.trainer.model.parameters(), self.trainer.version())?;

@@ -23,11 +23,22 @@ fn put(out: &mut Vec<u8>, tensors: &[Tensor]) -> Result<(), TrainError> {
     Ok(())
 }
 
-/// blake3 of the parameters' float32 bytes.
+/// blake3 of the parameters' float32 bytes (as [`state_bytes`] lays them out).
 pub fn parameter_hash(t: &Trainer) -> Result<[u8; 32], TrainError> {
-    let mut bytes = Vec::new();
-    put(&mut bytes, &t.model.parameters())?;
-    Ok(*blake3::hash(&bytes).as_bytes())
+    let mut h = blake3::Hasher::new();
+    for p in t.model.parameters() {
+        let flat = p
+            .detach()
+            .to_kind(Kind::Float)
+            .to_device(tch::Device::Cpu)
+            .contiguous();
+        let n = flat.numel();
+        // SAFETY: `flat` is a contiguous float32 CPU tensor of `n` values that lives to
+        // the end of this iteration; its bytes are read only.
+        let bytes = unsafe { std::slice::from_raw_parts(flat.data_ptr() as *const u8, n * 4) };
+        h.update(bytes);
+    }
+    Ok(*h.finalize().as_bytes())
 }
 
 /// The trainer's state as bytes (see the module docs).

@@ -285,8 +285,18 @@ impl Trainer {
         report: &ReadyReport,
     ) -> Result<StepMetrics, TrainError> {
         let p = self.prepare(groups, report)?;
-        let local = self.gradient(&p)?;
-        self.apply(p, &local.grad, &local.stats)
+        let stats = self.local_backward(&p)?;
+        // The parameters' own gradients are the sum: no flat copy.
+        let mut grads: Vec<Tensor> = self.model.parameters().iter().map(|t| t.grad()).collect();
+        let m = self.finish(p, &mut grads, &stats);
+        tch::no_grad(|| {
+            for g in &mut grads {
+                if g.defined() {
+                    let _ = g.zero_();
+                }
+            }
+        });
+        m
     }
 
     /// The number of values in a flat gradient ([`LocalGradient::grad`]).
@@ -384,8 +394,7 @@ impl Trainer {
     /// [`Trainer::apply`]; the loss is linear in its normaliser, so dividing the sum by
     /// the group's count is the gradient of one trainer on the union of the batches.
     pub fn gradient(&self, p: &Prepared) -> Result<LocalGradient, TrainError> {
-        let mut stats = vec![0f32; Stat::COUNT];
-        let sums = self.backward_rows(p, &mut stats)?;
+        let stats = self.local_backward(p)?;
         let params = self.model.parameters();
         let mut grad = vec![0f32; params.iter().map(Tensor::numel).sum()];
         let mut at = 0;
@@ -405,6 +414,14 @@ impl Trainer {
             }
             Ok(())
         })?;
+        Ok(LocalGradient { grad, stats })
+    }
+
+    /// Backward over `p`'s rows (gradients accumulate, unnormalised, in the
+    /// parameters) and this trainer's [`Stat`] sums.
+    fn local_backward(&self, p: &Prepared) -> Result<Vec<f32>, TrainError> {
+        let mut stats = vec![0f32; Stat::COUNT];
+        let sums = self.backward_rows(p, &mut stats)?;
         let rewards = &p.rewards;
         let m = &p.m;
         for (k, v) in [
@@ -426,7 +443,7 @@ impl Trainer {
         ] {
             stats[k as usize] += v as f32;
         }
-        Ok(LocalGradient { grad, stats })
+        Ok(stats)
     }
 
     /// A step's last part: AdamW on `grad` (the group's sum of [`LocalGradient::grad`])
@@ -437,6 +454,36 @@ impl Trainer {
         &mut self,
         p: Prepared,
         grad: &[f32],
+        stats: &[f32],
+    ) -> Result<StepMetrics, TrainError> {
+        let params = self.model.parameters();
+        let total: usize = params.iter().map(Tensor::numel).sum();
+        if grad.len() != total {
+            return Err(TrainError::Invalid(format!(
+                "a summed gradient of {} values for {total} parameter values",
+                grad.len()
+            )));
+        }
+        let mut grads = Vec::with_capacity(params.len());
+        let mut at = 0;
+        for t in &params {
+            let n = t.numel();
+            grads.push(
+                Tensor::from_slice(&grad[at..at + n])
+                    .view(t.size().as_slice())
+                    .to_device(t.device()),
+            );
+            at += n;
+        }
+        self.finish(p, &mut grads, stats)
+    }
+
+    /// AdamW on `grads` (sums, divided here by the normaliser from `stats`), the counters
+    /// and the metrics.
+    fn finish(
+        &mut self,
+        p: Prepared,
+        grads: &mut [Tensor],
         stats: &[f32],
     ) -> Result<StepMetrics, TrainError> {
         let mut m = p.m;
@@ -473,27 +520,15 @@ impl Trainer {
             Normalization::Sequence => st(Stat::Seqs),
         }
         .max(1.0);
-        let params = self.model.parameters();
-        let total: usize = params.iter().map(Tensor::numel).sum();
-        if grad.len() != total {
-            return Err(TrainError::Invalid(format!(
-                "a summed gradient of {} values for {total} parameter values",
-                grad.len()
-            )));
-        }
-        let mut grads = Vec::with_capacity(params.len());
-        let mut at = 0;
-        for t in &params {
-            let n = t.numel();
-            let g = Tensor::from_slice(&grad[at..at + n])
-                .view(t.size().as_slice())
-                .to_device(t.device())
-                / norm;
-            grads.push(g);
-            at += n;
-        }
+        tch::no_grad(|| {
+            for g in grads.iter_mut() {
+                if g.defined() {
+                    let _ = g.g_div_scalar_(norm);
+                }
+            }
+        });
         self.opt.cfg.lr = m.lr;
-        m.grad_norm = self.opt.step_with(&mut grads);
+        m.grad_norm = self.opt.step_with(grads);
         self.step += 1;
         self.version += 1;
         if let tch::Device::Cuda(i) = self.model.device() {

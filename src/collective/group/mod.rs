@@ -547,7 +547,11 @@ impl GroupNode {
                     }
                     drop(g);
                     info!(group = self.cfg.name, peer = %p, "refused the ballot: {reason}");
-                    refused.push(*p);
+                    if reason == proto::STOPPING {
+                        excluded.push(*p);
+                    } else {
+                        refused.push(*p);
+                    }
                 }
                 Ok(other) => {
                     warn!(group = self.cfg.name, peer = %p, "answered {other:?} to a prepare");

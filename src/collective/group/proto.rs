@@ -19,6 +19,9 @@ use crate::swarm::{PeerId, Stream, StreamProtocol};
 
 pub const GROUP: StreamProtocol = StreamProtocol::new("/agentjet/group/1");
 
+/// The refusal of a member that is leaving (the proposer leaves it out at once).
+pub const STOPPING: &str = "stopping";
+
 /// The largest control frame (a Start names every member; 64 KiB is thousands).
 pub(super) const LIMIT: usize = 64 << 10;
 
@@ -178,7 +181,7 @@ impl Shared {
                 let mut g = lock(&self.inner);
                 if g.stopping {
                     drop(g);
-                    return self.refuse("stopping");
+                    return self.refuse(STOPPING);
                 }
                 if ballot <= g.promised {
                     drop(g);
