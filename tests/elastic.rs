@@ -57,6 +57,20 @@ fn server(dir: &Path, model: &Path, name: &str, boot: Option<&str>, extra: &[&st
     Peer::start(name, dir, &args)
 }
 
+/// Servers a, b and c of the tiny model (b and c bootstrap from a), in one 3-member epoch;
+/// with a's address.
+fn three_servers(d: &Path, model: &Path, extra: &[&str]) -> (Peer, Peer, Peer, String) {
+    let mut a = server(d, model, "a", None, extra);
+    let boot = a.addr();
+    let mut b = server(d, model, "b", Some(&boot), extra);
+    let mut c = server(d, model, "c", Some(&boot), extra);
+    for s in [&mut a, &mut b, &mut c] {
+        s.wait_line("serving model", Duration::from_secs(120));
+        s.wait_line_containing("with 3 member(s)", Duration::from_secs(60));
+    }
+    (a, b, c, boot)
+}
+
 fn client(dir: &Path, boot: &str, groups: usize, run: &str) -> Peer {
     let agent = dir.join("agent.sh");
     std::fs::write(&agent, AGENT).unwrap();
@@ -171,20 +185,12 @@ fn three_servers_train_as_one_group_and_stay_bit_identical() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let model = tiny_model(d);
-    let gps = ["--groups-per-step", "1"];
-    let mut a = server(d, &model, "a", None, &gps);
-    let boot = a.addr();
-    let mut b = server(d, &model, "b", Some(&boot), &gps);
-    let mut c = server(d, &model, "c", Some(&boot), &gps);
-    let mut http = Vec::new();
-    for s in [&mut a, &mut b, &mut c] {
-        http.push(s.wait_line("http at", Duration::from_secs(120)));
-        s.wait_line("serving model", Duration::from_secs(120));
-    }
     // All three in one epoch before any episode arrives.
-    for s in [&mut a, &mut b, &mut c] {
-        s.wait_line_containing("with 3 member(s)", Duration::from_secs(60));
-    }
+    let (mut a, mut b, mut c, boot) = three_servers(d, &model, &["--groups-per-step", "1"]);
+    let http: Vec<String> = [&mut a, &mut b, &mut c]
+        .into_iter()
+        .map(|s| s.wait_line("http at", Duration::from_secs(1)))
+        .collect();
     let mut cl = client(d, &boot, 24, "run1");
     let st = cl.child.wait().unwrap();
     assert!(st.success(), "client failed:\n{}", cl.log_text());
@@ -293,14 +299,7 @@ fn a_member_killed_mid_all_reduce_leaves_two_that_finish_the_step_and_go_on() {
         "--checkpoint-every",
         "1",
     ];
-    let mut a = server(d, &model, "a", None, &extra);
-    let boot = a.addr();
-    let mut b = server(d, &model, "b", Some(&boot), &extra);
-    let mut c = server(d, &model, "c", Some(&boot), &extra);
-    for s in [&mut a, &mut b, &mut c] {
-        s.wait_line("serving model", Duration::from_secs(120));
-        s.wait_line_containing("with 3 member(s)", Duration::from_secs(60));
-    }
+    let (mut a, b, mut c, boot) = three_servers(d, &model, &extra);
     let mut cl = client(d, &boot, 24, "run1");
     // The second step has started at c (the first completed with three members): c is
     // now inside the gradient round's pause. Kill it there.
@@ -369,14 +368,7 @@ fn a_fourth_server_joins_mid_run_and_is_bit_identical_from_its_first_step() {
     let d = dir.path();
     let model = tiny_model(d);
     let gps = ["--groups-per-step", "1"];
-    let mut a = server(d, &model, "a", None, &gps);
-    let boot = a.addr();
-    let mut b = server(d, &model, "b", Some(&boot), &gps);
-    let mut c = server(d, &model, "c", Some(&boot), &gps);
-    for s in [&mut a, &mut b, &mut c] {
-        s.wait_line("serving model", Duration::from_secs(120));
-        s.wait_line_containing("with 3 member(s)", Duration::from_secs(60));
-    }
+    let (mut a, mut b, mut c, boot) = three_servers(d, &model, &gps);
     let mut cl = client(d, &boot, 12, "run1");
     assert!(cl.child.wait().unwrap().success(), "{}", cl.log_text());
     wait_all_consumed(d, &["a", "b", "c"], &[&a, &b, &c]);

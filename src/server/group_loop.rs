@@ -381,12 +381,7 @@ impl<'a> MemberLoop<'a> {
                     ))
                     .into());
                 }
-                self.served
-                    .engine
-                    .update_weights(&self.trainer.model.parameters(), self.trainer.version())?;
-                self.served
-                    .train_step
-                    .store(self.trainer.steps(), Ordering::Relaxed);
+                self.serve_trained()?;
                 self.save()?;
                 println!(
                     "group {:?}: joined at step {} (policy version {}), {} bytes in {:.2} s",
@@ -579,12 +574,7 @@ impl<'a> MemberLoop<'a> {
         self.hash = parameter_hash(&self.trainer)?;
         m.param_hash = Some(self.hash.iter().map(|b| format!("{b:02x}")).collect());
         append_consumed(&self.run_dir.dir, self.trainer.steps(), taken)?;
-        self.served
-            .engine
-            .update_weights(&self.trainer.model.parameters(), self.trainer.version())?;
-        self.served
-            .train_step
-            .store(self.trainer.steps(), Ordering::Relaxed);
+        self.serve_trained()?;
         println!("train {}", m.line());
         info!(
             step = m.step,
@@ -606,6 +596,17 @@ impl<'a> MemberLoop<'a> {
         if self.trainer.steps() % self.s.checkpoint_every.max(1) == 0 {
             self.save()?;
         }
+        Ok(())
+    }
+
+    /// The engine serves the trainer's weights under its version; the status says its step.
+    fn serve_trained(&self) -> Result<(), TrainingError> {
+        self.served
+            .engine
+            .update_weights(&self.trainer.model.parameters(), self.trainer.version())?;
+        self.served
+            .train_step
+            .store(self.trainer.steps(), Ordering::Relaxed);
         Ok(())
     }
 
