@@ -53,6 +53,11 @@ fn server(dir: &Path, model: &Path, name: &str, boot: Option<&str>, extra: &[&st
     if let Some(b) = boot {
         args.extend(["--bootstrap", b]);
     }
+    // A round that stalls fails (and is retried in a new epoch) well within the tests'
+    // waits; the log then says which round failed and why.
+    if !extra.contains(&"--collective-timeout") {
+        args.extend(["--collective-timeout", "10"]);
+    }
     args.extend(extra);
     Peer::start(name, dir, &args)
 }
