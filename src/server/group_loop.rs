@@ -71,6 +71,27 @@ pub(super) struct MemberLoop<'a> {
     unsettled: Option<HashSet<String>>,
 }
 
+/// One input of the training thread: an episode into `buffer`, or a stop (an abort
+/// overrides a drain, never the other way).
+fn take_input(input: TrainerInput, buffer: &mut GroupBuffer, stop: &mut Option<StopMode>) {
+    match input {
+        TrainerInput::Stop(mode) => {
+            if *stop != Some(StopMode::Abort) {
+                *stop = Some(mode);
+            }
+        }
+        TrainerInput::Episode(stored) => {
+            let size = stored.manifest.group_size as usize;
+            let ep = stored.episode();
+            let id = ep.id.clone();
+            if let Err(e) = buffer.add_sized(ep, (size > 0).then_some(size)) {
+                // A resubmission of an episode already buffered: trained once.
+                warn!(episode = id, "not buffered: {e}");
+            }
+        }
+    }
+}
+
 fn merge(into: &mut ReadyReport, r: ReadyReport) {
     into.skipped_equal += r.skipped_equal;
     into.dropped_short += r.dropped_short;
@@ -210,23 +231,7 @@ impl<'a> MemberLoop<'a> {
     }
 
     fn handle(&mut self, input: TrainerInput) {
-        match input {
-            TrainerInput::Stop(mode) => {
-                // An abort overrides a drain, never the other way.
-                if self.stop != Some(StopMode::Abort) {
-                    self.stop = Some(mode);
-                }
-            }
-            TrainerInput::Episode(stored) => {
-                let size = stored.manifest.group_size as usize;
-                let ep = stored.episode();
-                let id = ep.id.clone();
-                if let Err(e) = self.buffer.add_sized(ep, (size > 0).then_some(size)) {
-                    // A resubmission of an episode already buffered: trained once.
-                    warn!(episode = id, "not buffered: {e}");
-                }
-            }
-        }
+        take_input(input, &mut self.buffer, &mut self.stop);
     }
 
     /// Like [`MemberLoop::pump`], but returns as soon as one input arrived (and took
@@ -263,18 +268,7 @@ impl<'a> MemberLoop<'a> {
                     (&mut self.node, &self.rx, &mut self.buffer, &mut self.stop);
                 let mut stopped = || {
                     while let Ok(i) = rx.try_recv() {
-                        match i {
-                            TrainerInput::Stop(m) => {
-                                if *stop != Some(StopMode::Abort) {
-                                    *stop = Some(m);
-                                }
-                            }
-                            TrainerInput::Episode(stored) => {
-                                let size = stored.manifest.group_size as usize;
-                                let _ =
-                                    buffer.add_sized(stored.episode(), (size > 0).then_some(size));
-                            }
-                        }
+                        take_input(i, buffer, stop);
                     }
                     stop.is_some()
                 };

@@ -184,13 +184,6 @@ pub struct Prepared {
     t0: Instant,
 }
 
-impl Prepared {
-    /// Sampled tokens this trainer trains on.
-    pub fn tokens(&self) -> usize {
-        self.rows.iter().map(|r| r.targets.len()).sum()
-    }
-}
-
 /// One trainer's share of a step: its unnormalised flat gradient (parameters in
 /// [`Llama::parameters`] order) and its [`Stat`] sums. Both are summed across a group.
 #[derive(Debug, Clone)]

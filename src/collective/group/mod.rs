@@ -186,10 +186,6 @@ impl GroupNode {
         })
     }
 
-    pub fn peer_id(&self) -> PeerId {
-        self.me
-    }
-
     /// How long a control request may take: a prepared member first finishes the step
     /// it is in (bounded by a round's timeout).
     fn control_timeout(&self) -> Duration {
@@ -368,7 +364,7 @@ impl GroupNode {
     }
 
     /// Offers `bytes` (this member's state at `steps`, parameters `hash`) to joiners
-    /// until [`GroupNode::clear_state`].
+    /// until the next ring is built.
     pub fn offer_state(&self, bytes: Vec<u8>, steps: u64, hash: [u8; 32]) {
         let chunks = bytes
             .chunks(STATE_CHUNK)
@@ -382,10 +378,6 @@ impl GroupNode {
             hash,
         };
         lock(&self.shared.inner).snapshot = Some(Arc::new(Snapshot { manifest, bytes }));
-    }
-
-    pub fn clear_state(&self) {
-        lock(&self.shared.inner).snapshot = None;
     }
 
     /// Fetches the group's state for `start` from its Ready members, chunks spread over
