@@ -77,8 +77,13 @@ fn three_servers(d: &Path, model: &Path, extra: &[&str]) -> (Peer, Peer, Peer, S
 }
 
 fn client(dir: &Path, boot: &str, groups: usize, run: &str) -> Peer {
-    let agent = dir.join("agent.sh");
-    std::fs::write(&agent, AGENT).unwrap();
+    client_with(dir, boot, groups, run, AGENT)
+}
+
+/// [`client`] with the agent script `script`.
+fn client_with(dir: &Path, boot: &str, groups: usize, run: &str, script: &str) -> Peer {
+    let agent = dir.join(format!("agent-{run}.sh"));
+    std::fs::write(&agent, script).unwrap();
     let tasks = dir.join("tasks.jsonl");
     let lines: Vec<String> = (0..12)
         .map(|i| format!("{{\"id\": \"t{i}\", \"data\": {{\"i\": {i}}}}}"))
@@ -507,4 +512,36 @@ fn a_whole_group_restarted_from_its_checkpoints_resumes_at_one_step() {
         }
     }
     assert_eq!(seen.len(), 64, "16 groups of 4 episodes");
+}
+
+/// The agent of [`AGENT`] with a constant reward: every group's rewards are equal.
+const FLAT_AGENT: &str = r#"#!/bin/sh
+set -eu
+curl -sS --fail-with-body "$OPENAI_BASE_URL/chat/completions" \
+  -H "Authorization: Bearer $OPENAI_API_KEY" -H "Content-Type: application/json" \
+  -d '{"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}' >/dev/null
+echo '{"reward": 1.0}'
+"#;
+
+#[test]
+fn groups_without_signal_reach_the_ledger_with_no_step_to_carry_them() {
+    // A group whose rewards are all equal is skipped, not trained: no step follows it
+    // here, and its episodes must still be recorded as consumed (not held back forever,
+    // nor fed to the trainer again after a restart).
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = tiny_model(d);
+    let mut a = server(d, &model, "a", None, &["--groups-per-step", "1"]);
+    a.wait_line_containing("with 1 member(s)", Duration::from_secs(120));
+    let boot = a.addr();
+    let mut cl = client_with(d, &boot, 3, "run1", FLAT_AGENT);
+    assert!(cl.child.wait().unwrap().success(), "{}", cl.log_text());
+    wait_all_consumed(d, &["a"], &[&a]);
+    assert_eq!(stored_ids(d, "a").len(), 12);
+    assert!(
+        metrics_lines(d, "a").is_empty(),
+        "no group had signal, yet a step was taken"
+    );
+    // Each at the step it was taken after (none yet: 0).
+    assert_eq!(consumed(d, "a").keys().collect::<Vec<_>>(), vec![&0]);
 }

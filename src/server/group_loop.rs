@@ -249,8 +249,27 @@ impl<'a> MemberLoop<'a> {
         }
     }
 
+    /// Moves the buffer's trainable groups to the ready list. Episodes taken that no step
+    /// will train (groups without signal, groups dropped short, aborted episodes, extras
+    /// beyond a group's size) go to the ledger at once: no step may follow to record them
+    /// (the last groups of a run), and a member would otherwise hold them unconsumed. If
+    /// the ledger cannot be written they wait for the next step's lines, as before.
     fn take_ready(&mut self) {
-        let (groups, r) = self.buffer.take_ready(Instant::now());
+        let (groups, mut r) = self.buffer.take_ready(Instant::now());
+        let trained: HashSet<&str> = groups
+            .iter()
+            .flat_map(|g| g.episodes.iter().map(|e| e.id.as_str()))
+            .collect();
+        let (kept, untrained): (Vec<String>, Vec<String>) = std::mem::take(&mut r.taken)
+            .into_iter()
+            .partition(|id| trained.contains(id.as_str()));
+        r.taken = kept;
+        if !untrained.is_empty() {
+            if let Err(e) = append_consumed(&self.run_dir.dir, self.trainer.steps(), &untrained) {
+                warn!(model = self.served.name, "the ledger: {e}");
+                r.taken.extend(untrained);
+            }
+        }
         self.ready.extend(groups);
         merge(&mut self.report, r);
     }
