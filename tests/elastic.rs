@@ -545,3 +545,79 @@ fn groups_without_signal_reach_the_ledger_with_no_step_to_carry_them() {
     // Each at the step it was taken after (none yet: 0).
     assert_eq!(consumed(d, "a").keys().collect::<Vec<_>>(), vec![&0]);
 }
+
+/// Each member's outer steps (`outer.jsonl`): (outer step, parameter hash, members).
+fn outer_lines(dir: &Path, name: &str) -> Vec<(u64, String, u64)> {
+    std::fs::read_to_string(dir.join(name).join("runs/tiny/outer.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .map(|l| {
+            let v: Value = serde_json::from_str(l).unwrap();
+            (
+                v["outer_step"].as_u64().unwrap(),
+                v["param_hash"].as_str().unwrap().to_string(),
+                v["members"].as_u64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn diloco_members_take_their_own_inner_steps_and_are_identical_after_every_outer_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = tiny_model(d);
+    let extra = ["--groups-per-step", "1", "--sync-every", "4"];
+    let mut a = server(d, &model, "a", None, &extra);
+    let boot = a.addr();
+    let mut b = server(d, &model, "b", Some(&boot), &extra);
+    for s in [&mut a, &mut b] {
+        s.wait_line_containing("with 2 member(s)", Duration::from_secs(60));
+    }
+    let http_a = a.wait_line("http at", Duration::from_secs(1));
+    let http_b = b.wait_line("http at", Duration::from_secs(1));
+    let mut cl = client(d, &boot, 48, "run1");
+    assert!(cl.child.wait().unwrap().success(), "{}", cl.log_text());
+    // Each member's groups feed its inner steps, 4 per outer step (the rest wait for the
+    // next): wait until the outer steps stop coming (nothing changes for 3 s).
+    let t0 = std::time::Instant::now();
+    let mut last = (Vec::new(), std::time::Instant::now());
+    let (oa, ob) = loop {
+        let now = (outer_lines(d, "a"), outer_lines(d, "b"));
+        if now.0 != last.0 || now.0 != now.1 {
+            last = (now.0.clone(), std::time::Instant::now());
+        } else if last.1.elapsed() > Duration::from_secs(3) {
+            break now;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(60), "outer steps still changing");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    println!("outer steps: a {oa:?}\nb {ob:?}");
+    // 48 groups (about 7 in 8 with a signal) split between two members by the client's
+    // hashing: at least 8 trainable ones each (all but certain), so two outer steps (the
+    // second one with momentum).
+    assert!(oa.len() >= 2, "{} outer steps:\n{}\n{}", oa.len(), a.log_text(), b.log_text());
+    // Bit-identical after every outer step, both in it.
+    assert_eq!(oa, ob);
+    for (i, (k, _, members)) in oa.iter().enumerate() {
+        assert_eq!(*k, i as u64 + 1);
+        assert_eq!(*members, 2);
+    }
+    // Inner steps are each member's own: between outer steps, 4 of them with no
+    // parameter hash, at the last outer step's policy version.
+    for n in ["a", "b"] {
+        let lines = metrics_lines(d, n);
+        let trained: Vec<&Value> = lines.iter().filter(|l| l["trained"] == true).collect();
+        assert!(trained.len() >= 4 * oa.len(), "{n}: {} inner steps", trained.len());
+        for (i, l) in trained.iter().enumerate() {
+            assert!(l["param_hash"].is_null(), "{l}");
+            assert_eq!(l["version"].as_u64().unwrap(), i as u64 / 4, "{n}: {l}");
+        }
+    }
+    // The engines serve the outer step's parameters under its version.
+    let outer = oa.len() as f64;
+    for u in [&http_a, &http_b] {
+        let v = metric(u, "agentjet_policy_version{model=\"tiny\"}").unwrap();
+        assert_eq!(v, outer, "{u}");
+    }
+}

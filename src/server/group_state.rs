@@ -1,11 +1,13 @@
 //! A trainer's whole state as bytes, for a joiner: what the group members offer and a
 //! joiner installs. Layout (little-endian): step count, policy version, optimizer step
-//! count (8 bytes each), then every parameter's float32 values, then AdamW's first
-//! moments, then its second moments, each in [`crate::model::llama::Llama::parameters`]
-//! order. Both sides hold the same model shape (the group checked it).
+//! count and the number of outer-momentum sets (0 or 1; 8 bytes each), then every
+//! parameter's float32 values, then AdamW's first moments, then its second moments, then
+//! (DiLoCo) the outer momentum, each in [`crate::model::llama::Llama::parameters`] order.
+//! Both sides hold the same model shape (the group checked it).
 
 use tch::{Kind, Tensor};
 
+use crate::train::outer::Outer;
 use crate::train::trainer::Trainer;
 use crate::train::TrainError;
 
@@ -23,10 +25,10 @@ fn put(out: &mut Vec<u8>, tensors: &[Tensor]) -> Result<(), TrainError> {
     Ok(())
 }
 
-/// blake3 of the parameters' float32 bytes (as [`state_bytes`] lays them out).
-pub fn parameter_hash(t: &Trainer) -> Result<[u8; 32], TrainError> {
+/// blake3 of `params`' float32 bytes (as [`state_bytes`] lays them out).
+pub fn hash_of(params: &[Tensor]) -> [u8; 32] {
     let mut h = blake3::Hasher::new();
-    for p in t.model.parameters() {
+    for p in params {
         let flat = p
             .detach()
             .to_kind(Kind::Float)
@@ -38,37 +40,65 @@ pub fn parameter_hash(t: &Trainer) -> Result<[u8; 32], TrainError> {
         let bytes = unsafe { std::slice::from_raw_parts(flat.data_ptr() as *const u8, n * 4) };
         h.update(bytes);
     }
-    Ok(*h.finalize().as_bytes())
+    *h.finalize().as_bytes()
 }
 
-/// The trainer's state as bytes (see the module docs).
-pub fn state_bytes(t: &Trainer) -> Result<Vec<u8>, TrainError> {
+/// blake3 of the group's parameters at this member: the trainer's, or in DiLoCo mode the
+/// outer optimizer's anchor (the trainer's drift between outer steps is its own).
+pub fn parameter_hash(t: &Trainer, outer: Option<&Outer>) -> Result<[u8; 32], TrainError> {
+    Ok(match outer {
+        Some(o) => hash_of(o.anchor()),
+        None => hash_of(&t.model.parameters()),
+    })
+}
+
+/// The group's state at this member as bytes (see the module docs). In DiLoCo mode the
+/// parameters are the anchor, the step count the one of the last outer step (`version x
+/// H`: every member takes H inner steps per outer step), and the outer momentum follows.
+pub fn state_bytes(t: &Trainer, outer: Option<&Outer>) -> Result<Vec<u8>, TrainError> {
     let mut out = Vec::new();
-    out.extend_from_slice(&t.steps().to_le_bytes());
+    let (steps, params) = match outer {
+        Some(o) => (
+            t.version() * o.cfg.every,
+            o.anchor().iter().map(Tensor::shallow_clone).collect(),
+        ),
+        None => (t.steps(), t.model.parameters()),
+    };
+    let momentum = outer.and_then(Outer::momentum);
+    out.extend_from_slice(&steps.to_le_bytes());
     out.extend_from_slice(&t.version().to_le_bytes());
     out.extend_from_slice(&t.opt.steps().to_le_bytes());
-    put(&mut out, &t.model.parameters())?;
+    out.extend_from_slice(&(momentum.is_some() as u64).to_le_bytes());
+    put(&mut out, &params)?;
     let (m, v) = t.opt.moments();
     put(&mut out, m)?;
     put(&mut out, v)?;
+    if let Some(b) = momentum {
+        put(&mut out, b)?;
+    }
     Ok(out)
 }
 
-/// Installs `bytes` (from [`state_bytes`] of a trainer of the same shape).
-pub fn install_state(t: &mut Trainer, bytes: &[u8]) -> Result<(), TrainError> {
+/// Installs `bytes` (from [`state_bytes`] of a trainer of the same shape); returns the
+/// outer momentum they carry, if any.
+pub fn install_state(t: &mut Trainer, bytes: &[u8]) -> Result<Option<Vec<Tensor>>, TrainError> {
     let params = t.model.parameters();
     let values: usize = params.iter().map(Tensor::numel).sum();
-    let want = 24 + 3 * values * 4;
-    if bytes.len() != want {
+    let word = |i: usize| {
+        bytes
+            .get(i * 8..i * 8 + 8)
+            .map_or(0, |b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
+    };
+    let (steps, version, opt_steps, sets) = (word(0), word(1), word(2) as i64, word(3));
+    let want = 32 + (3 + sets.min(1) as usize) * values * 4;
+    if bytes.len() != want || sets > 1 {
         return Err(TrainError::Invalid(format!(
             "a state of {} bytes for a model whose state is {want}",
             bytes.len()
         )));
     }
-    let word = |i: usize| u64::from_le_bytes(bytes[i * 8..i * 8 + 8].try_into().unwrap_or([0; 8]));
-    let (steps, version, opt_steps) = (word(0), word(1), word(2) as i64);
     // The float32 values, copied out (the byte slice need not be aligned).
-    let floats: Vec<f32> = bytes[24..]
+    let floats: Vec<f32> = bytes[32..]
         .chunks_exact(4)
         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
         .collect();
@@ -84,6 +114,8 @@ pub fn install_state(t: &mut Trainer, bytes: &[u8]) -> Result<(), TrainError> {
     let new_params: Vec<Tensor> = params.iter().map(|p| take(&mut at, p)).collect();
     let m: Vec<Tensor> = params.iter().map(|p| take(&mut at, p)).collect();
     let v: Vec<Tensor> = params.iter().map(|p| take(&mut at, p)).collect();
+    let momentum: Option<Vec<Tensor>> =
+        (sets == 1).then(|| params.iter().map(|p| take(&mut at, p)).collect());
     tch::no_grad(|| -> Result<(), TrainError> {
         for (p, src) in params.iter().zip(&new_params) {
             p.shallow_clone().f_copy_(src)?;
@@ -92,5 +124,5 @@ pub fn install_state(t: &mut Trainer, bytes: &[u8]) -> Result<(), TrainError> {
     })?;
     t.opt.restore(&m, &v, opt_steps)?;
     t.set_counters(steps, version);
-    Ok(())
+    Ok(momentum)
 }

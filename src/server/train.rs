@@ -36,6 +36,7 @@ use crate::model::llama::Llama;
 use crate::train::checkpoint::RunDir;
 use crate::train::groups::{AdvantageKind, GroupBuffer, GroupConfig};
 use crate::train::optim::AdamWConfig;
+use crate::train::outer::OuterConfig;
 use crate::train::trainer::{Trainer, TrainerConfig};
 use crate::train::TrainError;
 
@@ -95,6 +96,9 @@ pub struct TrainSettings {
     pub micro_batch_tokens: usize,
     /// How the servers of the model train together.
     pub collective: CollectiveSettings,
+    /// DiLoCo mode (none: synchronous): inner steps per outer step and the outer
+    /// optimizer's settings.
+    pub outer: Option<OuterConfig>,
 }
 
 /// The training group's settings (see [`crate::collective::group`]).
@@ -137,6 +141,7 @@ impl Default for TrainSettings {
             checkpoint_every: 20,
             micro_batch_tokens: 4096,
             collective: CollectiveSettings::default(),
+            outer: None,
         }
     }
 }

@@ -27,6 +27,9 @@ use crate::model::checkpoint::{load_model, save_checkpoint};
 use crate::model::llama::DType;
 use crate::model::{ModelCard, ModelSource};
 
+/// The file of [`RunDir::save_with`]'s tensors inside a checkpoint.
+const EXTRA_TENSORS: &str = "extra.safetensors";
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SavedState {
     pub step: u64,
@@ -100,6 +103,19 @@ impl RunDir {
         card: &ModelCard,
         extra: serde_json::Value,
     ) -> Result<(), TrainError> {
+        self.save_with(trainer, card, extra, &[])
+    }
+
+    /// [`RunDir::save`], with named tensors of the caller's own (a DiLoCo outer
+    /// optimizer's state) in the same atomic checkpoint, as `extra.safetensors`; read
+    /// back with [`RunDir::saved_tensors`].
+    pub fn save_with(
+        &self,
+        trainer: &Trainer,
+        card: &ModelCard,
+        extra: serde_json::Value,
+        tensors: &[(String, Tensor)],
+    ) -> Result<(), TrainError> {
         let tmp = self.dir.join("checkpoint.tmp");
         if tmp.exists() {
             std::fs::remove_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
@@ -119,6 +135,10 @@ impl RunDir {
             .collect();
         let opt_path = tmp.join("optimizer.safetensors");
         Tensor::write_safetensors(&named, &opt_path).map_err(|e| io(&opt_path, e))?;
+        if !tensors.is_empty() {
+            let extra_path = tmp.join(EXTRA_TENSORS);
+            Tensor::write_safetensors(tensors, &extra_path).map_err(|e| io(&extra_path, e))?;
+        }
         let state = SavedState {
             step: trainer.steps(),
             version: trainer.version(),
@@ -154,6 +174,21 @@ impl RunDir {
             std::fs::remove_dir_all(&old).map_err(|e| io(&old, e))?;
         }
         Ok(())
+    }
+
+    /// The caller's tensors saved with the latest checkpoint by [`RunDir::save_with`]
+    /// (none: no checkpoint, or it was saved without them).
+    pub fn saved_tensors(&self) -> Result<Option<Vec<(String, Tensor)>>, TrainError> {
+        let Some(ck) = self.latest() else {
+            return Ok(None);
+        };
+        let path = ck.join(EXTRA_TENSORS);
+        if !path.is_file() {
+            return Ok(None);
+        }
+        Tensor::read_safetensors(&path)
+            .map(Some)
+            .map_err(|e| io(&path, e))
     }
 
     /// The checkpoint to resume from: `checkpoint/`, or `checkpoint.old/` when a kill came

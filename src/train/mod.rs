@@ -10,6 +10,7 @@ pub mod checkpoint;
 pub mod groups;
 pub mod loss;
 pub mod optim;
+pub mod outer;
 pub mod plot;
 pub mod trainer;
 

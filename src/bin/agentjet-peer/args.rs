@@ -196,6 +196,18 @@ pub struct ServerCli {
     /// How the training group's gradients travel: `f32` (exact) or `bf16` (half the bytes).
     #[arg(long, default_value = "f32")]
     pub allreduce_wire: String,
+    /// DiLoCo mode, for members far apart: each member takes N inner steps on its own
+    /// episodes, then the group averages the parameter deltas and takes one outer step
+    /// (Nesterov momentum). Policy versions count outer steps. 0: synchronous (every step
+    /// all-reduces the gradients).
+    #[arg(long, default_value_t = 0)]
+    pub sync_every: u64,
+    /// DiLoCo's outer learning rate.
+    #[arg(long, default_value_t = 0.7)]
+    pub outer_lr: f64,
+    /// DiLoCo's outer Nesterov momentum.
+    #[arg(long, default_value_t = 0.9)]
+    pub outer_momentum: f64,
     /// Tests only: hold every gradient all-reduce this many milliseconds between its
     /// reduce-scatter and its all-gather.
     #[arg(long, hide = true)]

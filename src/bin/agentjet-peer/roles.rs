@@ -40,6 +40,7 @@ mod torch {
     use agentjet::server::train::CollectiveSettings;
     use agentjet::server::{ServeLimits, ServerConfig, TrainSettings};
     use agentjet::train::groups::AdvantageKind;
+    use agentjet::train::outer::OuterConfig;
     use std::time::Duration;
 
     impl ServerCli {
@@ -75,6 +76,19 @@ mod torch {
                             midway_pause: self.test_midway_pause_ms.map(Duration::from_millis),
                             ..CollectiveSettings::default()
                         },
+                        outer: (self.sync_every > 0)
+                            .then(|| -> Result<OuterConfig> {
+                                anyhow::ensure!(
+                                    self.outer_lr > 0.0 && (0.0..1.0).contains(&self.outer_momentum),
+                                    "--outer-lr must be above 0 and --outer-momentum in [0, 1)"
+                                );
+                                Ok(OuterConfig {
+                                    every: self.sync_every,
+                                    lr: self.outer_lr,
+                                    momentum: self.outer_momentum,
+                                })
+                            })
+                            .transpose()?,
                     })
                 })
                 .transpose()?;

@@ -17,6 +17,8 @@ use std::time::{Duration, Instant};
 
 use tracing::{error, info, warn};
 
+mod diloco;
+
 use super::group_state::{install_state, parameter_hash, state_bytes};
 use super::train::{
     append_consumed, consumed_upto, unconsumed_episodes, CollectiveSettings, TrainSettings,
@@ -29,6 +31,7 @@ use crate::collective::RoundStats;
 use crate::swarm::GroupStatus;
 use crate::train::checkpoint::RunDir;
 use crate::train::groups::{Group, GroupBuffer, ReadyReport};
+use crate::train::outer::Outer;
 use crate::train::trainer::{LocalGradient, Prepared, StepMetrics, Trainer};
 use crate::train::TrainError;
 
@@ -69,6 +72,10 @@ pub(super) struct MemberLoop<'a> {
     last_round: Option<(RoundStats, usize)>,
     /// Every episode id the ledger held at start, until the first epoch settles it.
     unsettled: Option<HashSet<String>>,
+    /// DiLoCo mode: the outer optimizer (none: synchronous).
+    outer: Option<Outer>,
+    /// DiLoCo mode: this member's delta of the next outer step, until it is applied.
+    held_delta: Option<Vec<f32>>,
 }
 
 /// One input of the training thread: an episode into `buffer`, or a stop (an abort
@@ -114,7 +121,11 @@ impl<'a> MemberLoop<'a> {
         buffer: GroupBuffer,
         node: GroupNode,
     ) -> Result<MemberLoop<'a>, TrainingError> {
-        let hash = parameter_hash(&trainer)?;
+        let outer = match s.outer {
+            Some(cfg) => Some(diloco::resume(&trainer, cfg, run_dir)?),
+            None => None,
+        };
+        let hash = parameter_hash(&trainer, outer.as_ref())?;
         let last_saved = trainer.steps();
         Ok(MemberLoop {
             served,
@@ -133,6 +144,8 @@ impl<'a> MemberLoop<'a> {
             hash,
             last_round: None,
             unsettled: None,
+            outer,
+            held_delta: None,
         })
     }
 
@@ -150,6 +163,8 @@ impl<'a> MemberLoop<'a> {
             return Ok(());
         };
         let kept = consumed_upto(&self.run_dir.dir, self.trainer.steps())?;
+        // (In DiLoCo mode the trainer is at its last outer step here: inner steps after
+        // it are lost with the restart, and their episodes trained again.)
         let lost: Vec<_> = unconsumed_episodes(self.served, &kept)?
             .into_iter()
             .filter(|e| before.contains(&e.manifest.episode_id))
@@ -173,14 +188,23 @@ impl<'a> MemberLoop<'a> {
         &self.s.collective
     }
 
+    /// The group's step count at this member: its optimizer steps, or in DiLoCo mode its
+    /// outer steps (the policy version).
+    fn group_steps(&self) -> u64 {
+        match self.outer {
+            Some(_) => self.trainer.version(),
+            None => self.trainer.steps(),
+        }
+    }
+
     fn state(&self) -> MemberState {
         MemberState {
-            steps: self.trainer.steps(),
+            steps: self.group_steps(),
             version: self.trainer.version(),
             hash: self.hash,
             values: self.trainer.gradient_len() as u64,
             pending: self.pending.is_some(),
-            held: self.held.is_some(),
+            held: self.held.is_some() || self.held_delta.is_some(),
         }
     }
 
@@ -198,7 +222,10 @@ impl<'a> MemberLoop<'a> {
             param_hash: hex8(&self.hash),
             allreduce_ms,
             allreduce_gbps,
-            mode: "sync".into(),
+            mode: match &self.outer {
+                Some(o) => format!("diloco/{}", o.cfg.every),
+                None => "sync".into(),
+            },
         });
     }
 
@@ -331,7 +358,7 @@ impl<'a> MemberLoop<'a> {
                 self.served.name,
                 m.epoch(),
                 m.size(),
-                self.trainer.steps(),
+                self.group_steps(),
                 hex8(&self.hash)
             );
             let ended = if m.start.retry {
@@ -382,12 +409,16 @@ impl<'a> MemberLoop<'a> {
                     merge(&mut self.report, h.report);
                 }
                 self.pending = None;
-                install_state(&mut self.trainer, &bytes)?;
-                self.hash = parameter_hash(&self.trainer)?;
-                if self.hash != start.hash || self.trainer.steps() != start.steps {
+                self.held_delta = None;
+                let momentum = install_state(&mut self.trainer, &bytes)?;
+                if let Some(o) = &mut self.outer {
+                    o.reanchor(&self.trainer, momentum);
+                }
+                self.hash = parameter_hash(&self.trainer, self.outer.as_ref())?;
+                if self.hash != start.hash || self.group_steps() != start.steps {
                     return Err(TrainError::Invalid(format!(
                         "the fetched state has step {} parameters {}, the group step {} parameters {}",
-                        self.trainer.steps(),
+                        self.group_steps(),
                         hex8(&self.hash),
                         start.steps,
                         hex8(&start.hash)
@@ -399,16 +430,15 @@ impl<'a> MemberLoop<'a> {
                 println!(
                     "group {:?}: joined at step {} (policy version {}), {} bytes in {:.2} s",
                     self.served.name,
-                    self.trainer.steps(),
+                    self.group_steps(),
                     self.trainer.version(),
                     bytes.len(),
                     t0.elapsed().as_secs_f64()
                 );
             }
             Some(_) if syncing => {
-                let bytes = state_bytes(&self.trainer)?;
-                self.node
-                    .offer_state(bytes, self.trainer.steps(), self.hash);
+                let bytes = state_bytes(&self.trainer, self.outer.as_ref())?;
+                self.node.offer_state(bytes, self.group_steps(), self.hash);
             }
             _ => {}
         }
@@ -439,10 +469,10 @@ impl<'a> MemberLoop<'a> {
                 }
             }
         }
-        if self.trainer.steps() != m.start.steps || self.hash != m.start.hash {
+        if self.group_steps() != m.start.steps || self.hash != m.start.hash {
             return Err(TrainError::Invalid(format!(
                 "after catching up, step {} parameters {} differ from the group's step {} parameters {}",
-                self.trainer.steps(),
+                self.group_steps(),
                 hex8(&self.hash),
                 m.start.steps,
                 hex8(&m.start.hash)
@@ -453,6 +483,9 @@ impl<'a> MemberLoop<'a> {
     }
 
     fn ring_loop(&mut self, m: &mut Membership) -> Ended {
+        if self.outer.is_some() {
+            return self.diloco_loop(m);
+        }
         loop {
             if m.size() == 1 {
                 // Alone: no one to wait for, so no heartbeat period (a step starts as
@@ -482,6 +515,9 @@ impl<'a> MemberLoop<'a> {
 
     /// One step in ring `m`: from the gradient held (a retry) or the groups ready now.
     fn step_round(&mut self, m: &mut Membership) -> Result<(), GroupError> {
+        if self.outer.is_some() {
+            return self.outer_round(m);
+        }
         if m.size() == 1 && self.held.is_none() {
             self.solo_step()
                 .map_err(|e| GroupError::Refused(e.to_string()))?;
@@ -552,6 +588,9 @@ impl<'a> MemberLoop<'a> {
 
     /// Applies the summed gradient to the held step, then the ledger, engine and metrics.
     fn apply(&mut self, grad: &[f32], stats: &[f32], members: usize) -> Result<(), TrainingError> {
+        if self.outer.is_some() {
+            return self.apply_outer(grad, stats, members);
+        }
         let held = self
             .held
             .take()
@@ -584,20 +623,29 @@ impl<'a> MemberLoop<'a> {
     ) -> Result<(), TrainingError> {
         m.members = members;
         m.allreduce_seconds = self.last_round.map_or(0.0, |(r, _)| r.seconds);
-        self.hash = parameter_hash(&self.trainer)?;
+        self.hash = parameter_hash(&self.trainer, None)?;
         m.param_hash = Some(self.hash.iter().map(|b| format!("{b:02x}")).collect());
         append_consumed(&self.run_dir.dir, self.trainer.steps(), taken)?;
         self.serve_trained()?;
+        self.record(&m)?;
+        if self.trainer.steps() % self.s.checkpoint_every.max(1) == 0 {
+            self.save()?;
+        }
+        Ok(())
+    }
+
+    /// A step's line on stdout, in the log, in `metrics.jsonl` and on the reward curve.
+    fn record(&self, m: &StepMetrics) -> Result<(), TrainingError> {
         println!("train {}", m.line());
         info!(
             step = m.step,
             version = m.version,
             reward = m.reward_mean,
-            members,
+            members = m.members,
             hash = hex8(&self.hash),
             "trained"
         );
-        self.run_dir.append(&m)?;
+        self.run_dir.append(m)?;
         if let Ok(all) = self.run_dir.metrics() {
             let title = format!(
                 "{}: mean training reward per step (AgentJet server)",
@@ -605,9 +653,6 @@ impl<'a> MemberLoop<'a> {
             );
             let svg = crate::train::plot::reward_svg(&title, &all, None);
             let _ = std::fs::write(self.run_dir.dir.join("reward.svg"), svg);
-        }
-        if self.trainer.steps() % self.s.checkpoint_every.max(1) == 0 {
-            self.save()?;
         }
         Ok(())
     }
@@ -623,9 +668,16 @@ impl<'a> MemberLoop<'a> {
         Ok(())
     }
 
+    /// The checkpoint (in DiLoCo mode with the outer momentum: call it only at an outer
+    /// step, when the trainer holds the anchor).
     fn save(&mut self) -> Result<(), TrainError> {
-        self.run_dir
-            .save(&self.trainer, &self.served.card, serde_json::json!({}))?;
+        let tensors = self.outer.as_ref().map(diloco::saved).unwrap_or_default();
+        self.run_dir.save_with(
+            &self.trainer,
+            &self.served.card,
+            serde_json::json!({}),
+            &tensors,
+        )?;
         self.last_saved = self.trainer.steps();
         Ok(())
     }
@@ -642,6 +694,10 @@ impl<'a> MemberLoop<'a> {
                 );
             }
             StopMode::Drain => {
+                // DiLoCo: inner steps since the last outer step are the member's own;
+                // the checkpoint holds the group's state (their episodes are trained
+                // again after a restart).
+                self.rewind_to_anchor()?;
                 if self.trainer.steps() != self.last_saved {
                     self.save()?;
                     println!(

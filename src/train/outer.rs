@@ -1,0 +1,146 @@
+//! DiLoCo's outer optimizer (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication
+//! Training of Language Models"): members far apart each take `H` inner steps (their own
+//! AdamW on their own data), then average their parameter deltas and take one outer step.
+//!
+//! With `θ` the parameters every member held after the last outer step (the *anchor*),
+//! `θ_i` member i's parameters after its inner steps and `n` the members that contributed:
+//!
+//! ```text
+//! Δ   = (1/n) Σ_i (θ - θ_i)            the outer gradient (the members' mean delta)
+//! b   = Δ                               first outer step
+//! b   = μ b + Δ                         later ones (momentum μ, no dampening)
+//! θ'  = θ - lr (Δ + μ b)                Nesterov (torch.optim.SGD(nesterov=True))
+//! ```
+//!
+//! DiLoCo's defaults: lr 0.7, μ 0.9. Every member computes the same float32 operations on
+//! the same bytes (the same anchor, the same summed deltas, the same momentum), so every
+//! member ends the outer step with bit-identical parameters; the inner AdamW state stays
+//! each member's own (as in DiLoCo). The members' delta sum is the caller's: this module
+//! turns parameters into a flat delta and a summed delta into the outer step.
+
+use tch::{Kind, Tensor};
+
+use super::trainer::Trainer;
+use super::TrainError;
+
+/// DiLoCo's settings.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct OuterConfig {
+    /// Inner steps per outer step (`H`).
+    pub every: u64,
+    pub lr: f64,
+    pub momentum: f64,
+}
+
+impl Default for OuterConfig {
+    fn default() -> Self {
+        OuterConfig {
+            every: 500,
+            lr: 0.7,
+            momentum: 0.9,
+        }
+    }
+}
+
+/// The outer optimizer's state: the anchor and the momentum buffer.
+pub struct Outer {
+    pub cfg: OuterConfig,
+    anchor: Vec<Tensor>,
+    momentum: Option<Vec<Tensor>>,
+}
+
+fn copies(ts: &[Tensor]) -> Vec<Tensor> {
+    tch::no_grad(|| ts.iter().map(|t| t.detach().copy()).collect())
+}
+
+fn flat_f32(ts: &[Tensor]) -> Result<Vec<f32>, TrainError> {
+    let mut out = Vec::with_capacity(ts.iter().map(Tensor::numel).sum());
+    for t in ts {
+        let f = t
+            .detach()
+            .to_kind(Kind::Float)
+            .to_device(tch::Device::Cpu)
+            .contiguous()
+            .view([-1]);
+        out.extend(Vec::<f32>::try_from(&f)?);
+    }
+    Ok(out)
+}
+
+impl Outer {
+    /// Anchored at the trainer's parameters now (they must be the group's).
+    pub fn new(t: &Trainer, cfg: OuterConfig) -> Outer {
+        Outer {
+            cfg,
+            anchor: copies(&t.model.parameters()),
+            momentum: None,
+        }
+    }
+
+    /// Re-anchors at the trainer's parameters (after installing the group's state).
+    pub fn reanchor(&mut self, t: &Trainer, momentum: Option<Vec<Tensor>>) {
+        self.anchor = copies(&t.model.parameters());
+        self.momentum = momentum;
+    }
+
+    pub fn anchor(&self) -> &[Tensor] {
+        &self.anchor
+    }
+
+    /// The momentum buffer (none before the first outer step).
+    pub fn momentum(&self) -> Option<&[Tensor]> {
+        self.momentum.as_deref()
+    }
+
+    /// This member's flat delta `θ - θ_i` (parameter order, float32).
+    pub fn delta(&self, t: &Trainer) -> Result<Vec<f32>, TrainError> {
+        let d: Vec<Tensor> = tch::no_grad(|| {
+            self.anchor
+                .iter()
+                .zip(t.model.parameters())
+                .map(|(a, p)| a - p.detach())
+                .collect()
+        });
+        flat_f32(&d)
+    }
+
+    /// The outer step from the members' summed deltas (`sum`, from `members` members):
+    /// the new anchor goes into the trainer's parameters (the inner optimizer's state is
+    /// kept). Discards the trainer's inner progress.
+    pub fn step(&mut self, t: &mut Trainer, sum: &[f32], members: usize) -> Result<(), TrainError> {
+        let total: usize = self.anchor.iter().map(Tensor::numel).sum();
+        if sum.len() != total || members == 0 {
+            return Err(TrainError::Invalid(format!(
+                "an outer step from {} summed values of {members} member(s), for {total} parameter values",
+                sum.len()
+            )));
+        }
+        let (lr, mu) = (self.cfg.lr, self.cfg.momentum);
+        let mut at = 0;
+        let mut mom = Vec::with_capacity(self.anchor.len());
+        let params = t.model.parameters();
+        tch::no_grad(|| -> Result<(), TrainError> {
+            for (i, (a, p)) in self.anchor.iter_mut().zip(&params).enumerate() {
+                let n = a.numel();
+                let avg = Tensor::from_slice(&sum[at..at + n])
+                    .view(a.size().as_slice())
+                    .to_device(a.device())
+                    .to_kind(a.kind())
+                    / members as f64;
+                at += n;
+                let b = match &self.momentum {
+                    Some(m) => &m[i] * mu + &avg,
+                    None => avg.copy(),
+                };
+                let update = &avg + &b * mu;
+                let _ = a.f_sub_(&(update * lr))?;
+                let mut p = p.shallow_clone();
+                p.f_copy_(a)?;
+                mom.push(b);
+            }
+            Ok(())
+        })?;
+        self.momentum = Some(mom);
+        Ok(())
+    }
+}
