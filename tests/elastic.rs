@@ -621,3 +621,43 @@ fn diloco_members_take_their_own_inner_steps_and_are_identical_after_every_outer
         assert_eq!(v, outer, "{u}");
     }
 }
+
+#[test]
+fn a_member_whose_parameters_drift_is_found_by_the_hash_round_and_resyncs() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = tiny_model(d);
+    let common = ["--groups-per-step", "1", "--hash-every", "2"];
+    let mut a = server(d, &model, "a", None, &common);
+    let boot = a.addr();
+    let mut b = server(d, &model, "b", Some(&boot), &common);
+    // c's parameters drift silently right after it applies step 2.
+    let mut drifting = common.to_vec();
+    drifting.extend(["--test-perturb-at-step", "2"]);
+    let mut c = server(d, &model, "c", Some(&boot), &drifting);
+    for s in [&mut a, &mut b, &mut c] {
+        s.wait_line_containing("with 3 member(s)", Duration::from_secs(60));
+    }
+    let mut cl = client(d, &boot, 24, "run1");
+    assert!(cl.child.wait().unwrap().success(), "{}", cl.log_text());
+    wait_all_consumed(d, &["a", "b", "c"], &[&a, &b, &c]);
+    // Every member learnt of it in the hash round after step 2; c re-synced and says why.
+    let differ = a.wait_line_containing("hashes differ at step 2", Duration::from_secs(5));
+    println!("{differ}");
+    let why = c.wait_line_containing("fetching the group's state (step 2)", Duration::from_secs(5));
+    println!("{why}");
+    assert!(why.contains("differ from the group's"), "{why}");
+    c.wait_line_containing("joined at step 2 ", Duration::from_secs(5));
+    let (ha, hb, hc) = (
+        hashes(&metrics_lines(d, "a")),
+        hashes(&metrics_lines(d, "b")),
+        hashes(&metrics_lines(d, "c")),
+    );
+    println!("a: {ha:?}\nc: {hc:?}");
+    assert_eq!(ha, hb);
+    assert_ne!(ha[&2], hc[&2], "c's step 2 did not drift");
+    assert!(ha.keys().any(|s| *s > 2), "no step after the re-sync: {ha:?}");
+    for (s, h) in ha.iter().filter(|(s, _)| **s != 2) {
+        assert_eq!(hc.get(s), Some(h), "step {s}");
+    }
+}

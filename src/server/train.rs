@@ -114,6 +114,11 @@ pub struct CollectiveSettings {
     /// Tests only: hold every gradient round this long between its reduce-scatter and
     /// its all-gather (to kill a member mid-round).
     pub midway_pause: Option<Duration>,
+    /// Members compare their parameter hashes every this many group steps (0: never).
+    pub hash_every: u64,
+    /// Tests only: after applying this group step, this member's parameters silently
+    /// drift (one value moved by 1e-3), as a corrupted member's would.
+    pub perturb_at: Option<u64>,
 }
 
 impl Default for CollectiveSettings {
@@ -123,6 +128,8 @@ impl Default for CollectiveSettings {
             heartbeat: Duration::from_millis(500),
             wire: Wire::F32,
             midway_pause: None,
+            hash_every: 10,
+            perturb_at: None,
         }
     }
 }

@@ -208,6 +208,13 @@ pub struct ServerCli {
     /// DiLoCo's outer Nesterov momentum.
     #[arg(long, default_value_t = 0.9)]
     pub outer_momentum: f64,
+    /// The training group's members compare their parameter hashes every N steps (outer
+    /// steps in DiLoCo mode); a member that differs re-syncs from the others. 0: never.
+    #[arg(long, default_value_t = 10)]
+    pub hash_every: u64,
+    /// Tests only: after this step this member's parameters silently drift.
+    #[arg(long, hide = true)]
+    pub test_perturb_at_step: Option<u64>,
     /// Tests only: hold every gradient all-reduce this many milliseconds between its
     /// reduce-scatter and its all-gather.
     #[arg(long, hide = true)]

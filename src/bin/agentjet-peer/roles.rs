@@ -74,6 +74,8 @@ mod torch {
                                 ),
                             },
                             midway_pause: self.test_midway_pause_ms.map(Duration::from_millis),
+                            hash_every: self.hash_every,
+                            perturb_at: self.test_perturb_at_step,
                             ..CollectiveSettings::default()
                         },
                         outer: (self.sync_every > 0)

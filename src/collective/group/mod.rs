@@ -50,9 +50,17 @@
 //! joiner. No member ever applies a partial sum: a failed gradient round leaves nothing
 //! to apply.
 //!
-//! Joiners: a candidate whose parameters or step cannot be reached from its state (a
-//! fresh server of a group that has stepped, or one that differs) is left out with a
-//! clear log line; fetching the group's state is not built yet.
+//! Joiners: a candidate that is behind the group's step, or whose parameters differ from
+//! the majority's at that step, is told to sync: it fetches the group's state (parameters,
+//! optimizer state, counters) from the Ready members in blake3-checked chunks, checks the
+//! parameter hash, and joins the ring at the group's step.
+//!
+//! # Consistency
+//!
+//! Every `hash_every` steps the ring runs one more round ([`GroupNode::hashes_agree`]):
+//! every member learns whether all members' parameter hashes are equal. If not, the ring
+//! dissolves at every member, and the next epoch's proposer sends the members whose hash
+//! is not the majority's to sync (logged by them with both hashes).
 
 mod proto;
 
@@ -274,6 +282,24 @@ impl GroupNode {
         let mut v = [stands as u8 as f32];
         m.ring.all_reduce(&mut v, Wire::F32)?;
         Ok(v[0] as usize == m.size())
+    }
+
+    /// The consistency round: do all members hold parameters with `hash`? Each adds its
+    /// hash's 32 bytes and their squares; `Σ(x - mine)² = Σx² - 2·mine·Σx + n·mine²` is 0
+    /// at every byte exactly when every member's byte equals this one's, so every member
+    /// reaches the same verdict (the sums are exact in float32 up to 256 members).
+    pub fn hashes_agree(&self, m: &mut Membership, hash: &[u8; 32]) -> Result<bool, GroupError> {
+        let mut v: Vec<f32> = hash
+            .iter()
+            .map(|&b| b as f32)
+            .chain(hash.iter().map(|&b| (b as f32) * (b as f32)))
+            .collect();
+        m.ring.all_reduce(&mut v, Wire::F32)?;
+        let n = m.size() as f64;
+        Ok(hash.iter().enumerate().all(|(i, &b)| {
+            let (x, sum, sq) = (b as f64, v[i] as f64, v[32 + i] as f64);
+            sq - 2.0 * x * sum + n * x * x == 0.0
+        }))
     }
 
     /// Agrees on the next epoch (blocking; `stopped` is polled): proposes when this member

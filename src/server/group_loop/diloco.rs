@@ -122,8 +122,12 @@ impl MemberLoop<'_> {
                 return Ended::Dissolved;
             }
             if beat.ready as usize >= m.size() {
+                let before = self.group_steps();
                 if let Err(e) = self.outer_round(m) {
                     return Ended::Failed(e);
+                }
+                if let Some(end) = self.check_hashes(m, before) {
+                    return end;
                 }
             }
         }

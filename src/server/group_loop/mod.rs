@@ -395,8 +395,17 @@ impl<'a> MemberLoop<'a> {
         match self.node.action_in(start) {
             Some(Action::Sync) => {
                 let t0 = Instant::now();
+                let why = if self.group_steps() == start.steps && self.hash != start.hash {
+                    format!(
+                        "its parameters {} differ from the group's {} at that step",
+                        hex8(&self.hash),
+                        hex8(&start.hash)
+                    )
+                } else {
+                    format!("it is at step {}", self.group_steps())
+                };
                 println!(
-                    "group {:?}: fetching the group's state (step {}) from its members",
+                    "group {:?}: fetching the group's state (step {}) from its members: {why}",
                     self.served.name, start.steps
                 );
                 let bytes = self
@@ -506,10 +515,43 @@ impl<'a> MemberLoop<'a> {
                 return Ended::Dissolved;
             }
             if beat.ready >= self.s.groups_per_step.max(1) as f64 {
+                let before = self.group_steps();
                 if let Err(e) = self.step_round(m) {
                     return Ended::Failed(e);
                 }
+                if let Some(end) = self.check_hashes(m, before) {
+                    return end;
+                }
             }
+        }
+    }
+
+    /// After a round that may have applied a step (from group step `before`): every
+    /// `hash_every` group steps the members compare parameter hashes; if they differ the
+    /// ring dissolves everywhere, and the next epoch re-syncs the members off the
+    /// majority's hash.
+    fn check_hashes(&mut self, m: &mut Membership, before: u64) -> Option<Ended> {
+        let (every, now) = (self.cs().hash_every, self.group_steps());
+        if every == 0 || now == before || now % every != 0 || m.size() < 2 {
+            return None;
+        }
+        match self.node.hashes_agree(m, &self.hash) {
+            Ok(true) => None,
+            Ok(false) => {
+                warn!(
+                    model = self.served.name,
+                    step = now,
+                    "the members' parameter hashes differ"
+                );
+                println!(
+                    "group {:?}: the members' parameter hashes differ at step {now} (mine {}); \
+                     forming the next epoch, whose members off the majority re-sync",
+                    self.served.name,
+                    hex8(&self.hash)
+                );
+                Some(Ended::Dissolved)
+            }
+            Err(e) => Some(Ended::Failed(e)),
         }
     }
 
@@ -623,6 +665,14 @@ impl<'a> MemberLoop<'a> {
     ) -> Result<(), TrainingError> {
         m.members = members;
         m.allreduce_seconds = self.last_round.map_or(0.0, |(r, _)| r.seconds);
+        if self.cs().perturb_at == Some(self.trainer.steps()) {
+            // Tests only: a silent drift of this member's parameters.
+            let p = self.trainer.model.parameters();
+            tch::no_grad(|| {
+                let _ = p[0].view([-1]).narrow(0, 0, 1).f_add_scalar_(1e-3);
+            });
+            warn!(model = self.served.name, "test hook: parameters perturbed");
+        }
         self.hash = parameter_hash(&self.trainer, None)?;
         m.param_hash = Some(self.hash.iter().map(|b| format!("{b:02x}")).collect());
         append_consumed(&self.run_dir.dir, self.trainer.steps(), taken)?;
