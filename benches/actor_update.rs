@@ -17,6 +17,10 @@
 //! --layouts LIST [per-call,linear,tree]  (e.g. `linear,tree` skips the slow per-call run)
 //! --rounds N [3]  (linear and tree run N times, interleaved; each time is the median)
 //! --bf16  (matrix products in bfloat16 over the float32 weights: the trainer's bf16 option)
+//! --allreduce-peers LIST  (e.g. `2,3`: also all-reduce the model's whole gradient over
+//!     a sealed loopback ring of that many members, f32 and bf16 wire, against the step)
+//! --diloco-every H [500]  (with --allreduce-peers: a member's bytes over H synchronous
+//!     steps against one DiLoCo outer step, from the rounds' byte counts)
 //! ```
 //!
 //! The defaults (a group of 4 episodes of 12 turns on a 600-token prompt) finish in about
@@ -29,6 +33,7 @@
 
 use std::time::Instant;
 
+use agentjet::collective::{Ring, Wire};
 use agentjet::model::checkpoint::load_model;
 use agentjet::model::llama::{DType, Llama};
 use agentjet::model::ModelSource;
@@ -224,5 +229,129 @@ fn run() -> anyhow::Result<()> {
         );
         println!("RESULT actor_update tokens_tree_vs_linear ours={tok_tree} peer={tok_lin} ratio={token_ratio:.2}");
     }
+    if let Some(list) = flag(&args, "--allreduce-peers") {
+        let peers: Vec<usize> = list
+            .split(',')
+            .map(|p| p.trim().parse())
+            .collect::<Result<_, _>>()
+            .map_err(|e| anyhow::anyhow!("--allreduce-peers {list:?}: {e}"))?;
+        let (_, step) = find(Layout::Tree)
+            .or(find(Layout::Linear))
+            .or(find(Layout::PerCall))
+            .ok_or_else(|| anyhow::anyhow!("no layout ran"))?;
+        let values: usize = model.parameters().iter().map(Tensor::numel).sum();
+        drop(opt);
+        drop(model);
+        communication(&peers, values, step, parse(&args, "--diloco-every", 500)?)?;
+    }
+    Ok(())
+}
+
+/// Rounds over `n` in-process members of one sealed loopback ring (as a group's ring
+/// lives across steps): for each job (values, wire), a sum of that many floats; returns
+/// (seconds at member 0, bytes member 0 sent) per job.
+fn rounds(n: usize, jobs: &[(usize, Wire)]) -> anyhow::Result<Vec<(f64, u64)>> {
+    let rings = Ring::loopback(n)?;
+    let most = jobs.iter().map(|j| j.0).max().unwrap_or(0);
+    let out: Vec<anyhow::Result<Vec<(f64, u64)>>> = std::thread::scope(|s| {
+        let hs: Vec<_> = rings
+            .into_iter()
+            .enumerate()
+            .map(|(r, mut ring)| {
+                s.spawn(move || -> anyhow::Result<Vec<(f64, u64)>> {
+                    let mut data = vec![0f32; most];
+                    let mut got = Vec::new();
+                    for &(values, wire) in jobs {
+                        data[..values].fill(r as f32 * 1e-3);
+                        let st = ring.all_reduce(&mut data[..values], wire)?;
+                        got.push((st.seconds, st.bytes_sent));
+                    }
+                    Ok(got)
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("a member panicked")))
+            })
+            .collect()
+    });
+    let mut first = None;
+    for o in out {
+        let o = o?;
+        first.get_or_insert(o);
+    }
+    first.ok_or_else(|| anyhow::anyhow!("no member"))
+}
+
+/// The gradient all-reduce against the step (`step` seconds), and DiLoCo's traffic
+/// against synchronous training over `h` steps.
+fn communication(peers: &[usize], values: usize, step: f64, h: u64) -> anyhow::Result<()> {
+    println!(
+        "all-reduce of the model's whole gradient: {values} float32 values ({:.1} MB), step {step:.2} s",
+        values as f64 * 4.0 / 1e6
+    );
+    println!("goal: communication under one third of the step");
+    let mut bytes = None;
+    for &n in peers {
+        anyhow::ensure!(n >= 2, "--allreduce-peers: rings of at least 2 members");
+        // Warm-up rounds first (first-touch allocations of the ring's buffers), then the
+        // timed ones, and the small rounds of a step for their byte counts.
+        let r = rounds(
+            n,
+            &[
+                (values, Wire::F32),
+                (values, Wire::Bf16),
+                (values, Wire::F32),
+                (values, Wire::Bf16),
+                (16, Wire::F32),
+                (1, Wire::F32),
+            ],
+        )?;
+        let (f32_s, bf16_s) = (r[2].0, r[3].0);
+        println!(
+            "  {n} members: f32 wire {:.0} ms ({:.1}% of the step), bf16 wire {:.0} ms ({:.1}%)",
+            f32_s * 1e3,
+            100.0 * f32_s / step,
+            bf16_s * 1e3,
+            100.0 * bf16_s / step
+        );
+        println!(
+            "RESULT actor_update allreduce_share_of_step_f32_{n}peers ours={:.4}",
+            f32_s / step
+        );
+        println!(
+            "RESULT actor_update allreduce_share_of_step_bf16_{n}peers ours={:.4}",
+            bf16_s / step
+        );
+        bytes.get_or_insert((n, r[4].1, r[5].1, r[2].1, r[3].1));
+    }
+    // What a member sends: a synchronous step is a stats round (16 values), the gradient
+    // round (f32) and a commit round (1 value); a DiLoCo outer step is a weight round (1),
+    // the delta round (bf16 or f32) and a commit round. Heartbeats are the same in both
+    // (one per half second) and left out.
+    let (n, stats, one, grad, delta16) =
+        bytes.ok_or_else(|| anyhow::anyhow!("--allreduce-peers: no ring"))?;
+    let sync = h * (stats + grad + one);
+    let outer16 = one + delta16 + one;
+    let outer32 = one + grad + one;
+    println!(
+        "DiLoCo, {n} members, H = {h}: a member sends {:.1} GB over {h} synchronous steps, \
+         {:.1} MB per outer step with a bf16 wire ({:.0}x less), {:.1} MB with f32 ({:.0}x less)",
+        sync as f64 / 1e9,
+        outer16 as f64 / 1e6,
+        sync as f64 / outer16 as f64,
+        outer32 as f64 / 1e6,
+        sync as f64 / outer32 as f64
+    );
+    println!(
+        "RESULT actor_update diloco_bytes_per_member_h{h}_bf16 ours={outer16} peer={sync} ratio={:.1}",
+        sync as f64 / outer16 as f64
+    );
+    println!(
+        "RESULT actor_update diloco_bytes_per_member_h{h}_f32 ours={outer32} peer={sync} ratio={:.1}",
+        sync as f64 / outer32 as f64
+    );
     Ok(())
 }

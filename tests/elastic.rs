@@ -589,14 +589,23 @@ fn diloco_members_take_their_own_inner_steps_and_are_identical_after_every_outer
         } else if last.1.elapsed() > Duration::from_secs(3) {
             break now;
         }
-        assert!(t0.elapsed() < Duration::from_secs(60), "outer steps still changing");
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "outer steps still changing"
+        );
         std::thread::sleep(Duration::from_millis(200));
     };
     println!("outer steps: a {oa:?}\nb {ob:?}");
     // 48 groups (about 7 in 8 with a signal) split between two members by the client's
     // hashing: at least 8 trainable ones each (all but certain), so two outer steps (the
     // second one with momentum).
-    assert!(oa.len() >= 2, "{} outer steps:\n{}\n{}", oa.len(), a.log_text(), b.log_text());
+    assert!(
+        oa.len() >= 2,
+        "{} outer steps:\n{}\n{}",
+        oa.len(),
+        a.log_text(),
+        b.log_text()
+    );
     // Bit-identical after every outer step, both in it.
     assert_eq!(oa, ob);
     for (i, (k, _, members)) in oa.iter().enumerate() {
@@ -608,7 +617,11 @@ fn diloco_members_take_their_own_inner_steps_and_are_identical_after_every_outer
     for n in ["a", "b"] {
         let lines = metrics_lines(d, n);
         let trained: Vec<&Value> = lines.iter().filter(|l| l["trained"] == true).collect();
-        assert!(trained.len() >= 4 * oa.len(), "{n}: {} inner steps", trained.len());
+        assert!(
+            trained.len() >= 4 * oa.len(),
+            "{n}: {} inner steps",
+            trained.len()
+        );
         for (i, l) in trained.iter().enumerate() {
             assert!(l["param_hash"].is_null(), "{l}");
             assert_eq!(l["version"].as_u64().unwrap(), i as u64 / 4, "{n}: {l}");
@@ -644,7 +657,10 @@ fn a_member_whose_parameters_drift_is_found_by_the_hash_round_and_resyncs() {
     // Every member learnt of it in the hash round after step 2; c re-synced and says why.
     let differ = a.wait_line_containing("hashes differ at step 2", Duration::from_secs(5));
     println!("{differ}");
-    let why = c.wait_line_containing("fetching the group's state (step 2)", Duration::from_secs(5));
+    let why = c.wait_line_containing(
+        "fetching the group's state (step 2)",
+        Duration::from_secs(5),
+    );
     println!("{why}");
     assert!(why.contains("differ from the group's"), "{why}");
     c.wait_line_containing("joined at step 2 ", Duration::from_secs(5));
@@ -656,7 +672,10 @@ fn a_member_whose_parameters_drift_is_found_by_the_hash_round_and_resyncs() {
     println!("a: {ha:?}\nc: {hc:?}");
     assert_eq!(ha, hb);
     assert_ne!(ha[&2], hc[&2], "c's step 2 did not drift");
-    assert!(ha.keys().any(|s| *s > 2), "no step after the re-sync: {ha:?}");
+    assert!(
+        ha.keys().any(|s| *s > 2),
+        "no step after the re-sync: {ha:?}"
+    );
     for (s, h) in ha.iter().filter(|(s, _)| **s != 2) {
         assert_eq!(hc.get(s), Some(h), "step {s}");
     }

@@ -233,12 +233,13 @@ fn diloco_outer_steps_match_the_update_computed_by_hand_and_leave_members_identi
             k + 1
         );
         assert_eq!(a[k].0, b[k].0, "outer step {}: anchors differ", k + 1);
-        assert_ne!(a[k].1, b[k].1, "the members' inner steps took the same data");
+        assert_ne!(
+            a[k].1, b[k].1,
+            "the members' inner steps took the same data"
+        );
         let theta = &a[k].0;
         let delta: Vec<f64> = (0..theta.len())
-            .map(|x| {
-                ((theta[x] - a[k].1[x]) as f64 + (theta[x] - b[k].1[x]) as f64) / 2.0
-            })
+            .map(|x| ((theta[x] - a[k].1[x]) as f64 + (theta[x] - b[k].1[x]) as f64) / 2.0)
             .collect();
         let buf: Vec<f64> = match &momentum {
             None => delta.clone(),

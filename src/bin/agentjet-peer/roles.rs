@@ -81,7 +81,8 @@ mod torch {
                         outer: (self.sync_every > 0)
                             .then(|| -> Result<OuterConfig> {
                                 anyhow::ensure!(
-                                    self.outer_lr > 0.0 && (0.0..1.0).contains(&self.outer_momentum),
+                                    self.outer_lr > 0.0
+                                        && (0.0..1.0).contains(&self.outer_momentum),
                                     "--outer-lr must be above 0 and --outer-momentum in [0, 1)"
                                 );
                                 Ok(OuterConfig {

@@ -83,6 +83,9 @@ use super::ring::{Ring, RingError, RoundStats, Wire};
 use crate::base::lock;
 use crate::swarm::{PeerId, SwarmError, SwarmHandle};
 
+/// How long a waiting member's dial to a proposer it lost the connection to may take.
+const PROBE: Duration = Duration::from_secs(2);
+
 /// How a group behaves.
 #[derive(Debug, Clone)]
 pub struct GroupConfig {
@@ -332,7 +335,7 @@ impl GroupNode {
                 // The proposer's prepare round takes up to a round's timeout (members
                 // leave their rings at a step boundary first), then its start round.
                 let wait = 2 * self.cfg.timeout + Duration::from_secs(1);
-                match self.wait_start(wait, stopped) {
+                match self.wait_start(cands[0], wait, stopped) {
                     Some(s) => s,
                     None => {
                         if stopped() {
@@ -498,9 +501,31 @@ impl GroupNode {
     }
 
     /// Waits for a Start of the ballot promised, polling `stopped` 4 times a second.
-    fn wait_start(&self, wait: Duration, stopped: &mut dyn FnMut() -> bool) -> Option<Start> {
+    /// Waits up to `wait` for the Start of `proposer`'s ballot. Gives up early (`None`)
+    /// when the swarm lost its connection to the proposer and cannot make a new one: a
+    /// dead proposer is suspected as soon as its connection times out, not after `wait`.
+    fn wait_start(
+        &self,
+        proposer: PeerId,
+        wait: Duration,
+        stopped: &mut dyn FnMut() -> bool,
+    ) -> Option<Start> {
         let deadline = Instant::now() + wait;
+        let mut probed = Instant::now();
         loop {
+            if probed.elapsed() >= Duration::from_secs(1) {
+                probed = Instant::now();
+                let alive = self.rt.block_on(async {
+                    self.swarm.connected_peers().await.contains(&proposer)
+                        || matches!(
+                            tokio::time::timeout(PROBE, self.swarm.connect(proposer)).await,
+                            Ok(Ok(()))
+                        )
+                });
+                if !alive {
+                    return None;
+                }
+            }
             let left = deadline.saturating_duration_since(Instant::now());
             let g = lock(&self.shared.inner);
             let (mut g, _) = self

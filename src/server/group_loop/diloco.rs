@@ -98,8 +98,8 @@ impl MemberLoop<'_> {
     pub(super) fn diloco_loop(&mut self, m: &mut Membership) -> Ended {
         let every = self.every();
         loop {
-            let can_step = self.inner_done() < every
-                && self.ready.len() >= self.s.groups_per_step.max(1);
+            let can_step =
+                self.inner_done() < every && self.ready.len() >= self.s.groups_per_step.max(1);
             if can_step {
                 self.pump(Duration::ZERO);
             } else if m.size() == 1 {
