@@ -1,5 +1,5 @@
 //! Training: the group buffer and advantages ([`groups`]), GRPO-family losses ([`loss`]),
-//! AdamW ([`optim`]), the trainer that turns groups of episodes into optimizer steps and
+//! AdamW ([`optim`]), DiLoCo's outer optimizer ([`outer`]), the trainer that turns groups of episodes into optimizer steps and
 //! policy versions ([`trainer`]), checkpoints and run directories ([`checkpoint`]), and
 //! the reward curve ([`plot`]).
 //!

@@ -30,7 +30,11 @@
 //! the ring dissolved (a newer ballot was promised, a newcomer is visible, it is
 //! stopping). Every member sees the same sums, so every member decides the same thing at
 //! the same round: take a step (when the group holds `groups_per_step` groups), dissolve,
-//! or wait.
+//! or wait. (In DiLoCo mode the count is of members that finished their inner steps, and
+//! the step is the outer one when all have: see `server::group_loop::diloco`.)
+//!
+//! A member waiting for a proposer's Start suspects it as soon as the swarm lost its
+//! connection to it and cannot dial it again, not only after the wait.
 //!
 //! # Why no member applies a step another did not
 //!
