@@ -680,3 +680,69 @@ fn a_member_whose_parameters_drift_is_found_by_the_hash_round_and_resyncs() {
         assert_eq!(hc.get(s), Some(h), "step {s}");
     }
 }
+
+#[test]
+fn a_diloco_joiner_fetches_the_outer_state_and_matches_from_the_next_outer_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = tiny_model(d);
+    let extra = ["--groups-per-step", "1", "--sync-every", "2"];
+    let mut a = server(d, &model, "a", None, &extra);
+    let boot = a.addr();
+    let mut b = server(d, &model, "b", Some(&boot), &extra);
+    for s in [&mut a, &mut b] {
+        s.wait_line_containing("with 2 member(s)", Duration::from_secs(60));
+    }
+    // 32 groups: each member holds at least 4 with a signal (all but certain).
+    let mut cl = client(d, &boot, 32, "run1");
+    assert!(cl.child.wait().unwrap().success(), "{}", cl.log_text());
+    let t0 = std::time::Instant::now();
+    while outer_lines(d, "a").len() < 2 {
+        if t0.elapsed() > Duration::from_secs(60) {
+            panic!(
+                "no two outer steps:\n{}\n-----\n{}",
+                a.log_text(),
+                b.log_text()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // A third member joins: it fetches the anchor, the outer momentum and the counters.
+    let mut c = server(d, &model, "c", Some(&boot), &extra);
+    let joined = c.wait_line_containing("joined at step", Duration::from_secs(60));
+    println!("{joined}");
+    let k: u64 = joined
+        .split("joined at step ")
+        .nth(1)
+        .unwrap()
+        .split(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    for s in [&mut a, &mut b, &mut c] {
+        s.wait_line_containing("with 3 member(s)", Duration::from_secs(60));
+    }
+    let mut cl2 = client(d, &boot, 24, "run2");
+    assert!(cl2.child.wait().unwrap().success(), "{}", cl2.log_text());
+    wait_until(
+        "an outer step with three members",
+        Duration::from_secs(60),
+        || outer_lines(d, "c").iter().any(|o| o.2 == 3),
+    );
+    std::thread::sleep(Duration::from_secs(1));
+    let (oa, oc) = (outer_lines(d, "a"), outer_lines(d, "c"));
+    println!("a: {oa:?}\nc: {oc:?}");
+    // c's outer steps follow k, and each equals a's (the momentum came with the state:
+    // without it c's first outer step would differ).
+    assert!(!oc.is_empty());
+    for (i, o) in oc.iter().enumerate() {
+        assert_eq!(o.0, k + 1 + i as u64);
+        assert_eq!(
+            oa.iter().find(|x| x.0 == o.0),
+            Some(o),
+            "outer step {}",
+            o.0
+        );
+    }
+}
