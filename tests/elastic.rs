@@ -746,3 +746,52 @@ fn a_diloco_joiner_fetches_the_outer_state_and_matches_from_the_next_outer_step(
         );
     }
 }
+
+#[test]
+fn servers_of_one_model_in_two_runs_train_as_two_groups() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = tiny_model(d);
+    let mut a = server(d, &model, "a", None, &["--train-group", "run-1"]);
+    let boot = a.addr();
+    let mut b = server(d, &model, "b", Some(&boot), &["--train-group", "run-2"]);
+    let mut c = server(d, &model, "c", Some(&boot), &["--train-group", "run-1"]);
+    for s in [&mut a, &mut c] {
+        s.wait_line_containing("with 2 member(s)", Duration::from_secs(60));
+    }
+    b.wait_line_containing("with 1 member(s)", Duration::from_secs(60));
+    // Gossip has long carried every status: b still trains alone, a and c together.
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(
+        !b.stdout_so_far()
+            .iter()
+            .any(|l| l.contains("with 2 member(s)")),
+        "run-2 merged with run-1"
+    );
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_agentjet-peer"))
+        .args(["status", "--bootstrap", &boot, "--wait", "3"])
+        .output()
+        .unwrap();
+    let table = String::from_utf8_lossy(&out.stdout).to_string();
+    println!("{table}");
+    let groups: Vec<(String, String)> = table
+        .lines()
+        .skip_while(|l| !l.starts_with("GROUP"))
+        .skip(1)
+        .map(|l| {
+            let w: Vec<&str> = l.split_whitespace().collect();
+            (w[0].to_string(), w[3].to_string())
+        })
+        .collect();
+    let mut groups = groups;
+    groups.sort();
+    assert_eq!(
+        groups,
+        vec![
+            ("run-1".to_string(), "2".to_string()),
+            ("run-1".to_string(), "2".to_string()),
+            ("run-2".to_string(), "1".to_string())
+        ],
+        "{table}"
+    );
+}

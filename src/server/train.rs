@@ -114,6 +114,9 @@ pub struct CollectiveSettings {
     /// Tests only: hold every gradient round this long between its reduce-scatter and
     /// its all-gather (to kill a member mid-round).
     pub midway_pause: Option<Duration>,
+    /// The training group's name (none: the model's). Servers of one model train together
+    /// only when their group names (and modes) are equal: one name per run.
+    pub group: Option<String>,
     /// Members compare their parameter hashes every this many group steps (0: never).
     pub hash_every: u64,
     /// Tests only: after applying this group step, this member's parameters silently
@@ -128,6 +131,7 @@ impl Default for CollectiveSettings {
             heartbeat: Duration::from_millis(500),
             wire: Wire::F32,
             midway_pause: None,
+            group: None,
             hash_every: 10,
             perturb_at: None,
         }
@@ -150,6 +154,14 @@ impl Default for TrainSettings {
             collective: CollectiveSettings::default(),
             outer: None,
         }
+    }
+}
+
+/// The training mode as the group gossips it: `sync`, or `diloco/H`.
+pub fn mode_name(outer: Option<&OuterConfig>) -> String {
+    match outer {
+        Some(o) => format!("diloco/{}", o.every),
+        None => "sync".into(),
     }
 }
 
@@ -307,7 +319,13 @@ pub fn start_training(
         served.swarm.clone(),
         rt,
         group::GroupConfig {
-            name: served.name.clone(),
+            name: settings
+                .collective
+                .group
+                .clone()
+                .unwrap_or_else(|| served.name.clone()),
+            model: served.name.clone(),
+            mode: mode_name(settings.outer.as_ref()),
             timeout: settings.collective.timeout,
             heartbeat: settings.collective.heartbeat,
         },

@@ -73,6 +73,8 @@ pub struct ModelStatus {
 /// A training-group member's view of its group (gossiped; shown by `status`).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct GroupStatus {
+    /// The group's name (`--train-group`; the model's by default).
+    pub name: String,
     /// The membership epoch it is in (0: forming, not in a ring yet).
     pub epoch: u64,
     pub members: u32,

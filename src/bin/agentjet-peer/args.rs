@@ -208,6 +208,11 @@ pub struct ServerCli {
     /// DiLoCo's outer Nesterov momentum.
     #[arg(long, default_value_t = 0.9)]
     pub outer_momentum: f64,
+    /// The training group's name: servers of one model train together only when their
+    /// group names (and modes) are equal, so two runs of one model in one swarm stay
+    /// apart. Default: the served model's name.
+    #[arg(long)]
+    pub train_group: Option<String>,
     /// The training group's members compare their parameter hashes every N steps (outer
     /// steps in DiLoCo mode); a member that differs re-syncs from the others. 0: never.
     #[arg(long, default_value_t = 10)]

@@ -75,6 +75,7 @@ mod torch {
                             },
                             midway_pause: self.test_midway_pause_ms.map(Duration::from_millis),
                             hash_every: self.hash_every,
+                            group: self.train_group.clone(),
                             perturb_at: self.test_perturb_at_step,
                             ..CollectiveSettings::default()
                         },

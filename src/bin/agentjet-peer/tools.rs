@@ -92,7 +92,7 @@ pub async fn status(bootstrap: &[String], key: Option<&Path>, wait: f64) -> Resu
             e.status.models.iter().filter_map(move |m| {
                 m.group
                     .as_ref()
-                    .map(|g| (m.name.as_str(), e.peer.to_string(), m, g))
+                    .map(|g| (g.name.as_str(), e.peer.to_string(), m, g))
             })
         })
         .collect();

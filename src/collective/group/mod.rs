@@ -93,8 +93,13 @@ const PROBE: Duration = Duration::from_secs(2);
 /// How a group behaves.
 #[derive(Debug, Clone)]
 pub struct GroupConfig {
-    /// The group's name: the model's.
+    /// The group's name (the model's unless a run names it): members of one model with
+    /// another group name are another group.
     pub name: String,
+    /// The model the group trains (as the swarm's status names it).
+    pub model: String,
+    /// How it trains (`sync`, `diloco/H`): members in another mode are not candidates.
+    pub mode: String,
     /// A round's bound: a member that stalls longer fails the round everywhere. It must
     /// exceed the slowest member's gradient computation (members wait for each other).
     pub timeout: Duration,
@@ -207,6 +212,10 @@ impl GroupNode {
         self.cfg.timeout.max(Duration::from_secs(1))
     }
 
+    pub fn config(&self) -> &GroupConfig {
+        &self.cfg
+    }
+
     /// The live candidates (this member included), in ring order.
     pub fn candidates(&self) -> Vec<PeerId> {
         let mut c: Vec<PeerId> = self
@@ -215,10 +224,12 @@ impl GroupNode {
             .into_iter()
             .filter(|e| !e.is_self)
             .filter(|e| {
-                e.status
-                    .models
-                    .iter()
-                    .any(|m| m.name == self.cfg.name && m.group.is_some())
+                e.status.models.iter().any(|m| {
+                    m.name == self.cfg.model
+                        && m.group
+                            .as_ref()
+                            .is_some_and(|g| g.name == self.cfg.name && g.mode == self.cfg.mode)
+                })
             })
             .filter(|e| match self.suspected.get(&e.peer) {
                 // Gossiped since it was left out: a candidate again.

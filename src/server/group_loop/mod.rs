@@ -217,15 +217,13 @@ impl<'a> MemberLoop<'a> {
             None => (0.0, 0.0),
         };
         *lock(&self.served.group) = Some(GroupStatus {
+            name: self.node.config().name.clone(),
             epoch: m.map_or(0, |m| m.epoch()),
             members: m.map_or(0, |m| m.size() as u32),
             param_hash: hex8(&self.hash),
             allreduce_ms,
             allreduce_gbps,
-            mode: match &self.outer {
-                Some(o) => format!("diloco/{}", o.cfg.every),
-                None => "sync".into(),
-            },
+            mode: self.node.config().mode.clone(),
         });
     }
 
