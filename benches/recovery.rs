@@ -9,7 +9,7 @@
 //! into its timeout, and c's silence to the next epoch's prepare into another).
 //!
 //! `--timeout T` (seconds, default 5), `--trials N` (kill -9 trials, default 3; one stall
-//! trial). Needs `curl` and `jq` (as the tests do). Ends with
+//! trial); `AGENTJET_BENCH_LOGS=1` prints a's and b's logs after each trial. Needs `curl` and `jq` (as the tests do). Ends with
 //! `RESULT recovery kill9_to_step_s ours=<median s>` and `RESULT recovery stall_to_step_s
 //! ours=<s>`. Goal: kill -9 under 2 x T. No peer runs beside it: torchft (the nearest,
 //! with its central lighthouse) is not installable here.
@@ -149,7 +149,6 @@ fn trial(model: &Path, timeout: f64, signal: i32) -> Result<f64> {
     std::thread::sleep(Duration::from_millis(jitter));
     let before = steps(d, "a").len();
     unsafe { libc::kill(c.child.id() as i32, signal) };
-    println!("    signal {signal} at {:?}", std::time::SystemTime::now());
     let took = wait(
         "a two-member step",
         Duration::from_secs_f64(10.0 * timeout + 30.0),
