@@ -185,7 +185,7 @@ pub struct ServerCli {
     /// Calls sampled more than this many policy versions ago are not trained on.
     #[arg(long, default_value_t = 4)]
     pub max_staleness: u64,
-    /// Save a checkpoint every N steps (and when stopped).
+    /// Save a checkpoint every N steps (outer steps with --sync-every) and when stopped.
     #[arg(long, default_value_t = 20)]
     pub checkpoint_every: u64,
     /// Seconds a training-group round may take: a member that stalls or dies longer fails
