@@ -26,7 +26,6 @@ use tracing::info;
 
 use super::{hex8, Ended, MemberLoop};
 use crate::collective::group::{GroupError, Membership};
-use crate::collective::Wire;
 use crate::server::group_state::parameter_hash;
 use crate::server::train::append_consumed;
 use crate::server::TrainingError;
@@ -163,39 +162,15 @@ impl MemberLoop<'_> {
                 .map_err(refused)?,
         };
         // A member with no inner step since the last outer step (a joiner) adds nothing.
-        let mut stats = vec![(self.inner_done() > 0) as u8 as f32];
-        let mut sum = delta.clone();
+        let stats = vec![(self.inner_done() > 0) as u8 as f32];
+        let sum = delta.clone();
         self.held_delta = Some(delta);
         info!(
             outer_step = self.trainer.version() + 1,
             members = m.size(),
             "outer step started"
         );
-        self.node.sum(m, &mut stats, Wire::F32)?;
-        m.ring.midway_pause = self.cs().midway_pause;
-        let round = self.node.sum(m, &mut sum, self.cs().wire);
-        m.ring.midway_pause = None;
-        let round = round?;
-        self.last_round = Some((round, sum.len()));
-        match self.node.commit(m) {
-            Ok(true) => {
-                self.apply_outer(&sum, &stats, m.size())
-                    .map_err(|e| GroupError::Refused(e.to_string()))?;
-                self.publish(Some(m));
-                Ok(())
-            }
-            Ok(false) => {
-                info!(
-                    model = self.served.name,
-                    "a member did not commit: the outer step is retried"
-                );
-                Ok(())
-            }
-            Err(e) => {
-                self.pending = Some((sum, stats));
-                Err(e)
-            }
-        }
+        self.sum_and_commit(m, stats, sum)
     }
 
     /// The outer step from the summed deltas and weights; serves the new version.

@@ -596,18 +596,30 @@ impl<'a> MemberLoop<'a> {
                 }
             }
         };
-        let mut stats = held.local.stats.clone();
-        let mut grad = held.local.grad.clone();
+        let (stats, grad) = (held.local.stats.clone(), held.local.grad.clone());
         self.held = Some(held);
+        self.sum_and_commit(m, stats, grad)
+    }
+
+    /// A step's rounds in ring `m` after its local parts: the stats, the values (with the
+    /// test pause) and the commit. Applies the sums when every member commits; keeps them
+    /// as pending when the commit's outcome is unknown here. (Both modes: the values are
+    /// gradients, or DiLoCo's deltas.)
+    fn sum_and_commit(
+        &mut self,
+        m: &mut Membership,
+        mut stats: Vec<f32>,
+        mut values: Vec<f32>,
+    ) -> Result<(), GroupError> {
         self.node.sum(m, &mut stats, crate::collective::Wire::F32)?;
         m.ring.midway_pause = self.cs().midway_pause;
-        let round = self.node.sum(m, &mut grad, self.cs().wire);
+        let round = self.node.sum(m, &mut values, self.cs().wire);
         m.ring.midway_pause = None;
         let round = round?;
-        self.last_round = Some((round, grad.len()));
+        self.last_round = Some((round, values.len()));
         match self.node.commit(m) {
             Ok(true) => {
-                self.apply(&grad, &stats, m.size())
+                self.apply(&values, &stats, m.size())
                     .map_err(|e| GroupError::Refused(e.to_string()))?;
                 self.publish(Some(m));
                 Ok(())
@@ -620,7 +632,7 @@ impl<'a> MemberLoop<'a> {
                 Ok(())
             }
             Err(e) => {
-                self.pending = Some((grad, stats));
+                self.pending = Some((values, stats));
                 Err(e)
             }
         }
