@@ -76,6 +76,18 @@ fn three_servers(d: &Path, model: &Path, extra: &[&str]) -> (Peer, Peer, Peer, S
     (a, b, c, boot)
 }
 
+/// Servers a and b of the tiny model (b bootstraps from a), in one 2-member epoch; with
+/// a's address.
+fn two_servers(d: &Path, model: &Path, extra: &[&str]) -> (Peer, Peer, String) {
+    let mut a = server(d, model, "a", None, extra);
+    let boot = a.addr();
+    let mut b = server(d, model, "b", Some(&boot), extra);
+    for s in [&mut a, &mut b] {
+        s.wait_line_containing("with 2 member(s)", Duration::from_secs(60));
+    }
+    (a, b, boot)
+}
+
 fn client(dir: &Path, boot: &str, groups: usize, run: &str) -> Peer {
     client_with(dir, boot, groups, run, AGENT)
 }
@@ -458,12 +470,7 @@ fn a_whole_group_restarted_from_its_checkpoints_resumes_at_one_step() {
     let d = dir.path();
     let model = tiny_model(d);
     let extra = ["--groups-per-step", "1", "--checkpoint-every", "1"];
-    let mut a = server(d, &model, "a", None, &extra);
-    let boot = a.addr();
-    let mut b = server(d, &model, "b", Some(&boot), &extra);
-    for s in [&mut a, &mut b] {
-        s.wait_line_containing("with 2 member(s)", Duration::from_secs(60));
-    }
+    let (mut a, mut b, boot) = two_servers(d, &model, &extra);
     let mut cl = client(d, &boot, 8, "run1");
     assert!(cl.child.wait().unwrap().success(), "{}", cl.log_text());
     wait_all_consumed(d, &["a", "b"], &[&a, &b]);
@@ -568,12 +575,7 @@ fn diloco_members_take_their_own_inner_steps_and_are_identical_after_every_outer
     let d = dir.path();
     let model = tiny_model(d);
     let extra = ["--groups-per-step", "1", "--sync-every", "4"];
-    let mut a = server(d, &model, "a", None, &extra);
-    let boot = a.addr();
-    let mut b = server(d, &model, "b", Some(&boot), &extra);
-    for s in [&mut a, &mut b] {
-        s.wait_line_containing("with 2 member(s)", Duration::from_secs(60));
-    }
+    let (mut a, mut b, boot) = two_servers(d, &model, &extra);
     let http_a = a.wait_line("http at", Duration::from_secs(1));
     let http_b = b.wait_line("http at", Duration::from_secs(1));
     let mut cl = client(d, &boot, 48, "run1");
@@ -687,12 +689,7 @@ fn a_diloco_joiner_fetches_the_outer_state_and_matches_from_the_next_outer_step(
     let d = dir.path();
     let model = tiny_model(d);
     let extra = ["--groups-per-step", "1", "--sync-every", "2"];
-    let mut a = server(d, &model, "a", None, &extra);
-    let boot = a.addr();
-    let mut b = server(d, &model, "b", Some(&boot), &extra);
-    for s in [&mut a, &mut b] {
-        s.wait_line_containing("with 2 member(s)", Duration::from_secs(60));
-    }
+    let (mut a, mut b, boot) = two_servers(d, &model, &extra);
     // 32 groups: each member holds at least 4 with a signal (all but certain).
     let mut cl = client(d, &boot, 32, "run1");
     assert!(cl.child.wait().unwrap().success(), "{}", cl.log_text());

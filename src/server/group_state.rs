@@ -9,19 +9,10 @@ use tch::{Kind, Tensor};
 
 use crate::train::outer::Outer;
 use crate::train::trainer::Trainer;
-use crate::train::TrainError;
+use crate::train::{flat_f32, TrainError};
 
 fn put(out: &mut Vec<u8>, tensors: &[Tensor]) -> Result<(), TrainError> {
-    for t in tensors {
-        let flat = t
-            .detach()
-            .to_kind(Kind::Float)
-            .to_device(tch::Device::Cpu)
-            .contiguous()
-            .view([-1]);
-        let v = Vec::<f32>::try_from(&flat)?;
-        out.extend_from_slice(bytemuck::cast_slice(&v));
-    }
+    out.extend_from_slice(bytemuck::cast_slice(&flat_f32(tensors)?));
     Ok(())
 }
 

@@ -23,6 +23,21 @@ use crate::model::ModelError;
 use crate::timeline::layout::PackedRow;
 use crate::timeline::TimelineError;
 
+/// `ts`' values as one float32 vector on the host, in order.
+pub fn flat_f32(ts: &[Tensor]) -> Result<Vec<f32>, TrainError> {
+    let mut out = Vec::with_capacity(ts.iter().map(Tensor::numel).sum());
+    for t in ts {
+        let f = t
+            .detach()
+            .to_kind(Kind::Float)
+            .to_device(tch::Device::Cpu)
+            .contiguous()
+            .view([-1]);
+        out.extend(Vec::<f32>::try_from(&f)?);
+    }
+    Ok(out)
+}
+
 /// What can go wrong while training.
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {

@@ -18,10 +18,10 @@
 //! each member's own (as in DiLoCo). The members' delta sum is the caller's: this module
 //! turns parameters into a flat delta and a summed delta into the outer step.
 
-use tch::{Kind, Tensor};
+use tch::Tensor;
 
 use super::trainer::Trainer;
-use super::TrainError;
+use super::{flat_f32, TrainError};
 
 /// DiLoCo's settings.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -51,20 +51,6 @@ pub struct Outer {
 
 fn copies(ts: &[Tensor]) -> Vec<Tensor> {
     tch::no_grad(|| ts.iter().map(|t| t.detach().copy()).collect())
-}
-
-fn flat_f32(ts: &[Tensor]) -> Result<Vec<f32>, TrainError> {
-    let mut out = Vec::with_capacity(ts.iter().map(Tensor::numel).sum());
-    for t in ts {
-        let f = t
-            .detach()
-            .to_kind(Kind::Float)
-            .to_device(tch::Device::Cpu)
-            .contiguous()
-            .view([-1]);
-        out.extend(Vec::<f32>::try_from(&f)?);
-    }
-    Ok(out)
 }
 
 impl Outer {
