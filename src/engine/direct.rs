@@ -151,7 +151,8 @@ pub fn generate_batch(
     let todo: Vec<usize> = (0..reqs.len())
         .filter(|&i| reqs[i].max_tokens > 0)
         .collect();
-    let seqs: Vec<(usize, &[u32])> = todo.iter().map(|&i| (i, &reqs[i].prompt[..])).collect();
+    let seqs: Vec<(usize, usize, &[u32])> =
+        todo.iter().map(|&i| (i, 0, &reqs[i].prompt[..])).collect();
     let logits = if seqs.is_empty() {
         None
     } else {

@@ -99,7 +99,7 @@ pub enum EngineError {
 pub struct EngineStats {
     pub running: AtomicUsize,
     pub waiting: AtomicUsize,
-    /// Bytes of KV cache holding live positions (the slots themselves stay allocated).
+    /// Bytes of KV cache holding the running sequences' positions.
     pub kv_bytes: AtomicUsize,
     pub completed: AtomicU64,
     pub cancelled: AtomicU64,
@@ -109,6 +109,19 @@ pub struct EngineStats {
     /// Packed prefill passes (each takes every prompt admitted at that moment).
     pub prefill_passes: AtomicU64,
     pub policy_version: AtomicU64,
+    /// KV memory held: the slots as allocated plus the prefix cache.
+    pub kv_allocated_bytes: AtomicUsize,
+    /// Requests admitted (each looks up its prompt in the prefix cache once).
+    pub prefix_lookups: AtomicU64,
+    /// Requests that took a cached prefix.
+    pub prefix_hits: AtomicU64,
+    /// Prompt tokens taken from the prefix cache instead of prefilled.
+    pub prefix_reused_tokens: AtomicU64,
+    pub prefix_bytes: AtomicUsize,
+    /// Cache nodes evicted to stay within the budget.
+    pub prefix_evictions: AtomicU64,
+    /// Cached positions dropped by weight updates.
+    pub prefix_invalidated_positions: AtomicU64,
 }
 
 /// A request on its way to the engine thread (the loop's side of the queue).

@@ -7,6 +7,8 @@
 //!   prefill, shared-prefill `n`, constrained decoding and weight updates;
 //! - `direct` (LibTorch): generation without the thread (`agentjet-peer generate`,
 //!   [`generate_batch`]);
+//! - [`prefix`] (LibTorch-free): the prefix cache's radix tree; `memory` (LibTorch): the
+//!   KV memory budget shared by the running sequences' slots and that cache;
 //! - [`sampling`] and [`constraint`]: what token comes next, on plain `f32` rows.
 //!
 //! Owns: token ids in, token ids + logprobs out. Never renders chat or parses text beyond
@@ -14,6 +16,9 @@
 
 pub mod constraint;
 pub mod handle;
+#[cfg(feature = "torch")]
+mod memory;
+pub mod prefix;
 pub mod sampling;
 #[cfg(feature = "torch")]
 pub mod scheduler;
@@ -37,9 +42,13 @@ pub struct EngineConfig {
     pub max_batch: usize,
     /// Requests waiting beyond the running batch; more are refused as overloaded.
     pub max_queue: usize,
-    /// KV positions in all, split evenly into `max_batch` slots allocated at start; a
-    /// request's prompt + max_tokens must fit one slot.
+    /// KV positions in all, for the running sequences and the prefix cache together,
+    /// taken as sequences grow; a request's prompt + max_tokens may hold this divided by
+    /// `max_batch` (so a full batch always fits).
     pub max_kv_positions: usize,
+    /// Bytes the prefix cache may hold at most (0: no prefix cache); it also gives way
+    /// to the running sequences within `max_kv_positions`.
+    pub prefix_cache_bytes: usize,
     /// Prompt tokens prefilled together in one packed pass at most (a longer single
     /// prompt still goes alone).
     pub max_prefill_tokens: usize,
@@ -51,6 +60,7 @@ impl Default for EngineConfig {
             max_batch: 32,
             max_queue: 256,
             max_kv_positions: 65_536,
+            prefix_cache_bytes: 1 << 30,
             max_prefill_tokens: 8192,
         }
     }

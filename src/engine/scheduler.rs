@@ -18,11 +18,12 @@ use tokio::sync::mpsc::UnboundedSender;
 use super::constraint::{ConstraintError, ConstraintState};
 use super::direct::check_request;
 use super::handle::{EngineHandle, EngineStats, PendingWeights, Submission};
+use super::memory::{KvMemory, MIN_REUSE};
 use super::{
     sampling, EngineConfig, EngineError, EngineEvent, FinishReason, GenerateRequest, RequestError,
 };
 use crate::base::{lock, Rng};
-use crate::model::llama::{Llama, SlotCache};
+use crate::model::llama::Llama;
 use crate::model::ModelError;
 
 impl EngineHandle {
@@ -48,24 +49,24 @@ impl EngineHandle {
 }
 
 /// Starts the engine thread with `model`. The thread ends when every handle is dropped
-/// and the running requests are done. The KV slots are allocated here, so a bad size is
-/// an error now rather than at the first request.
+/// and the running requests are done. KV memory is taken as sequences need it, within
+/// `cfg.max_kv_positions` for slots and prefix cache together.
 pub fn spawn_engine(model: Llama, cfg: EngineConfig) -> Result<EngineHandle, ModelError> {
     let batch = cfg.max_batch.max(1);
-    let per_slot = (cfg.max_kv_positions / batch)
-        .max(2)
-        .min(model.max_positions());
+    let per_request = KvMemory::per_request(cfg.max_kv_positions, batch, model.max_positions());
     let slots = {
         let _guard = tch::no_grad_guard();
-        model.new_slot_cache(batch, per_slot)?
+        model.new_slot_cache(0, 0)?
     };
-    let (handle, inbox) = EngineHandle::new(cfg.max_queue, batch, slots.capacity());
-    let bytes_per_position = slots.bytes() / (batch * slots.capacity()).max(1);
+    let bytes_per_position = slots.bytes_per_position();
+    let mem = KvMemory::new(slots, cfg.max_kv_positions, cfg.prefix_cache_bytes, batch);
+    let (handle, inbox) = EngineHandle::new(cfg.max_queue, batch, per_request);
     tracing::info!(
-        slots = batch,
-        positions_per_slot = slots.capacity(),
-        bytes = slots.bytes(),
-        "KV slots allocated"
+        max_batch = batch,
+        positions_per_request = per_request,
+        budget_bytes = cfg.max_kv_positions * bytes_per_position,
+        prefix_cache_bytes = cfg.prefix_cache_bytes,
+        "KV memory: taken as sequences grow"
     );
     std::thread::Builder::new()
         .name("agentjet-engine".into())
@@ -82,7 +83,8 @@ pub fn spawn_engine(model: Llama, cfg: EngineConfig) -> Result<EngineHandle, Mod
                 weights: inbox.weights,
                 waiting: VecDeque::new(),
                 running: Vec::new(),
-                slots,
+                mem,
+                per_request,
                 bytes_per_position,
                 disconnected: false,
                 allowed: Vec::new(),
@@ -108,6 +110,19 @@ struct Running {
     cstate: Option<ConstraintState>,
     /// The policy version when it started (weights updated mid-request sample the rest).
     version: u64,
+    /// The KV memory's epoch when it started (its keys are cached only if unchanged).
+    epoch: u64,
+}
+
+impl Running {
+    /// The tokens whose keys and values its slot holds.
+    fn computed(&self) -> Vec<u32> {
+        let generated = self.len.saturating_sub(self.req.prompt.len());
+        let mut t = Vec::with_capacity(self.len);
+        t.extend_from_slice(&self.req.prompt);
+        t.extend_from_slice(&self.tokens[..generated.min(self.tokens.len())]);
+        t
+    }
 }
 
 struct EngineLoop {
@@ -118,7 +133,9 @@ struct EngineLoop {
     weights: Arc<Mutex<Option<PendingWeights>>>,
     waiting: VecDeque<Submission>,
     running: Vec<Running>,
-    slots: SlotCache,
+    mem: KvMemory,
+    /// Positions one request may hold (prompt + max_tokens).
+    per_request: usize,
     bytes_per_position: usize,
     disconnected: bool,
     /// Scratch for constrained decoding's vocabulary mask.
@@ -153,6 +170,10 @@ impl EngineLoop {
                     }
                 }
             }
+            let live: Vec<usize> = self.running.iter().map(|r| r.len).collect();
+            if let Err(e) = self.mem.trim(&live) {
+                tracing::warn!("giving KV memory back failed: {e}");
+            }
             self.publish();
         }
     }
@@ -169,6 +190,8 @@ impl EngineLoop {
             )),
         };
         if result.is_ok() {
+            self.mem.invalidate(&self.stats);
+            self.mem.publish(&self.stats);
             self.stats
                 .policy_version
                 .store(update.version, Ordering::Relaxed);
@@ -223,23 +246,26 @@ impl EngineLoop {
     fn check(&self, req: &GenerateRequest) -> Result<(), RequestError> {
         check_request(&self.model, req)?;
         let need = req.prompt.len() + req.max_tokens;
-        if need > self.slots.capacity() {
+        if need > self.per_request {
             return Err(RequestError::OverBudget {
                 prompt: req.prompt.len(),
                 max_tokens: req.max_tokens,
-                budget: self.slots.capacity(),
+                budget: self.per_request,
             });
         }
         Ok(())
     }
 
     /// Admits waiting requests (FIFO) while free slots last: all admitted prompts are
-    /// prefilled together in one packed pass, then each request's choices fork from its
-    /// prefilled slot and sample their first tokens.
+    /// prefilled together in one packed pass (each after its cached prefix), then each
+    /// request's choices fork from its prefilled slot and sample their first tokens. A
+    /// request that shares an uncached prefix with one already in the pass waits for the
+    /// next pass, where it finds that prefix cached.
     fn admit(&mut self) {
         let mut free = self.cfg.max_batch - self.running.len();
         let mut tokens = 0usize;
         let mut group: Vec<Submission> = Vec::new();
+        let caching = self.mem.caching();
         while let Some(front) = self.waiting.front() {
             let wanted = front.choices.iter().filter(|c| !c.1.is_closed()).count();
             if wanted > free
@@ -247,6 +273,18 @@ impl EngineLoop {
                     && tokens + front.req.prompt.len() > self.cfg.max_prefill_tokens)
             {
                 break;
+            }
+            if caching && !group.is_empty() {
+                let prompt = &front.req.prompt;
+                let shared = group
+                    .iter()
+                    .map(|g| common_prefix(&g.req.prompt, prompt))
+                    .max()
+                    .unwrap_or(0)
+                    .min(prompt.len().saturating_sub(1));
+                if shared >= MIN_REUSE && shared > self.mem.cached(prompt) + MIN_REUSE {
+                    break;
+                }
             }
             let Some(mut sub) = self.waiting.pop_front() else {
                 break;
@@ -305,17 +343,38 @@ impl EngineLoop {
             base.push(next);
             next += sub.choices.len();
         }
-        let seqs: Vec<(usize, &[u32])> = group
+        let live: Vec<usize> = self.running.iter().map(|r| r.len).collect();
+        let longest = group.iter().map(|s| s.req.prompt.len()).max().unwrap_or(0);
+        self.mem.fit(next, longest + 1, &live)?;
+        let mut reused = Vec::with_capacity(group.len());
+        for (sub, &slot) in group.iter().zip(&base) {
+            reused.push(self.mem.reuse(slot, &sub.req.prompt)?);
+        }
+        let seqs: Vec<(usize, usize, &[u32])> = group
             .iter()
             .zip(&base)
-            .map(|(sub, &slot)| (slot, &sub.req.prompt[..]))
+            .zip(&reused)
+            .map(|((sub, &slot), &start)| (slot, start, &sub.req.prompt[start..]))
             .collect();
-        let logits = Rows::new(&self.model.prefill_slots(&seqs, &self.slots)?)?;
-        self.stats.prefill_passes.fetch_add(1, Ordering::Relaxed);
-        self.stats.prefill_tokens.fetch_add(
-            seqs.iter().map(|s| s.1.len() as u64).sum(),
+        let logits = Rows::new(&self.model.prefill_slots(&seqs, &self.mem.slots)?)?;
+        let epoch = self.mem.epoch;
+        for (sub, &slot) in group.iter().zip(&base) {
+            self.mem.remember(slot, &sub.req.prompt, epoch);
+        }
+        let s = &self.stats;
+        s.prefill_passes.fetch_add(1, Ordering::Relaxed);
+        s.prefill_tokens.fetch_add(
+            seqs.iter().map(|s| s.2.len() as u64).sum(),
             Ordering::Relaxed,
         );
+        s.prefix_lookups
+            .fetch_add(group.len() as u64, Ordering::Relaxed);
+        s.prefix_hits.fetch_add(
+            reused.iter().filter(|&&r| r > 0).count() as u64,
+            Ordering::Relaxed,
+        );
+        s.prefix_reused_tokens
+            .fetch_add(reused.iter().map(|&r| r as u64).sum(), Ordering::Relaxed);
         for (j, sub) in group.iter().enumerate() {
             let (row, log_z) = logits.row(j);
             let top = sampling::top_logprobs_given(row, sub.req.top_logprobs, log_z);
@@ -326,7 +385,7 @@ impl EngineLoop {
                 // needed.
                 let slot = self.running.len();
                 if slot != base[j] {
-                    self.slots.copy_slot(base[j], slot, len)?;
+                    self.mem.slots.copy_slot(base[j], slot, len)?;
                 }
                 let rng = match sub.req.seed {
                     Some(s) => Rng::seeded(s.wrapping_add(*index)),
@@ -342,17 +401,11 @@ impl EngineLoop {
                     last: 0,
                     cstate: sub.req.constraint.as_ref().map(|c| c.start()),
                     version: self.stats.policy_version.load(Ordering::Relaxed),
+                    epoch,
                 };
                 match pick(row, log_z, &mut r, &mut self.allowed) {
                     Ok((id, lp)) => {
-                        if !emit(
-                            &self.stats,
-                            self.slots.capacity(),
-                            &mut r,
-                            id,
-                            lp,
-                            top.clone(),
-                        ) {
+                        if !emit(&self.stats, self.per_request, &mut r, id, lp, top.clone()) {
                             self.running.push(r);
                         }
                     }
@@ -373,7 +426,7 @@ impl EngineLoop {
         for i in gone {
             let last = self.running.len() - 1;
             if i != last {
-                self.slots.copy_slot(last, i, self.running[last].len)?;
+                self.mem.slots.copy_slot(last, i, self.running[last].len)?;
             }
             self.running.swap_remove(i);
         }
@@ -403,9 +456,11 @@ impl EngineLoop {
     fn step(&mut self) -> Result<(), ModelError> {
         let ids: Vec<u32> = self.running.iter().map(|r| r.last).collect();
         let mut lens: Vec<usize> = self.running.iter().map(|r| r.len).collect();
-        let logits = Rows::new(&self.model.decode_slots(&ids, &mut lens, &self.slots)?)?;
+        let longest = lens.iter().copied().max().unwrap_or(0);
+        self.mem.fit(self.running.len(), longest + 1, &lens)?;
+        let logits = Rows::new(&self.model.decode_slots(&ids, &mut lens, &self.mem.slots)?)?;
         let mut done = Vec::new();
-        let capacity = self.slots.capacity();
+        let capacity = self.per_request;
         for (i, r) in self.running.iter_mut().enumerate() {
             r.len = lens[i];
             let (row, log_z) = logits.row(i);
@@ -422,6 +477,12 @@ impl EngineLoop {
                 }
             }
         }
+        // What finished sequences computed is cached before their slots are reused.
+        for &i in &done {
+            let r = &self.running[i];
+            let computed = r.computed();
+            self.mem.remember(i, &computed, r.epoch);
+        }
         self.remove(done)
     }
 
@@ -433,7 +494,12 @@ impl EngineLoop {
         self.stats
             .kv_bytes
             .store(positions * self.bytes_per_position, Ordering::Relaxed);
+        self.mem.publish(&self.stats);
     }
+}
+
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
 fn finish(

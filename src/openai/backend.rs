@@ -111,7 +111,14 @@ impl Backend for LocalBackend {
              # TYPE agentjet_engine_generated_tokens_total counter\nagentjet_engine_generated_tokens_total{{model=\"{m}\"}} {}\n\
              # TYPE agentjet_engine_prefill_tokens_total counter\nagentjet_engine_prefill_tokens_total{{model=\"{m}\"}} {}\n\
              # TYPE agentjet_engine_prefill_passes_total counter\nagentjet_engine_prefill_passes_total{{model=\"{m}\"}} {}\n\
-             # TYPE agentjet_policy_version gauge\nagentjet_policy_version{{model=\"{m}\"}} {}\n",
+             # TYPE agentjet_policy_version gauge\nagentjet_policy_version{{model=\"{m}\"}} {}\n\
+             # TYPE agentjet_engine_kv_allocated_bytes gauge\nagentjet_engine_kv_allocated_bytes{{model=\"{m}\"}} {}\n\
+             # TYPE agentjet_prefix_cache_bytes gauge\nagentjet_prefix_cache_bytes{{model=\"{m}\"}} {}\n\
+             # TYPE agentjet_prefix_cache_lookups_total counter\nagentjet_prefix_cache_lookups_total{{model=\"{m}\"}} {}\n\
+             # TYPE agentjet_prefix_cache_hits_total counter\nagentjet_prefix_cache_hits_total{{model=\"{m}\"}} {}\n\
+             # TYPE agentjet_prefix_cache_reused_tokens_total counter\nagentjet_prefix_cache_reused_tokens_total{{model=\"{m}\"}} {}\n\
+             # TYPE agentjet_prefix_cache_evictions_total counter\nagentjet_prefix_cache_evictions_total{{model=\"{m}\"}} {}\n\
+             # TYPE agentjet_prefix_cache_invalidated_tokens_total counter\nagentjet_prefix_cache_invalidated_tokens_total{{model=\"{m}\"}} {}\n",
             s.running.load(Relaxed),
             s.waiting.load(Relaxed),
             s.kv_bytes.load(Relaxed),
@@ -121,6 +128,13 @@ impl Backend for LocalBackend {
             s.prefill_tokens.load(Relaxed),
             s.prefill_passes.load(Relaxed),
             s.policy_version.load(Relaxed),
+            s.kv_allocated_bytes.load(Relaxed),
+            s.prefix_bytes.load(Relaxed),
+            s.prefix_lookups.load(Relaxed),
+            s.prefix_hits.load(Relaxed),
+            s.prefix_reused_tokens.load(Relaxed),
+            s.prefix_evictions.load(Relaxed),
+            s.prefix_invalidated_positions.load(Relaxed),
         )
     }
 }

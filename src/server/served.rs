@@ -19,7 +19,7 @@ use crate::engine::{EngineHandle, TokenBytes};
 use crate::model::ModelCard;
 use crate::rpc::{CardBlob, CardReply, CardRequest, CARD, INFER, SUBMIT};
 use crate::swarm::frame::{read_frame, write_frame, FrameError};
-use crate::swarm::{GroupStatus, ModelStatus, PeerId, Role, Stream, SwarmHandle};
+use crate::swarm::{CacheSummary, GroupStatus, ModelStatus, PeerId, Role, Stream, SwarmHandle};
 use crate::timeline::fragment::{Fragment, FragmentHash};
 
 /// Bounds on what a caller may ask.
@@ -238,12 +238,24 @@ impl ServedModel {
         let episodes = self.episodes_stored.load(Ordering::Relaxed);
         let name = self.name.clone();
         let load = running as f32 / self.max_batch.max(1) as f32;
+        let lookups = s.prefix_lookups.load(Ordering::Relaxed);
+        let cache = CacheSummary {
+            bytes: s.prefix_bytes.load(Ordering::Relaxed) as u64,
+            hit_rate: if lookups == 0 {
+                0.0
+            } else {
+                s.prefix_hits.load(Ordering::Relaxed) as f32 / lookups as f32
+            },
+            reused_tokens: s.prefix_reused_tokens.load(Ordering::Relaxed),
+            prefilled_tokens: s.prefill_tokens.load(Ordering::Relaxed),
+        };
         self.swarm.set_status(|st| {
             st.models = vec![ModelStatus {
                 name,
                 policy_version: version,
                 train_step: self.train_step.load(Ordering::Relaxed),
                 group: lock(&self.group).clone(),
+                cache,
             }];
             st.load = load;
             st.queue_depth = waiting as u32;

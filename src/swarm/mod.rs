@@ -21,7 +21,7 @@ pub use handle::SwarmHandle;
 pub use libp2p::multiaddr::Protocol;
 pub use libp2p::{identity::Keypair, Multiaddr, PeerId, Stream, StreamProtocol};
 pub use node::{spawn_node, SwarmConfig, ViewEntry};
-pub use protocol::{GroupStatus, ModelStatus, PeerStatus, Role};
+pub use protocol::{CacheSummary, GroupStatus, ModelStatus, PeerStatus, Role};
 
 use std::path::{Path, PathBuf};
 

@@ -68,6 +68,31 @@ pub struct ModelStatus {
     pub train_step: u64,
     /// Set when this server trains the model as a member of its training group.
     pub group: Option<GroupStatus>,
+    /// The server's prefix cache for this model (clients route an episode's calls by it).
+    pub cache: CacheSummary,
+}
+
+/// A server's prefix cache in brief (gossiped with its status).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct CacheSummary {
+    /// Bytes of keys and values it holds.
+    pub bytes: u64,
+    /// Requests that found a cached prefix, of all admitted (0..1).
+    pub hit_rate: f32,
+    /// Prompt tokens taken from the cache / prefilled, since start.
+    pub reused_tokens: u64,
+    pub prefilled_tokens: u64,
+}
+
+impl CacheSummary {
+    /// "12.3MB 45%": bytes held and hit rate.
+    pub fn brief(&self) -> String {
+        format!(
+            "{:.1}MB {:.0}%",
+            self.bytes as f64 / 1e6,
+            100.0 * self.hit_rate as f64
+        )
+    }
 }
 
 /// A training-group member's view of its group (gossiped; shown by `status`).

@@ -306,9 +306,15 @@ pub struct EngineArgs {
     /// Requests waiting beyond the batch before refusing (429; a swarm client re-routes).
     #[arg(long, default_value_t = 256)]
     pub max_queue: usize,
-    /// KV-cache positions (prompt + max_tokens of running requests) at most.
+    /// KV-cache positions in all, for running requests and the prefix cache together,
+    /// taken as sequences grow; one request (prompt + max_tokens) may hold this divided
+    /// by --max-batch.
     #[arg(long, default_value_t = 65536)]
     pub max_kv_positions: usize,
+    /// Bytes the prefix cache (keys and values of earlier prompts and answers, reused by
+    /// requests that repeat them) may hold at most; 0 turns it off.
+    #[arg(long, default_value_t = 1 << 30)]
+    pub prefix_cache_bytes: usize,
     /// Prompt tokens prefilled together in one pass at most.
     #[arg(long, default_value_t = 8192)]
     pub max_prefill_tokens: usize,
@@ -321,6 +327,7 @@ impl EngineArgs {
             max_batch: self.max_batch,
             max_queue: self.max_queue,
             max_kv_positions: self.max_kv_positions,
+            prefix_cache_bytes: self.prefix_cache_bytes,
             max_prefill_tokens: self.max_prefill_tokens,
         }
     }

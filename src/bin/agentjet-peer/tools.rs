@@ -58,8 +58,16 @@ pub async fn status(bootstrap: &[String], key: Option<&Path>, wait: f64) -> Resu
     }
     let view: Vec<_> = h.view().into_iter().filter(|e| !e.is_self).collect();
     println!(
-        "{:<54} {:<7} {:<28} {:>5} {:>6} {:>9} {:>8} {:>6}",
-        "PEER", "ROLE", "MODELS (VERSION)", "LOAD", "QUEUE", "FREE KV", "EPISODES", "AGE"
+        "{:<54} {:<7} {:<28} {:>5} {:>6} {:>9} {:>13} {:>8} {:>6}",
+        "PEER",
+        "ROLE",
+        "MODELS (VERSION)",
+        "LOAD",
+        "QUEUE",
+        "FREE KV",
+        "PREFIX CACHE",
+        "EPISODES",
+        "AGE"
     );
     for e in &view {
         let models: Vec<String> = e
@@ -68,8 +76,12 @@ pub async fn status(bootstrap: &[String], key: Option<&Path>, wait: f64) -> Resu
             .iter()
             .map(|m| format!("{} (v{})", m.name, m.policy_version))
             .collect();
+        let cache = match (e.status.role, e.status.models.first()) {
+            (swarm::Role::Server, Some(m)) => m.cache.brief(),
+            _ => "-".to_string(),
+        };
         println!(
-            "{:<54} {:<7} {:<28} {:>5.2} {:>6} {:>9} {:>8} {:>5.1}s",
+            "{:<54} {:<7} {:<28} {:>5.2} {:>6} {:>9} {:>13} {:>8} {:>5.1}s",
             e.peer.to_string(),
             e.status.role.as_str(),
             if models.is_empty() {
@@ -80,6 +92,7 @@ pub async fn status(bootstrap: &[String], key: Option<&Path>, wait: f64) -> Resu
             e.status.load,
             e.status.queue_depth,
             e.status.free_kv_positions,
+            cache,
             e.status.episodes,
             e.age.as_secs_f64()
         );

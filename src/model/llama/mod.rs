@@ -76,72 +76,7 @@ struct DecoderLayer {
     down_proj: Tensor,
 }
 
-/// Per-layer key/value tensors of shape [batch, kv_heads, capacity, head_dim]; the first
-/// `len` positions are filled.
-pub struct KvCache {
-    k: Vec<Tensor>,
-    v: Vec<Tensor>,
-    len: usize,
-    capacity: usize,
-    batch: usize,
-}
-
-impl KvCache {
-    pub fn len(&self) -> usize {
-        self.len
-    }
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-    pub fn capacity(&self) -> usize {
-        self.capacity
-    }
-    pub fn batch(&self) -> usize {
-        self.batch
-    }
-}
-
-/// Key/value storage for many sequences at once: per layer one tensor
-/// [slots, kv_heads, capacity, head_dim]. Running sequences occupy slots `0..n`, so a decode
-/// step attends over one view of the first `n` slots with a length mask: one attention call
-/// per layer for the whole batch.
-pub struct SlotCache {
-    k: Vec<Tensor>,
-    v: Vec<Tensor>,
-    slots: usize,
-    capacity: usize,
-}
-
-impl SlotCache {
-    pub fn slots(&self) -> usize {
-        self.slots
-    }
-    pub fn capacity(&self) -> usize {
-        self.capacity
-    }
-    /// Bytes held (allocated once, up front).
-    pub fn bytes(&self) -> usize {
-        self.k
-            .iter()
-            .chain(self.v.iter())
-            .map(|t| t.numel() * t.kind().elt_size_in_bytes())
-            .sum()
-    }
-    /// Copies the first `len` positions of slot `from` into slot `to` (compaction, and
-    /// forking one prefilled prompt into several sequences).
-    pub fn copy_slot(&mut self, from: usize, to: usize, len: usize) -> Result<(), ModelError> {
-        if from == to || len == 0 {
-            return Ok(());
-        }
-        for t in self.k.iter().chain(self.v.iter()) {
-            let src = t.f_narrow(0, from as i64, 1)?.f_narrow(2, 0, len as i64)?;
-            t.f_narrow(0, to as i64, 1)?
-                .f_narrow(2, 0, len as i64)?
-                .f_copy_(&src)?;
-        }
-        Ok(())
-    }
-}
+pub use kv::{KvBlock, KvCache, SlotCache};
 
 /// Which positions to compute logits for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -180,6 +115,7 @@ impl std::fmt::Debug for Llama {
     }
 }
 
+mod kv;
 mod parts;
 mod paths;
 
@@ -339,42 +275,6 @@ impl Llama {
         self.rope.size()[0] as usize
     }
 
-    /// Zeroed per-layer key and value tensors [rows, kv_heads, capacity, head_dim], the
-    /// capacity capped at the model's context.
-    fn zeroed_kv(
-        &self,
-        rows: usize,
-        capacity: usize,
-    ) -> Result<(Vec<Tensor>, Vec<Tensor>, usize), ModelError> {
-        let capacity = capacity.min(self.max_positions());
-        let shape = [
-            rows as i64,
-            self.config.num_key_value_heads as i64,
-            capacity as i64,
-            self.config.head_dim as i64,
-        ];
-        let opts = (self.act, self.device);
-        let mut k = Vec::with_capacity(self.layers.len());
-        let mut v = Vec::with_capacity(self.layers.len());
-        for _ in 0..self.layers.len() {
-            k.push(Tensor::f_zeros(shape, opts)?);
-            v.push(Tensor::f_zeros(shape, opts)?);
-        }
-        Ok((k, v, capacity))
-    }
-
-    /// An empty cache for `batch` rows of up to `capacity` positions.
-    pub fn new_cache(&self, batch: usize, capacity: usize) -> Result<KvCache, ModelError> {
-        let (k, v, capacity) = self.zeroed_kv(batch, capacity)?;
-        Ok(KvCache {
-            k,
-            v,
-            len: 0,
-            capacity,
-            batch,
-        })
-    }
-
     /// Every parameter tensor (fused as stored: qkv and gate/up are one matrix each; a
     /// tied head is not repeated), for training.
     pub fn parameters(&self) -> Vec<Tensor> {
@@ -407,17 +307,6 @@ impl Llama {
     /// The output layer's weight, [vocab, hidden] (the token embedding when tied).
     pub fn output_weight(&self) -> &Tensor {
         self.lm_head.as_ref().unwrap_or(&self.embed_tokens)
-    }
-
-    /// Storage for `slots` sequences of up to `capacity` positions each (zeroed).
-    pub fn new_slot_cache(&self, slots: usize, capacity: usize) -> Result<SlotCache, ModelError> {
-        let (k, v, capacity) = self.zeroed_kv(slots, capacity)?;
-        Ok(SlotCache {
-            k,
-            v,
-            slots,
-            capacity,
-        })
     }
 
     /// The parameters under HF's names and shapes (fused matrices split back), on the

@@ -216,13 +216,16 @@ impl Llama {
         })
     }
 
-    /// Prefills several prompts at once, each into its own slot from position 0: the
-    /// prompts are packed into one row of tokens so every matrix runs once for all of them,
-    /// while attention stays causal within each prompt. Returns float32 logits of each
-    /// prompt's last position, [prompts, vocab], in the order given.
+    /// Prefills several prompts at once, each `(slot, start, ids)` into its own slot at
+    /// positions `start..start + ids.len()`, after the `start` positions the slot already
+    /// holds (a prefix taken from the engine's prefix cache; 0: none): the new tokens are
+    /// packed into one row so every matrix runs once for all of them, while each prompt's
+    /// queries attend to its slot's earlier positions and causally among themselves.
+    /// Returns float32 logits of each prompt's last position, [prompts, vocab], in the
+    /// order given.
     pub fn prefill_slots(
         &self,
-        seqs: &[(usize, &[u32])],
+        seqs: &[(usize, usize, &[u32])],
         cache: &SlotCache,
     ) -> Result<Tensor, ModelError> {
         if seqs.is_empty() {
@@ -233,16 +236,16 @@ impl Llama {
         let mut tok: Vec<i64> = Vec::new();
         let mut pos: Vec<i64> = Vec::new();
         let mut last: Vec<i64> = Vec::with_capacity(seqs.len());
-        for (i, &(slot, ids)) in seqs.iter().enumerate() {
+        for (i, &(slot, start, ids)) in seqs.iter().enumerate() {
             if slot >= cache.slots || std::mem::replace(&mut used[slot], true) {
                 return Err(ModelError::Invalid(format!(
                     "prompt {i}: slot {slot} is out of range or used twice ({} slots)",
                     cache.slots
                 )));
             }
-            if ids.is_empty() || ids.len() > cache.capacity {
+            if ids.is_empty() || start + ids.len() > cache.capacity {
                 return Err(ModelError::Invalid(format!(
-                    "prompt {i}: {} tokens do not fit a slot of {} positions",
+                    "prompt {i}: {} tokens after {start} do not fit a slot of {} positions",
                     ids.len(),
                     cache.capacity
                 )));
@@ -253,7 +256,7 @@ impl Llama {
                 )));
             }
             tok.extend(ids.iter().map(|&t| t as i64));
-            pos.extend(0..ids.len() as i64);
+            pos.extend(start as i64..(start + ids.len()) as i64);
             last.push(tok.len() as i64 - 1);
         }
         let c = &self.config;
@@ -269,12 +272,26 @@ impl Llama {
         let rope = self.rope.f_index_select(0, &pos_t)?.f_unsqueeze(1)?;
         let x = self.embed(&tok)?;
         let mut parts = Vec::with_capacity(seqs.len());
-        // Attention strategy: each prompt causally on its own, its keys into its slot.
+        // Where a prompt continues a cached prefix, its queries see every earlier position
+        // of the slot and causally among themselves: [t, start + t], true = visible.
+        let masks = seqs
+            .iter()
+            .map(|&(_, start, ids)| {
+                if start == 0 {
+                    return Ok(None);
+                }
+                let (s, t) = (start as i64, ids.len() as i64);
+                let q = Tensor::f_arange_start(s, s + t, (Kind::Int64, dev))?.f_unsqueeze(1)?;
+                let k = Tensor::f_arange(s + t, (Kind::Int64, dev))?.f_unsqueeze(0)?;
+                Ok(Some(k.f_le_tensor(&q)?))
+            })
+            .collect::<Result<Vec<Option<Tensor>>, ModelError>>()?;
+        // Attention strategy: each prompt on its own over its slot, its keys into the slot.
         let x = self.run_layers(x, &rope, &[total], |l, Qkv { q, k, v }| {
             parts.clear();
             let mut off = 0i64;
-            for &(slot, ids) in seqs {
-                let t = ids.len() as i64;
+            for (&(slot, start, ids), mask) in seqs.iter().zip(&masks) {
+                let (s, t) = (start as i64, ids.len() as i64);
                 // [1, heads, t, hd]
                 let head_major = |x: &Tensor| -> Result<Tensor, ModelError> {
                     Ok(x.f_narrow(0, off, t)?.f_transpose(0, 1)?.f_unsqueeze(0)?)
@@ -282,24 +299,32 @@ impl Llama {
                 let q = head_major(&q)?;
                 let k = head_major(&k)?;
                 let vv = head_major(&v)?;
-                cache.k[l]
-                    .f_narrow(0, slot as i64, 1)?
-                    .f_narrow(2, 0, t)?
-                    .f_copy_(&k)?;
-                cache.v[l]
-                    .f_narrow(0, slot as i64, 1)?
-                    .f_narrow(2, 0, t)?
-                    .f_copy_(&vv)?;
-                let attn = Tensor::f_scaled_dot_product_attention(
-                    &q,
-                    &k,
-                    &vv,
-                    None::<&Tensor>,
-                    0.0,
-                    t > 1,
-                    None,
-                    nkv != nh,
-                )?;
+                let k_slot = cache.k[l].f_narrow(0, slot as i64, 1)?;
+                let v_slot = cache.v[l].f_narrow(0, slot as i64, 1)?;
+                k_slot.f_narrow(2, s, t)?.f_copy_(&k)?;
+                v_slot.f_narrow(2, s, t)?.f_copy_(&vv)?;
+                let attn = match mask {
+                    None => Tensor::f_scaled_dot_product_attention(
+                        &q,
+                        &k,
+                        &vv,
+                        None::<&Tensor>,
+                        0.0,
+                        t > 1,
+                        None,
+                        nkv != nh,
+                    )?,
+                    Some(mask) => Tensor::f_scaled_dot_product_attention(
+                        &q,
+                        &k_slot.f_narrow(2, 0, s + t)?,
+                        &v_slot.f_narrow(2, 0, s + t)?,
+                        Some(mask),
+                        0.0,
+                        false,
+                        None,
+                        nkv != nh,
+                    )?,
+                };
                 parts.push(
                     attn.f_squeeze_dim(0)?
                         .f_transpose(0, 1)?

@@ -1,0 +1,300 @@
+//! Key/value storage: [`KvCache`] (rows of one batch, direct generation), [`SlotCache`]
+//! (the engine's running sequences, one slot each, grown and shrunk as they need) and
+//! [`KvBlock`] (a copy of some positions of one sequence, what the engine's prefix cache
+//! keeps).
+//!
+//! Why slots and copies rather than pages: a decode step attends over one view of the
+//! first `n` slots with a length mask, one attention call per layer for the whole batch.
+//! Pages would need a gather of every sequence's keys per layer per step (LibTorch has no
+//! paged attention on the CPU), which costs more than the attention itself; a prefix
+//! reused from the cache is instead copied into the slot once at admission, a memory copy
+//! that is about a hundredth of the prefill it saves (measured in `cargo bench --bench
+//! rollout`).
+
+use tch::{Device, Kind, Tensor};
+
+use super::Llama;
+use crate::model::ModelError;
+
+/// Per-layer key/value tensors of shape [batch, kv_heads, capacity, head_dim]; the first
+/// `len` positions are filled.
+pub struct KvCache {
+    pub(super) k: Vec<Tensor>,
+    pub(super) v: Vec<Tensor>,
+    pub(super) len: usize,
+    pub(super) capacity: usize,
+    pub(super) batch: usize,
+}
+
+impl KvCache {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+    pub fn batch(&self) -> usize {
+        self.batch
+    }
+}
+
+/// What one KV tensor looks like, to allocate more of them.
+#[derive(Clone, Copy)]
+struct Shape {
+    layers: usize,
+    kv_heads: i64,
+    head_dim: i64,
+    kind: Kind,
+    device: Device,
+    /// The model's context: no slot holds more positions.
+    limit: usize,
+}
+
+impl Shape {
+    fn zeros(
+        &self,
+        rows: usize,
+        capacity: usize,
+    ) -> Result<(Vec<Tensor>, Vec<Tensor>), ModelError> {
+        let shape = [rows as i64, self.kv_heads, capacity as i64, self.head_dim];
+        let opts = (self.kind, self.device);
+        let mut k = Vec::with_capacity(self.layers);
+        let mut v = Vec::with_capacity(self.layers);
+        for _ in 0..self.layers {
+            k.push(Tensor::f_zeros(shape, opts)?);
+            v.push(Tensor::f_zeros(shape, opts)?);
+        }
+        Ok((k, v))
+    }
+
+    fn bytes_per_position(&self) -> usize {
+        2 * self.layers * (self.kv_heads * self.head_dim) as usize * self.kind.elt_size_in_bytes()
+    }
+}
+
+/// Key/value storage for many sequences at once: per layer one tensor
+/// [slots, kv_heads, capacity, head_dim]. Running sequences occupy slots `0..n`, so a decode
+/// step attends over one view of the first `n` slots with a length mask: one attention call
+/// per layer for the whole batch. [`SlotCache::resize`] reallocates it (keeping the live
+/// positions), so the engine holds only what its sequences need.
+pub struct SlotCache {
+    pub(super) k: Vec<Tensor>,
+    pub(super) v: Vec<Tensor>,
+    pub(super) slots: usize,
+    pub(super) capacity: usize,
+    shape: Shape,
+}
+
+impl SlotCache {
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+    /// The model's context, the largest capacity a slot can have.
+    pub fn limit(&self) -> usize {
+        self.shape.limit
+    }
+    /// Bytes one position of one sequence takes (keys and values of every layer).
+    pub fn bytes_per_position(&self) -> usize {
+        self.shape.bytes_per_position()
+    }
+    /// Bytes held now (`slots x capacity` positions).
+    pub fn bytes(&self) -> usize {
+        self.slots * self.capacity * self.bytes_per_position()
+    }
+
+    /// Reallocates to `slots` slots of `capacity` positions (capped at the model's
+    /// context), keeping the first `live[i]` positions of slot `i` for every `i` in
+    /// `live` (which must fit the new shape). Zero slots or zero capacity holds nothing.
+    pub fn resize(
+        &mut self,
+        slots: usize,
+        capacity: usize,
+        live: &[usize],
+    ) -> Result<(), ModelError> {
+        let capacity = capacity.min(self.shape.limit);
+        if slots == self.slots && capacity == self.capacity {
+            return Ok(());
+        }
+        if live.len() > slots || live.iter().any(|&l| l > capacity || l > self.capacity) {
+            return Err(ModelError::Invalid(format!(
+                "resizing KV slots to {slots} x {capacity} would lose live positions {live:?}"
+            )));
+        }
+        let (k, v) = self.shape.zeros(slots, capacity)?;
+        for (new, old) in k.iter().zip(&self.k).chain(v.iter().zip(&self.v)) {
+            for (i, &len) in live.iter().enumerate() {
+                if len == 0 {
+                    continue;
+                }
+                new.f_narrow(0, i as i64, 1)?
+                    .f_narrow(2, 0, len as i64)?
+                    .f_copy_(&old.f_narrow(0, i as i64, 1)?.f_narrow(2, 0, len as i64)?)?;
+            }
+        }
+        self.k = k;
+        self.v = v;
+        self.slots = slots;
+        self.capacity = capacity;
+        Ok(())
+    }
+
+    /// Copies the first `len` positions of slot `from` into slot `to` (compaction, and
+    /// forking one prefilled prompt into several sequences).
+    pub fn copy_slot(&mut self, from: usize, to: usize, len: usize) -> Result<(), ModelError> {
+        if from == to || len == 0 {
+            return Ok(());
+        }
+        for t in self.k.iter().chain(self.v.iter()) {
+            let src = t.f_narrow(0, from as i64, 1)?.f_narrow(2, 0, len as i64)?;
+            t.f_narrow(0, to as i64, 1)?
+                .f_narrow(2, 0, len as i64)?
+                .f_copy_(&src)?;
+        }
+        Ok(())
+    }
+
+    /// A copy of positions `start..start + len` of slot `slot`.
+    pub fn extract(&self, slot: usize, start: usize, len: usize) -> Result<KvBlock, ModelError> {
+        if slot >= self.slots || start + len > self.capacity || len == 0 {
+            return Err(ModelError::Invalid(format!(
+                "KV positions {start}..{} of slot {slot} are outside {} x {}",
+                start + len,
+                self.slots,
+                self.capacity
+            )));
+        }
+        let parts = self
+            .k
+            .iter()
+            .chain(self.v.iter())
+            .map(|t| {
+                t.f_narrow(0, slot as i64, 1)?
+                    .f_narrow(2, start as i64, len as i64)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(KvBlock {
+            t: Tensor::f_cat(&parts, 0)?,
+            len,
+        })
+    }
+
+    /// Writes the first `len` positions of `block` into slot `slot` at position `at`.
+    pub fn load(
+        &mut self,
+        slot: usize,
+        at: usize,
+        block: &KvBlock,
+        len: usize,
+    ) -> Result<(), ModelError> {
+        if slot >= self.slots || at + len > self.capacity || len > block.len {
+            return Err(ModelError::Invalid(format!(
+                "{len} cached KV positions do not fit slot {slot} at {at} ({} x {})",
+                self.slots, self.capacity
+            )));
+        }
+        if len == 0 {
+            return Ok(());
+        }
+        for (i, t) in self.k.iter().chain(self.v.iter()).enumerate() {
+            t.f_narrow(0, slot as i64, 1)?
+                .f_narrow(2, at as i64, len as i64)?
+                .f_copy_(
+                    &block
+                        .t
+                        .f_narrow(0, i as i64, 1)?
+                        .f_narrow(2, 0, len as i64)?,
+                )?;
+        }
+        Ok(())
+    }
+}
+
+/// Keys and values of `len` consecutive positions of one sequence, every layer, in one
+/// tensor [2 x layers, kv_heads, len, head_dim] (keys of each layer, then values).
+pub struct KvBlock {
+    t: Tensor,
+    len: usize,
+}
+
+impl KvBlock {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.t.numel() * self.t.kind().elt_size_in_bytes()
+    }
+    /// Keeps positions `0..at` and returns `at..`, each in its own storage (so dropping
+    /// one gives its bytes back).
+    pub fn split_off(&mut self, at: usize) -> Result<KvBlock, ModelError> {
+        if at == 0 || at >= self.len {
+            return Err(ModelError::Invalid(format!(
+                "cannot split a KV block of {} positions at {at}",
+                self.len
+            )));
+        }
+        let tail = self
+            .t
+            .f_narrow(2, at as i64, (self.len - at) as i64)?
+            .f_contiguous()?;
+        let head = self.t.f_narrow(2, 0, at as i64)?.f_contiguous()?;
+        let tail = KvBlock {
+            t: tail,
+            len: self.len - at,
+        };
+        self.t = head;
+        self.len = at;
+        Ok(tail)
+    }
+}
+
+impl Llama {
+    fn kv_shape(&self) -> Shape {
+        Shape {
+            layers: self.layers.len(),
+            kv_heads: self.config.num_key_value_heads as i64,
+            head_dim: self.config.head_dim as i64,
+            kind: self.act,
+            device: self.device,
+            limit: self.max_positions(),
+        }
+    }
+
+    /// An empty cache for `batch` rows of up to `capacity` positions.
+    pub fn new_cache(&self, batch: usize, capacity: usize) -> Result<KvCache, ModelError> {
+        let shape = self.kv_shape();
+        let capacity = capacity.min(shape.limit);
+        let (k, v) = shape.zeros(batch, capacity)?;
+        Ok(KvCache {
+            k,
+            v,
+            len: 0,
+            capacity,
+            batch,
+        })
+    }
+
+    /// Storage for `slots` sequences of up to `capacity` positions each (zeroed; capped at
+    /// the model's context). [`SlotCache::resize`] changes both later.
+    pub fn new_slot_cache(&self, slots: usize, capacity: usize) -> Result<SlotCache, ModelError> {
+        let shape = self.kv_shape();
+        let capacity = capacity.min(shape.limit);
+        let (k, v) = shape.zeros(slots, capacity)?;
+        Ok(SlotCache {
+            k,
+            v,
+            slots,
+            capacity,
+            shape,
+        })
+    }
+}
