@@ -2,10 +2,14 @@
 //! client's proxy (with the model card fetched from any provider), generation on a server
 //! found through the DHT.
 //!
-//! Routing: each model's providers come from the DHT (re-queried every couple of seconds);
-//! a call goes to the provider with the best score (measured time to first token, scaled
-//! by the load and queue depth it gossips); a provider that fails is backed off
-//! (exponentially, up to 30 s). A call that fails before any token is re-issued to another
+//! Routing: each model's providers come from the DHT (re-queried every couple of seconds).
+//! An episode's calls repeat each other's context, so they go where its first call ran
+//! while that server is healthy (its prefix cache holds the context), and the episodes of
+//! one group (one task prompt) go to the server their group started on while its gossiped
+//! load leaves room. Other calls go to the provider with the best score (measured time to
+//! first token, scaled by the load and queue depth it gossips, a little better for a
+//! higher prefix-cache hit rate). A provider that fails is backed off (exponentially, up
+//! to 30 s) and loses its episodes and groups to the server that takes over. A call that fails before any token is re-issued to another
 //! provider; one that fails mid-call continues on another provider from the tokens already
 //! streamed (prompt + those tokens), which is safe because a server holds no per-episode
 //! state. The tokens before the fail-over stay signed by the first server and the rest by
@@ -27,7 +31,7 @@ use crate::base::lock;
 use crate::base::stop::{Stop, TaskTracker};
 use crate::engine::{EngineError, EngineEvent, GenerateRequest};
 use crate::model::{ModelCard, ModelError};
-use crate::openai::{Backend, ChoiceEvent, ChoiceStream, SignedPart};
+use crate::openai::{Backend, ChoiceEvent, ChoiceStream, Route, SignedPart};
 use crate::rpc::{CardBlob, CardReply, CardRequest, InferFrame, InferRequest, CARD, INFER};
 use crate::swarm::frame::{read_frame, write_frame, FrameError};
 use crate::swarm::{PeerId, SwarmError, SwarmHandle};
@@ -68,11 +72,39 @@ struct PeerScore {
     backoff_until: Option<Instant>,
 }
 
-/// Per-model providers and per-peer scores.
+/// Episodes remembered at most for routing (a proxy used without an episode runner may
+/// see any number of bearer tokens; past this the oldest are forgotten).
+const MAX_ROUTED_EPISODES: usize = 65_536;
+
+/// Where calls that belong together last ran.
+#[derive(Default)]
+struct Affinity {
+    /// Episode -> the server of its last call.
+    episode_server: HashMap<String, PeerId>,
+    /// Episode ids in the order first seen (to forget the oldest).
+    order: std::collections::VecDeque<String>,
+    /// Episode -> its group (registered by the episode runner).
+    group_of: HashMap<String, String>,
+    /// Group -> the server its episodes go to, and how many registered episodes it has.
+    group_server: HashMap<String, PeerId>,
+    group_size: HashMap<String, usize>,
+}
+
+/// What the swarm's gossip says of a provider, for routing.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PeerLoad {
+    /// Running / max batch, plus queue depth.
+    pub load: f64,
+    /// Its prefix cache's hit rate (0..1).
+    pub hit_rate: f64,
+}
+
+/// Per-model providers, per-peer scores, and where episodes and groups run.
 #[derive(Default)]
 pub struct Router {
     providers: Mutex<HashMap<String, Vec<PeerId>>>,
     scores: Mutex<HashMap<PeerId, PeerScore>>,
+    affinity: Mutex<Affinity>,
 }
 
 impl Router {
@@ -109,18 +141,107 @@ impl Router {
         e.ttft_ms = Some(e.ttft_ms.map_or(ms, |old| 0.8 * old + 0.2 * ms));
     }
 
-    /// The best provider not in `exclude`: backed-off peers last, then by score.
-    fn pick(&self, model: &str, exclude: &[PeerId], load: &HashMap<PeerId, f64>) -> Option<PeerId> {
-        let now = Instant::now();
+    /// Episode `episode` belongs to group `group` (its calls may go where the group's do).
+    pub fn register_episode(&self, episode: &str, group: &str) {
+        let mut a = lock(&self.affinity);
+        if a.group_of.insert(episode.into(), group.into()).is_none() {
+            *a.group_size.entry(group.into()).or_default() += 1;
+        }
+    }
+
+    /// The episode is over: forget where it ran (and its group, after its last episode).
+    pub fn forget_episode(&self, episode: &str) {
+        let mut a = lock(&self.affinity);
+        a.episode_server.remove(episode);
+        if let Some(g) = a.group_of.remove(episode) {
+            let left = a.group_size.get_mut(&g).map(|n| {
+                *n -= 1;
+                *n
+            });
+            if left == Some(0) {
+                a.group_size.remove(&g);
+                a.group_server.remove(&g);
+            }
+        }
+    }
+
+    /// The server the episode's calls go to now, if it has one.
+    pub fn server_of(&self, episode: &str) -> Option<PeerId> {
+        lock(&self.affinity).episode_server.get(episode).copied()
+    }
+
+    /// A call of `route` ran on `peer`: its episode's next calls (and its group's new
+    /// episodes, when the group has no server yet or lost it) go there too.
+    fn bind(&self, route: &Route, peer: PeerId) {
+        let Some(ep) = &route.episode else {
+            return;
+        };
+        let mut a = lock(&self.affinity);
+        if a.episode_server.insert(ep.clone(), peer).is_none() {
+            a.order.push_back(ep.clone());
+            while a.order.len() > MAX_ROUTED_EPISODES {
+                if let Some(old) = a.order.pop_front() {
+                    a.episode_server.remove(&old);
+                }
+            }
+        }
+        if let Some(g) = a.group_of.get(ep).cloned() {
+            let moved = a.group_server.get(&g).is_none_or(|&s| self.backed_off(s));
+            if moved {
+                a.group_server.insert(g, peer);
+            }
+        }
+    }
+
+    fn backed_off(&self, peer: PeerId) -> bool {
+        lock(&self.scores)
+            .get(&peer)
+            .and_then(|s| s.backoff_until)
+            .is_some_and(|t| t > Instant::now())
+    }
+
+    /// Where a call of `route` should go: its episode's server while that is healthy, else
+    /// its group's while that has room, else the best provider not in `exclude`
+    /// (backed-off peers last, then by score).
+    fn pick(
+        &self,
+        model: &str,
+        exclude: &[PeerId],
+        load: &HashMap<PeerId, PeerLoad>,
+        route: &Route,
+    ) -> Option<PeerId> {
         let providers = self.providers(model);
+        let usable =
+            |p: PeerId| providers.contains(&p) && !exclude.contains(&p) && !self.backed_off(p);
+        if let Some(ep) = &route.episode {
+            let (mine, group) = {
+                let a = lock(&self.affinity);
+                let group = a
+                    .group_of
+                    .get(ep)
+                    .and_then(|g| a.group_server.get(g))
+                    .copied();
+                (a.episode_server.get(ep).copied(), group)
+            };
+            if let Some(p) = mine.filter(|&p| usable(p)) {
+                return Some(p);
+            }
+            let room = |p: &PeerId| load.get(p).is_none_or(|l| l.load < 1.0);
+            if let Some(p) = group.filter(|&p| usable(p) && room(&p)) {
+                return Some(p);
+            }
+        }
+        let now = Instant::now();
         let scores = lock(&self.scores);
         let mut c: Vec<(bool, f64, PeerId)> = providers
-            .into_iter()
+            .iter()
+            .copied()
             .filter(|p| !exclude.contains(p))
             .map(|p| {
                 let s = scores.get(&p).cloned().unwrap_or_default();
                 let backed_off = s.backoff_until.is_some_and(|t| t > now);
-                let busy = 1.0 + load.get(&p).copied().unwrap_or(0.0);
+                let l = load.get(&p).copied().unwrap_or_default();
+                let busy = (1.0 + l.load) * (1.0 - 0.25 * l.hit_rate.clamp(0.0, 1.0));
                 (backed_off, s.ttft_ms.unwrap_or(0.0) * busy + busy, p)
             })
             .collect();
@@ -213,11 +334,23 @@ impl SwarmBackend {
         })
     }
 
-    fn loads(&self) -> HashMap<PeerId, f64> {
+    fn loads(&self, model: &str) -> HashMap<PeerId, PeerLoad> {
         self.swarm
             .view()
             .into_iter()
-            .map(|e| (e.peer, e.status.load as f64 + e.status.queue_depth as f64))
+            .map(|e| {
+                let hit_rate = e
+                    .status
+                    .models
+                    .iter()
+                    .find(|m| m.name == model)
+                    .map_or(0.0, |m| m.cache.hit_rate as f64);
+                let load = PeerLoad {
+                    load: e.status.load as f64 + e.status.queue_depth as f64,
+                    hit_rate,
+                };
+                (e.peer, load)
+            })
             .collect()
     }
 }
@@ -318,6 +451,7 @@ impl Backend for SwarmBackend {
         model: &str,
         req: GenerateRequest,
         n: usize,
+        route: &Route,
     ) -> Result<Vec<ChoiceStream>, EngineError> {
         let mut rxs = Vec::with_capacity(n);
         let mut runs = Vec::with_capacity(n);
@@ -336,7 +470,8 @@ impl Backend for SwarmBackend {
             router: self.router.clone(),
             model: model.to_string(),
             req,
-            loads: self.loads(),
+            loads: self.loads(model),
+            route: route.clone(),
         };
         self.tasks.spawn(call.run(runs));
         Ok(rxs)
@@ -358,7 +493,8 @@ struct RemoteCall {
     router: Arc<Router>,
     model: String,
     req: GenerateRequest,
-    loads: HashMap<PeerId, f64>,
+    loads: HashMap<PeerId, PeerLoad>,
+    route: Route,
 }
 
 impl RemoteCall {
@@ -372,11 +508,11 @@ impl RemoteCall {
             }
             let Some(peer) = self
                 .router
-                .pick(&self.model, &tried, &self.loads)
+                .pick(&self.model, &tried, &self.loads, &self.route)
                 .or_else(|| {
                     // Every provider was tried: allow the least bad one again.
                     tried.clear();
-                    self.router.pick(&self.model, &[], &self.loads)
+                    self.router.pick(&self.model, &[], &self.loads, &self.route)
                 })
             else {
                 break;
@@ -509,6 +645,7 @@ impl RemoteCall {
                     if first_token {
                         first_token = false;
                         self.router.succeeded(peer, started.elapsed());
+                        self.router.bind(&self.route, peer);
                     }
                     let run = &mut runs[i];
                     run.tokens.push(id);
@@ -570,5 +707,56 @@ impl RemoteCall {
             }
         }
         AttemptEnd::Done
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn route(ep: &str) -> Route {
+        Route {
+            episode: Some(ep.into()),
+        }
+    }
+
+    #[test]
+    fn episodes_stick_to_their_server_and_groups_share_one_while_it_has_room() {
+        let r = Router::default();
+        let (a, b) = (PeerId::random(), PeerId::random());
+        r.set_providers("m", vec![a, b]);
+        for e in ["e0", "e1", "e2"] {
+            r.register_episode(e, "g");
+        }
+        let idle: HashMap<PeerId, PeerLoad> = HashMap::new();
+        // e0's first call ran on whichever server; make it b's for the check.
+        r.bind(&route("e0"), b);
+        assert_eq!(r.pick("m", &[], &idle, &route("e0")), Some(b));
+        // A sibling with no server yet goes to the group's server while it has room...
+        assert_eq!(r.pick("m", &[], &idle, &route("e1")), Some(b));
+        // ...and elsewhere when b is full; it then stays where it ran.
+        let full = HashMap::from([(
+            b,
+            PeerLoad {
+                load: 1.5,
+                hit_rate: 0.0,
+            },
+        )]);
+        assert_eq!(r.pick("m", &[], &full, &route("e1")), Some(a));
+        r.bind(&route("e1"), a);
+        assert_eq!(r.pick("m", &[], &idle, &route("e1")), Some(a));
+        // An episode's own server is kept even when busy, until it fails.
+        assert_eq!(r.pick("m", &[], &full, &route("e0")), Some(b));
+        r.failed(b);
+        assert_eq!(r.pick("m", &[], &idle, &route("e0")), Some(a));
+        r.bind(&route("e0"), a);
+        assert_eq!(r.server_of("e0"), Some(a));
+        // Over: forgotten, and the group with its last episode.
+        for e in ["e0", "e1", "e2"] {
+            r.forget_episode(e);
+        }
+        assert_eq!(r.server_of("e0"), None);
+        assert!(lock(&r.affinity).group_server.is_empty());
+        assert!(lock(&r.affinity).group_size.is_empty());
     }
 }

@@ -159,6 +159,7 @@ pub async fn run_episodes(
                 task: task.clone(),
                 group_size: cfg.num_repeat as u32,
             };
+            backend.router.register_episode(&ep.id, &group_id);
             let (agent, backend, tracking, stats, journal, models, dry) = (
                 agent.clone(),
                 backend.clone(),
@@ -172,9 +173,11 @@ pub async fn run_episodes(
             running.spawn(async move {
                 let _permit = permit;
                 stats.running.fetch_add(1, Ordering::Relaxed);
+                let id = ep.id.clone();
                 let line = ep
                     .run(&agent, &backend, &tracking, &stats, &models, dry, &st)
                     .await;
+                backend.router.forget_episode(&id);
                 stats.running.fetch_sub(1, Ordering::Relaxed);
                 let _ = writeln!(lock(&journal), "{line}");
             });

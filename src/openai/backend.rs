@@ -41,6 +41,14 @@ pub enum ChoiceEvent {
 pub type ChoiceStream = Pin<Box<dyn Stream<Item = ChoiceEvent> + Send>>;
 
 /// What the facade needs from whatever runs the model.
+/// Which calls belong together, for a backend that picks a server per call: calls of one
+/// episode repeat each other's context, so one server's prefix cache serves them best.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Route {
+    /// The episode the call belongs to (the bearer token of a tracking proxy).
+    pub episode: Option<String>,
+}
+
 pub trait Backend: Send + Sync + 'static {
     /// Names of the models served, for `/v1/models` and routing.
     fn model_ids(&self) -> Vec<String>;
@@ -52,11 +60,13 @@ pub trait Backend: Send + Sync + 'static {
     fn ready(&self) -> bool;
     /// Starts `n` generations from one prompt (choice `i` seeded with `seed + i`); their
     /// events stream back, one stream per choice. Dropping a stream cancels its choice.
+    /// `route` tells a backend that picks among servers which calls belong together.
     fn submit(
         &self,
         model: &str,
         req: GenerateRequest,
         n: usize,
+        route: &Route,
     ) -> Result<Vec<ChoiceStream>, EngineError>;
     /// Extra Prometheus lines (engine gauges and counters).
     fn metrics(&self) -> String;
@@ -88,6 +98,7 @@ impl Backend for LocalBackend {
         _model: &str,
         req: GenerateRequest,
         n: usize,
+        _route: &Route,
     ) -> Result<Vec<ChoiceStream>, EngineError> {
         Ok(self
             .engine

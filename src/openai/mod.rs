@@ -24,4 +24,4 @@ pub mod text;
 pub mod track;
 pub mod types;
 
-pub use backend::{Backend, ChoiceEvent, ChoiceStream, LocalBackend, SignedPart};
+pub use backend::{Backend, ChoiceEvent, ChoiceStream, LocalBackend, Route, SignedPart};

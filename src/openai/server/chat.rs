@@ -163,7 +163,10 @@ pub(super) async fn chat_inner(
                 .map_err(|e| ApiError::bad("tool_choice", e.to_string()))?,
         );
     }
-    let rxs = submit(st, &p)?;
+    let route = Route {
+        episode: episode.clone(),
+    };
+    let rxs = submit(st, &p, &route)?;
     let id = format!("chatcmpl-{:x}", st.next_id.fetch_add(1, Ordering::Relaxed));
     if req.stream {
         let include_usage = req.stream_options.as_ref().is_some_and(|o| o.include_usage);

@@ -9,13 +9,13 @@ pub(super) async fn completions(
 ) -> Response {
     st.requests.fetch_add(1, Ordering::Relaxed);
     let result = match body_or_error(body, st.cfg.max_body_bytes) {
-        Ok(body) => match external_of(&st, &body) {
-            Some(m) => {
-                let episode = episode_of(&st, &headers);
-                forward_external(&st, &m, "completions", &body, episode).await
+        Ok(body) => {
+            let episode = episode_of(&st, &headers);
+            match external_of(&st, &body) {
+                Some(m) => forward_external(&st, &m, "completions", &body, episode).await,
+                None => completions_inner(&st, body, episode).await,
             }
-            None => completions_inner(&st, body).await,
-        },
+        }
         Err(e) => Err(e),
     };
     answer(&st, result)
@@ -24,6 +24,7 @@ pub(super) async fn completions(
 pub(super) async fn completions_inner(
     st: &Arc<AppState>,
     body: Bytes,
+    episode: Option<String>,
 ) -> Result<Response, ApiError> {
     let req: CompletionRequest = parse_body(&body)?;
     let (card, ctx) = resolve_model(st, &req.model)?;
@@ -80,7 +81,7 @@ pub(super) async fn completions_inner(
         prompt,
         top,
     )?;
-    let rxs = submit(st, &p)?;
+    let rxs = submit(st, &p, &Route { episode })?;
     let id = format!("cmpl-{:x}", st.next_id.fetch_add(1, Ordering::Relaxed));
     if req.stream {
         let include_usage = req.stream_options.as_ref().is_some_and(|o| o.include_usage);

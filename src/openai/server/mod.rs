@@ -26,7 +26,7 @@ use futures_util::StreamExt;
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value as Json_};
 
-use super::backend::{Backend, ChoiceEvent, ChoiceStream, SignedPart};
+use super::backend::{Backend, ChoiceEvent, ChoiceStream, Route, SignedPart};
 use super::external::{forward, model_entry, ExternalLog, ExternalModel};
 use super::reward::{parse_reward, Rewards};
 use super::text::{parse_tool_calls, StopMatcher};

@@ -160,7 +160,11 @@ pub(super) fn plan(
 
 /// Submits the plan's `n` generations as one request (one shared prefill; choice `i`
 /// samples with seed `seed + i`).
-pub(super) fn submit(st: &AppState, p: &Plan) -> Result<Vec<ChoiceStream>, ApiError> {
+pub(super) fn submit(
+    st: &AppState,
+    p: &Plan,
+    route: &Route,
+) -> Result<Vec<ChoiceStream>, ApiError> {
     st.backend
         .submit(
             &p.model,
@@ -174,6 +178,7 @@ pub(super) fn submit(st: &AppState, p: &Plan) -> Result<Vec<ChoiceStream>, ApiEr
                 constraint: p.constraint.clone(),
             },
             p.n,
+            route,
         )
         .map_err(engine_error)
 }
