@@ -12,7 +12,11 @@
 //! venv). The float32 runs come first: loading a bfloat16 model on CPU sets LibTorch to one
 //! intra-op thread for the rest of the process.
 
-use agentjet::engine::{generate, GenerateRequest, SamplingParams};
+use std::time::Instant;
+
+use agentjet::engine::{
+    generate, spawn_engine, EngineConfig, EngineEvent, GenerateRequest, SamplingParams,
+};
 use agentjet::model::checkpoint::load_model;
 use agentjet::model::llama::DType;
 use agentjet::model::{ChatRequest, ModelSource};
@@ -61,6 +65,50 @@ fn ours(dtype: DType, prompt: &[u32]) -> anyhow::Result<Side> {
         let g = generate(&loaded.model, &req, |_, _| true)?;
         runs.push(g.decode_tokens_per_s());
         tokens = g.tokens;
+    }
+    Ok(Side {
+        median: median(runs.clone()),
+        runs,
+        tokens,
+    })
+}
+
+/// One stream through the engine thread (what `serve` runs): decode speed from the first
+/// token's event to the last one's.
+fn engine(dtype: DType, prompt: &[u32]) -> anyhow::Result<Side> {
+    let source = ModelSource::resolve("smollm2")?;
+    let loaded = load_model(&source, tch::Device::cuda_if_available(), dtype)?;
+    let engine = spawn_engine(loaded.model, EngineConfig::default())?;
+    let req = GenerateRequest {
+        prompt: prompt.to_vec(),
+        max_tokens: NEW_TOKENS,
+        sampling: SamplingParams::greedy(),
+        ..Default::default()
+    };
+    let once = || -> anyhow::Result<(f64, Vec<u32>)> {
+        let mut rx = engine.submit(req.clone())?;
+        let (mut first, mut last, mut tokens) = (None, Instant::now(), Vec::new());
+        while let Some(ev) = rx.blocking_recv() {
+            match ev {
+                EngineEvent::Token { id, .. } => {
+                    last = Instant::now();
+                    first.get_or_insert(last);
+                    tokens.push(id);
+                }
+                EngineEvent::Finished { .. } => break,
+                EngineEvent::Failed(e) => anyhow::bail!("engine request failed: {e}"),
+            }
+        }
+        let secs = first.map_or(0.0, |f| (last - f).as_secs_f64());
+        Ok(((tokens.len().saturating_sub(1)) as f64 / secs, tokens))
+    };
+    once()?; // warm-up
+    let mut runs = Vec::new();
+    let mut tokens = Vec::new();
+    for _ in 0..REPEATS {
+        let (tps, t) = once()?;
+        runs.push(tps);
+        tokens = t;
     }
     Ok(Side {
         median: median(runs.clone()),
@@ -120,6 +168,14 @@ fn run() -> anyhow::Result<()> {
         agentjet_kernels::simd_level()
     );
     let ours_f32 = ours(DType::F32, &prompt)?;
+    let engine_f32 = engine(DType::F32, &prompt)?;
+    println!(
+        "engine f32 single stream: {:.1} tok/s (runs {:?}); generate {:.1}",
+        engine_f32.median, engine_f32.runs, ours_f32.median
+    );
+    if std::env::args().any(|a| a == "--engine-only") {
+        return Ok(());
+    }
     let hf_f32 = hf(&python, "float32", &prompt)?;
     let hf_bf16 = hf(&python, "bfloat16", &prompt)?;
     let ours_bf16 = ours(DType::BF16, &prompt)?;
@@ -135,6 +191,7 @@ fn run() -> anyhow::Result<()> {
     println!("|-----------|------------------|-----------------------|---------------------------|-------------------------------|");
     for (prec, side, s) in [
         ("f32", "agentjet", &ours_f32),
+        ("f32", "agentjet engine", &engine_f32),
         ("f32", "HF transformers", &hf_f32),
         ("bf16", "agentjet", &ours_bf16),
         ("bf16", "HF transformers", &hf_bf16),
@@ -153,6 +210,15 @@ fn run() -> anyhow::Result<()> {
             0.0
         }
     };
+    let re = ratio(&engine_f32, &ours_f32);
+    println!(
+        "engine (one stream, f32) vs generate: {:.1} vs {:.1} tok/s, {re:.2}x (goal: within 10%, >= 0.90x)",
+        engine_f32.median, ours_f32.median
+    );
+    println!(
+        "RESULT decode engine_single_stream_tok_s_f32 ours={:.2} peer={:.2} ratio={re:.2}",
+        engine_f32.median, ours_f32.median
+    );
     let r32 = ratio(&ours_f32, &hf_f32);
     let r16 = ratio(&ours_bf16, &hf_bf16);
     let rx = ratio(&ours_bf16, &hf_f32);

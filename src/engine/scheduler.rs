@@ -146,6 +146,9 @@ impl EngineLoop {
     fn run(mut self) {
         let _guard = tch::no_grad_guard();
         self.model.prepare_thread();
+        if self.model.serve_on_kernel_pool() {
+            tracing::debug!("engine: matrix products on the kernel pool");
+        }
         loop {
             self.take_weights();
             self.pull();

@@ -103,6 +103,9 @@ pub struct Llama {
     /// Mixed precision for training: matrix products run in this kind over the float32
     /// weights (cast on the fly, so gradients reach the float32 master weights).
     compute: Option<Kind>,
+    /// Matrix products split across the kernel pool (this thread and the pool's workers
+    /// run one OpenMP thread each); see [`Llama::serve_on_kernel_pool`].
+    pooled: bool,
 }
 
 impl std::fmt::Debug for Llama {
@@ -236,6 +239,7 @@ impl Llama {
             lm_head,
             rope,
             compute: None,
+            pooled: false,
         })
     }
 
@@ -261,6 +265,29 @@ impl Llama {
         if self.device == Device::Cpu && self.dtype == DType::BF16 {
             one_torch_thread_per_worker();
         }
+    }
+
+    /// For a thread that serves this model for the life of the process (the engine's): on
+    /// the CPU, every matrix product is split across the kernel pool (whose workers spin
+    /// between jobs) and this thread runs one OpenMP thread. OpenMP's own workers spin
+    /// only while no other thread of the process has an OpenMP team (libgomp throttles
+    /// spinning to ~100 iterations once its threads outnumber the cores), so in a process
+    /// where the loader or the trainer also ran LibTorch, each of a decode step's ~120
+    /// products paid a futex wake-up: one engine stream decoded SmolLM2 f32 at 20.6
+    /// tok/s where `generate` on the main thread did 32.8. Returns whether it applies.
+    pub fn serve_on_kernel_pool(&mut self) -> bool {
+        if self.device != Device::Cpu || agentjet_kernels::pool().workers() < 2 {
+            return false;
+        }
+        let before = tch::get_num_threads();
+        one_torch_thread_per_worker();
+        if self.dtype == DType::F32 {
+            // Setting a thread's count also sets the default that threads started later
+            // take (the trainer's): put that back, from a thread that runs nothing else.
+            let _ = std::thread::spawn(move || tch::set_num_threads(before)).join();
+        }
+        self.pooled = true;
+        true
     }
 
     pub fn device(&self) -> Device {
@@ -377,13 +404,14 @@ impl Llama {
 
 /// A tensor handed to the kernel pool's workers for read-only use.
 struct SharedTensor(Tensor);
-// SAFETY: the workers only read it (narrow, matmul) while `split_bf16_gemm` waits for
+// SAFETY: the workers only read it (narrow, matmul) while `split_gemm` waits for
 // them; LibTorch's reference counts are atomic.
 unsafe impl Sync for SharedTensor {}
 
 /// `x · wᵀ` on the CPU with the rows of `w` split across the kernel pool, each share a
-/// single-threaded LibTorch GEMM; the shares are concatenated along the last dimension.
-fn split_bf16_gemm(x: &Tensor, w: &Tensor) -> Result<Tensor, ModelError> {
+/// single-threaded LibTorch GEMM (any kind); the shares are concatenated along the last
+/// dimension.
+fn split_gemm(x: &Tensor, w: &Tensor) -> Result<Tensor, ModelError> {
     let pool = agentjet_kernels::pool();
     let workers = pool.workers() as i64;
     let n = w.size()[0];

@@ -6,7 +6,7 @@
 use agentjet_kernels::matmul_bf16;
 use tch::{Device, Kind, Tensor};
 
-use super::{split_bf16_gemm, DecoderLayer, Llama, KERNEL_ROWS};
+use super::{split_gemm, DecoderLayer, Llama, KERNEL_ROWS};
 use crate::model::ModelError;
 
 /// One layer's attention inputs, tokens laid out as the path asked (`lead`): q
@@ -36,6 +36,13 @@ impl Llama {
                 .f_to_kind(x.kind())?);
         }
         if w.kind() == x.kind() {
+            if self.pooled && x.numel() > 0 {
+                let y = split_gemm(x, w)?;
+                return Ok(match bias {
+                    Some(b) => y.f_add(b)?,
+                    None => y,
+                });
+            }
             return Ok(x.f_linear(w, bias)?);
         }
         // bfloat16 weights, float32 activations (CPU).
@@ -65,7 +72,7 @@ impl Llama {
             // More rows: a bfloat16 GEMM (AMX/AVX-512 in oneDNN). LibTorch runs one
             // intra-op thread in this mode, so the kernel pool's workers each take a share
             // of W's rows.
-            split_bf16_gemm(&x.f_to_kind(w.kind())?, w)?.f_to_kind(x.kind())?
+            split_gemm(&x.f_to_kind(w.kind())?, w)?.f_to_kind(x.kind())?
         } else {
             x.f_to_kind(w.kind())?
                 .f_linear(w, None::<&Tensor>)?
