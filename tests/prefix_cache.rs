@@ -284,3 +284,53 @@ fn memory_returns_to_the_budget_after_64_concurrent_sessions_end() {
     assert!(held <= cap, "{held} > {cap}");
     assert!(e.stats.prefix_reused_tokens.load(Relaxed) > 0);
 }
+
+/// Resident memory of a process, from /proc (Linux).
+fn rss_bytes(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    kb * 1024
+}
+
+#[test]
+fn an_idle_smollm2_server_holds_no_kv_slots_and_stays_under_2_gb() {
+    common::smollm2_path();
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = common::peer::Peer::start(
+        "server",
+        dir.path(),
+        &[
+            "--role",
+            "server",
+            "--model",
+            "smollm2",
+            "--http",
+            "127.0.0.1:0",
+        ],
+    );
+    let http = s.wait_line("http at", Duration::from_secs(180));
+    s.wait_line("serving model", Duration::from_secs(60));
+    let kv = |name: &str| common::peer::metric(&http, &format!("{name}{{model=\"smollm2\"}}"));
+    assert_eq!(kv("agentjet_engine_kv_allocated_bytes"), Some(0.0));
+    let idle = rss_bytes(s.child.id());
+    println!("idle server: {:.2} GB resident", idle as f64 / 1e9);
+    assert!(idle < 2_000_000_000, "idle server holds {idle} bytes");
+    // A request takes KV memory and gives the slots back when it ends (the prefix cache
+    // keeps what it computed).
+    let (st, body) = common::peer::http(
+        &http,
+        "POST",
+        "/v1/completions",
+        Some(
+            &serde_json::json!({"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 8}),
+        ),
+    );
+    assert_eq!(st, 200, "{body}");
+    common::peer::wait_until("slots given back", Duration::from_secs(10), || {
+        kv("agentjet_engine_kv_allocated_bytes") == kv("agentjet_prefix_cache_bytes")
+    });
+}

@@ -62,8 +62,8 @@ pub fn state_bytes(t: &Trainer, outer: Option<&Outer>) -> Result<Vec<u8>, TrainE
     out.extend_from_slice(&(momentum.is_some() as u64).to_le_bytes());
     put(&mut out, &params)?;
     let (m, v) = t.opt.moments();
-    put(&mut out, m)?;
-    put(&mut out, v)?;
+    put(&mut out, &m)?;
+    put(&mut out, &v)?;
     if let Some(b) = momentum {
         put(&mut out, b)?;
     }

@@ -38,17 +38,30 @@ pub struct AdamW {
 }
 
 impl AdamW {
-    /// Tracks `params` (tensors that require gradients).
+    /// Tracks `params` (tensors that require gradients). The moments (twice the
+    /// parameters' bytes) are allocated by the first step or restore, so a server that
+    /// has not trained yet does not hold them.
     pub fn new(params: Vec<Tensor>, cfg: AdamWConfig) -> AdamW {
-        let zeros = |p: &Tensor| p.zeros_like().set_requires_grad(false);
-        let m = params.iter().map(zeros).collect();
-        let v = params.iter().map(zeros).collect();
         AdamW {
             cfg,
             params,
-            m,
-            v,
+            m: Vec::new(),
+            v: Vec::new(),
             step: 0,
+        }
+    }
+
+    fn zeros(&self) -> Vec<Tensor> {
+        self.params
+            .iter()
+            .map(|p| p.zeros_like().set_requires_grad(false))
+            .collect()
+    }
+
+    fn allocate(&mut self) {
+        if self.m.len() != self.params.len() {
+            self.m = self.zeros();
+            self.v = self.zeros();
         }
     }
 
@@ -56,9 +69,14 @@ impl AdamW {
         self.step
     }
 
-    /// The moments (first, second) per parameter, for checkpoints.
-    pub fn moments(&self) -> (&[Tensor], &[Tensor]) {
-        (&self.m, &self.v)
+    /// The moments (first, second) per parameter, for checkpoints (zeros before the
+    /// first step).
+    pub fn moments(&self) -> (Vec<Tensor>, Vec<Tensor>) {
+        if self.m.len() != self.params.len() {
+            return (self.zeros(), self.zeros());
+        }
+        let clone = |t: &Vec<Tensor>| t.iter().map(Tensor::shallow_clone).collect();
+        (clone(&self.m), clone(&self.v))
     }
 
     /// Restores moments and the step count (from a checkpoint): shapes must match.
@@ -71,6 +89,7 @@ impl AdamW {
                 self.params.len()
             )));
         }
+        self.allocate();
         no_grad(|| {
             for (i, (dst, src)) in self
                 .m
@@ -120,6 +139,7 @@ impl AdamW {
     /// what keeps the members of a training group identical.
     pub fn step_with(&mut self, grads: &mut [Tensor]) -> f64 {
         assert_eq!(grads.len(), self.params.len(), "one gradient per parameter");
+        self.allocate();
         let norm = norm_of(grads.iter().map(Tensor::shallow_clone));
         let clip = match self.cfg.max_grad_norm {
             Some(max) if norm > max && norm.is_finite() => max / (norm + 1e-6),
