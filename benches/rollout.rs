@@ -156,6 +156,10 @@ fn ours(
         s.prefill_tokens.load(Relaxed),
         s.prefix_reused_tokens.load(Relaxed),
     );
+    let (prefill_us0, copy_us0) = (
+        s.prefill_micros.load(Relaxed),
+        s.prefix_copy_micros.load(Relaxed),
+    );
     let turns = trace[0].env.len();
     let t0 = Instant::now();
     let threads: Vec<_> = (0..trace.len())
@@ -225,6 +229,11 @@ fn ours(
     };
     // The engine publishes its memory after the last step's answers went out.
     std::thread::sleep(std::time::Duration::from_millis(200));
+    println!(
+        "  {name}: prefill passes took {:.2}s; copying keys and values into and out of the prefix cache {:.2}s",
+        (s.prefill_micros.load(Relaxed) - prefill_us0) as f64 / 1e6,
+        (s.prefix_copy_micros.load(Relaxed) - copy_us0) as f64 / 1e6
+    );
     println!(
         "  {name}: {} episodes in {wall_s:.1}s, {} prompt tokens prefilled, {} reused; KV held \
          idle after: {:.1} MB (prefix cache {:.1} MB)",

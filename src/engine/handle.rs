@@ -122,6 +122,10 @@ pub struct EngineStats {
     pub prefix_evictions: AtomicU64,
     /// Cached positions dropped by weight updates.
     pub prefix_invalidated_positions: AtomicU64,
+    /// Time spent in prefill passes, and copying keys and values into and out of the
+    /// prefix cache (microseconds): what the cache costs against what it saves.
+    pub prefill_micros: AtomicU64,
+    pub prefix_copy_micros: AtomicU64,
 }
 
 /// A request on its way to the engine thread (the loop's side of the queue).

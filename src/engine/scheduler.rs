@@ -349,22 +349,32 @@ impl EngineLoop {
         let live: Vec<usize> = self.running.iter().map(|r| r.len).collect();
         let longest = group.iter().map(|s| s.req.prompt.len()).max().unwrap_or(0);
         self.mem.fit(next, longest + 1, &live)?;
+        let t0 = std::time::Instant::now();
         let mut reused = Vec::with_capacity(group.len());
         for (sub, &slot) in group.iter().zip(&base) {
             reused.push(self.mem.reuse(slot, &sub.req.prompt)?);
         }
+        let copy_in = t0.elapsed();
         let seqs: Vec<(usize, usize, &[u32])> = group
             .iter()
             .zip(&base)
             .zip(&reused)
             .map(|((sub, &slot), &start)| (slot, start, &sub.req.prompt[start..]))
             .collect();
+        let t1 = std::time::Instant::now();
         let logits = Rows::new(&self.model.prefill_slots(&seqs, &self.mem.slots)?)?;
+        let t2 = std::time::Instant::now();
         let epoch = self.mem.epoch;
         for (sub, &slot) in group.iter().zip(&base) {
             self.mem.remember(slot, &sub.req.prompt, epoch);
         }
         let s = &self.stats;
+        s.prefill_micros
+            .fetch_add((t2 - t1).as_micros() as u64, Ordering::Relaxed);
+        s.prefix_copy_micros.fetch_add(
+            (copy_in + t2.elapsed()).as_micros() as u64,
+            Ordering::Relaxed,
+        );
         s.prefill_passes.fetch_add(1, Ordering::Relaxed);
         s.prefill_tokens.fetch_add(
             seqs.iter().map(|s| s.2.len() as u64).sum(),
@@ -481,11 +491,15 @@ impl EngineLoop {
             }
         }
         // What finished sequences computed is cached before their slots are reused.
+        let t0 = std::time::Instant::now();
         for &i in &done {
             let r = &self.running[i];
             let computed = r.computed();
             self.mem.remember(i, &computed, r.epoch);
         }
+        self.stats
+            .prefix_copy_micros
+            .fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
         self.remove(done)
     }
 
