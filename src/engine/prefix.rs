@@ -288,7 +288,8 @@ impl<S: Span> PrefixTree<S> {
     }
 }
 
-fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+/// How many leading tokens `a` and `b` share.
+pub fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 

@@ -19,6 +19,7 @@ use super::constraint::{ConstraintError, ConstraintState};
 use super::direct::check_request;
 use super::handle::{EngineHandle, EngineStats, PendingWeights, Submission};
 use super::memory::{KvMemory, MIN_REUSE};
+use super::prefix::common_prefix;
 use super::{
     sampling, EngineConfig, EngineError, EngineEvent, FinishReason, GenerateRequest, RequestError,
 };
@@ -513,10 +514,6 @@ impl EngineLoop {
             .store(positions * self.bytes_per_position, Ordering::Relaxed);
         self.mem.publish(&self.stats);
     }
-}
-
-fn common_prefix(a: &[u32], b: &[u32]) -> usize {
-    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
 fn finish(
