@@ -78,8 +78,8 @@ fn run() -> anyhow::Result<()> {
 
     let t0 = Instant::now();
     let (ours, ours_mb) = peak(|| -> anyhow::Result<_> {
-        let out = token_logprobs(&h, &w, &y, chunk, true).map_err(anyhow::Error::msg)?;
-        let (gh, gw) = token_logprobs_backward(&h, &w, &y, &g_lp, Some(&g_h), chunk)
+        let out = token_logprobs(&h, &w, &y, chunk, true, None).map_err(anyhow::Error::msg)?;
+        let (gh, gw) = token_logprobs_backward(&h, &w, &y, &g_lp, Some(&g_h), chunk, None)
             .map_err(anyhow::Error::msg)?;
         Ok((out.logprobs, out.entropy.expect("asked"), gh, gw))
     })?;

@@ -348,6 +348,22 @@ async fn the_swarm_key_signed_calls_and_bad_messages() {
         matches!(&reply, SubmitReply::Rejected(r) if r.contains("does not verify")),
         "{reply:?}"
     );
+    // The signature covers the sampling transform: a client that claims another
+    // temperature (to make its tokens look likelier to the trainer) is refused.
+    let mut cooler = c2.clone();
+    assert_eq!(cooler.sampling.temperature, 1.0);
+    cooler.sampling.temperature = 0.5;
+    let reply = library::submit_episode(
+        &member,
+        server_id,
+        &library::episode("ep-4t", cooler),
+        false,
+    )
+    .await;
+    assert!(
+        matches!(&reply, SubmitReply::Rejected(r) if r.contains("does not verify")),
+        "{reply:?}"
+    );
     let mut unsigned = c2.clone();
     unsigned.signature.clear();
     let reply = library::submit_episode(
@@ -368,6 +384,7 @@ async fn the_swarm_key_signed_calls_and_bad_messages() {
         &c2.completion_ids,
         &c2.logprobs,
         c2.policy_version,
+        &c2.sampling,
     ));
     let reply = library::submit_episode(
         &member,

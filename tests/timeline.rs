@@ -86,6 +86,13 @@ fn random_batch(rng: &mut Rng, s: &Shape) -> Vec<Episode> {
                     logprobs,
                     policy_version: 4,
                     signature: vec![],
+                    // Agents change temperature and nucleus between calls: fragments
+                    // and timelines carry each call's own.
+                    sampling: agentjet::timeline::SamplingTransform {
+                        temperature: [0.7, 1.0, 0.0][uniform(rng, 0, 2)],
+                        top_p: [1.0, 0.9][uniform(rng, 0, 1)],
+                        ..Default::default()
+                    },
                 });
                 history.extend_from_slice(&gen);
             }
@@ -347,6 +354,7 @@ fn fragments_round_trip_dedup_and_refuse_tampering() {
         sampled: false,
         logprobs: vec![],
         version: 0,
+        sampling: Default::default(),
     };
     let bytes = too_long.encode();
     let err = Fragment::decode(&too_long.hash(), &bytes).unwrap_err();

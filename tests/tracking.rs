@@ -64,6 +64,7 @@ impl Conversation<'_> {
                 signed: Vec::new(),
             }],
             7,
+            agentjet::timeline::SamplingTransform::RAW,
         );
         (ids, outcome, completion)
     }

@@ -107,7 +107,7 @@ fn rollouts(
             .unwrap();
         for (i, mut rx) in rxs.into_iter().enumerate() {
             let c = Completed::collect(&mut rx).expect("rollout");
-            let (ids, lps) = (c.tokens, c.logprobs.iter().map(|&l| l as f32).collect());
+            let (ids, lps) = (c.tokens, c.behaviour.iter().map(|&l| l as f32).collect());
             let version = c.policy_version;
             let reward = if TARGETS.contains(&ids[0]) { 1.0 } else { 0.0 };
             out.push(Episode::single_call(

@@ -632,6 +632,7 @@ impl RemoteCall {
                     choice,
                     id,
                     logprob,
+                    behaviour,
                     top,
                     policy_version,
                     signature,
@@ -658,7 +659,12 @@ impl RemoteCall {
                     if run.tx.send(signed).is_err()
                         || run
                             .tx
-                            .send(ChoiceEvent::Engine(EngineEvent::Token { id, logprob, top }))
+                            .send(ChoiceEvent::Engine(EngineEvent::Token {
+                                id,
+                                logprob,
+                                behaviour,
+                                top,
+                            }))
                             .is_err()
                     {
                         return AttemptEnd::CallerGone;

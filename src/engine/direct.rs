@@ -81,7 +81,8 @@ pub fn generate(
     let mut out = Generation::started(prefill_time);
     while out.tokens.len() < req.max_tokens {
         let row = row_to_vec(&logits.f_select(0, 0)?)?;
-        let (id, lp) = sampling::sample(&row, &req.sampling, &mut rng, &req.prompt, &out.tokens);
+        let picked = sampling::sample(&row, &req.sampling, &mut rng, &req.prompt, &out.tokens);
+        let (id, lp) = (picked.id, picked.logprob);
         out.tokens.push(id);
         out.logprobs.push(lp);
         if !on_token(id, lp) {
@@ -179,7 +180,8 @@ pub fn generate_batch(
             None => Rng::from_entropy(),
         };
         let row = row_to_vec(&logits.f_get(row as i64)?)?;
-        let (id, lp) = sampling::sample(&row, &req.sampling, &mut rng, &req.prompt, &[]);
+        let picked = sampling::sample(&row, &req.sampling, &mut rng, &req.prompt, &[]);
+        let (id, lp) = (picked.id, picked.logprob);
         out.tokens.push(id);
         out.logprobs.push(lp);
         let finished = done(req, &mut out, id, req.prompt.len());
@@ -209,8 +211,9 @@ pub fn generate_batch(
             let req = &reqs[seq.req];
             let out = &mut outs[seq.req];
             let row = row_to_vec(&logits.f_get(r as i64)?)?;
-            let (id, lp) =
+            let picked =
                 sampling::sample(&row, &req.sampling, &mut seq.rng, &req.prompt, &out.tokens);
+            let (id, lp) = (picked.id, picked.logprob);
             out.tokens.push(id);
             out.logprobs.push(lp);
             seq.last = id;

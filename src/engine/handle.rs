@@ -21,7 +21,11 @@ use crate::base::lock;
 pub enum EngineEvent {
     Token {
         id: u32,
+        /// Under the model's own distribution (what the OpenAI API reports).
         logprob: f64,
+        /// Under the distribution the token was drawn from (temperature, truncation,
+        /// penalties, constraint): what a trainer's importance weights compare against.
+        behaviour: f64,
         /// The request's `top_logprobs` most likely tokens at this position.
         top: Vec<(u32, f64)>,
     },
@@ -40,8 +44,10 @@ pub enum EngineEvent {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Completed {
     pub tokens: Vec<u32>,
-    /// Each token's log-probability under the policy that sampled it.
+    /// Each token's log-probability under the model that sampled it.
     pub logprobs: Vec<f64>,
+    /// Each token's log-probability under the distribution it was drawn from.
+    pub behaviour: Vec<f64>,
     pub reason: FinishReason,
     /// The policy version the request started on.
     pub policy_version: u64,
@@ -51,12 +57,18 @@ impl Completed {
     /// Blocks until the request's stream ends; a failed request is its error message.
     /// Not for async contexts (it blocks the thread).
     pub fn collect(rx: &mut UnboundedReceiver<EngineEvent>) -> Result<Completed, EngineError> {
-        let (mut tokens, mut logprobs) = (Vec::new(), Vec::new());
+        let (mut tokens, mut logprobs, mut drawn) = (Vec::new(), Vec::new(), Vec::new());
         loop {
             match rx.blocking_recv() {
-                Some(EngineEvent::Token { id, logprob, .. }) => {
+                Some(EngineEvent::Token {
+                    id,
+                    logprob,
+                    behaviour,
+                    ..
+                }) => {
                     tokens.push(id);
                     logprobs.push(logprob);
+                    drawn.push(behaviour);
                 }
                 Some(EngineEvent::Finished {
                     reason,
@@ -66,6 +78,7 @@ impl Completed {
                     return Ok(Completed {
                         tokens,
                         logprobs,
+                        behaviour: drawn,
                         reason,
                         policy_version,
                     })

@@ -1,8 +1,10 @@
 //! Token sampling from one row of logits: greedy, temperature, top-k, top-p, with a
 //! seeded generator so that a request with a seed is reproducible.
 //!
-//! Owns: choosing the next token and reporting its log-probability under the model.
-//! Works on plain `f32` slices; never touches a model.
+//! Owns: choosing the next token and reporting its log-probability twice: under the model
+//! (what the OpenAI API shows) and under the distribution it was actually drawn from (the
+//! behaviour log-probability a trainer corrects with). Works on plain `f32` slices; never
+//! touches a model.
 
 use crate::base::Rng;
 
@@ -149,7 +151,8 @@ pub fn argmax(logits: &[f32]) -> usize {
 }
 
 impl SamplingParams {
-    fn changes_logits(&self) -> bool {
+    /// Penalties or a logit bias change the logits before temperature and truncation.
+    pub fn changes_logits(&self) -> bool {
         self.presence_penalty != 0.0
             || self.frequency_penalty != 0.0
             || self.repetition_penalty != 1.0
@@ -199,16 +202,29 @@ fn processed(
     out
 }
 
+/// A chosen token and its two log-probabilities.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Picked {
+    pub id: u32,
+    /// Under the model's own distribution (before penalties, biases, a constraint,
+    /// temperature and truncation): what the OpenAI API reports.
+    pub logprob: f64,
+    /// Under the distribution the token was drawn from: the logits after penalties,
+    /// biases and a constraint, divided by the temperature, truncated by min_p, top_k and
+    /// top_p (in that order, as vLLM), renormalised. A greedy pick has no distribution to
+    /// speak of: its behaviour log-probability is the model's.
+    pub behaviour: f64,
+}
+
 /// Picks a token from `logits` (one row), given the prompt and the tokens generated so far
-/// (for penalties). Returns (token, logprob under the model's own distribution, before
-/// temperature, penalties and biases).
+/// (for penalties).
 pub fn sample(
     logits: &[f32],
     params: &SamplingParams,
     rng: &mut Rng,
     prompt: &[u32],
     generated: &[u32],
-) -> (u32, f64) {
+) -> Picked {
     sample_within(logits, None, None, params, rng, prompt, generated)
 }
 
@@ -223,7 +239,7 @@ pub fn sample_within(
     rng: &mut Rng,
     prompt: &[u32],
     generated: &[u32],
-) -> (u32, f64) {
+) -> Picked {
     let owned;
     let choose_from: &[f32] = if params.changes_logits() || allowed.is_some() {
         let mut v = if params.changes_logits() {
@@ -243,19 +259,26 @@ pub fn sample_within(
     } else {
         logits
     };
-    let id = if params.temperature == 0.0 {
-        argmax(choose_from)
+    let (id, drawn) = if params.temperature == 0.0 {
+        (argmax(choose_from), None)
     } else {
-        sample_tempered(choose_from, params, rng)
+        let (id, p) = sample_tempered(choose_from, params, rng);
+        (id, Some(p.ln()))
     };
     let logprob = match log_z {
         Some(z) => logits[id] as f64 - z,
         None => logprob_of(logits, id),
     };
-    (id as u32, logprob)
+    Picked {
+        id: id as u32,
+        logprob,
+        behaviour: drawn.unwrap_or(logprob),
+    }
 }
 
-fn sample_tempered(logits: &[f32], params: &SamplingParams, rng: &mut Rng) -> usize {
+/// Draws from the tempered, truncated distribution; returns the index and its probability
+/// there.
+fn sample_tempered(logits: &[f32], params: &SamplingParams, rng: &mut Rng) -> (usize, f64) {
     let inv_t = 1.0 / params.temperature;
     let mut cand: Vec<(usize, f64)> = logits
         .iter()
@@ -264,7 +287,7 @@ fn sample_tempered(logits: &[f32], params: &SamplingParams, rng: &mut Rng) -> us
         .map(|(i, &l)| (i, l as f64 * inv_t))
         .collect();
     if cand.is_empty() {
-        return argmax(logits);
+        return (argmax(logits), 1.0);
     }
     if params.min_p > 0.0 {
         // p_i >= min_p * p_max  <=>  l_i >= l_max + ln(min_p)
@@ -302,11 +325,12 @@ fn sample_tempered(logits: &[f32], params: &SamplingParams, rng: &mut Rng) -> us
     let mut u = rng.next_f64();
     for (i, p) in probs.iter().enumerate() {
         if u < *p {
-            return cand[i].0;
+            return (cand[i].0, *p);
         }
         u -= p;
     }
-    cand[cand.len() - 1].0
+    let last = cand.len() - 1;
+    (cand[last].0, probs[last])
 }
 
 #[cfg(test)]
@@ -316,16 +340,17 @@ mod tests {
     #[test]
     fn greedy_picks_max_and_reports_logprob() {
         let logits = [0.0f32, 2.0, 1.0];
-        let (id, lp) = sample(
+        let p = sample(
             &logits,
             &SamplingParams::greedy(),
             &mut Rng::seeded(1),
             &[],
             &[],
         );
-        assert_eq!(id, 1);
+        assert_eq!(p.id, 1);
         let z = (0f64.exp() + 2f64.exp() + 1f64.exp()).ln();
-        assert!((lp - (2.0 - z)).abs() < 1e-12);
+        assert!((p.logprob - (2.0 - z)).abs() < 1e-12);
+        assert_eq!(p.behaviour, p.logprob);
     }
 
     #[test]
@@ -338,7 +363,7 @@ mod tests {
         let run = |seed| {
             let mut rng = Rng::seeded(seed);
             (0..100)
-                .map(|_| sample(&logits, &p, &mut rng, &[], &[]).0)
+                .map(|_| sample(&logits, &p, &mut rng, &[], &[]).id)
                 .collect::<Vec<_>>()
         };
         let a = run(7);
@@ -355,40 +380,40 @@ mod tests {
         let logits = [2.0f32, 1.9, 0.0, -1.0];
         let mut rng = Rng::seeded(1);
         let greedy = SamplingParams::greedy();
-        assert_eq!(sample(&logits, &greedy, &mut rng, &[], &[]).0, 0);
+        assert_eq!(sample(&logits, &greedy, &mut rng, &[], &[]).id, 0);
         // token 0 generated twice: frequency penalty 0.1 * 2 moves it below token 1
         let p = SamplingParams {
             frequency_penalty: 0.1,
             ..SamplingParams::greedy()
         };
-        let (id, lp) = sample(&logits, &p, &mut rng, &[], &[0, 0]);
-        assert_eq!(id, 1);
+        let picked = sample(&logits, &p, &mut rng, &[], &[0, 0]);
+        assert_eq!(picked.id, 1);
         assert!(
-            (lp - logprob_of(&logits, 1)).abs() < 1e-12,
+            (picked.logprob - logprob_of(&logits, 1)).abs() < 1e-12,
             "logprob is the model's"
         );
         let p = SamplingParams {
             presence_penalty: 0.2,
             ..SamplingParams::greedy()
         };
-        assert_eq!(sample(&logits, &p, &mut rng, &[], &[0]).0, 1);
+        assert_eq!(sample(&logits, &p, &mut rng, &[], &[0]).id, 1);
         let p = SamplingParams {
             repetition_penalty: 1.2,
             ..SamplingParams::greedy()
         };
-        assert_eq!(sample(&logits, &p, &mut rng, &[0], &[]).0, 1);
+        assert_eq!(sample(&logits, &p, &mut rng, &[0], &[]).id, 1);
         let p = SamplingParams {
             logit_bias: vec![(3, 10.0)],
             ..SamplingParams::greedy()
         };
-        assert_eq!(sample(&logits, &p, &mut rng, &[], &[]).0, 3);
+        assert_eq!(sample(&logits, &p, &mut rng, &[], &[]).id, 3);
         // min_p 0.5 keeps only tokens with p >= 0.5 p_max: tokens 0 and 1
         let p = SamplingParams {
             min_p: 0.5,
             ..Default::default()
         };
         for _ in 0..200 {
-            assert!(sample(&logits, &p, &mut rng, &[], &[]).0 <= 1);
+            assert!(sample(&logits, &p, &mut rng, &[], &[]).id <= 1);
         }
         assert!(SamplingParams {
             presence_penalty: 3.0,
@@ -418,7 +443,7 @@ mod tests {
         };
         let mut rng = Rng::seeded(3);
         let picks: Vec<u32> = (0..500)
-            .map(|_| sample(&logits, &p, &mut rng, &[], &[]).0)
+            .map(|_| sample(&logits, &p, &mut rng, &[], &[]).id)
             .collect();
         assert!(picks.iter().all(|&t| t != 2));
         assert!(picks.contains(&1));

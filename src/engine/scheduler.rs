@@ -20,6 +20,7 @@ use super::direct::check_request;
 use super::handle::{EngineHandle, EngineStats, PendingWeights, Submission};
 use super::memory::{KvMemory, MIN_REUSE};
 use super::prefix::common_prefix;
+use super::sampling::Picked;
 use super::{
     sampling, EngineConfig, EngineError, EngineEvent, FinishReason, GenerateRequest, RequestError,
 };
@@ -418,8 +419,8 @@ impl EngineLoop {
                     epoch,
                 };
                 match pick(row, log_z, &mut r, &mut self.allowed) {
-                    Ok((id, lp)) => {
-                        if !emit(&self.stats, self.per_request, &mut r, id, lp, top.clone()) {
+                    Ok(picked) => {
+                        if !emit(&self.stats, self.per_request, &mut r, picked, top.clone()) {
                             self.running.push(r);
                         }
                     }
@@ -479,9 +480,9 @@ impl EngineLoop {
             r.len = lens[i];
             let (row, log_z) = logits.row(i);
             match pick(row, log_z, r, &mut self.allowed) {
-                Ok((id, lp)) => {
+                Ok(picked) => {
                     let top = sampling::top_logprobs_given(row, r.req.top_logprobs, log_z);
-                    if emit(&self.stats, capacity, r, id, lp, top) {
+                    if emit(&self.stats, capacity, r, picked, top) {
                         done.push(i);
                     }
                 }
@@ -580,7 +581,7 @@ fn pick(
     log_z: f64,
     r: &mut Running,
     allowed: &mut Vec<bool>,
-) -> Result<(u32, f64), ConstraintError> {
+) -> Result<Picked, ConstraintError> {
     let req = &r.req;
     match (&req.constraint, &mut r.cstate) {
         (Some(c), Some(st)) => {
@@ -590,7 +591,7 @@ fn pick(
                     describe: c.describe.clone(),
                 });
             }
-            let (id, lp) = sampling::sample_within(
+            let picked = sampling::sample_within(
                 row,
                 Some(log_z),
                 Some(allowed),
@@ -599,8 +600,8 @@ fn pick(
                 &req.prompt,
                 &r.tokens,
             );
-            c.advance(st, id)?;
-            Ok((id, lp))
+            c.advance(st, picked.id)?;
+            Ok(picked)
         }
         _ => Ok(sampling::sample_within(
             row,
@@ -619,15 +620,24 @@ fn emit(
     stats: &EngineStats,
     capacity: usize,
     r: &mut Running,
-    id: u32,
-    logprob: f64,
+    picked: Picked,
     top: Vec<(u32, f64)>,
 ) -> bool {
+    let Picked {
+        id,
+        logprob,
+        behaviour,
+    } = picked;
     r.generated += 1;
     r.last = id;
     r.tokens.push(id);
     stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
-    let _ = r.events.send(EngineEvent::Token { id, logprob, top });
+    let _ = r.events.send(EngineEvent::Token {
+        id,
+        logprob,
+        behaviour,
+        top,
+    });
     let complete = match (&r.req.constraint, &r.cstate) {
         (Some(c), Some(st)) => c.is_complete(st),
         _ => false,

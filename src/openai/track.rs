@@ -26,11 +26,25 @@ use serde_json::Value as Json;
 
 use super::backend::SignedPart;
 use crate::base::lock;
+use crate::engine::SamplingParams;
 use crate::model::{ModelCard, TemplateError, TokenizerError};
-use crate::timeline::Call;
+use crate::timeline::{Call, SamplingTransform};
+
+/// The transform a request's tokens are drawn with (`constrained`: a grammar masks the
+/// logits), as a call records it and a server signs it.
+pub fn transform_of(p: &SamplingParams, constrained: bool) -> SamplingTransform {
+    SamplingTransform {
+        temperature: p.temperature,
+        top_p: p.top_p,
+        top_k: p.top_k.min(u32::MAX as usize) as u32,
+        min_p: p.min_p,
+        processed: constrained || p.changes_logits(),
+    }
+}
 
 /// One finished choice as the tracker records it: the sampled ids, their behaviour
-/// logprobs, and the signed calls covering them (none from a local engine).
+/// logprobs (under the distribution they were drawn from), and the signed calls covering
+/// them (none from a local engine).
 pub struct ChoiceRecord {
     pub tokens: Vec<u32>,
     pub logprobs: Vec<f32>,
@@ -147,7 +161,8 @@ impl Tracker {
     }
 
     /// Records a finished call: its messages and rendering (for the next call), and one
-    /// [`Call`] per choice with `(ids, logprobs)` (for the episode's timeline).
+    /// [`Call`] per choice with `(ids, logprobs)` drawn with `sampling` (for the episode's
+    /// timeline).
     #[allow(clippy::too_many_arguments)]
     pub fn record(
         &self,
@@ -158,6 +173,7 @@ impl Tracker {
         prompt_ids: &[u32],
         choices: Vec<ChoiceRecord>,
         policy_version: u64,
+        sampling: SamplingTransform,
     ) {
         let mut inner = self.lock();
         inner.clock += 1;
@@ -181,13 +197,16 @@ impl Tracker {
         for c in &choices {
             if c.signed.is_empty() {
                 // A local engine: the call as sampled, unsigned.
-                e.calls.push(Call::new(
-                    model,
-                    prompt_ids.to_vec(),
-                    c.tokens.clone(),
-                    c.logprobs.clone(),
-                    policy_version,
-                ));
+                e.calls.push(
+                    Call::new(
+                        model,
+                        prompt_ids.to_vec(),
+                        c.tokens.clone(),
+                        c.logprobs.clone(),
+                        policy_version,
+                    )
+                    .with_sampling(sampling),
+                );
                 continue;
             }
             // A remote server signed the tokens as one call, or (after a fail-over) as
@@ -206,7 +225,8 @@ impl Tracker {
                     c.tokens[p.start..upto].to_vec(),
                     c.logprobs[p.start..upto].to_vec(),
                     p.policy_version,
-                );
+                )
+                .with_sampling(sampling);
                 call.signature = p.signature.clone();
                 e.calls.push(call);
             }

@@ -3,12 +3,14 @@
 //! frames; the meaning is here. One postcard type per frame (`swarm::frame`), one
 //! versioned libp2p protocol per conversation.
 //!
-//! - `/agentjet/infer/1`: [`InferRequest`] → [`InferFrame`]s: tokens of every choice as
-//!   they are sampled, each with the server's signature over the call so far, then one
+//! - `/agentjet/infer/2`: [`InferRequest`] → [`InferFrame`]s: tokens of every choice as
+//!   they are sampled (the model's logprob, for the agent, and the behaviour logprob under
+//!   the distribution drawn from, for training), each with the server's signature over
+//!   the call so far, then one
 //!   `Finished` per choice. Dropping the stream cancels the generation.
 //! - `/agentjet/card/1`: [`CardRequest`] → [`CardReply`]: the model card (tokenizer, chat
 //!   template, config) as one content-addressed blob.
-//! - `/agentjet/submit/1`: [`SubmitManifest`] → [`SubmitReply::Want`] (the fragments the
+//! - `/agentjet/submit/2`: [`SubmitManifest`] → [`SubmitReply::Want`] (the fragments the
 //!   server lacks) → [`FragmentBatch`]es → [`SubmitReply::Stored`] only once the episode
 //!   is verified and on disk, or [`SubmitReply::Rejected`] with the reason.
 //!
@@ -25,9 +27,9 @@ use serde::{Deserialize, Serialize};
 use crate::engine::{ConstraintPattern, FinishReason, SamplingParams};
 use crate::timeline::fragment::{EpisodeManifest, FragmentHash};
 
-pub const INFER: StreamProtocol = StreamProtocol::new("/agentjet/infer/1");
+pub const INFER: StreamProtocol = StreamProtocol::new("/agentjet/infer/2");
 pub const CARD: StreamProtocol = StreamProtocol::new("/agentjet/card/1");
-pub const SUBMIT: StreamProtocol = StreamProtocol::new("/agentjet/submit/1");
+pub const SUBMIT: StreamProtocol = StreamProtocol::new("/agentjet/submit/2");
 
 /// One generation (with `n` choices from one prompt).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -49,7 +51,10 @@ pub enum InferFrame {
     Token {
         choice: u32,
         id: u32,
+        /// Under the model's own distribution.
         logprob: f64,
+        /// Under the distribution the token was drawn from (what the signature covers).
+        behaviour: f64,
         top: Vec<(u32, f64)>,
         /// The policy version the signature names (the one the choice started on).
         policy_version: u64,

@@ -1,6 +1,7 @@
-//! `/agentjet/infer/1` on the server: a request is checked against the served model and
+//! `/agentjet/infer/2` on the server: a request is checked against the served model and
 //! the bounds, run on the engine, and streamed back token by token; every token carries
-//! the server's signature over the call so far (the digest of `timeline::digest`), so
+//! the server's signature over the call so far (the digest of `timeline::digest`: the
+//! sampling transform and the behaviour logprobs included), so
 //! whatever prefix the client keeps is signed exactly. A caller that goes away cancels
 //! its generation (dropping the engine's receivers).
 //!
@@ -16,6 +17,7 @@ use super::served::ServedModel;
 use crate::engine::{
     Constraint, ConstraintError, EngineError, EngineEvent, GenerateRequest, SamplingError,
 };
+use crate::openai::track::transform_of;
 use crate::rpc::{InferFrame, InferRequest};
 use crate::swarm::frame::{read_frame, write_frame, FrameError};
 use crate::swarm::Stream;
@@ -134,6 +136,7 @@ impl ServedModel {
             }
         };
         let prompt = req.prompt.clone();
+        let sampling = transform_of(&req.sampling, req.constraint.is_some());
         let rxs = match self.engine.submit_n(req, n) {
             Ok(r) => r,
             Err(e) => {
@@ -152,14 +155,21 @@ impl ServedModel {
         );
         while let Some((i, ev)) = events.next().await {
             let frame = match ev {
-                EngineEvent::Token { id, logprob, top } => {
-                    let h = hashers[i]
-                        .get_or_insert_with(|| CallHasher::new(&self.name, version_now(), &prompt));
-                    h.push(id, logprob as f32);
+                EngineEvent::Token {
+                    id,
+                    logprob,
+                    behaviour,
+                    top,
+                } => {
+                    let h = hashers[i].get_or_insert_with(|| {
+                        CallHasher::new(&self.name, version_now(), &sampling, &prompt)
+                    });
+                    h.push(id, behaviour as f32);
                     InferFrame::Token {
                         choice: i as u32,
                         id,
                         logprob,
+                        behaviour,
                         top,
                         policy_version: h.version(),
                         signature: self.swarm.sign(&h.digest()),

@@ -25,6 +25,7 @@ mod group_loop;
 mod group_state;
 pub mod infer;
 pub mod served;
+mod stored;
 pub mod submit;
 pub mod train;
 

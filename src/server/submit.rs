@@ -8,13 +8,13 @@
 //! Owns: receiving, verifying and storing episodes. Never trains.
 
 use std::collections::{HashMap, HashSet};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 
 use tracing::info;
 
 use super::served::ServedModel;
-use super::ServerError;
+pub use super::stored::{read_stored_episodes, StoredEpisode};
 use crate::base::files::write_atomic;
 use crate::base::lock;
 use crate::rpc::{FragmentBatch, SubmitManifest, SubmitReply};
@@ -23,7 +23,7 @@ use crate::swarm::sign::{join, verify, SignatureError, MAX_SIGNATURE_BYTES};
 use crate::swarm::{PeerId, Stream};
 use crate::timeline::digest::{call_digest, rebuilt_calls};
 use crate::timeline::fragment::{EpisodeManifest, Fragment, FragmentError, FragmentHash};
-use crate::timeline::{Call, Episode, EpisodeStatus, Timeline};
+use crate::timeline::{EpisodeStatus, Timeline};
 
 /// Why an episode was not stored.
 #[derive(Debug, thiserror::Error)]
@@ -235,8 +235,14 @@ impl ServedModel {
                         join(key, &cs.signature)
                     }
                 };
-                let digest =
-                    call_digest(&t.model, &c.prompt, &c.completion, &c.logprobs, c.version);
+                let digest = call_digest(
+                    &t.model,
+                    &c.prompt,
+                    &c.completion,
+                    &c.logprobs,
+                    c.version,
+                    &c.sampling,
+                );
                 let signer = verify(&sig, &digest).map_err(|e| SubmitError::Signature {
                     call: c.call,
                     source: e,
@@ -297,62 +303,8 @@ impl ServedModel {
             manifest: m.clone(),
             timelines: timelines.to_vec(),
         };
-        let bytes =
-            postcard::to_allocvec(&stored).map_err(|e| SubmitError::Encode(e.to_string()))?;
+        let bytes = stored.encode().map_err(SubmitError::Encode)?;
         write_atomic(&path, &bytes).map_err(|source| SubmitError::Store { path, source })?;
         Ok(stored)
     }
-}
-
-/// An episode as a server stores it.
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
-pub struct StoredEpisode {
-    pub manifest: EpisodeManifest,
-    pub timelines: Vec<Timeline>,
-}
-
-impl StoredEpisode {
-    /// The episode with its calls rebuilt from the timelines (sampled calls only: what
-    /// training uses), as the trainer takes it.
-    pub fn episode(&self) -> Episode {
-        let m = &self.manifest;
-        let mut calls = Vec::new();
-        for t in &self.timelines {
-            for c in rebuilt_calls(t) {
-                calls.push(Call::new(
-                    &t.model,
-                    c.prompt,
-                    c.completion,
-                    c.logprobs,
-                    c.version,
-                ));
-            }
-        }
-        Episode {
-            id: m.episode_id.clone(),
-            task_id: m.task_id.clone(),
-            group_id: m.group_id.clone(),
-            calls,
-            reward: m.reward,
-            rewards: m.rewards.clone(),
-            status: m.status.clone(),
-        }
-    }
-}
-
-/// Reads every episode stored for a model (in no particular order).
-pub fn read_stored_episodes(dir: &Path) -> Result<Vec<StoredEpisode>, ServerError> {
-    let mut out = Vec::new();
-    let rd = std::fs::read_dir(dir).map_err(|e| ServerError::io(dir, e))?;
-    for e in rd.flatten() {
-        let p = e.path();
-        if p.extension().is_some_and(|x| x == "episode") {
-            let b = std::fs::read(&p).map_err(|e| ServerError::io(&p, e))?;
-            out.push(postcard::from_bytes(&b).map_err(|e| ServerError::Corrupt {
-                path: p.clone(),
-                problem: e.to_string(),
-            })?);
-        }
-    }
-    Ok(out)
 }

@@ -33,8 +33,10 @@ use crate::collective::group::{self, GroupNode};
 use crate::collective::Wire;
 use crate::engine::EngineError;
 use crate::model::llama::Llama;
+use crate::swarm::PeerId;
 use crate::train::checkpoint::RunDir;
 use crate::train::groups::{AdvantageKind, GroupBuffer, GroupConfig};
+use crate::train::loss::LossConfig;
 use crate::train::optim::AdamWConfig;
 use crate::train::outer::OuterConfig;
 use crate::train::trainer::{Trainer, TrainerConfig};
@@ -99,6 +101,11 @@ pub struct TrainSettings {
     /// DiLoCo mode (none: synchronous): inner steps per outer step and the outer
     /// optimizer's settings.
     pub outer: Option<OuterConfig>,
+    /// PPO epochs and mini-batches per step (see [`crate::train::trainer`]).
+    pub ppo_epochs: usize,
+    pub mini_batches: usize,
+    /// Weight of the entropy bonus.
+    pub entropy_coef: f64,
 }
 
 /// The training group's settings (see [`crate::collective::group`]).
@@ -153,14 +160,23 @@ impl Default for TrainSettings {
             micro_batch_tokens: 4096,
             collective: CollectiveSettings::default(),
             outer: None,
+            ppo_epochs: 1,
+            mini_batches: 1,
+            entropy_coef: 0.0,
         }
     }
 }
 
-/// The training mode as the group gossips it: `sync`, or `diloco/H`.
-pub fn mode_name(outer: Option<&OuterConfig>) -> String {
+/// The training mode as the group gossips it: `sync`, `diloco/H`, or `alone/<peer>`.
+///
+/// A synchronous group all-reduces one gradient per step, so a member that takes several
+/// updates per step (PPO epochs, mini-batches) trains alone: its mode names it, and no
+/// other member matches. In DiLoCo mode those updates are inner steps, which each member
+/// takes on its own anyway.
+pub fn mode_name(outer: Option<&OuterConfig>, updates_per_step: usize, me: &PeerId) -> String {
     match outer {
         Some(o) => format!("diloco/{}", o.every),
+        None if updates_per_step > 1 => format!("alone/{me}"),
         None => "sync".into(),
     }
 }
@@ -241,7 +257,7 @@ pub(super) fn unconsumed_episodes(
     let mut out = Vec::new();
     for (_, p) in files {
         let b = std::fs::read(&p).map_err(|e| TrainError::file(&p, e))?;
-        match postcard::from_bytes::<StoredEpisode>(&b) {
+        match StoredEpisode::decode(&b) {
             Ok(ep) => out.push(ep),
             Err(e) => warn!("{}: not an episode ({e}); not trained", p.display()),
         }
@@ -274,9 +290,28 @@ pub fn start_training(
             warmup_steps: settings.warmup_steps,
             max_staleness: settings.max_staleness,
             micro_batch_tokens: settings.micro_batch_tokens,
+            ppo_epochs: settings.ppo_epochs.max(1),
+            mini_batches: settings.mini_batches.max(1),
+            loss: LossConfig {
+                entropy_coef: settings.entropy_coef,
+                ..LossConfig::default()
+            },
             ..TrainerConfig::default()
         },
     )?;
+    let mode = mode_name(
+        settings.outer.as_ref(),
+        trainer.updates_per_step(),
+        &served.swarm.peer_id,
+    );
+    if mode.starts_with("alone/") {
+        println!(
+            "training: {} updates per step (--ppo-epochs x --mini-batches): this server trains alone \
+             (a synchronous group all-reduces one gradient per step; with --sync-every the \
+             updates are DiLoCo inner steps and servers train together)",
+            trainer.updates_per_step()
+        );
+    }
     let resumed = run_dir.resume(&mut trainer)?;
     match &resumed {
         Some(s) => println!(
@@ -325,7 +360,7 @@ pub fn start_training(
                 .clone()
                 .unwrap_or_else(|| served.name.clone()),
             model: served.name.clone(),
-            mode: mode_name(settings.outer.as_ref()),
+            mode,
             timeout: settings.collective.timeout,
             heartbeat: settings.collective.heartbeat,
         },

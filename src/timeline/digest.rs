@@ -1,14 +1,15 @@
 //! What a call's signature covers: the call's digest, blake3 over the model name, the
-//! policy version, the prompt ids, and the completion ids with their behaviour logprobs
-//! (as f32 bits). A server builds it token by token while it streams ([`CallHasher`]);
+//! policy version, the sampling transform (so a client cannot claim another temperature
+//! than the one the server drew at), the prompt ids, and the completion ids with their
+//! behaviour logprobs (as f32 bits). A server builds it token by token while it streams ([`CallHasher`]);
 //! a server receiving an episode rebuilds every sampled call from the timeline
 //! ([`rebuilt_calls`]: a call's prompt is its branch's tokens before its sampled segment)
 //! and computes the same digest, which the swarm's key then verifies.
 //!
-//! Owns: the digest's byte layout (`agentjet-call-1`). Never signs or verifies (that is
+//! Owns: the digest's byte layout (`agentjet-call-2`). Never signs or verifies (that is
 //! the swarm's, with the peer's key).
 
-use super::Timeline;
+use super::{SamplingTransform, Timeline};
 
 /// The digest a call's signature covers, built token by token: a server signs the prefix
 /// after every token it streams, so whatever prefix a client keeps (a stop string cut the
@@ -21,12 +22,18 @@ pub struct CallHasher {
 }
 
 impl CallHasher {
-    pub fn new(model: &str, version: u64, prompt: &[u32]) -> CallHasher {
+    pub fn new(
+        model: &str,
+        version: u64,
+        sampling: &SamplingTransform,
+        prompt: &[u32],
+    ) -> CallHasher {
         let mut h = blake3::Hasher::new();
-        h.update(b"agentjet-call-1");
+        h.update(b"agentjet-call-2");
         h.update(&(model.len() as u64).to_le_bytes());
         h.update(model.as_bytes());
         h.update(&version.to_le_bytes());
+        sampling.digest_into(&mut h);
         h.update(&(prompt.len() as u64).to_le_bytes());
         for t in prompt {
             h.update(&t.to_le_bytes());
@@ -60,8 +67,9 @@ pub fn call_digest(
     completion: &[u32],
     logprobs: &[f32],
     version: u64,
+    sampling: &SamplingTransform,
 ) -> [u8; 32] {
-    let mut h = CallHasher::new(model, version, prompt);
+    let mut h = CallHasher::new(model, version, sampling, prompt);
     for (t, l) in completion.iter().zip(logprobs) {
         h.push(*t, *l);
     }
@@ -72,7 +80,8 @@ pub fn call_digest(
     h.digest()
 }
 
-/// A call as rebuilt from a timeline: its index, prompt, completion, logprobs, version.
+/// A call as rebuilt from a timeline: its index, prompt, completion, logprobs, version
+/// and sampling transform.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RebuiltCall {
     pub call: u32,
@@ -80,6 +89,7 @@ pub struct RebuiltCall {
     pub completion: Vec<u32>,
     pub logprobs: Vec<f32>,
     pub version: u64,
+    pub sampling: SamplingTransform,
 }
 
 /// Every call of `t` that sampled tokens, rebuilt from its branch.
@@ -104,6 +114,7 @@ pub fn rebuilt_calls(t: &Timeline) -> Vec<RebuiltCall> {
                         completion: s.tokens.clone(),
                         logprobs: s.logprobs.clone(),
                         version: s.version,
+                        sampling: s.sampling,
                     }),
                 }
             }
@@ -119,22 +130,83 @@ mod tests {
 
     #[test]
     fn every_part_of_a_call_changes_its_digest_and_prefixes_match_whole_calls() {
-        let d = call_digest("m", &[1, 2, 3], &[4, 5], &[-0.5, -1.0], 7);
+        let t = SamplingTransform {
+            temperature: 0.7,
+            top_p: 0.9,
+            ..SamplingTransform::RAW
+        };
+        let d = call_digest("m", &[1, 2, 3], &[4, 5], &[-0.5, -1.0], 7, &t);
+        let with = |f: fn(&mut SamplingTransform)| {
+            let mut o = t;
+            f(&mut o);
+            o
+        };
         for other in [
-            call_digest("n", &[1, 2, 3], &[4, 5], &[-0.5, -1.0], 7),
-            call_digest("m", &[1, 2, 3, 4], &[5], &[-1.0], 7),
-            call_digest("m", &[1, 2, 3], &[4], &[-0.5], 7),
-            call_digest("m", &[1, 2, 3], &[4, 6], &[-0.5, -1.0], 7),
-            call_digest("m", &[1, 2, 3], &[4, 5], &[-0.5, -1.5], 7),
-            call_digest("m", &[1, 2, 3], &[4, 5], &[-0.5, -1.0], 8),
-            call_digest("m", &[1, 2, 3], &[4, 5], &[-0.5], 7),
+            call_digest("n", &[1, 2, 3], &[4, 5], &[-0.5, -1.0], 7, &t),
+            call_digest("m", &[1, 2, 3, 4], &[5], &[-1.0], 7, &t),
+            call_digest("m", &[1, 2, 3], &[4], &[-0.5], 7, &t),
+            call_digest("m", &[1, 2, 3], &[4, 6], &[-0.5, -1.0], 7, &t),
+            call_digest("m", &[1, 2, 3], &[4, 5], &[-0.5, -1.5], 7, &t),
+            call_digest("m", &[1, 2, 3], &[4, 5], &[-0.5, -1.0], 8, &t),
+            call_digest("m", &[1, 2, 3], &[4, 5], &[-0.5], 7, &t),
+            call_digest(
+                "m",
+                &[1, 2, 3],
+                &[4, 5],
+                &[-0.5, -1.0],
+                7,
+                &SamplingTransform::RAW,
+            ),
+            call_digest(
+                "m",
+                &[1, 2, 3],
+                &[4, 5],
+                &[-0.5, -1.0],
+                7,
+                &with(|o| o.temperature = 1.0),
+            ),
+            call_digest(
+                "m",
+                &[1, 2, 3],
+                &[4, 5],
+                &[-0.5, -1.0],
+                7,
+                &with(|o| o.top_p = 0.95),
+            ),
+            call_digest(
+                "m",
+                &[1, 2, 3],
+                &[4, 5],
+                &[-0.5, -1.0],
+                7,
+                &with(|o| o.top_k = 5),
+            ),
+            call_digest(
+                "m",
+                &[1, 2, 3],
+                &[4, 5],
+                &[-0.5, -1.0],
+                7,
+                &with(|o| o.min_p = 0.1),
+            ),
+            call_digest(
+                "m",
+                &[1, 2, 3],
+                &[4, 5],
+                &[-0.5, -1.0],
+                7,
+                &with(|o| o.processed = true),
+            ),
         ] {
             assert_ne!(other, d);
         }
         // Built token by token, the prefix digests are the whole-call digests.
-        let mut h = CallHasher::new("m", 7, &[1, 2, 3]);
+        let mut h = CallHasher::new("m", 7, &t, &[1, 2, 3]);
         h.push(4, -0.5);
-        assert_eq!(h.digest(), call_digest("m", &[1, 2, 3], &[4], &[-0.5], 7));
+        assert_eq!(
+            h.digest(),
+            call_digest("m", &[1, 2, 3], &[4], &[-0.5], 7, &t)
+        );
         h.push(5, -1.0);
         assert_eq!(h.digest(), d);
         assert_eq!(h.version(), 7);

@@ -2,7 +2,8 @@
 //!
 //! Each branch segment is cut, from its start, into fragments of at most
 //! [`MAX_FRAGMENT_TOKENS`] tokens. A fragment is its token ids, its loss-mask bit (sampled
-//! or not), its behaviour logprobs and its policy version, encoded with postcard; its name
+//! or not), its behaviour logprobs, its policy version and its sampling transform, encoded
+//! with postcard; its name
 //! is the blake3 hash of that encoding. Because consecutive calls of an episode extend one
 //! branch, and the episodes of a group start from the same prompt, the same fragments recur
 //! and are stored and shipped once. An [`EpisodeManifest`] lists, per model and branch, the
@@ -15,7 +16,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use super::{Branch, EpisodeStatus, Segment, Timeline};
+use super::{Branch, EpisodeStatus, SamplingTransform, Segment, Timeline};
 
 /// Tokens per fragment at most.
 pub const MAX_FRAGMENT_TOKENS: usize = 1024;
@@ -75,6 +76,8 @@ pub struct Fragment {
     /// One per token when sampled; empty otherwise.
     pub logprobs: Vec<f32>,
     pub version: u64,
+    /// The distribution sampled tokens were drawn from.
+    pub sampling: SamplingTransform,
 }
 
 impl Fragment {
@@ -126,6 +129,7 @@ impl Fragment {
                 f.sampled
             )));
         }
+        f.sampling.check().map_err(invalid)?;
         Ok(f)
     }
 }
@@ -178,6 +182,7 @@ pub fn cut_segment(s: &Segment) -> Vec<Fragment> {
                     Vec::new()
                 },
                 version: s.version,
+                sampling: s.sampling,
             }
         })
         .collect()
@@ -233,6 +238,7 @@ impl TimelineManifest {
                         if last.call == r.call
                             && last.sampled == f.sampled
                             && last.version == f.version
+                            && last.sampling == f.sampling
                             && last.tokens.len() % MAX_FRAGMENT_TOKENS == 0 =>
                     {
                         last.tokens.extend_from_slice(&f.tokens);
@@ -244,6 +250,7 @@ impl TimelineManifest {
                         logprobs: f.logprobs.clone(),
                         version: f.version,
                         call: r.call,
+                        sampling: f.sampling,
                     }),
                 }
             }

@@ -20,7 +20,7 @@
 
 use std::collections::HashMap;
 
-use super::{Episode, TimelineError};
+use super::{Episode, SamplingTransform, TimelineError};
 
 /// One sampled token: the episode (index in the batch), the call (index among the
 /// episode's calls of the model) and the token's index in that call's completion.
@@ -41,6 +41,8 @@ pub struct Target {
     pub behaviour_logprob: f32,
     pub version: u64,
     pub advantage: f32,
+    /// The distribution the token was drawn from (the trainer scores it under the same).
+    pub sampling: SamplingTransform,
 }
 
 /// Sequences packed into one row (see the module docs).
@@ -94,7 +96,12 @@ fn sequences(
 ) -> Result<Vec<Seq>, TimelineError> {
     let mut out = Vec::new();
     for (e, &(episode, advantage)) in batch.iter().enumerate() {
-        let target = |call: usize, index: usize, token: u32, lp: f32, version: u64| Target {
+        let target = |call: usize,
+                      index: usize,
+                      token: u32,
+                      lp: f32,
+                      version: u64,
+                      sampling: SamplingTransform| Target {
             from: 0,
             token,
             key: SampleKey {
@@ -105,6 +112,7 @@ fn sequences(
             behaviour_logprob: lp,
             version,
             advantage,
+            sampling,
         };
         match layout {
             Layout::PerCall => {
@@ -116,7 +124,14 @@ fn sequences(
                         .map(|k| {
                             (
                                 c.prompt_ids.len() + k,
-                                target(ci, k, c.completion_ids[k], c.logprobs[k], c.policy_version),
+                                target(
+                                    ci,
+                                    k,
+                                    c.completion_ids[k],
+                                    c.logprobs[k],
+                                    c.policy_version,
+                                    c.sampling,
+                                ),
                             )
                         })
                         .collect();
@@ -132,7 +147,14 @@ fn sequences(
                             for (k, &t) in s.tokens.iter().enumerate() {
                                 targets.push((
                                     tokens.len() + k,
-                                    target(s.call as usize, k, t, s.logprobs[k], s.version),
+                                    target(
+                                        s.call as usize,
+                                        k,
+                                        t,
+                                        s.logprobs[k],
+                                        s.version,
+                                        s.sampling,
+                                    ),
                                 ));
                             }
                         }
@@ -252,14 +274,13 @@ mod tests {
         let mut calls = Vec::new();
         for (env, gen) in turns {
             prompt.extend_from_slice(env);
-            calls.push(Call {
-                model: "m".into(),
-                prompt_ids: prompt.clone(),
-                completion_ids: gen.to_vec(),
-                logprobs: vec![-0.5; gen.len()],
-                policy_version: 1,
-                signature: vec![],
-            });
+            calls.push(Call::new(
+                "m",
+                prompt.clone(),
+                gen.to_vec(),
+                vec![-0.5; gen.len()],
+                1,
+            ));
             prompt.extend_from_slice(gen);
         }
         Episode {

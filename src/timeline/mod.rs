@@ -21,6 +21,9 @@ pub mod digest;
 pub mod fragment;
 pub mod layout;
 pub mod synth;
+pub mod transform;
+
+pub use transform::SamplingTransform;
 
 use std::collections::BTreeMap;
 
@@ -41,11 +44,16 @@ pub struct Call {
     pub model: String,
     pub prompt_ids: Vec<u32>,
     pub completion_ids: Vec<u32>,
-    /// Behaviour log-probability of each completion token under the policy that sampled it.
+    /// Behaviour log-probability of each completion token: under the distribution it was
+    /// drawn from (`sampling` applied to the policy that sampled it).
     pub logprobs: Vec<f32>,
     pub policy_version: u64,
     /// The serving peer's signature over the call (set by the swarm; empty until it is).
     pub signature: Vec<u8>,
+    /// The distribution the completion was drawn from (absent in data from before it was
+    /// recorded: the model's own).
+    #[serde(default)]
+    pub sampling: SamplingTransform,
 }
 
 impl Call {
@@ -64,7 +72,14 @@ impl Call {
             logprobs,
             policy_version,
             signature: Vec::new(),
+            sampling: SamplingTransform::RAW,
         }
+    }
+
+    /// The call, drawn with `sampling`.
+    pub fn with_sampling(mut self, sampling: SamplingTransform) -> Call {
+        self.sampling = sampling;
+        self
     }
 
     fn check(&self, index: usize) -> Result<(), TimelineError> {
@@ -89,6 +104,7 @@ impl Call {
         {
             return Err(bad(format!("logprob {lp} is not a finite value <= 0")));
         }
+        self.sampling.check().map_err(bad)?;
         Ok(())
     }
 }
@@ -169,6 +185,10 @@ pub struct Segment {
     pub version: u64,
     /// The call (index among the timeline's calls) whose prompt or completion this is.
     pub call: u32,
+    /// The distribution a sampled segment was drawn from ([`SamplingTransform::RAW`] for
+    /// the others).
+    #[serde(default)]
+    pub sampling: SamplingTransform,
 }
 
 /// One token-exact merged sequence.
@@ -239,6 +259,7 @@ impl Timeline {
                     logprobs: Vec::new(),
                     version: 0,
                     call: i as u32,
+                    sampling: SamplingTransform::RAW,
                 });
             }
             if !call.completion_ids.is_empty() {
@@ -248,6 +269,7 @@ impl Timeline {
                     logprobs: call.logprobs.clone(),
                     version: call.policy_version,
                     call: i as u32,
+                    sampling: call.sampling,
                 });
             }
             current.extend_from_slice(new_prompt);
@@ -279,6 +301,7 @@ mod tests {
             logprobs: completion.iter().map(|&t| -(t as f32) / 100.0).collect(),
             policy_version: 3,
             signature: vec![],
+            sampling: SamplingTransform::RAW,
         }
     }
 

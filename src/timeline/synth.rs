@@ -72,14 +72,13 @@ pub fn trace(shape: &TraceShape) -> Vec<Episode> {
                 let logprobs = (0..gen.len())
                     .map(|_| -(rng.next_f64() as f32) * 2.0)
                     .collect();
-                calls.push(Call {
-                    model: "policy".into(),
-                    prompt_ids: history.clone(),
-                    completion_ids: gen.clone(),
+                calls.push(Call::new(
+                    "policy",
+                    history.clone(),
+                    gen.clone(),
                     logprobs,
-                    policy_version: 0,
-                    signature: Vec::new(),
-                });
+                    0,
+                ));
                 history.extend_from_slice(&gen);
             }
             out.push(Episode {

@@ -12,8 +12,19 @@
 //!    backward turns them into ∂L/∂h and ∂L/∂W_out, and one backward pass carries ∂L/∂h
 //!    through the model. Gradients accumulate over the rows (normalised by the whole
 //!    batch's counts, so the sum is the batch gradient).
+//!    Each token is scored under the distribution it was sampled from (its call's
+//!    [`SamplingTransform`]: logits / T and the truncation), and its behaviour
+//!    log-probability is of that same distribution, so the importance weights compare two
+//!    policies of one kind.
 //! 4. AdamW at the scheduled learning rate (linear warmup, then constant or cosine); the
 //!    policy version goes up by one.
+//!
+//! PPO epochs (`ppo_epochs` E, `mini_batches` M; [`Trainer::step`] only): the groups are
+//! split into M mini-batches, every token's log-probability under the policy the step
+//! starts from is computed once ("old"), then E passes over the M mini-batches take one
+//! AdamW update each, so from the second update on the ratio `exp(lp - old)` moves and
+//! the clip binds. The policy version still goes up by one per step: the engine serves
+//! the weights after the last update.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::Instant;
@@ -28,6 +39,7 @@ use super::TrainError;
 use crate::model::llama::Llama;
 use crate::timeline::layout::{pack, Layout, PackedRow};
 use crate::timeline::Episode;
+use agentjet_kernels::logprobs::{Transform, Truncation};
 
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", tag = "kind")]
@@ -78,6 +90,10 @@ pub struct TrainerConfig {
     /// Mixed precision: matrix products in bfloat16 over float32 master weights (the
     /// optimizer, norms, attention softmax and the token logprobs stay float32).
     pub bf16: bool,
+    /// Passes over each step's batch (PPO epochs); 1: one update per batch.
+    pub ppo_epochs: usize,
+    /// Mini-batches (of whole groups) per pass, one update each.
+    pub mini_batches: usize,
 }
 
 impl Default for TrainerConfig {
@@ -93,6 +109,8 @@ impl Default for TrainerConfig {
             logprob_chunk: 512,
             max_staleness: Some(4),
             bf16: false,
+            ppo_epochs: 1,
+            mini_batches: 1,
         }
     }
 }
@@ -143,6 +161,9 @@ pub struct StepMetrics {
     /// of a group writes the same).
     #[serde(default)]
     pub param_hash: Option<String>,
+    /// Optimizer updates the step took (PPO epochs x mini-batches that had tokens).
+    #[serde(default)]
+    pub updates: usize,
 }
 
 impl StepMetrics {
@@ -269,16 +290,25 @@ impl Trainer {
         self.version = version;
     }
 
-    /// One optimizer step over `groups` (from [`super::groups::GroupBuffer::take_ready`],
-    /// whose report is folded into the metrics): [`Trainer::prepare`],
-    /// [`Trainer::gradient`] and [`Trainer::apply`] with nobody else's sums.
+    /// Optimizer updates per step.
+    pub fn updates_per_step(&self) -> usize {
+        self.cfg.ppo_epochs.max(1) * self.cfg.mini_batches.max(1)
+    }
+
+    /// One training step over `groups` (from [`super::groups::GroupBuffer::take_ready`],
+    /// whose report is folded into the metrics): with one update per step,
+    /// [`Trainer::prepare`], [`Trainer::gradient`] and [`Trainer::apply`] with nobody
+    /// else's sums; otherwise the PPO epochs (see the module docs).
     pub fn step(
         &mut self,
         groups: &[Group],
         report: &ReadyReport,
     ) -> Result<StepMetrics, TrainError> {
+        if self.updates_per_step() > 1 {
+            return self.ppo_step(groups, report);
+        }
         let p = self.prepare(groups, report)?;
-        let stats = self.local_backward(&p)?;
+        let stats = self.local_backward(&p, None)?;
         // The parameters' own gradients are the sum: no flat copy.
         let mut grads: Vec<Tensor> = self.model.parameters().iter().map(|t| t.grad()).collect();
         let m = self.finish(p, &mut grads, &stats);
@@ -387,7 +417,13 @@ impl Trainer {
     /// [`Trainer::apply`]; the loss is linear in its normaliser, so dividing the sum by
     /// the group's count is the gradient of one trainer on the union of the batches.
     pub fn gradient(&self, p: &Prepared) -> Result<LocalGradient, TrainError> {
-        let stats = self.local_backward(p)?;
+        if self.updates_per_step() > 1 {
+            return Err(TrainError::Invalid(format!(
+                "a step of {} updates (PPO epochs x mini-batches) is not one gradient to sum",
+                self.updates_per_step()
+            )));
+        }
+        let stats = self.local_backward(p, None)?;
         let params = self.model.parameters();
         let mut grad = vec![0f32; params.iter().map(Tensor::numel).sum()];
         let mut at = 0;
@@ -411,10 +447,11 @@ impl Trainer {
     }
 
     /// Backward over `p`'s rows (gradients accumulate, unnormalised, in the
-    /// parameters) and this trainer's [`Stat`] sums.
-    fn local_backward(&self, p: &Prepared) -> Result<Vec<f32>, TrainError> {
+    /// parameters) and this trainer's [`Stat`] sums; `old`: each row's log-probabilities
+    /// under the policy the update started from (none: the current one).
+    fn local_backward(&self, p: &Prepared, old: Option<&[Tensor]>) -> Result<Vec<f32>, TrainError> {
         let mut stats = vec![0f32; Stat::COUNT];
-        let sums = self.backward_rows(p, &mut stats)?;
+        let sums = self.backward_rows(p, old, &mut stats)?;
         let rewards = &p.rewards;
         let m = &p.m;
         for (k, v) in [
@@ -528,6 +565,7 @@ impl Trainer {
             tch::Cuda::synchronize(i as i64);
         }
         m.trained = true;
+        m.updates = 1;
         m.step = self.step;
         m.version = self.version;
         m.loss = st(Stat::Loss) / norm;
@@ -541,9 +579,151 @@ impl Trainer {
         Ok(m)
     }
 
+    /// Each target's log-probability under the current policy and its transform (in
+    /// `row.targets` order, float32 `[targets]`), without gradients: the "old"
+    /// log-probabilities of a PPO step, and what importance weights compare with the
+    /// behaviour log-probabilities.
+    pub fn score_row(&self, row: &PackedRow) -> Result<Tensor, TrainError> {
+        let _g = tch::no_grad_guard();
+        let dev = self.model.device();
+        let long = |v: Vec<i64>| Tensor::from_slice(&v).to_device(dev);
+        let ids = long(row.tokens.iter().map(|&t| t as i64).collect());
+        let pos = long(row.positions.iter().map(|&p| p as i64).collect());
+        let from = long(row.targets.iter().map(|t| t.from as i64).collect());
+        let tok = long(row.targets.iter().map(|t| t.token as i64).collect());
+        let h = self
+            .model
+            .forward_row_hidden(&ids, &pos, &row.parent, Some(&from))?;
+        let tr = row_transform(row, dev);
+        Ok(agentjet_kernels::logprobs::token_logprobs(
+            &h,
+            self.model.output_weight(),
+            &tok,
+            self.cfg.logprob_chunk,
+            false,
+            tr.as_ref(),
+        )?
+        .logprobs)
+    }
+
+    /// A step of E passes over M mini-batches (see the module docs).
+    fn ppo_step(
+        &mut self,
+        groups: &[Group],
+        report: &ReadyReport,
+    ) -> Result<StepMetrics, TrainError> {
+        let t0 = Instant::now();
+        let parts_n = self.cfg.mini_batches.max(1).min(groups.len().max(1));
+        let mut parts: Vec<Vec<Group>> = vec![Vec::new(); parts_n];
+        for (i, g) in groups.iter().enumerate() {
+            parts[i % parts_n].push(g.clone());
+        }
+        // The report's counts once (on an empty part), the parts' own rows.
+        let mut m = self.prepare(&[], report)?.m;
+        // Every rollout's reward: the skipped groups' and the parts'.
+        let mut all_rewards: Vec<f64> = report.skipped_rewards.clone();
+        let mut prepared = Vec::with_capacity(parts_n);
+        for part in &parts {
+            let p = self.prepare(part, &ReadyReport::default())?;
+            let old = p
+                .rows
+                .iter()
+                .map(|r| self.score_row(r))
+                .collect::<Result<Vec<_>, _>>()?;
+            m.groups += p.m.groups;
+            m.episodes += p.m.episodes;
+            m.dropped_stale_calls += p.m.dropped_stale_calls;
+            m.tokens_computed += p.m.tokens_computed;
+            for (k, v) in &p.m.staleness {
+                *m.staleness.entry(*k).or_default() += v;
+            }
+            all_rewards.extend_from_slice(&p.rewards);
+            prepared.push((p, old));
+        }
+        let n = all_rewards.len().max(1) as f64;
+        if !all_rewards.is_empty() {
+            m.reward_mean = all_rewards.iter().sum::<f64>() / n;
+            m.reward_std = (all_rewards.iter().map(|r| r * r).sum::<f64>() / n
+                - m.reward_mean.powi(2))
+            .max(0.0)
+            .sqrt();
+        }
+        m.lr = learning_rate(
+            self.cfg.optim.lr,
+            self.cfg.warmup_steps,
+            self.cfg.schedule,
+            self.step,
+        );
+        self.opt.cfg.lr = m.lr;
+        let mut sums = LossSums::default();
+        let (mut loss, mut gnorm) = (0.0, 0.0);
+        for _epoch in 0..self.cfg.ppo_epochs.max(1) {
+            for (p, old) in &prepared {
+                if p.rows.is_empty() {
+                    continue;
+                }
+                let mut stats = vec![0f32; Stat::COUNT];
+                let s = self.backward_rows(p, Some(old), &mut stats)?;
+                let norm = match self.cfg.loss.normalization {
+                    Normalization::Token => s.tokens,
+                    Normalization::Sequence => p.seq_of.len() as f64,
+                }
+                .max(1.0);
+                let mut grads: Vec<Tensor> =
+                    self.model.parameters().iter().map(|t| t.grad()).collect();
+                tch::no_grad(|| {
+                    for g in grads.iter_mut() {
+                        if g.defined() {
+                            let _ = g.g_div_scalar_(norm);
+                        }
+                    }
+                });
+                gnorm += self.opt.step_with(&mut grads);
+                tch::no_grad(|| {
+                    for g in &mut grads {
+                        if g.defined() {
+                            let _ = g.zero_();
+                        }
+                    }
+                });
+                loss += stats[Stat::Loss as usize] as f64 / norm;
+                sums.add(&s);
+                m.updates += 1;
+            }
+        }
+        self.step += 1;
+        m.step = self.step;
+        if m.updates > 0 {
+            self.version += 1;
+            if let tch::Device::Cuda(i) = self.model.device() {
+                tch::Cuda::synchronize(i as i64);
+            }
+            let (u, tokens) = (m.updates as f64, sums.tokens.max(1.0));
+            m.trained = true;
+            m.loss = loss / u;
+            m.grad_norm = gnorm / u;
+            m.entropy = sums.entropy / tokens;
+            m.kl = self.reference.as_ref().map(|_| sums.kl / tokens);
+            m.clip_frac = sums.clipped / tokens;
+            m.is_weight_mean = sums.is_weight / tokens;
+            m.is_capped_frac = sums.is_capped / tokens;
+            m.tokens_trained = (sums.tokens / self.cfg.ppo_epochs.max(1) as f64).round() as usize;
+        }
+        m.version = self.version;
+        m.seconds = t0.elapsed().as_secs_f64();
+        m.tokens_per_s =
+            m.tokens_computed as f64 * self.cfg.ppo_epochs.max(1) as f64 / m.seconds.max(1e-9);
+        Ok(m)
+    }
+
     /// Forward and backward of every row of `p` (gradients accumulate in the parameters);
     /// the loss sum goes into `stats`.
-    fn backward_rows(&self, p: &Prepared, stats: &mut [f32]) -> Result<LossSums, TrainError> {
+    fn backward_rows(
+        &self,
+        p: &Prepared,
+        old: Option<&[Tensor]>,
+        stats: &mut [f32],
+    ) -> Result<LossSums, TrainError> {
         // Unnormalised: the count is applied to the group's sum in `apply`.
         let counts = BatchCounts {
             tokens: 1.0,
@@ -551,8 +731,9 @@ impl Trainer {
         };
         let mut sums = LossSums::default();
         let mut loss_total = 0.0;
-        for row in &p.rows {
-            let (loss, s) = self.row_backward(row, &p.seq_of, &p.seq_len, counts)?;
+        for (i, row) in p.rows.iter().enumerate() {
+            let old_row = old.and_then(|o| o.get(i));
+            let (loss, s) = self.row_backward(row, old_row, &p.seq_of, &p.seq_len, counts)?;
             loss_total += loss;
             sums.add(&s);
         }
@@ -564,6 +745,7 @@ impl Trainer {
     fn row_backward(
         &self,
         row: &PackedRow,
+        old: Option<&Tensor>,
         seq_of: &BTreeMap<u32, i64>,
         seq_len: &HashMap<u32, usize>,
         counts: BatchCounts,
@@ -591,7 +773,9 @@ impl Trainer {
         let hd = h.detach();
         let wd = w.detach();
         let chunk = self.cfg.logprob_chunk;
-        let out = agentjet_kernels::logprobs::token_logprobs(&hd, &wd, &tok, chunk, true)?;
+        let tr = row_transform(row, dev);
+        let out =
+            agentjet_kernels::logprobs::token_logprobs(&hd, &wd, &tok, chunk, true, tr.as_ref())?;
         let reference = match &self.reference {
             Some(r) => {
                 let _g = tch::no_grad_guard();
@@ -603,6 +787,7 @@ impl Trainer {
                         &tok,
                         chunk,
                         false,
+                        tr.as_ref(),
                     )?
                     .logprobs,
                 )
@@ -618,7 +803,7 @@ impl Trainer {
             &self.cfg.loss,
             &LossInputs {
                 logprobs: &lp_leaf,
-                old_logprobs: None,
+                old_logprobs: old,
                 behaviour_logprobs: &beh,
                 advantages: &adv,
                 seq: &seq,
@@ -645,7 +830,13 @@ impl Trainer {
             lp_leaf.zeros_like()
         };
         let (gh, gw) = agentjet_kernels::logprobs::token_logprobs_backward(
-            &hd, &wd, &tok, &g_lp, g_ent, chunk,
+            &hd,
+            &wd,
+            &tok,
+            &g_lp,
+            g_ent,
+            chunk,
+            tr.as_ref(),
         )?;
         // One backward through the model: ∂L/∂h into the layers, ∂L/∂W_out into the head
         // (the embedding too when tied).
@@ -653,6 +844,59 @@ impl Trainer {
         surrogate.backward();
         Ok((loss.double_value(&[]), sums))
     }
+}
+
+/// The transform of `row`'s targets for the log-probability kernel: none when every
+/// target is scored under the raw softmax (T = 1, untruncated).
+fn row_transform(row: &PackedRow, dev: tch::Device) -> Option<Transform> {
+    let ts = &row.targets;
+    let truncates = ts.iter().any(|t| t.sampling.truncates());
+    if !truncates && ts.iter().all(|t| t.sampling.scoring_temperature() == 1.0) {
+        return None;
+    }
+    let f32s = |v: Vec<f32>| Tensor::from_slice(&v).to_device(dev);
+    let inv_temperature = f32s(
+        ts.iter()
+            .map(|t| (1.0 / t.sampling.scoring_temperature()) as f32)
+            .collect(),
+    );
+    let truncation = truncates.then(|| {
+        let kept = |t: &&crate::timeline::layout::Target| t.sampling.truncates();
+        Truncation {
+            top_k: Tensor::from_slice(
+                &ts.iter()
+                    .map(|t| if kept(&t) { t.sampling.top_k as i64 } else { 0 })
+                    .collect::<Vec<_>>(),
+            )
+            .to_device(dev),
+            top_p: f32s(
+                ts.iter()
+                    .map(|t| {
+                        if kept(&t) {
+                            t.sampling.top_p as f32
+                        } else {
+                            1.0
+                        }
+                    })
+                    .collect(),
+            ),
+            min_p: f32s(
+                ts.iter()
+                    .map(|t| {
+                        if kept(&t) {
+                            t.sampling.min_p as f32
+                        } else {
+                            0.0
+                        }
+                    })
+                    .collect(),
+            ),
+        }
+    });
+    Some(Transform {
+        inv_temperature,
+        truncation,
+    })
 }
 
 #[cfg(test)]

@@ -249,7 +249,10 @@ pub async fn signed_call(
     write_frame(&mut s, &req, limit)
         .await
         .map_err(|e| e.to_string())?;
-    let mut c = agentjet::timeline::Call::new("tiny", prompt, vec![], vec![], 0);
+    // The call as the server signs it: the transform it drew with, behaviour logprobs.
+    let sampling = agentjet::openai::track::transform_of(&req.sampling, false);
+    let mut c =
+        agentjet::timeline::Call::new("tiny", prompt, vec![], vec![], 0).with_sampling(sampling);
     loop {
         match read_frame::<_, InferFrame>(&mut s, limit)
             .await
@@ -257,13 +260,13 @@ pub async fn signed_call(
         {
             InferFrame::Token {
                 id,
-                logprob,
+                behaviour,
                 policy_version,
                 signature,
                 ..
             } => {
                 c.completion_ids.push(id);
-                c.logprobs.push(logprob as f32);
+                c.logprobs.push(behaviour as f32);
                 c.policy_version = policy_version;
                 c.signature = signature;
             }

@@ -185,6 +185,17 @@ pub struct ServerCli {
     /// Calls sampled more than this many policy versions ago are not trained on.
     #[arg(long, default_value_t = 4)]
     pub max_staleness: u64,
+    /// PPO epochs: passes over each step's batch, against log-probabilities computed once
+    /// before the first update (so the clip binds from the second update on).
+    #[arg(long, default_value_t = 1)]
+    pub ppo_epochs: usize,
+    /// Mini-batches (of whole groups) per PPO epoch, one optimizer update each. A server
+    /// taking more than one update per step trains alone unless --sync-every is set.
+    #[arg(long, default_value_t = 1)]
+    pub mini_batches: usize,
+    /// Weight of the entropy bonus (of the distribution each token was sampled from).
+    #[arg(long, default_value_t = 0.0)]
+    pub entropy_coef: f64,
     /// Save a checkpoint every N steps (outer steps with --sync-every) and when stopped.
     #[arg(long, default_value_t = 20)]
     pub checkpoint_every: u64,

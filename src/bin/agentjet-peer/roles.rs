@@ -93,6 +93,9 @@ mod torch {
                                 })
                             })
                             .transpose()?,
+                        ppo_epochs: self.ppo_epochs.max(1),
+                        mini_batches: self.mini_batches.max(1),
+                        entropy_coef: self.entropy_coef,
                     })
                 })
                 .transpose()?;

@@ -2,6 +2,7 @@
 //! and the answer whole or as server-sent events ending in `data: [DONE]`.
 
 use super::*;
+use crate::openai::track::transform_of;
 
 pub(super) async fn chat_completions(
     State(st): State<Arc<AppState>>,
@@ -121,17 +122,6 @@ pub(super) async fn chat_inner(
         Outcome::Continued => "continued",
         Outcome::Break(_) => "break",
     });
-    // Records the finished call in the episode's timeline.
-    let on_done = tracked.map(|(ep, _, text)| {
-        let st = st.clone();
-        let model = req.model.clone();
-        let messages = req.messages.clone();
-        move |prompt: &[u32], choices: Vec<ChoiceRecord>, version: u64| {
-            if let Some(t) = &st.tracker {
-                t.record(&ep, &model, &messages, text, prompt, choices, version);
-            }
-        }
-    });
     let mut p = plan(
         st,
         Common {
@@ -163,6 +153,20 @@ pub(super) async fn chat_inner(
                 .map_err(|e| ApiError::bad("tool_choice", e.to_string()))?,
         );
     }
+    // Records the finished call in the episode's timeline.
+    let sampling = transform_of(&p.sampling, p.constraint.is_some());
+    let on_done = tracked.map(|(ep, _, text)| {
+        let st = st.clone();
+        let model = req.model.clone();
+        let messages = req.messages.clone();
+        move |prompt: &[u32], choices: Vec<ChoiceRecord>, version: u64| {
+            if let Some(t) = &st.tracker {
+                t.record(
+                    &ep, &model, &messages, text, prompt, choices, version, sampling,
+                );
+            }
+        }
+    });
     let route = Route {
         episode: episode.clone(),
     };

@@ -19,7 +19,8 @@ pub(super) struct ChoiceState {
     pub(super) stop: StopMatcher,
     pub(super) tokens: Vec<u32>,
     /// The engine's logprob of every token (kept for the tracker whether asked or not).
-    pub(super) raw_logprobs: Vec<f32>,
+    /// Behaviour logprobs (under the distribution each token was drawn from).
+    pub(super) drawn_logprobs: Vec<f32>,
     pub(super) logprobs: Vec<TokenLogprob>,
     pub(super) want_logprobs: bool,
     pub(super) finish: Option<&'static str>,
@@ -42,7 +43,7 @@ impl ChoiceState {
             decoder: StreamDecoder::new(),
             stop: StopMatcher::new(stops),
             tokens: Vec::new(),
-            raw_logprobs: Vec::new(),
+            drawn_logprobs: Vec::new(),
             logprobs: Vec::new(),
             want_logprobs,
             finish: None,
@@ -57,7 +58,7 @@ impl ChoiceState {
     pub(super) fn record(&self) -> ChoiceRecord {
         ChoiceRecord {
             tokens: self.tokens.clone(),
-            logprobs: self.raw_logprobs.clone(),
+            logprobs: self.drawn_logprobs.clone(),
             signed: self.signed.clone(),
         }
     }
@@ -79,12 +80,17 @@ impl ChoiceState {
                 }
                 Ok((String::new(), vec![]))
             }
-            ChoiceEvent::Engine(EngineEvent::Token { id, logprob, top }) => {
+            ChoiceEvent::Engine(EngineEvent::Token {
+                id,
+                logprob,
+                behaviour,
+                top,
+            }) => {
                 if self.finish.is_some() {
                     return Ok((String::new(), vec![]));
                 }
                 self.tokens.push(id);
-                self.raw_logprobs.push(logprob as f32);
+                self.drawn_logprobs.push(behaviour as f32);
                 if let Some(p) = self.pending_sig.take() {
                     if p.upto == self.tokens.len() && p.start < p.upto {
                         match self.signed.last_mut() {

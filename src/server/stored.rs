@@ -1,0 +1,219 @@
+//! Episodes on a server's disk: the manifest and the rebuilt timelines, one file each.
+//!
+//! The file is a format tag (`STORED_TAG`) and the postcard encoding of
+//! [`StoredEpisode`]. Files written before the sampling transform travelled with calls
+//! have no tag; they are read with the earlier segment layout and their calls taken as
+//! drawn from the model's own distribution ([`SamplingTransform::RAW`]).
+//!
+//! Owns: the stored episode's byte layout and its earlier version. Never verifies
+//! signatures (that happened before the episode was stored).
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use super::ServerError;
+use crate::timeline::digest::rebuilt_calls;
+use crate::timeline::fragment::EpisodeManifest;
+use crate::timeline::{Branch, Call, Episode, SamplingTransform, Segment, Timeline};
+
+/// The first bytes of a stored episode in the current layout. An untagged file starts
+/// with the varint length of its episode id; 0xff would need an id of more than 16 KB.
+const STORED_TAG: &[u8] = b"\xffAJEP\x02";
+
+/// An episode as a server stores it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StoredEpisode {
+    pub manifest: EpisodeManifest,
+    pub timelines: Vec<Timeline>,
+}
+
+impl StoredEpisode {
+    /// The file's bytes.
+    pub fn encode(&self) -> Result<Vec<u8>, String> {
+        let mut out = STORED_TAG.to_vec();
+        out.extend(postcard::to_allocvec(self).map_err(|e| e.to_string())?);
+        Ok(out)
+    }
+
+    /// Reads a file's bytes, in the current layout or the untagged earlier one.
+    pub fn decode(bytes: &[u8]) -> Result<StoredEpisode, String> {
+        match bytes.strip_prefix(STORED_TAG) {
+            Some(rest) => postcard::from_bytes(rest).map_err(|e| e.to_string()),
+            None => postcard::from_bytes::<legacy::StoredEpisode>(bytes)
+                .map(legacy::StoredEpisode::upgrade)
+                .map_err(|e| format!("{e} (neither the current nor the earlier layout)")),
+        }
+    }
+
+    /// The episode with its calls rebuilt from the timelines (sampled calls only: what
+    /// training uses), as the trainer takes it.
+    pub fn episode(&self) -> Episode {
+        let m = &self.manifest;
+        let mut calls = Vec::new();
+        for t in &self.timelines {
+            for c in rebuilt_calls(t) {
+                calls.push(
+                    Call::new(&t.model, c.prompt, c.completion, c.logprobs, c.version)
+                        .with_sampling(c.sampling),
+                );
+            }
+        }
+        Episode {
+            id: m.episode_id.clone(),
+            task_id: m.task_id.clone(),
+            group_id: m.group_id.clone(),
+            calls,
+            reward: m.reward,
+            rewards: m.rewards.clone(),
+            status: m.status.clone(),
+        }
+    }
+}
+
+/// Reads every episode stored for a model (in no particular order).
+pub fn read_stored_episodes(dir: &Path) -> Result<Vec<StoredEpisode>, ServerError> {
+    let mut out = Vec::new();
+    let rd = std::fs::read_dir(dir).map_err(|e| ServerError::io(dir, e))?;
+    for e in rd.flatten() {
+        let p = e.path();
+        if p.extension().is_some_and(|x| x == "episode") {
+            let b = std::fs::read(&p).map_err(|e| ServerError::io(&p, e))?;
+            out.push(
+                StoredEpisode::decode(&b).map_err(|problem| ServerError::Corrupt {
+                    path: p.clone(),
+                    problem,
+                })?,
+            );
+        }
+    }
+    Ok(out)
+}
+
+/// The layout before calls carried their sampling transform.
+mod legacy {
+    use super::*;
+
+    #[derive(Deserialize)]
+    pub struct StoredEpisode {
+        manifest: EpisodeManifest,
+        timelines: Vec<Timeline>,
+    }
+
+    #[derive(Deserialize)]
+    struct Timeline {
+        model: String,
+        branches: Vec<Vec<Segment>>,
+        breaks: usize,
+        calls: usize,
+    }
+
+    #[derive(Deserialize)]
+    struct Segment {
+        tokens: Vec<u32>,
+        sampled: bool,
+        logprobs: Vec<f32>,
+        version: u64,
+        call: u32,
+    }
+
+    impl StoredEpisode {
+        pub fn upgrade(self) -> super::StoredEpisode {
+            let timelines = self
+                .timelines
+                .into_iter()
+                .map(|t| super::Timeline {
+                    model: t.model,
+                    branches: t
+                        .branches
+                        .into_iter()
+                        .map(|b| Branch {
+                            segments: b
+                                .into_iter()
+                                .map(|s| super::Segment {
+                                    tokens: s.tokens,
+                                    sampled: s.sampled,
+                                    logprobs: s.logprobs,
+                                    version: s.version,
+                                    call: s.call,
+                                    sampling: SamplingTransform::RAW,
+                                })
+                                .collect(),
+                        })
+                        .collect(),
+                    breaks: t.breaks,
+                    calls: t.calls,
+                })
+                .collect();
+            super::StoredEpisode {
+                manifest: self.manifest,
+                timelines,
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::timeline::EpisodeStatus;
+
+    /// The earlier layout, as it was written (its serialisation, for this test only).
+    #[derive(Serialize)]
+    struct OldSegment {
+        tokens: Vec<u32>,
+        sampled: bool,
+        logprobs: Vec<f32>,
+        version: u64,
+        call: u32,
+    }
+
+    #[test]
+    fn untagged_episodes_of_the_earlier_layout_load_as_raw_sampling() {
+        let manifest = EpisodeManifest {
+            episode_id: "ep".into(),
+            task_id: "t".into(),
+            group_id: "g".into(),
+            group_size: 2,
+            reward: Some(1.0),
+            rewards: Default::default(),
+            status: EpisodeStatus::Finished,
+            timelines: vec![],
+        };
+        let segments = vec![
+            OldSegment {
+                tokens: vec![1, 2],
+                sampled: false,
+                logprobs: vec![],
+                version: 0,
+                call: 0,
+            },
+            OldSegment {
+                tokens: vec![3],
+                sampled: true,
+                logprobs: vec![-0.5],
+                version: 4,
+                call: 0,
+            },
+        ];
+        let old = postcard::to_allocvec(&(
+            &manifest,
+            vec![("m".to_string(), vec![segments], 0usize, 1usize)],
+        ))
+        .unwrap();
+        let back = StoredEpisode::decode(&old).unwrap();
+        let ep = back.episode();
+        assert_eq!(ep.calls.len(), 1);
+        assert_eq!(ep.calls[0].prompt_ids, vec![1, 2]);
+        assert_eq!(ep.calls[0].logprobs, vec![-0.5]);
+        assert_eq!(ep.calls[0].sampling, SamplingTransform::RAW);
+        // The current layout round-trips, transform included.
+        let mut now = back.clone();
+        now.timelines[0].branches[0].segments[1]
+            .sampling
+            .temperature = 0.7;
+        let again = StoredEpisode::decode(&now.encode().unwrap()).unwrap();
+        assert_eq!(again.episode().calls[0].sampling.temperature, 0.7);
+        assert!(StoredEpisode::decode(b"\xffAJEP\x02garbage").is_err());
+    }
+}
