@@ -3,11 +3,15 @@
 //! and trainer (tree-packed timelines, chunked logprobs, AdamW) a server runs.
 //!
 //! Each step samples `--tasks` additions `a + b` (a, b in 10..=99, from `--seed`), asks each
-//! `--group` times at temperature 1 ("What is a + b? Answer with the number only.", chat
-//! template, at most `--max-tokens`), rewards 1 when the last number in the answer is
-//! a + b (else 0: the model tends to restate the operands before answering), and takes
-//! one GRPO step on the groups with signal; the engine serves the new weights from its
-//! next decode step. A held-out set (`--eval` tasks, from
+//! `--group` times at `--temperature` / `--top-p` ("What is a + b? Answer with the number
+//! only.", chat template, at most `--max-tokens`), rewards 1 when the last number in the
+//! answer is a + b (else 0: the model tends to restate the operands before answering), and
+//! takes one GRPO step on the groups with signal (`--ppo-epochs` passes over
+//! `--mini-batches` mini-batches: one update each); the engine serves the new weights from
+//! its next decode step. Every sampled token is trained under the distribution it was
+//! drawn from (logits / T, the nucleus). With `--dynamic N` (DAPO's dynamic sampling), a
+//! step whose groups all agreed (no signal) in more than what `--tasks` needs samples more
+//! tasks, up to N extra rounds, so each step trains on `--tasks` groups with signal. A held-out set (`--eval` tasks, from
 //! another seed, never trained on) is answered greedily before training, every
 //! `--eval-every` steps and at the end: that accuracy is the result.
 //!
@@ -20,6 +24,8 @@
 //! --steps N [1000]  --minutes M [55]  --tasks N [8]  --group N [8]  --lr X [1e-5]
 //! --max-tokens N [32]  --eval N [100]  --eval-every N [25]  --checkpoint-every N [25]
 //! --seed N [0]  --run-dir DIR  --resume  --loss grpo|dr_grpo|rloo [grpo]
+//! --temperature X [1.0]  --top-p X [1.0]  --ppo-epochs N [2]  --mini-batches N [2]
+//! --entropy-coef X [0]  --clip-high X [0.28]  --dynamic N [2]
 //! --bf16  (train with bfloat16 matrix products over float32 master weights)
 //! ```
 
@@ -36,9 +42,11 @@ use agentjet::engine::{
 use agentjet::model::checkpoint::load_model;
 use agentjet::model::llama::DType;
 use agentjet::model::{ChatRequest, ModelCard, ModelSource};
+use agentjet::openai::track::transform_of;
 use agentjet::timeline::{Call, Episode};
 use agentjet::train::checkpoint::RunDir;
 use agentjet::train::groups::{AdvantageKind, GroupBuffer, GroupConfig};
+use agentjet::train::loss::LossConfig;
 use agentjet::train::optim::AdamWConfig;
 use agentjet::train::trainer::{StepMetrics, Trainer, TrainerConfig};
 use serde_json::json;
@@ -57,6 +65,13 @@ struct Args {
     run_dir: PathBuf,
     resume: bool,
     advantage: AdvantageKind,
+    temperature: f64,
+    top_p: f64,
+    ppo_epochs: usize,
+    mini_batches: usize,
+    entropy_coef: f64,
+    clip_high: f64,
+    dynamic: usize,
 }
 
 fn parse_args() -> anyhow::Result<Args> {
@@ -87,6 +102,13 @@ fn parse_args() -> anyhow::Result<Args> {
         "--seed",
         "--run-dir",
         "--loss",
+        "--temperature",
+        "--top-p",
+        "--ppo-epochs",
+        "--mini-batches",
+        "--entropy-coef",
+        "--clip-high",
+        "--dynamic",
     ];
     let mut i = 0;
     while i < v.len() {
@@ -117,6 +139,13 @@ fn parse_args() -> anyhow::Result<Args> {
             .map(|s| s.parse().map_err(anyhow::Error::msg))
             .transpose()?
             .unwrap_or(AdvantageKind::Grpo),
+        temperature: num("--temperature", get("--temperature"), 1.0)?,
+        top_p: num("--top-p", get("--top-p"), 1.0)?,
+        ppo_epochs: num("--ppo-epochs", get("--ppo-epochs"), 2)?,
+        mini_batches: num("--mini-batches", get("--mini-batches"), 2)?,
+        entropy_coef: num("--entropy-coef", get("--entropy-coef"), 0.0)?,
+        clip_high: num("--clip-high", get("--clip-high"), 0.28)?,
+        dynamic: num("--dynamic", get("--dynamic"), 2)?,
     })
 }
 
@@ -166,13 +195,14 @@ fn pair(rng: &mut Rng) -> (i64, i64) {
     )
 }
 
-/// Samples `n` answers of every task at once; returns per task (ids, logprobs, version).
+/// Samples `n` answers of every task at once; returns per task (ids, behaviour logprobs,
+/// version).
 #[allow(clippy::type_complexity)]
 fn sample(
     engine: &EngineHandle,
     tasks: &[Task],
     n: usize,
-    temperature: f64,
+    sampling: &SamplingParams,
     max_tokens: usize,
     stop: &[u32],
     seed: u64,
@@ -183,14 +213,7 @@ fn sample(
             GenerateRequest {
                 prompt: t.prompt.clone(),
                 max_tokens,
-                sampling: if temperature == 0.0 {
-                    SamplingParams::greedy()
-                } else {
-                    SamplingParams {
-                        temperature,
-                        ..Default::default()
-                    }
-                },
+                sampling: sampling.clone(),
                 seed: Some(seed.wrapping_mul(1_000_003).wrapping_add(i as u64 * 101)),
                 stop_token_ids: stop.to_vec(),
                 ..Default::default()
@@ -203,7 +226,7 @@ fn sample(
         let mut task = Vec::new();
         for mut rx in rxs {
             let c = Completed::collect(&mut rx).map_err(anyhow::Error::msg)?;
-            let lps = c.logprobs.iter().map(|&l| l as f32).collect();
+            let lps = c.behaviour.iter().map(|&l| l as f32).collect();
             task.push((c.tokens, lps, c.policy_version));
         }
         out.push(task);
@@ -226,7 +249,15 @@ fn evaluate(
 ) -> anyhow::Result<f64> {
     let mut right = 0;
     for chunk in tasks.chunks(32) {
-        let out = sample(engine, chunk, 1, 0.0, max_tokens, stop, 0)?;
+        let out = sample(
+            engine,
+            chunk,
+            1,
+            &SamplingParams::greedy(),
+            max_tokens,
+            stop,
+            0,
+        )?;
         for (t, o) in chunk.iter().zip(&out) {
             right += correct(card, t, &o[0].0) as usize;
         }
@@ -285,6 +316,13 @@ fn run() -> anyhow::Result<()> {
             max_staleness: Some(1),
             micro_batch_tokens: 2048,
             bf16: std::env::args().any(|a| a == "--bf16"),
+            ppo_epochs: args.ppo_epochs.max(1),
+            mini_batches: args.mini_batches.max(1),
+            loss: LossConfig {
+                entropy_coef: args.entropy_coef,
+                clip_high: args.clip_high,
+                ..LossConfig::default()
+            },
             ..TrainerConfig::default()
         },
     )
@@ -331,11 +369,18 @@ fn run() -> anyhow::Result<()> {
         }
     }
     println!(
-        "learn_addition: SmolLM2-135M-Instruct on {:?}; {} tasks x {} samples per step, lr {}, held-out {} tasks; run dir {}",
+        "learn_addition: SmolLM2-135M-Instruct on {:?}; {} tasks x {} samples per step (T {}, top_p {}, dynamic rounds {}), lr {}, {} PPO epochs x {} mini-batches, entropy coef {}, clip high {}, held-out {} tasks; run dir {}",
         trainer.model.device(),
         args.tasks,
         args.group,
+        args.temperature,
+        args.top_p,
+        args.dynamic,
         args.lr,
+        args.ppo_epochs,
+        args.mini_batches,
+        args.entropy_coef,
+        args.clip_high,
         args.eval,
         args.run_dir.display()
     );
@@ -377,36 +422,60 @@ fn run() -> anyhow::Result<()> {
         args.advantage,
     );
     let mut last_acc = before;
+    let sampling = SamplingParams {
+        temperature: args.temperature,
+        top_p: args.top_p,
+        ..Default::default()
+    };
+    sampling.validate().map_err(anyhow::Error::msg)?;
+    let drawn = transform_of(&sampling, false);
     while trainer.steps() < args.steps && t0.elapsed().as_secs_f64() < args.minutes * 60.0 {
         let step = trainer.steps();
-        let mut tasks = Vec::new();
-        while tasks.len() < args.tasks {
-            let (a, b) = pair(&mut rng);
-            if !held.contains(&(a, b)) {
-                tasks.push(make_task(&card, a, b)?);
+        // Dynamic sampling: more rounds of fresh tasks while fewer than --tasks groups
+        // have signal (their answers differ in reward).
+        let mut with_signal = 0;
+        for round in 0..=args.dynamic {
+            let want = if round == 0 {
+                args.tasks
+            } else {
+                args.tasks - with_signal
+            };
+            let mut tasks = Vec::new();
+            while tasks.len() < want {
+                let (a, b) = pair(&mut rng);
+                if !held.contains(&(a, b)) {
+                    tasks.push(make_task(&card, a, b)?);
+                }
             }
-        }
-        let out = sample(
-            &engine,
-            &tasks,
-            args.group,
-            1.0,
-            args.max_tokens,
-            &stop,
-            rng.next_u64(),
-        )?;
-        for (ti, (t, samples)) in tasks.iter().zip(out).enumerate() {
-            for (si, (ids, lps, version)) in samples.into_iter().enumerate() {
-                let reward = if correct(&card, t, &ids) { 1.0 } else { 0.0 };
-                buffer
-                    .add(Episode::single_call(
-                        format!("s{step}-t{ti}-{si}"),
-                        format!("{}+{}", t.a, t.b),
-                        format!("s{step}-t{ti}"),
-                        Call::new("policy", t.prompt.clone(), ids, lps, version),
-                        reward,
-                    ))
-                    .map_err(anyhow::Error::msg)?;
+            let out = sample(
+                &engine,
+                &tasks,
+                args.group,
+                &sampling,
+                args.max_tokens,
+                &stop,
+                rng.next_u64(),
+            )?;
+            for (ti, (t, samples)) in tasks.iter().zip(out).enumerate() {
+                let mut rewards = Vec::new();
+                for (si, (ids, lps, version)) in samples.into_iter().enumerate() {
+                    let reward = if correct(&card, t, &ids) { 1.0 } else { 0.0 };
+                    rewards.push(reward);
+                    buffer
+                        .add(Episode::single_call(
+                            format!("s{step}-r{round}-t{ti}-{si}"),
+                            format!("{}+{}", t.a, t.b),
+                            format!("s{step}-r{round}-t{ti}"),
+                            Call::new("policy", t.prompt.clone(), ids, lps, version)
+                                .with_sampling(drawn),
+                            reward,
+                        ))
+                        .map_err(anyhow::Error::msg)?;
+                }
+                with_signal += rewards.iter().any(|&r| r != rewards[0]) as usize;
+            }
+            if with_signal >= args.tasks {
+                break;
             }
         }
         let (groups, report) = buffer.take_ready(Instant::now());

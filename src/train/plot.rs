@@ -1,5 +1,6 @@
 //! A reward curve as a small self-contained SVG (no plotting dependency): the mean
-//! training reward per step and, where a step has one, the evaluation accuracy.
+//! training reward per step, where a step has one the evaluation accuracy, and the mean
+//! entropy of the trained tokens (dashed, scaled to its own maximum, named at the top).
 
 use super::trainer::StepMetrics;
 
@@ -43,6 +44,21 @@ pub fn reward_svg(title: &str, metrics: &[StepMetrics], before: Option<f64>) -> 
         "<polyline fill=\"none\" stroke=\"steelblue\" stroke-width=\"1.5\" points=\"{}\"/>\n",
         reward.join(" ")
     ));
+    let trained: Vec<&StepMetrics> = metrics.iter().filter(|m| m.trained).collect();
+    let top = trained.iter().map(|m| m.entropy).fold(0.0, f64::max);
+    if top > 0.0 {
+        let ent: Vec<String> = trained
+            .iter()
+            .map(|m| format!("{:.1},{:.1}", x(m.step), y(m.entropy / top)))
+            .collect();
+        svg.push_str(&format!(
+            "<polyline fill=\"none\" stroke=\"seagreen\" stroke-width=\"1.2\" stroke-dasharray=\"4 3\" points=\"{}\"/>\n\
+             <text x=\"{r}\" y=\"{t}\" text-anchor=\"end\" fill=\"seagreen\">entropy (top = {top:.3} nats/token)</text>\n",
+            ent.join(" "),
+            r = w - pad,
+            t = pad - 6.0,
+        ));
+    }
     if !acc.is_empty() {
         svg.push_str(&format!(
             "<polyline fill=\"none\" stroke=\"crimson\" stroke-width=\"2\" points=\"{}\"/>\n",
