@@ -24,8 +24,8 @@
 //! --steps N [1000]  --minutes M [55]  --tasks N [8]  --group N [8]  --lr X [1e-5]
 //! --max-tokens N [32]  --eval N [100]  --eval-every N [25]  --checkpoint-every N [25]
 //! --seed N [0]  --run-dir DIR  --resume  --loss grpo|dr_grpo|rloo [grpo]
-//! --temperature X [1.0]  --top-p X [1.0]  --ppo-epochs N [2]  --mini-batches N [2]
-//! --entropy-coef X [0]  --clip-high X [0.28]  --dynamic N [2]
+//! --temperature X [1.0]  --top-p X [1.0]  --ppo-epochs N [2]  --mini-batches N [1]
+//! --entropy-coef X [0]  --clip-high X [0.28]  --dynamic N [1]
 //! --bf16  (train with bfloat16 matrix products over float32 master weights)
 //! ```
 
@@ -142,10 +142,10 @@ fn parse_args() -> anyhow::Result<Args> {
         temperature: num("--temperature", get("--temperature"), 1.0)?,
         top_p: num("--top-p", get("--top-p"), 1.0)?,
         ppo_epochs: num("--ppo-epochs", get("--ppo-epochs"), 2)?,
-        mini_batches: num("--mini-batches", get("--mini-batches"), 2)?,
+        mini_batches: num("--mini-batches", get("--mini-batches"), 1)?,
         entropy_coef: num("--entropy-coef", get("--entropy-coef"), 0.0)?,
         clip_high: num("--clip-high", get("--clip-high"), 0.28)?,
-        dynamic: num("--dynamic", get("--dynamic"), 2)?,
+        dynamic: num("--dynamic", get("--dynamic"), 1)?,
     })
 }
 
@@ -487,7 +487,11 @@ fn run() -> anyhow::Result<()> {
             last_acc = evaluate(&engine, &card, &eval_tasks, args.max_tokens, &stop)?;
             m.accuracy = Some(last_acc);
         }
-        println!("{}", m.line());
+        println!(
+            "{} | {:.1} min",
+            m.line(),
+            t0.elapsed().as_secs_f64() / 60.0
+        );
         run_dir.append(&m).map_err(anyhow::Error::msg)?;
         let stop_now = term.load(Ordering::Relaxed);
         if stop_now || trainer.steps() % args.checkpoint_every.max(1) == 0 {
