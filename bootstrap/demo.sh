@@ -25,21 +25,9 @@ mkdir -p "$demo"
 
 # The server: trains on every 2 complete groups (of 8 episodes); its stdout goes to a file and, prefixed,
 # to this terminal.
-"$peer" --role server --model smollm2 --data-dir "$demo/server" \
-  --listen /ip4/127.0.0.1/udp/0/quic-v1 --groups-per-step 2 --learning-rate 2e-5 \
-  --warmup-steps 3 --max-batch 32 > "$demo/server.out" 2> "$demo/server.log" &
-server=$!
-trap 'kill $server 2>/dev/null || true' EXIT
-tail -f "$demo/server.out" 2>/dev/null | sed -u 's/^/[server] /' &
-tailer=$!
-addr=""
-for _ in $(seq 1 600); do
-  addr=$(sed -n 's/^listening on //p' "$demo/server.out" | head -n1)
-  grep -q '^serving model' "$demo/server.out" 2>/dev/null && [ -n "$addr" ] && break
-  kill -0 $server 2>/dev/null || { cat "$demo/server.log" >&2; echo "the server did not start" >&2; exit 1; }
-  sleep 0.2
-done
-[ -n "$addr" ] || { echo "the server did not start within 2 minutes" >&2; exit 1; }
+source bootstrap/local_swarm.sh
+start_server "$demo" --model smollm2 --groups-per-step 2 --learning-rate 2e-5 \
+  --warmup-steps 3 --max-batch 32
 
 # The client: 8 episodes per task (one group), 16 at once, until the time is up.
 left=$(( budget - ($(date +%s) - start) - 60 ))
@@ -51,11 +39,7 @@ echo "client: running episodes for $left s"
   --tasks examples/math_agent/tasks.jsonl --num-repeat 8 --concurrency 16 \
   --episode-timeout 120 --time-limit "$left" --run-dir "$demo/client-run" 2> "$demo/client.log"
 
-sleep 3
-kill -TERM $server 2>/dev/null || true
-wait $server 2>/dev/null || true
-kill $tailer 2>/dev/null || true
-trap - EXIT
+stop_server
 echo
 echo "training steps: $(grep -c '^train step' "$demo/server.out" || true) (server log: $demo/server.out)"
 echo "reward curve: $demo/server/runs/smollm2/reward.svg (per step: $demo/server/runs/smollm2/metrics.jsonl)"

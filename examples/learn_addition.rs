@@ -18,7 +18,10 @@
 //! The run directory (`--run-dir`, default `runs/learn_addition`) gets `metrics.jsonl`
 //! (one line per step), `checkpoint/` (every `--checkpoint-every` steps and on SIGTERM;
 //! `--resume` continues from it) and `reward.svg` (training reward and held-out accuracy
-//! by step). The run stops after `--steps` steps or `--minutes` of wall time.
+//! by step), `heldout.json` (the held-out pairs, for a side-by-side run of another
+//! trainer). Each evaluation also prints `EVAL train_minutes=.. accuracy=.. step=..`, the
+//! minutes counted from the first step without the evaluations' own time. The run stops
+//! after `--steps` steps, `--minutes` of wall time or `--train-minutes` of training.
 //!
 //! ```text
 //! --steps N [1000]  --minutes M [55]  --tasks N [8]  --group N [8]  --lr X [1e-5]
@@ -26,6 +29,7 @@
 //! --seed N [0]  --run-dir DIR  --resume  --loss grpo|dr_grpo|rloo [grpo]
 //! --temperature X [1.0]  --top-p X [1.0]  --ppo-epochs N [2]  --mini-batches N [1]
 //! --entropy-coef X [0]  --clip-high X [0.28]  --dynamic N [1]
+//! --train-minutes M  (stop after M minutes of training, held-out evaluations not counted)
 //! --bf16  (train with bfloat16 matrix products over float32 master weights)
 //! ```
 
@@ -72,6 +76,8 @@ struct Args {
     entropy_coef: f64,
     clip_high: f64,
     dynamic: usize,
+    /// Stop once this much time went to training (held-out evaluations not counted).
+    train_minutes: Option<f64>,
 }
 
 fn parse_args() -> anyhow::Result<Args> {
@@ -109,6 +115,7 @@ fn parse_args() -> anyhow::Result<Args> {
         "--entropy-coef",
         "--clip-high",
         "--dynamic",
+        "--train-minutes",
     ];
     let mut i = 0;
     while i < v.len() {
@@ -146,6 +153,9 @@ fn parse_args() -> anyhow::Result<Args> {
         entropy_coef: num("--entropy-coef", get("--entropy-coef"), 0.0)?,
         clip_high: num("--clip-high", get("--clip-high"), 0.28)?,
         dynamic: num("--dynamic", get("--dynamic"), 1)?,
+        train_minutes: get("--train-minutes")
+            .map(|v| num("--train-minutes", Some(v), 0.0))
+            .transpose()?,
     })
 }
 
@@ -368,6 +378,11 @@ fn run() -> anyhow::Result<()> {
             eval_tasks.push(make_task(&card, a, b)?);
         }
     }
+    let pairs: Vec<[i64; 2]> = eval_tasks.iter().map(|t| [t.a, t.b]).collect();
+    std::fs::write(
+        args.run_dir.join("heldout.json"),
+        serde_json::to_string(&pairs)?,
+    )?;
     println!(
         "learn_addition: SmolLM2-135M-Instruct on {:?}; {} tasks x {} samples per step (T {}, top_p {}, dynamic rounds {}), lr {}, {} PPO epochs x {} mini-batches, entropy coef {}, clip high {}, held-out {} tasks; run dir {}",
         trainer.model.device(),
@@ -394,6 +409,10 @@ fn run() -> anyhow::Result<()> {
         }
         None => {
             let b = evaluate(&engine, &card, &eval_tasks, args.max_tokens, &stop)?;
+            println!(
+                "EVAL train_minutes=0.000 accuracy={b:.4} step={}",
+                trainer.steps()
+            );
             println!(
                 "held-out greedy accuracy at step {} (before this run's training): {:.1}%",
                 trainer.steps(),
@@ -422,6 +441,11 @@ fn run() -> anyhow::Result<()> {
         args.advantage,
     );
     let mut last_acc = before;
+    // Training time: from here, less the held-out evaluations.
+    let train_t0 = Instant::now();
+    let mut eval_secs = 0.0;
+    let train_minutes =
+        |eval_secs: f64| (train_t0.elapsed().as_secs_f64() - eval_secs).max(0.0) / 60.0;
     let sampling = SamplingParams {
         temperature: args.temperature,
         top_p: args.top_p,
@@ -429,7 +453,12 @@ fn run() -> anyhow::Result<()> {
     };
     sampling.validate().map_err(anyhow::Error::msg)?;
     let drawn = transform_of(&sampling, false);
-    while trainer.steps() < args.steps && t0.elapsed().as_secs_f64() < args.minutes * 60.0 {
+    while trainer.steps() < args.steps
+        && t0.elapsed().as_secs_f64() < args.minutes * 60.0
+        && args
+            .train_minutes
+            .is_none_or(|m| train_minutes(eval_secs) < m)
+    {
         let step = trainer.steps();
         // Dynamic sampling: more rounds of fresh tasks while fewer than --tasks groups
         // have signal (their answers differ in reward).
@@ -484,8 +513,15 @@ fn run() -> anyhow::Result<()> {
             .update_weights(&trainer.model.parameters(), trainer.version())
             .map_err(anyhow::Error::msg)?;
         if args.eval_every > 0 && trainer.steps() % args.eval_every == 0 {
+            let at = train_minutes(eval_secs);
+            let e0 = Instant::now();
             last_acc = evaluate(&engine, &card, &eval_tasks, args.max_tokens, &stop)?;
+            eval_secs += e0.elapsed().as_secs_f64();
             m.accuracy = Some(last_acc);
+            println!(
+                "EVAL train_minutes={at:.3} accuracy={last_acc:.4} step={}",
+                trainer.steps()
+            );
         }
         println!(
             "{} | {:.1} min",
@@ -508,7 +544,13 @@ fn run() -> anyhow::Result<()> {
     let after = if trainer.steps() % args.eval_every.max(1) == 0 && args.eval_every > 0 {
         last_acc
     } else {
-        evaluate(&engine, &card, &eval_tasks, args.max_tokens, &stop)?
+        let at = train_minutes(eval_secs);
+        let a = evaluate(&engine, &card, &eval_tasks, args.max_tokens, &stop)?;
+        println!(
+            "EVAL train_minutes={at:.3} accuracy={a:.4} step={}",
+            trainer.steps()
+        );
+        a
     };
     save(&trainer, &rng)?;
     let mut metrics = run_dir.metrics().map_err(anyhow::Error::msg)?;

@@ -80,6 +80,8 @@ pub struct Summary {
     pub aborted: usize,
     /// Per model: (episodes submitted, mean reward of each quarter of the run, in order).
     pub models: BTreeMap<String, (usize, Vec<f64>)>,
+    /// Per model: the tracker's (first calls, continued calls, breaks).
+    pub timeline: BTreeMap<String, (u64, u64, u64)>,
 }
 
 fn mean(v: &[f64]) -> f64 {
@@ -196,7 +198,7 @@ pub async fn run_episodes(
         "{}",
         progress_line(&stats, t0, cfg.groups * cfg.num_repeat, cfg.time_limit)
     );
-    Ok(summary(&stats, &cfg, t0))
+    Ok(summary(&stats, &cfg, t0, &tracking))
 }
 
 fn progress_line(stats: &Stats, t0: Instant, total: usize, limit: Option<Duration>) -> String {
@@ -230,7 +232,7 @@ fn progress_line(stats: &Stats, t0: Instant, total: usize, limit: Option<Duratio
     )
 }
 
-fn summary(stats: &Stats, cfg: &RunConfig, t0: Instant) -> Summary {
+fn summary(stats: &Stats, cfg: &RunConfig, t0: Instant, tracking: &Tracking) -> Summary {
     let mut out = Summary {
         episodes: stats.done.load(Ordering::Relaxed),
         aborted: stats.aborted.load(Ordering::Relaxed),
@@ -275,6 +277,32 @@ fn summary(stats: &Stats, cfg: &RunConfig, t0: Instant) -> Summary {
     }
     for (why, n) in lock(&stats.reasons).iter() {
         println!("aborted x{n}: {why}");
+    }
+    // How the calls merged into timelines (token-in-token-out continuations vs breaks).
+    for (model, c) in tracking.tracker.counts() {
+        let later = c.continued + c.breaks;
+        println!(
+            "timeline {model}: {} first calls, {} continued, {} breaks ({:.1}% of later calls continued)",
+            c.first,
+            c.continued,
+            c.breaks,
+            100.0 * c.continued as f64 / later.max(1) as f64
+        );
+        out.timeline.insert(model, (c.first, c.continued, c.breaks));
+    }
+    let rewards: BTreeMap<String, Vec<f64>> = lock(&stats.per_model)
+        .iter()
+        .filter(|(_, s)| !s.rewards.is_empty())
+        .map(|(k, s)| (k.clone(), s.rewards.clone()))
+        .collect();
+    if !rewards.is_empty() {
+        let path = cfg.run_dir.join("reward.svg");
+        let title = format!("{}: episode reward by order of ending", cfg.agent.command);
+        let svg = super::curve::rewards_svg(&title, &rewards, (cfg.num_repeat * 4).max(8));
+        match std::fs::write(&path, svg) {
+            Ok(()) => println!("reward curve: {}", path.display()),
+            Err(e) => println!("reward curve not written ({}: {e})", path.display()),
+        }
     }
     out
 }

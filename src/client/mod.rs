@@ -12,6 +12,7 @@
 //! Never touches LibTorch: a client-only build (`--no-default-features`) has all of it.
 
 pub mod backend;
+pub mod curve;
 pub mod episodes;
 pub mod runner;
 pub mod submit;

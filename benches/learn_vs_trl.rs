@@ -1,0 +1,230 @@
+//! `cargo bench --bench learn_vs_trl [-- --minutes 20 --eval-every 10 --trl-eval-every 2]`:
+//! learning per hour of compute, ours against TRL's GRPOTrainer, one after the other on
+//! this machine, for the same budget of training minutes (held-out evaluations not
+//! counted) on the same task: learn_addition's 2-digit additions with SmolLM2-135M-Instruct
+//! (ours from the GGUF, TRL from the same weights exported as an HF directory), the same
+//! prompt, reward, held-out pairs (written by ours, read by TRL), 8 prompts x 8 samples,
+//! learning rate, warmup, at most 32 new tokens, no KL, clip 0.2 / 0.28, 2 passes per
+//! batch (`benches/trl_grpo.py` lists TRL's settings). What differs, and why: ours samples
+//! on its own engine (continuous batching, prefix cache), trains tree-packed rows, corrects
+//! with truncated importance weights and uses dynamic sampling (one more round of tasks
+//! while groups lack signal); TRL generates with HF `generate` and has no dynamic sampling.
+//!
+//! Prints both accuracy curves at equal training minutes, writes both into one SVG
+//! (`target/learn_vs_trl/learn_vs_trl.svg`), and ends with RESULT lines:
+//! `time_to_trl_final_accuracy` (TRL's minutes to reach its final accuracy / ours),
+//! `final_accuracy` (ours / TRL's at the end of the budget).
+
+#[allow(dead_code)] // hf_model_args: the benches that load the GGUF in HF
+mod peer;
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use agentjet::model::checkpoint::{load_model, save_checkpoint};
+use agentjet::model::llama::DType;
+use agentjet::model::ModelSource;
+
+/// (training minutes, held-out accuracy) in order.
+type Curve = Vec<(f64, f64)>;
+
+fn flag<T: std::str::FromStr>(name: &str, default: T) -> anyhow::Result<T> {
+    let v: Vec<String> = std::env::args().collect();
+    match v.iter().position(|a| a == name) {
+        None => Ok(default),
+        Some(i) => v
+            .get(i + 1)
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| anyhow::anyhow!("{name} needs a value")),
+    }
+}
+
+/// `EVAL train_minutes=.. accuracy=..` lines of either side.
+fn parse_eval(line: &str) -> Option<(f64, f64)> {
+    let rest = line.strip_prefix("EVAL ")?;
+    let field = |k: &str| {
+        rest.split_whitespace()
+            .find_map(|f| f.strip_prefix(k))
+            .and_then(|v| v.parse::<f64>().ok())
+    };
+    Some((field("train_minutes=")?, field("accuracy=")?))
+}
+
+/// Runs learn_addition for `minutes` of training; its curve (its lines go to stdout too).
+fn ours(dir: &Path, minutes: f64, eval_every: u64) -> anyhow::Result<Curve> {
+    let _ = std::fs::remove_dir_all(dir);
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let mut child = Command::new(cargo)
+        .args([
+            "run",
+            "--release",
+            "--quiet",
+            "--example",
+            "learn_addition",
+            "--",
+        ])
+        .args([
+            "--train-minutes",
+            &minutes.to_string(),
+            "--minutes",
+            "100000",
+        ])
+        .args(["--eval-every", &eval_every.to_string()])
+        .arg("--run-dir")
+        .arg(dir)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .stdout(Stdio::piped())
+        .spawn()?;
+    let mut curve = Vec::new();
+    let out = child
+        .stdout
+        .take()
+        .ok_or_else(|| anyhow::anyhow!("no stdout"))?;
+    for line in BufReader::new(out).lines() {
+        let line = line?;
+        println!("[ours] {line}");
+        curve.extend(parse_eval(&line));
+    }
+    anyhow::ensure!(child.wait()?.success(), "learn_addition failed");
+    Ok(curve)
+}
+
+/// SmolLM2 as an HF directory (what `agentjet-peer export` writes), made once.
+fn exported(dir: &Path) -> anyhow::Result<PathBuf> {
+    let out = dir.join("smollm2-hf");
+    if !out.join("config.json").exists() {
+        let source = ModelSource::resolve("smollm2")?;
+        let loaded = load_model(&source, tch::Device::Cpu, DType::F32)?;
+        save_checkpoint(&out, &loaded.card, &loaded.model, DType::F32)?;
+    }
+    Ok(out)
+}
+
+/// The accuracy at `t` minutes: the last evaluation at or before it.
+fn at(curve: &Curve, t: f64) -> Option<f64> {
+    curve
+        .iter()
+        .take_while(|(m, _)| *m <= t + 1e-9)
+        .last()
+        .map(|p| p.1)
+}
+
+/// The first time `curve` reaches `acc`.
+fn time_to(curve: &Curve, acc: f64) -> Option<f64> {
+    curve.iter().find(|(_, a)| *a >= acc - 1e-9).map(|p| p.0)
+}
+
+fn svg(ours: &Curve, trl: &Curve, minutes: f64) -> String {
+    let (w, h, pad) = (720.0, 360.0, 40.0);
+    let x = |m: f64| pad + (w - 2.0 * pad) * m / minutes.max(1e-9);
+    let y = |a: f64| h - pad - (h - 2.0 * pad) * a;
+    let line = |c: &Curve, color: &str| {
+        let pts: Vec<String> = c
+            .iter()
+            .map(|(m, a)| format!("{:.1},{:.1}", x(*m), y(*a)))
+            .collect();
+        format!(
+            "<polyline fill=\"none\" stroke=\"{color}\" stroke-width=\"2\" points=\"{}\"/>\n",
+            pts.join(" ")
+        )
+    };
+    format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n\
+         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
+         <text x=\"{pad}\" y=\"20\">held-out accuracy by training minutes: ours (crimson) vs TRL GRPOTrainer (steelblue)</text>\n\
+         <line x1=\"{pad}\" y1=\"{b}\" x2=\"{r}\" y2=\"{b}\" stroke=\"black\"/>\n\
+         <line x1=\"{pad}\" y1=\"{pad}\" x2=\"{pad}\" y2=\"{b}\" stroke=\"black\"/>\n\
+         <text x=\"5\" y=\"{b}\">0</text><text x=\"5\" y=\"{t}\">1</text>\n\
+         <text x=\"{r}\" y=\"{lb}\" text-anchor=\"end\">{minutes} min</text>\n{}{}</svg>\n",
+        line(ours, "crimson"),
+        line(trl, "steelblue"),
+        b = h - pad,
+        r = w - pad,
+        t = pad + 4.0,
+        lb = h - 10.0,
+    )
+}
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("learn_vs_trl failed: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> anyhow::Result<()> {
+    let minutes: f64 = flag("--minutes", 20.0)?;
+    let eval_every: u64 = flag("--eval-every", 10)?;
+    let trl_eval_every: u64 = flag("--trl-eval-every", 2)?;
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/learn_vs_trl");
+    std::fs::create_dir_all(&dir)?;
+    let python = peer::reference_python(false)?;
+    anyhow::ensure!(
+        Command::new(&python)
+            .args(["-c", "import trl, datasets"])
+            .status()?
+            .success(),
+        "trl is not installed in {python}: run `bash bootstrap/setup.sh --reference`"
+    );
+    println!("== ours: learn_addition, {minutes} training minutes ==");
+    let ours_curve = ours(&dir.join("ours"), minutes, eval_every)?;
+    println!("== TRL GRPOTrainer, {minutes} training minutes ==");
+    let model = exported(&dir)?;
+    let trl = peer::run_peer(
+        &python,
+        "trl_grpo.py",
+        &[
+            "--model".into(),
+            model.display().to_string(),
+            "--heldout".into(),
+            dir.join("ours/heldout.json").display().to_string(),
+            "--minutes".into(),
+            minutes.to_string(),
+            "--eval-every".into(),
+            trl_eval_every.to_string(),
+            "--out".into(),
+            dir.join("trl").display().to_string(),
+        ],
+    )?;
+    let trl_curve: Curve = trl["evals"]
+        .as_array()
+        .ok_or_else(|| anyhow::anyhow!("the TRL script reported no evaluations"))?
+        .iter()
+        .filter_map(|e| Some((e[0].as_f64()?, e[1].as_f64()?)))
+        .collect();
+    anyhow::ensure!(
+        !ours_curve.is_empty() && !trl_curve.is_empty(),
+        "a side has no evaluation"
+    );
+    println!(
+        "\n{:>8} {:>10} {:>10}   (held-out greedy accuracy; TRL {} steps)",
+        "minutes", "ours", "TRL", trl["steps"]
+    );
+    let mut t = 0.0;
+    while t <= minutes + 1e-9 {
+        let f = |c: &Curve| at(c, t).map_or("-".into(), |a| format!("{a:.3}"));
+        println!("{t:>8.1} {:>10} {:>10}", f(&ours_curve), f(&trl_curve));
+        t += 2.0;
+    }
+    let path = dir.join("learn_vs_trl.svg");
+    std::fs::write(&path, svg(&ours_curve, &trl_curve, minutes))?;
+    println!("curves: {}", path.display());
+    let trl_final = trl_curve.last().map_or(0.0, |p| p.1);
+    let ours_final = ours_curve.last().map_or(0.0, |p| p.1);
+    let trl_time = time_to(&trl_curve, trl_final).unwrap_or(minutes);
+    match time_to(&ours_curve, trl_final) {
+        Some(ours_time) => println!(
+            "RESULT learn_vs_trl time_to_trl_final_accuracy ours={ours_time:.2} peer={trl_time:.2} ratio={:.2}",
+            trl_time / ours_time.max(1e-9)
+        ),
+        None => println!(
+            "RESULT learn_vs_trl time_to_trl_final_accuracy ours=inf peer={trl_time:.2} ratio=0.00"
+        ),
+    }
+    println!(
+        "RESULT learn_vs_trl final_accuracy ours={ours_final:.3} peer={trl_final:.3} ratio={:.2}",
+        ours_final / trl_final.max(1e-9)
+    );
+    Ok(())
+}
