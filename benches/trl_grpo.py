@@ -92,8 +92,8 @@ def main():
         def minutes(self):
             return (time.time() - self.t0 - self.eval_s) / 60.0
 
-        def record(self, step):
-            at = self.minutes()
+        def record(self, step, at=None):
+            at = self.minutes() if at is None else at
             e0 = time.time()
             acc = evaluate()
             self.eval_s += time.time() - e0
@@ -102,7 +102,7 @@ def main():
 
         def on_train_begin(self, args, state, control, **kw):
             self.t0 = time.time()
-            self.record(0)
+            self.record(0, at=0.0)
 
         def on_step_end(self, args, state, control, **kw):
             done = self.minutes() >= a.minutes
