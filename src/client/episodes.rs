@@ -297,7 +297,19 @@ fn summary(stats: &Stats, cfg: &RunConfig, t0: Instant, tracking: &Tracking) -> 
         .collect();
     if !rewards.is_empty() {
         let path = cfg.run_dir.join("reward.svg");
-        let title = format!("{}: episode reward by order of ending", cfg.agent.command);
+        // The agent's command by file names (no directories of this machine in a file
+        // one may share).
+        let agent: Vec<String> = cfg
+            .agent
+            .command
+            .split_whitespace()
+            .map(|w| {
+                std::path::Path::new(w)
+                    .file_name()
+                    .map_or(w.to_string(), |f| f.to_string_lossy().into_owned())
+            })
+            .collect();
+        let title = format!("{}: episode reward by order of ending", agent.join(" "));
         let svg = super::curve::rewards_svg(&title, &rewards, (cfg.num_repeat * 4).max(8));
         match std::fs::write(&path, svg) {
             Ok(()) => println!("reward curve: {}", path.display()),
