@@ -39,7 +39,7 @@ use super::optim::{AdamW, AdamWConfig};
 use super::TrainError;
 use crate::model::llama::Llama;
 use crate::timeline::layout::{pack, Layout, PackedRow};
-use crate::timeline::Episode;
+use crate::timeline::{Episode, SamplingTransform};
 use agentjet_kernels::logprobs::{Transform, Truncation};
 
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -551,15 +551,8 @@ impl Trainer {
             Normalization::Sequence => st(Stat::Seqs),
         }
         .max(1.0);
-        tch::no_grad(|| {
-            for g in grads.iter_mut() {
-                if g.defined() {
-                    let _ = g.g_div_scalar_(norm);
-                }
-            }
-        });
         self.opt.cfg.lr = m.lr;
-        m.grad_norm = self.opt.step_with(grads);
+        m.grad_norm = self.update(grads, norm);
         self.step += 1;
         self.version += 1;
         if let tch::Device::Cuda(i) = self.model.device() {
@@ -578,6 +571,18 @@ impl Trainer {
         m.seconds = p.t0.elapsed().as_secs_f64();
         m.tokens_per_s = m.tokens_computed as f64 / m.seconds.max(1e-9);
         Ok(m)
+    }
+
+    /// One AdamW update on `grads` (sums) divided by `norm`; the gradient norm.
+    fn update(&mut self, grads: &mut [Tensor], norm: f64) -> f64 {
+        tch::no_grad(|| {
+            for g in grads.iter_mut() {
+                if g.defined() {
+                    let _ = g.g_div_scalar_(norm);
+                }
+            }
+        });
+        self.opt.step_with(grads)
     }
 
     /// Each target's log-probability under the current policy and its transform (in
@@ -672,14 +677,7 @@ impl Trainer {
                 .max(1.0);
                 let mut grads: Vec<Tensor> =
                     self.model.parameters().iter().map(|t| t.grad()).collect();
-                tch::no_grad(|| {
-                    for g in grads.iter_mut() {
-                        if g.defined() {
-                            let _ = g.g_div_scalar_(norm);
-                        }
-                    }
-                });
-                gnorm += self.opt.step_with(&mut grads);
+                gnorm += self.update(&mut grads, norm);
                 tch::no_grad(|| {
                     for g in &mut grads {
                         if g.defined() {
@@ -862,36 +860,22 @@ fn row_transform(row: &PackedRow, dev: tch::Device) -> Option<Transform> {
             .collect(),
     );
     let truncation = truncates.then(|| {
-        let kept = |t: &&crate::timeline::layout::Target| t.sampling.truncates();
+        // A target that does not truncate keeps every token (RAW's top_k 0, top_p 1, min_p 0).
+        let cut: Vec<SamplingTransform> = ts
+            .iter()
+            .map(|t| {
+                if t.sampling.truncates() {
+                    t.sampling
+                } else {
+                    SamplingTransform::RAW
+                }
+            })
+            .collect();
         Truncation {
-            top_k: Tensor::from_slice(
-                &ts.iter()
-                    .map(|t| if kept(&t) { t.sampling.top_k as i64 } else { 0 })
-                    .collect::<Vec<_>>(),
-            )
-            .to_device(dev),
-            top_p: f32s(
-                ts.iter()
-                    .map(|t| {
-                        if kept(&t) {
-                            t.sampling.top_p as f32
-                        } else {
-                            1.0
-                        }
-                    })
-                    .collect(),
-            ),
-            min_p: f32s(
-                ts.iter()
-                    .map(|t| {
-                        if kept(&t) {
-                            t.sampling.min_p as f32
-                        } else {
-                            0.0
-                        }
-                    })
-                    .collect(),
-            ),
+            top_k: Tensor::from_slice(&cut.iter().map(|c| c.top_k as i64).collect::<Vec<_>>())
+                .to_device(dev),
+            top_p: f32s(cut.iter().map(|c| c.top_p as f32).collect()),
+            min_p: f32s(cut.iter().map(|c| c.min_p as f32).collect()),
         }
     });
     Some(Transform {
