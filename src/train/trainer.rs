@@ -13,7 +13,7 @@
 //!    through the model. Gradients accumulate over the rows (normalised by the whole
 //!    batch's counts, so the sum is the batch gradient).
 //!    Each token is scored under the distribution it was sampled from (its call's
-//!    [`SamplingTransform`](crate::timeline::SamplingTransform): logits / T and the
+//!    [`SamplingTransform`]: logits / T and the
 //!    truncation), and its behaviour
 //!    log-probability is of that same distribution, so the importance weights compare two
 //!    policies of one kind.
