@@ -1,11 +1,12 @@
-//! `cargo bench --bench learn_vs_trl [-- --minutes 20 --eval-every 10 --trl-eval-every 2]`:
+//! `cargo bench --bench learn_vs_trl [-- --minutes 20 --eval-every 10 --trl-eval-every 2
+//! --temperature T]`:
 //! learning per hour of compute, ours against TRL's GRPOTrainer, one after the other on
 //! this machine, for the same budget of training minutes (held-out evaluations not
 //! counted) on the same task: learn_addition's 2-digit additions with SmolLM2-135M-Instruct
 //! (ours from the GGUF, TRL from the same weights exported as an HF directory), the same
 //! prompt, reward, held-out pairs (written by ours, read by TRL), 8 prompts x 8 samples,
-//! learning rate, warmup, at most 32 new tokens, no KL, clip 0.2 / 0.28, 2 passes per
-//! batch (`benches/trl_grpo.py` lists TRL's settings). What differs, and why: ours samples
+//! learning rate, warmup, sampling temperature, at most 32 new tokens, no KL, clip 0.2 /
+//! 0.28, 2 passes per batch (`benches/trl_grpo.py` lists TRL's settings). What differs, and why: ours samples
 //! on its own engine (continuous batching, prefix cache), trains tree-packed rows, corrects
 //! with truncated importance weights and uses dynamic sampling (one more round of tasks
 //! while groups lack signal); TRL generates with HF `generate` and has no dynamic sampling.
@@ -29,6 +30,9 @@ use agentjet::model::ModelSource;
 /// (training minutes, held-out accuracy) in order.
 type Curve = Vec<(f64, f64)>;
 
+/// learn_addition's default sampling temperature.
+const LEARN_ADDITION_TEMPERATURE: f64 = 1.0;
+
 fn flag<T: std::str::FromStr>(name: &str, default: T) -> anyhow::Result<T> {
     let v: Vec<String> = std::env::args().collect();
     match v.iter().position(|a| a == name) {
@@ -51,8 +55,9 @@ fn parse_eval(line: &str) -> Option<(f64, f64)> {
     Some((field("train_minutes=")?, field("accuracy=")?))
 }
 
-/// Runs learn_addition for `minutes` of training; its curve (its lines go to stdout too).
-fn ours(dir: &Path, minutes: f64, eval_every: u64) -> anyhow::Result<Curve> {
+/// Runs learn_addition for `minutes` of training at `temperature`; its curve (its lines go
+/// to stdout too).
+fn ours(dir: &Path, minutes: f64, eval_every: u64, temperature: f64) -> anyhow::Result<Curve> {
     let _ = std::fs::remove_dir_all(dir);
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut child = Command::new(cargo)
@@ -71,6 +76,7 @@ fn ours(dir: &Path, minutes: f64, eval_every: u64) -> anyhow::Result<Curve> {
             "100000",
         ])
         .args(["--eval-every", &eval_every.to_string()])
+        .args(["--temperature", &temperature.to_string()])
         .arg("--run-dir")
         .arg(dir)
         .current_dir(env!("CARGO_MANIFEST_DIR"))
@@ -157,6 +163,8 @@ fn run() -> anyhow::Result<()> {
     let minutes: f64 = flag("--minutes", 20.0)?;
     let eval_every: u64 = flag("--eval-every", 10)?;
     let trl_eval_every: u64 = flag("--trl-eval-every", 2)?;
+    // Both sides sample at this temperature (learn_addition's default).
+    let temperature: f64 = flag("--temperature", LEARN_ADDITION_TEMPERATURE)?;
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/learn_vs_trl");
     std::fs::create_dir_all(&dir)?;
     let python = peer::reference_python(false)?;
@@ -168,7 +176,7 @@ fn run() -> anyhow::Result<()> {
         "trl is not installed in {python}: run `bash bootstrap/setup.sh --reference`"
     );
     println!("== ours: learn_addition, {minutes} training minutes ==");
-    let ours_curve = ours(&dir.join("ours"), minutes, eval_every)?;
+    let ours_curve = ours(&dir.join("ours"), minutes, eval_every, temperature)?;
     println!("== TRL GRPOTrainer, {minutes} training minutes ==");
     let model = exported(&dir)?;
     let trl = peer::run_peer(
@@ -183,6 +191,8 @@ fn run() -> anyhow::Result<()> {
             minutes.to_string(),
             "--eval-every".into(),
             trl_eval_every.to_string(),
+            "--temperature".into(),
+            temperature.to_string(),
             "--out".into(),
             dir.join("trl").display().to_string(),
         ],

@@ -4,7 +4,7 @@ The same task as examples/learn_addition.rs: "What is a + b? Answer with the num
 (a, b in 10..=99; SmolLM2's chat template), reward 1 when the last integer of the answer is
 a + b, else 0; held-out greedy accuracy on the pairs learn_addition wrote (`--heldout`,
 never trained on). Settings that have a TRL knob follow ours: 8 prompts x 8 samples per
-step, learning rate, 5 warmup steps, no weight decay, temperature 1, at most 32 new
+step, learning rate, 5 warmup steps, no weight decay, `--temperature`, at most 32 new
 tokens, no KL (beta 0), clip 0.2 / 0.28, token-level loss ("dapo"), group-normalised
 advantages, `--iterations` passes per generation batch (our PPO epochs).
 
@@ -48,6 +48,7 @@ def main():
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--iterations", type=int, default=2)
+    p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--eval-every", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
@@ -120,7 +121,7 @@ def main():
         per_device_train_batch_size=a.tasks * a.group,
         num_generations=a.group,
         max_completion_length=a.max_tokens,
-        temperature=1.0,
+        temperature=a.temperature,
         beta=0.0,
         epsilon=0.2,
         epsilon_high=0.28,

@@ -11,7 +11,10 @@
 //! its next decode step. Every sampled token is trained under the distribution it was
 //! drawn from (logits / T, the nucleus). With `--dynamic N` (DAPO's dynamic sampling), a
 //! step whose groups all agreed (no signal) in more than what `--tasks` needs samples more
-//! tasks, up to N extra rounds, so each step trains on `--tasks` groups with signal. A held-out set (`--eval` tasks, from
+//! tasks, up to N extra rounds, so each step trains on `--tasks` groups with signal. With
+//! `--replay F`, a fraction F of each round's tasks is drawn again from recent training
+//! tasks that the model did not answer right in every sample (a curriculum on the
+//! additions it still gets wrong: carries; never a held-out pair). A held-out set (`--eval` tasks, from
 //! another seed, never trained on) is answered greedily before training, every
 //! `--eval-every` steps and at the end: that accuracy is the result.
 //!
@@ -19,7 +22,8 @@
 //! (one line per step), `checkpoint/` (every `--checkpoint-every` steps and on SIGTERM;
 //! `--resume` continues from it) and `reward.svg` (training reward and held-out accuracy
 //! by step), `heldout.json` (the held-out pairs, for a side-by-side run of another
-//! trainer). Each evaluation also prints `EVAL train_minutes=.. accuracy=.. step=..`, the
+//! trainer) and `heldout_wrong.txt` (the last evaluation's wrong answers). Each
+//! evaluation also prints `EVAL train_minutes=.. accuracy=.. step=..`, the
 //! minutes counted from the first step without the evaluations' own time. The run stops
 //! after `--steps` steps, `--minutes` of wall time or `--train-minutes` of training.
 //!
@@ -28,7 +32,7 @@
 //! --max-tokens N [32]  --eval N [100]  --eval-every N [25]  --checkpoint-every N [25]
 //! --seed N [0]  --run-dir DIR  --resume  --loss grpo|dr_grpo|rloo [grpo]
 //! --temperature X [1.0]  --top-p X [1.0]  --ppo-epochs N [2]  --mini-batches N [1]
-//! --entropy-coef X [0]  --clip-high X [0.28]  --dynamic N [1]
+//! --entropy-coef X [0]  --clip-high X [0.28]  --dynamic N [1]  --replay F [0]
 //! --train-minutes M  (stop after M minutes of training, held-out evaluations not counted)
 //! --bf16  (train with bfloat16 matrix products over float32 master weights)
 //! ```
@@ -43,10 +47,10 @@ use agentjet::base::Rng;
 use agentjet::engine::{
     spawn_engine, Completed, EngineConfig, EngineHandle, GenerateRequest, SamplingParams,
 };
+use agentjet::facade::track::transform_of;
 use agentjet::model::checkpoint::load_model;
 use agentjet::model::llama::DType;
 use agentjet::model::{ChatRequest, ModelCard, ModelSource};
-use agentjet::openai::track::transform_of;
 use agentjet::timeline::{Call, Episode};
 use agentjet::train::checkpoint::RunDir;
 use agentjet::train::groups::{AdvantageKind, GroupBuffer, GroupConfig};
@@ -76,6 +80,8 @@ struct Args {
     entropy_coef: f64,
     clip_high: f64,
     dynamic: usize,
+    /// Share of each round's tasks drawn again from recent tasks not always answered right.
+    replay: f64,
     /// Stop once this much time went to training (held-out evaluations not counted).
     train_minutes: Option<f64>,
 }
@@ -115,6 +121,7 @@ fn parse_args() -> anyhow::Result<Args> {
         "--entropy-coef",
         "--clip-high",
         "--dynamic",
+        "--replay",
         "--train-minutes",
     ];
     let mut i = 0;
@@ -153,6 +160,7 @@ fn parse_args() -> anyhow::Result<Args> {
         entropy_coef: num("--entropy-coef", get("--entropy-coef"), 0.0)?,
         clip_high: num("--clip-high", get("--clip-high"), 0.28)?,
         dynamic: num("--dynamic", get("--dynamic"), 1)?,
+        replay: num("--replay", get("--replay"), 0.0)?,
         train_minutes: get("--train-minutes")
             .map(|v| num("--train-minutes", Some(v), 0.0))
             .transpose()?,
@@ -249,15 +257,18 @@ fn correct(card: &ModelCard, t: &Task, ids: &[u32]) -> bool {
     last_number(&text) == Some(t.a + t.b)
 }
 
-/// Greedy accuracy on `tasks`.
+/// Greedy accuracy on `tasks`; the wrong answers go to `wrong` (one line each, replaced at
+/// every evaluation: what the model still gets wrong).
 fn evaluate(
     engine: &EngineHandle,
     card: &ModelCard,
     tasks: &[Task],
     max_tokens: usize,
     stop: &[u32],
+    wrong: &std::path::Path,
 ) -> anyhow::Result<f64> {
     let mut right = 0;
+    let mut lines = String::new();
     for chunk in tasks.chunks(32) {
         let out = sample(
             engine,
@@ -269,9 +280,15 @@ fn evaluate(
             0,
         )?;
         for (t, o) in chunk.iter().zip(&out) {
-            right += correct(card, t, &o[0].0) as usize;
+            if correct(card, t, &o[0].0) {
+                right += 1;
+            } else {
+                let text = card.tokenizer.decode(&o[0].0, true).unwrap_or_default();
+                lines += &format!("{} + {} = {}: {text:?}\n", t.a, t.b, t.a + t.b);
+            }
         }
     }
+    std::fs::write(wrong, lines)?;
     Ok(right as f64 / tasks.len().max(1) as f64)
 }
 
@@ -338,6 +355,8 @@ fn run() -> anyhow::Result<()> {
     )
     .map_err(anyhow::Error::msg)?;
     let mut rng = Rng::seeded(args.seed);
+    // Recent training tasks not answered right in every sample (`--replay`), oldest first.
+    let mut pool: std::collections::VecDeque<(i64, i64)> = Default::default();
     // The accuracy before any training, kept in the checkpoint so a resumed run reports it.
     let mut before: Option<f64> = None;
     if args.resume {
@@ -347,6 +366,7 @@ fn run() -> anyhow::Result<()> {
                     .map_err(|e| anyhow::anyhow!("checkpoint state.json: rng: {e}"))?;
                 rng = Rng::from_state(s);
                 before = state.extra["before"].as_f64();
+                pool = serde_json::from_value(state.extra["pool"].clone()).unwrap_or_default();
                 println!("resumed at step {} (version {})", state.step, state.version);
             }
             None => println!(
@@ -378,19 +398,21 @@ fn run() -> anyhow::Result<()> {
             eval_tasks.push(make_task(&card, a, b)?);
         }
     }
+    let wrong = args.run_dir.join("heldout_wrong.txt");
     let pairs: Vec<[i64; 2]> = eval_tasks.iter().map(|t| [t.a, t.b]).collect();
     std::fs::write(
         args.run_dir.join("heldout.json"),
         serde_json::to_string(&pairs)?,
     )?;
     println!(
-        "learn_addition: SmolLM2-135M-Instruct on {:?}; {} tasks x {} samples per step (T {}, top_p {}, dynamic rounds {}), lr {}, {} PPO epochs x {} mini-batches, entropy coef {}, clip high {}, held-out {} tasks; run dir {}",
+        "learn_addition: SmolLM2-135M-Instruct on {:?}; {} tasks x {} samples per step (T {}, top_p {}, dynamic rounds {}, replay {}), lr {}, {} PPO epochs x {} mini-batches, entropy coef {}, clip high {}, held-out {} tasks; run dir {}",
         trainer.model.device(),
         args.tasks,
         args.group,
         args.temperature,
         args.top_p,
         args.dynamic,
+        args.replay,
         args.lr,
         args.ppo_epochs,
         args.mini_batches,
@@ -408,7 +430,7 @@ fn run() -> anyhow::Result<()> {
             b
         }
         None => {
-            let b = evaluate(&engine, &card, &eval_tasks, args.max_tokens, &stop)?;
+            let b = evaluate(&engine, &card, &eval_tasks, args.max_tokens, &stop, &wrong)?;
             println!(
                 "EVAL train_minutes=0.000 accuracy={b:.4} step={}",
                 trainer.steps()
@@ -421,13 +443,17 @@ fn run() -> anyhow::Result<()> {
             b
         }
     };
-    // A checkpoint carries the task RNG and the pre-training accuracy with the trainer.
-    let save = |trainer: &Trainer, rng: &Rng| -> anyhow::Result<()> {
+    // A checkpoint carries the task RNG, the replay pool and the pre-training accuracy
+    // with the trainer.
+    let save = |trainer: &Trainer,
+                rng: &Rng,
+                pool: &std::collections::VecDeque<(i64, i64)>|
+     -> anyhow::Result<()> {
         run_dir
             .save(
                 trainer,
                 &card,
-                json!({"rng": rng.state(), "before": before}),
+                json!({"rng": rng.state(), "before": before, "pool": pool}),
             )
             .map_err(anyhow::Error::msg)
     };
@@ -470,6 +496,10 @@ fn run() -> anyhow::Result<()> {
                 args.tasks - with_signal
             };
             let mut tasks = Vec::new();
+            let replayed = ((want as f64 * args.replay).round() as usize).min(pool.len());
+            for (a, b) in pool.drain(..replayed) {
+                tasks.push(make_task(&card, a, b)?);
+            }
             while tasks.len() < want {
                 let (a, b) = pair(&mut rng);
                 if !held.contains(&(a, b)) {
@@ -502,6 +532,12 @@ fn run() -> anyhow::Result<()> {
                         .map_err(anyhow::Error::msg)?;
                 }
                 with_signal += rewards.iter().any(|&r| r != rewards[0]) as usize;
+                if args.replay > 0.0 && rewards.iter().any(|&r| r < 1.0) {
+                    pool.push_back((t.a, t.b));
+                    if pool.len() > 512 {
+                        pool.pop_front();
+                    }
+                }
             }
             if with_signal >= args.tasks {
                 break;
@@ -515,7 +551,7 @@ fn run() -> anyhow::Result<()> {
         if args.eval_every > 0 && trainer.steps() % args.eval_every == 0 {
             let at = train_minutes(eval_secs);
             let e0 = Instant::now();
-            last_acc = evaluate(&engine, &card, &eval_tasks, args.max_tokens, &stop)?;
+            last_acc = evaluate(&engine, &card, &eval_tasks, args.max_tokens, &stop, &wrong)?;
             eval_secs += e0.elapsed().as_secs_f64();
             m.accuracy = Some(last_acc);
             println!(
@@ -531,7 +567,7 @@ fn run() -> anyhow::Result<()> {
         run_dir.append(&m).map_err(anyhow::Error::msg)?;
         let stop_now = term.load(Ordering::Relaxed);
         if stop_now || trainer.steps() % args.checkpoint_every.max(1) == 0 {
-            save(&trainer, &rng)?;
+            save(&trainer, &rng, &pool)?;
         }
         if stop_now {
             println!(
@@ -545,14 +581,14 @@ fn run() -> anyhow::Result<()> {
         last_acc
     } else {
         let at = train_minutes(eval_secs);
-        let a = evaluate(&engine, &card, &eval_tasks, args.max_tokens, &stop)?;
+        let a = evaluate(&engine, &card, &eval_tasks, args.max_tokens, &stop, &wrong)?;
         println!(
             "EVAL train_minutes={at:.3} accuracy={a:.4} step={}",
             trainer.steps()
         );
         a
     };
-    save(&trainer, &rng)?;
+    save(&trainer, &rng, &pool)?;
     let mut metrics = run_dir.metrics().map_err(anyhow::Error::msg)?;
     if let Some(last) = metrics.last_mut() {
         last.accuracy = Some(after);

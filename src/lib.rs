@@ -13,7 +13,7 @@
 //!
 //! ```text
 //! server  client                 the roles, as a library
-//! openai  train  rpc             HTTP facade · RL trainer · role protocols on swarm streams
+//! facade  train  rpc             HTTP APIs · RL trainer · role protocols on swarm streams
 //! engine  timeline               the model thread · token bookkeeping
 //! model   swarm                  decoder, loaders, tokenizer · libp2p node
 //! base                           Rng, Stop, the lock policy, file names
@@ -31,7 +31,8 @@
 //!   direct generation.
 //! - [`timeline`]: calls, episodes, token-exact merged timelines, content-addressed
 //!   fragments, call digests, and the per-call / linear / tree training layouts.
-//! - [`openai`]: the OpenAI-compatible facade over any backend, with token-in-token-out
+//! - [`facade`]: the HTTP APIs agents speak (OpenAI chat completions and completions,
+//!   OpenAI Responses, Anthropic Messages) over any backend, with token-in-token-out
 //!   episode tracking.
 //! - [`rpc`]: what servers and clients say over swarm streams (infer, card, submit).
 //! - [`train`]: group buffer, advantages, GRPO-family losses, AdamW, the trainer,
@@ -46,8 +47,8 @@ pub mod base;
 pub mod client;
 pub mod collective;
 pub mod engine;
+pub mod facade;
 pub mod model;
-pub mod openai;
 pub mod rpc;
 #[cfg(feature = "torch")]
 pub mod server;

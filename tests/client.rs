@@ -1034,3 +1034,99 @@ fn examples_c_and_d_run_unchanged() {
     }
     assert_eq!(stored_of("smollm2").len(), 8);
 }
+
+/// Three agents written against real frameworks from PyPI, each with a function tool, run
+/// unmodified as `--agent` commands against a server of the real default model: OpenAI's
+/// Agents SDK with its default model (the Responses API), LangChain's `ChatOpenAI` with a
+/// bound tool (chat completions), and Anthropic's SDK (the Messages API). Their episodes
+/// finish with at least two calls, are stored, and are taken by the server's trainer.
+#[test]
+fn framework_agents_on_three_apis_run_unmodified_and_train() {
+    common::smollm2_path();
+    let dir = tempfile::tempdir().unwrap();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut s = Peer::start(
+        "server",
+        dir.path(),
+        &[
+            "--role",
+            "server",
+            "--model",
+            "smollm2",
+            "--device",
+            "cpu",
+            "--groups-per-step",
+            "1",
+            "--num-repeat",
+            "4",
+            "--group-timeout",
+            "120",
+        ],
+    );
+    let boot = s.addr();
+    s.wait_line("serving model", Duration::from_secs(300));
+    let python = common::python();
+    let tasks = root.join("examples/tool_agent/tasks.jsonl");
+    let mut all = Vec::new();
+    for agent in ["agents_sdk_agent", "langchain_agent", "anthropic_agent"] {
+        let run = dir.path().join(format!("run-{agent}"));
+        let cmd = format!(
+            "{} {}",
+            python.display(),
+            root.join(format!("examples/framework_agents/{agent}.py"))
+                .display()
+        );
+        let mut c = Peer::start(
+            agent,
+            dir.path(),
+            &[
+                "--role",
+                "client",
+                "--model",
+                "smollm2",
+                "--bootstrap",
+                &boot,
+                "--agent",
+                &cmd,
+                "--tasks",
+                tasks.to_str().unwrap(),
+                "--num-repeat",
+                "4",
+                "--groups",
+                "2",
+                "--concurrency",
+                "4",
+                "--run-dir",
+                run.to_str().unwrap(),
+            ],
+        );
+        assert!(c.child.wait().unwrap().success(), "{}", c.log_text());
+        println!("{agent}:\n{}", c.stdout());
+        let journal = read_journal(&run.join("episodes.jsonl")).unwrap();
+        assert_eq!(journal.len(), 8, "{agent}");
+        for e in &journal {
+            let logs = run.join("episodes");
+            let why = || {
+                let id = e["episode"].as_str().unwrap_or_default();
+                let safe = agentjet::base::safe_file_name(id);
+                std::fs::read_to_string(logs.join(format!("{safe}.stderr"))).unwrap_or_default()
+            };
+            assert_eq!(e["status"], "finished", "{agent}: {e}\n{}", why());
+            assert!(e["calls"].as_u64().unwrap() >= 2, "{agent}: {e}");
+            assert_eq!(e["submitted"]["smollm2"]["stored"], true, "{agent}: {e}");
+            all.push(e["episode"].as_str().unwrap().to_string());
+        }
+    }
+    // The trainer takes every stored episode (trained, or skipped when its group's rewards
+    // were all equal), and at least one group trained a step.
+    let ledger = dir.path().join("server/runs/smollm2/consumed.log");
+    common::peer::wait_until("every episode taken", Duration::from_secs(600), || {
+        let text = std::fs::read_to_string(&ledger).unwrap_or_default();
+        all.iter().all(|id| text.contains(id.as_str()))
+    });
+    let metrics = metrics_lines(&dir.path().join("server/runs/smollm2/metrics.jsonl"));
+    assert!(
+        metrics.iter().any(|m| m["trained"] == true),
+        "no step trained: {metrics:?}"
+    );
+}

@@ -303,7 +303,7 @@ fn constrained_requests_follow_their_pattern_and_stop_when_complete() {
             ),
             "choice {i}: {end:?} after {out:?}"
         );
-        let (_, calls) = agentjet::openai::text::parse_tool_calls(&out, 1).unwrap();
+        let (_, calls) = agentjet::facade::text::parse_tool_calls(&out, 1).unwrap();
         assert!(names.contains(&calls[0].function.name), "{out:?}");
         assert_eq!(calls[0].function.arguments, "{}");
     }

@@ -262,7 +262,7 @@ fn an_upward_import_fails_the_check() {
     for src in [
         "use crate::server::ServedModel;\n",
         "use crate::{base::lock, client::Client};\n",
-        "fn f() { let _ = crate::openai::server::router; }\n",
+        "fn f() { let _ = crate::facade::server::router; }\n",
     ] {
         let v = violations(&table, "model", "src/model/fake.rs", src);
         assert_eq!(v.len(), 1, "{src:?} gave {v:?}");
@@ -287,9 +287,9 @@ fn an_upward_import_fails_the_check() {
     let ok = "use crate::base::Rng; // crate::server is above\n\
               use crate::model::{ModelCard, TokenBytes};\n\
               const S: &str = \"crate::client\";\n\
-              /* crate::openai */ fn f() -> crate::engine::EngineError { todo!() }\n";
+              /* crate::facade */ fn f() -> crate::engine::EngineError { todo!() }\n";
     assert_eq!(
-        violations(&table, "openai", "src/openai/x.rs", ok),
+        violations(&table, "facade", "src/facade/x.rs", ok),
         Vec::<String>::new()
     );
     // A module missing from the table fails.

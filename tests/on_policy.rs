@@ -6,8 +6,8 @@
 mod common;
 
 use agentjet::engine::{spawn_engine, Completed, EngineConfig, GenerateRequest, SamplingParams};
+use agentjet::facade::track::transform_of;
 use agentjet::model::llama::{DType, Llama};
-use agentjet::openai::track::transform_of;
 use agentjet::timeline::layout::{pack, Layout};
 use agentjet::timeline::{Call, Episode};
 use agentjet::train::groups::{advantages, AdvantageKind, Group, ReadyReport};

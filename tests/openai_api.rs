@@ -1,10 +1,15 @@
 //! Runs tests/openai/test_api.py (the official `openai` Python package) against two live
-//! `agentjet-peer serve` processes of the real default model.
+//! `agentjet-peer serve` processes of the real default model, and
+//! tests/openai/test_agent_apis.py (the Responses API with `openai`, the Messages API with
+//! `anthropic`) against a live `serve` and through a client's proxy over the swarm.
 
 mod common;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use common::peer::{metric, wait_until, Peer};
 
 struct Server {
     child: Child,
@@ -57,4 +62,64 @@ fn openai_python_sdk_suite_passes_against_live_serve() {
     eprintln!("{stderr}");
     assert!(out.status.success(), "openai suite failed:\n{stderr}");
     assert!(stderr.contains("OK"), "{stderr}");
+}
+
+/// Runs the Responses / Messages suite against `base` (an endpoint's `.../v1`).
+fn agent_api_suite(base: &str, what: &str) {
+    let out = Command::new(common::python())
+        .args(["-m", "unittest", "-v"])
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/openai/test_agent_apis.py"
+        ))
+        .env("AGENTJET_BASE_URL", base)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    eprintln!("{what}:\n{stderr}");
+    assert!(out.status.success(), "{what}: the suite failed:\n{stderr}");
+    assert!(stderr.contains("OK"), "{stderr}");
+}
+
+#[test]
+fn responses_and_messages_sdk_suites_pass_against_serve_and_through_a_proxy() {
+    common::smollm2_path();
+    let main = serve(&["--track-episodes"]);
+    agent_api_suite(&main.base, "serve");
+    drop(main);
+    // The same suite through a client's proxy: the calls cross the swarm to a server.
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = Peer::start(
+        "server",
+        dir.path(),
+        &[
+            "--role",
+            "server",
+            "--model",
+            "smollm2",
+            "--device",
+            "cpu",
+            "--no-train",
+        ],
+    );
+    let boot = s.addr();
+    s.wait_line("serving model", Duration::from_secs(300));
+    let mut c = Peer::start(
+        "client",
+        dir.path(),
+        &[
+            "--role",
+            "client",
+            "--model",
+            "smollm2",
+            "--bootstrap",
+            &boot,
+        ],
+    );
+    let proxy = c.wait_line("proxy at", Duration::from_secs(120));
+    let proxy = proxy.split_whitespace().next().unwrap().to_string();
+    wait_until("the server in the DHT", Duration::from_secs(60), || {
+        metric(&proxy, "agentjet_swarm_providers{model=\"smollm2\"}") == Some(1.0)
+    });
+    agent_api_suite(&proxy, "proxy");
 }

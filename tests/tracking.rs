@@ -4,8 +4,8 @@
 
 mod common;
 
+use agentjet::facade::track::{Outcome, Tracker};
 use agentjet::model::{ChatRequest, ModelCard, ModelSource};
-use agentjet::openai::track::{Outcome, Tracker};
 use agentjet::timeline::layout::{pack, Layout};
 use agentjet::timeline::{Episode, EpisodeStatus};
 use common::*;
@@ -58,7 +58,7 @@ impl Conversation<'_> {
             messages,
             text,
             &ids,
-            vec![agentjet::openai::track::ChoiceRecord {
+            vec![agentjet::facade::track::ChoiceRecord {
                 tokens: completion.clone(),
                 logprobs: lps,
                 signed: Vec::new(),

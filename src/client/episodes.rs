@@ -29,9 +29,9 @@ use super::tasks::{Schedule, Task};
 use super::ClientError;
 use crate::base::stop::TaskTracker;
 use crate::base::{lock, Stop};
-use crate::openai::reward::PostedReward;
-use crate::openai::server::Tracking;
-use crate::openai::Backend;
+use crate::facade::reward::PostedReward;
+use crate::facade::server::Tracking;
+use crate::facade::Backend;
 use crate::rpc::SubmitReply;
 use crate::timeline::{Episode, EpisodeStatus};
 

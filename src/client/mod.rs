@@ -1,6 +1,6 @@
 //! The client role (`agentjet-peer --role client`), as a library: [`run`] joins the swarm,
 //! finds a provider of every model it needs (DHT), fetches their cards, starts the local
-//! OpenAI-compatible proxy on loopback (the [`crate::openai`] facade over
+//! OpenAI-compatible proxy on loopback (the [`crate::facade`] facade over
 //! [`backend::SwarmBackend`]), and, with a job ([`EpisodeJob`]), runs the agent on the
 //! tasks ([`episodes`]); it returns a [`Client`] with the peer id, addresses and the proxy's
 //! URL. [`Client::finish`] waits for the job (or the stop) and winds everything down.
@@ -26,9 +26,9 @@ pub use backend::{fetch_card, CardError, SwarmBackend};
 
 use crate::base::stop::{wind_down, TaskTracker};
 use crate::base::Stop;
-use crate::openai::external::ExternalModel;
-use crate::openai::http::serve_until;
-use crate::openai::server::{router_tracked, FacadeConfig};
+use crate::facade::external::ExternalModel;
+use crate::facade::http::serve_until;
+use crate::facade::server::{router_tracked, FacadeConfig};
 use crate::swarm::{spawn_node, Multiaddr, PeerId, SwarmConfig, SwarmError, SwarmHandle};
 
 /// Everything `--role client` is configured by (the binary builds it from its flags).

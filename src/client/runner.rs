@@ -2,6 +2,8 @@
 //!
 //! - `OPENAI_BASE_URL`: the client's local proxy (`http://127.0.0.1:PORT/v1`);
 //! - `OPENAI_API_KEY`: the episode id (the proxy tracks the calls under it);
+//! - `ANTHROPIC_BASE_URL` (the proxy's root) and `ANTHROPIC_API_KEY` (the episode id), for
+//!   agents on Anthropic's SDK (`/v1/messages`);
 //! - `AGENTJET_EPISODE_ID`, `AGENTJET_TASK_ID`, `AGENTJET_TASK` (the task as JSON, also
 //!   written to the agent's stdin);
 //!
@@ -22,7 +24,7 @@ use tokio::io::AsyncWriteExt;
 
 use super::tasks::Task;
 use crate::base::Stop;
-use crate::openai::reward::{parse_reward, PostedReward, Rewards};
+use crate::facade::reward::{parse_reward, PostedReward, Rewards};
 
 /// How agents are run.
 #[derive(Debug, Clone)]
@@ -181,9 +183,17 @@ pub async fn run_agent(
 ) -> AgentOutcome {
     let t0 = Instant::now();
     let task_json = json!({"id": task.id, "data": task.data}).to_string();
+    // Anthropic's SDK appends /v1/messages to its base URL: the proxy's root.
+    let root = spec
+        .base_url
+        .strip_suffix("/v1")
+        .unwrap_or(&spec.base_url)
+        .to_string();
     let env = [
         ("OPENAI_BASE_URL", spec.base_url.clone()),
         ("OPENAI_API_KEY", episode.to_string()),
+        ("ANTHROPIC_BASE_URL", root),
+        ("ANTHROPIC_API_KEY", episode.to_string()),
         ("AGENTJET_EPISODE_ID", episode.to_string()),
         ("AGENTJET_TASK_ID", task.id.clone()),
         ("AGENTJET_TASK", task_json.clone()),

@@ -625,7 +625,7 @@ impl Constraint {
     }
 
     /// One `<tool_call>\n{"name": "<tool>", "arguments": {...}}\n</tool_call>` block (the
-    /// Hermes/Qwen format that `openai::text::parse_tool_calls` reads), the
+    /// Hermes/Qwen format that `facade::text::parse_tool_calls` reads), the
     /// arguments following the chosen tool's `parameters` schema.
     pub fn tool_call(
         tools: &[ToolSpec],

@@ -17,7 +17,7 @@ use super::served::ServedModel;
 use crate::engine::{
     Constraint, ConstraintError, EngineError, EngineEvent, GenerateRequest, SamplingError,
 };
-use crate::openai::track::transform_of;
+use crate::facade::track::transform_of;
 use crate::rpc::{InferFrame, InferRequest};
 use crate::swarm::frame::{read_frame, write_frame, FrameError};
 use crate::swarm::Stream;

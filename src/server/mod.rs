@@ -43,11 +43,11 @@ use crate::base::safe_file_name;
 use crate::base::stop::{wind_down, TaskTracker};
 use crate::base::{Stop, StopMode};
 use crate::engine::{spawn_engine, EngineConfig};
+use crate::facade::http::serve_until;
+use crate::facade::server::{router, FacadeConfig};
+use crate::facade::LocalBackend;
 use crate::model::checkpoint::{load_model, parse_placement};
 use crate::model::{ModelError, ModelSource};
-use crate::openai::http::serve_until;
-use crate::openai::server::{router, FacadeConfig};
-use crate::openai::LocalBackend;
 use crate::swarm::{spawn_node, Multiaddr, PeerId, SwarmConfig, SwarmError, SwarmHandle};
 
 /// Everything `--role server` is configured by (the binary builds it from its flags).

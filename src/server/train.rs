@@ -83,8 +83,12 @@ impl TrainingHandle {
 pub struct TrainSettings {
     pub learning_rate: f64,
     pub warmup_steps: u64,
-    /// Trainable groups per optimizer step.
+    /// Trainable groups per optimizer step: a step starts once this many are ready.
     pub groups_per_step: usize,
+    /// At most this many groups in one step (at least `groups_per_step`): a backlog (a
+    /// client faster than training) is trained over several steps, oldest groups first,
+    /// instead of in one step that takes as long as all of it.
+    pub max_groups_per_step: usize,
     /// Group size when a client does not say it.
     pub num_repeat: usize,
     /// A group waits this long for its stragglers, then trains with what arrived (if at
@@ -151,6 +155,7 @@ impl Default for TrainSettings {
             learning_rate: 1e-5,
             warmup_steps: 0,
             groups_per_step: 4,
+            max_groups_per_step: 16,
             num_repeat: 8,
             group_timeout: Duration::from_secs(600),
             min_episodes: 2,

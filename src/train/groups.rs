@@ -247,9 +247,96 @@ impl GroupBuffer {
     }
 }
 
+/// The next step's share of a backlog: the first `cap` groups of `ready` (oldest first;
+/// the rest stay in `ready`) and the report that goes with them. The ids of the episodes
+/// of the groups left behind stay in `pending.taken`, to be recorded with the step that
+/// trains them; the counts (skipped, dropped, aborted) and every other id go with this one.
+pub fn next_batch(
+    ready: &mut Vec<Group>,
+    pending: &mut ReadyReport,
+    cap: usize,
+) -> (Vec<Group>, ReadyReport) {
+    let n = ready.len().min(cap.max(1));
+    let groups: Vec<Group> = ready.drain(..n).collect();
+    if ready.is_empty() {
+        return (groups, std::mem::take(pending));
+    }
+    let left: std::collections::HashSet<&str> = ready
+        .iter()
+        .flat_map(|g| g.episodes.iter().map(|e| e.id.as_str()))
+        .collect();
+    let (later, now): (Vec<String>, Vec<String>) = std::mem::take(&mut pending.taken)
+        .into_iter()
+        .partition(|id| left.contains(id.as_str()));
+    let mut report = std::mem::take(pending);
+    report.taken = now;
+    pending.taken = later;
+    (groups, report)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_backlog_is_split_into_capped_steps_and_every_taken_id_goes_with_its_groups_step() {
+        let fin = EpisodeStatus::Finished;
+        let mut b = GroupBuffer::new(
+            GroupConfig {
+                num_repeat: 2,
+                min_episodes: 2,
+                timeout: Duration::from_secs(600),
+            },
+            "policy",
+            AdvantageKind::Grpo,
+        );
+        // Five groups with signal and one without (skipped: its ids are taken at once).
+        for g in 0..6 {
+            for i in 0..2 {
+                let r = if g == 5 { 1.0 } else { i as f64 };
+                b.add(ep(
+                    &format!("g{g}"),
+                    &format!("g{g}-{i}"),
+                    Some(r),
+                    fin.clone(),
+                ))
+                .unwrap();
+            }
+        }
+        let (mut ready, mut pending) = b.take_ready(Instant::now());
+        assert_eq!((ready.len(), pending.skipped_equal), (5, 1));
+        let mut steps = Vec::new();
+        while !ready.is_empty() {
+            steps.push(next_batch(&mut ready, &mut pending, 2));
+        }
+        assert_eq!(
+            steps.iter().map(|(g, _)| g.len()).collect::<Vec<_>>(),
+            vec![2, 2, 1]
+        );
+        assert_eq!(pending, ReadyReport::default(), "nothing left behind");
+        // The skipped group's count and ids go with the first step; each trained id with
+        // the step that trains it; no id twice, none lost.
+        assert_eq!(steps[0].1.skipped_equal, 1);
+        assert_eq!(steps[1].1.skipped_equal + steps[2].1.skipped_equal, 0);
+        let mut all = Vec::new();
+        for (groups, report) in &steps {
+            let trained: Vec<&str> = groups
+                .iter()
+                .flat_map(|g| g.episodes.iter().map(|e| e.id.as_str()))
+                .collect();
+            for id in &trained {
+                assert!(report.taken.iter().any(|t| t == id), "{id} not in its step");
+            }
+            all.extend(report.taken.iter().cloned());
+        }
+        assert!(steps[0].1.taken.iter().any(|t| t == "g5-0"));
+        all.sort();
+        let mut want: Vec<String> = (0..6)
+            .flat_map(|g| (0..2).map(move |i| format!("g{g}-{i}")))
+            .collect();
+        want.sort();
+        assert_eq!(all, want);
+    }
 
     fn ep(group: &str, id: &str, reward: Option<f64>, status: EpisodeStatus) -> Episode {
         Episode {

@@ -250,7 +250,7 @@ pub async fn signed_call(
         .await
         .map_err(|e| e.to_string())?;
     // The call as the server signs it: the transform it drew with, behaviour logprobs.
-    let sampling = agentjet::openai::track::transform_of(&req.sampling, false);
+    let sampling = agentjet::facade::track::transform_of(&req.sampling, false);
     let mut c =
         agentjet::timeline::Call::new("tiny", prompt, vec![], vec![], 0).with_sampling(sampling);
     loop {

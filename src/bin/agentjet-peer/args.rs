@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use agentjet::client::tasks::{load_source, Schedule};
 use agentjet::client::{ClientConfig, EpisodeJob};
-use agentjet::openai::external::ExternalModel;
+use agentjet::facade::external::ExternalModel;
 use agentjet::swarm::{self, Multiaddr, Role as WireRole, SwarmConfig, SwarmKey};
 use anyhow::{anyhow, bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
@@ -172,6 +172,10 @@ pub struct ServerCli {
     /// Trainable groups per optimizer step.
     #[arg(long, default_value_t = 4)]
     pub groups_per_step: usize,
+    /// At most this many groups in one step (raised to --groups-per-step if lower): a
+    /// backlog is trained over several steps, oldest first.
+    #[arg(long, default_value_t = 16)]
+    pub max_groups_per_step: usize,
     /// The group size assumed when a client does not say it.
     #[arg(long, default_value_t = 4)]
     pub num_repeat: usize,

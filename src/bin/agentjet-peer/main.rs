@@ -248,7 +248,7 @@ fn run_tool(cli: Cli) -> Result<()> {
                     port,
                     served_model_name,
                     engine.config(),
-                    agentjet::openai::server::FacadeConfig {
+                    agentjet::facade::server::FacadeConfig {
                         default_max_tokens,
                         track_episodes,
                         ..Default::default()

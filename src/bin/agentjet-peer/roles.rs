@@ -57,6 +57,10 @@ mod torch {
                         learning_rate: self.learning_rate,
                         warmup_steps: self.warmup_steps,
                         groups_per_step: self.groups_per_step.max(1),
+                        max_groups_per_step: self
+                            .max_groups_per_step
+                            .max(self.groups_per_step)
+                            .max(1),
                         num_repeat: self.num_repeat.max(1),
                         group_timeout: secs("group-timeout", self.group_timeout)?,
                         min_episodes: 2,

@@ -278,14 +278,14 @@ pub mod torch_cmds {
         port: u16,
         served_model_name: Option<String>,
         engine_cfg: agentjet::engine::EngineConfig,
-        facade: agentjet::openai::server::FacadeConfig,
+        facade: agentjet::facade::server::FacadeConfig,
         drain_timeout: std::time::Duration,
         stop: Stop,
     ) -> Result<()> {
         use agentjet::base::stop::wind_down;
-        use agentjet::openai::http::serve_until;
-        use agentjet::openai::server::router;
-        use agentjet::openai::LocalBackend;
+        use agentjet::facade::http::serve_until;
+        use agentjet::facade::server::router;
+        use agentjet::facade::LocalBackend;
         use std::sync::Arc;
         let args2 = args.clone();
         let loaded = tokio::task::spawn_blocking(move || load(&args2)).await??;

@@ -134,8 +134,7 @@ impl MemberLoop<'_> {
 
     /// One inner step on the groups this member holds: its own, not served.
     fn inner_step(&mut self) -> Result<(), TrainingError> {
-        let groups = std::mem::take(&mut self.ready);
-        let rep = std::mem::take(&mut self.report);
+        let (groups, rep) = self.next_batch();
         let version = self.trainer.version();
         info!(
             step = self.trainer.steps() + 1,

@@ -30,7 +30,7 @@ use crate::collective::group::{Action, GroupError, GroupNode, MemberState, Membe
 use crate::collective::RoundStats;
 use crate::swarm::GroupStatus;
 use crate::train::checkpoint::RunDir;
-use crate::train::groups::{Group, GroupBuffer, ReadyReport};
+use crate::train::groups::{next_batch, Group, GroupBuffer, ReadyReport};
 use crate::train::outer::Outer;
 use crate::train::trainer::{LocalGradient, Prepared, StepMetrics, Trainer};
 use crate::train::TrainError;
@@ -297,6 +297,13 @@ impl<'a> MemberLoop<'a> {
         }
         self.ready.extend(groups);
         merge(&mut self.report, r);
+    }
+
+    /// The next step's groups: at most `max_groups_per_step`, oldest first, with their
+    /// share of the report ([`next_batch`]).
+    fn next_batch(&mut self) -> (Vec<Group>, ReadyReport) {
+        let cap = self.s.max_groups_per_step.max(self.s.groups_per_step);
+        next_batch(&mut self.ready, &mut self.report, cap)
     }
 
     /// Runs until the role stops (or the group cannot go on).
@@ -567,8 +574,7 @@ impl<'a> MemberLoop<'a> {
         let held = match self.held.take() {
             Some(h) => h,
             None => {
-                let groups = std::mem::take(&mut self.ready);
-                let rep = std::mem::take(&mut self.report);
+                let (groups, rep) = self.next_batch();
                 info!(
                     step = self.trainer.steps() + 1,
                     groups = groups.len(),
@@ -653,8 +659,7 @@ impl<'a> MemberLoop<'a> {
 
     /// A step of a group of one: the trainer's own step (no flat copies of the gradient).
     fn solo_step(&mut self) -> Result<(), TrainingError> {
-        let groups = std::mem::take(&mut self.ready);
-        let rep = std::mem::take(&mut self.report);
+        let (groups, rep) = self.next_batch();
         info!(
             step = self.trainer.steps() + 1,
             groups = groups.len(),

@@ -2,7 +2,6 @@
 //! and the answer whole or as server-sent events ending in `data: [DONE]`.
 
 use super::*;
-use crate::openai::track::transform_of;
 
 pub(super) async fn chat_completions(
     State(st): State<Arc<AppState>>,
@@ -62,177 +61,32 @@ pub(super) async fn chat_inner(
     episode: Option<String>,
 ) -> Result<Response, ApiError> {
     let req: ChatCompletionRequest = parse_body(&body)?;
-    let (card, ctx) = resolve_model(st, &req.model)?;
-    let extra = extra_sampling(
-        &card,
-        req.min_p,
-        req.presence_penalty,
-        req.frequency_penalty,
-        req.repetition_penalty,
-        req.logit_bias.as_ref(),
-    )?;
-    let (tools_on, forced) = tool_plan(&req)?;
-    let json_mode = json_mode(&req)?;
-    if !matches!(json_mode, JsonMode::Text) && !forced.is_empty() {
-        return Err(ApiError::bad(
-            "response_format",
-            "a JSON response_format cannot be combined with a forced tool call (tool_choice)",
-        ));
-    }
-    let top_logprobs = match (req.logprobs, req.top_logprobs) {
-        (_, Some(k)) if k < 0 || k as usize > st.cfg.max_top_logprobs => {
-            return Err(ApiError::bad(
-                "top_logprobs",
-                format!(
-                    "top_logprobs must be between 0 and {}, got {k}",
-                    st.cfg.max_top_logprobs
-                ),
-            ))
-        }
-        (false, Some(k)) if k > 0 => {
-            return Err(ApiError::bad(
-                "top_logprobs",
-                "top_logprobs needs logprobs: true",
-            ))
-        }
-        (true, k) => Some(k.unwrap_or(0) as usize),
-        (false, _) => None,
-    };
-    let renderer = ChatRenderer::new(&card, &req.model, &req)?;
-    let render = |m: &[Json_], g: bool| renderer.render(m, g);
-    let (prompt, tracked) = match (&st.tracker, &episode) {
-        (Some(t), Some(ep)) => {
-            let (ids, outcome, text) = t
-                .prompt(ep, &req.model, &card, &req.messages, &render)
-                .map_err(|e| ApiError::bad("messages", e.to_string()))?;
-            (ids, Some((ep.clone(), outcome, text)))
-        }
-        _ => {
-            let text = render(&req.messages, true)
-                .map_err(|e| ApiError::bad("messages", e.to_string()))?;
-            let ids = card
-                .tokenizer
-                .encode(&text)
-                .map_err(|e| ApiError::server(e.to_string()))?;
-            (ids, None)
-        }
-    };
-    let timeline = tracked.as_ref().map(|t| match &t.1 {
-        Outcome::First => "first",
-        Outcome::Continued => "continued",
-        Outcome::Break(_) => "break",
-    });
-    let mut p = plan(
-        st,
-        Common {
-            model: &req.model,
-            max_tokens: req.max_completion_tokens.or(req.max_tokens),
-            temperature: req.temperature,
-            top_p: req.top_p,
-            top_k: req.top_k,
-            n: req.n,
-            seed: req.seed,
-            stop: req.stop.clone(),
-            extra,
-        },
-        card,
-        ctx,
-        prompt,
-        top_logprobs,
-    )?;
-    match &json_mode {
-        JsonMode::Text => {}
-        JsonMode::Object => p.constraint = Some(Constraint::json_object(token_bytes(st, &p))),
-        JsonMode::Schema(schema) => {
-            p.constraint = Some(Constraint::json_schema(schema, token_bytes(st, &p)))
-        }
-    }
-    if !forced.is_empty() {
-        p.constraint = Some(
-            Constraint::tool_call(&forced, token_bytes(st, &p))
-                .map_err(|e| ApiError::bad("tool_choice", e.to_string()))?,
-        );
-    }
-    // Records the finished call in the episode's timeline.
-    let sampling = transform_of(&p.sampling, p.constraint.is_some());
-    let on_done = tracked.map(|(ep, _, text)| {
-        let st = st.clone();
-        let model = req.model.clone();
-        let messages = req.messages.clone();
-        move |prompt: &[u32], choices: Vec<ChoiceRecord>, version: u64| {
-            if let Some(t) = &st.tracker {
-                t.record(
-                    &ep, &model, &messages, text, prompt, choices, version, sampling,
-                );
-            }
-        }
-    });
-    let route = Route {
-        episode: episode.clone(),
-    };
-    let rxs = submit(st, &p, &route)?;
+    let started = start_chat(st, &req, episode)?;
     let id = format!("chatcmpl-{:x}", st.next_id.fetch_add(1, Ordering::Relaxed));
     if req.stream {
         let include_usage = req.stream_options.as_ref().is_some_and(|o| o.include_usage);
-        let on_done = on_done.map(|f| Box::new(f) as OnDone);
-        return Ok(stream_chat(
-            &st.cfg.tasks,
-            id,
-            p,
-            rxs,
-            include_usage,
-            tools_on,
-            on_done,
-            timeline,
-        )
-        .into_response());
+        return Ok(stream_chat(&st.cfg.tasks, id, started, include_usage).into_response());
     }
-    let mut choices = Vec::with_capacity(p.n);
+    let timeline = started.timeline;
+    let top_logprobs = started.p.top_logprobs;
+    let (p, finished, version) = finish_all(st, started).await?;
     let mut usage_completion = 0;
-    let mut version = 0;
-    let states = futures_util::future::join_all(rxs.into_iter().map(|rx| {
-        run_choice(
-            rx,
-            ChoiceState::new(p.card.clone(), p.stops.clone(), top_logprobs.is_some()),
-        )
-    }))
-    .await;
-    let states: Vec<ChoiceState> = states.into_iter().collect::<Result<_, _>>()?;
-    if let Some(f) = on_done {
-        let version = states.first().map_or(0, |s| s.policy_version);
-        f(
-            &p.prompt,
-            states.iter().map(ChoiceState::record).collect(),
-            version,
-        );
-    }
-    for (index, s) in states.into_iter().enumerate() {
-        usage_completion += s.completion_tokens;
-        version = s.policy_version;
-        let text = s.stop.text().to_string();
-        let mut finish = s.finish.unwrap_or("stop");
-        let mut message = ResponseMessage {
-            role: "assistant",
-            content: Some(text.clone()),
-            tool_calls: None,
-        };
-        if tools_on {
-            if let Some((content, calls)) =
-                parse_tool_calls(&text, st.next_id.fetch_add(1, Ordering::Relaxed))
-            {
-                message.content = (!content.is_empty()).then_some(content);
-                message.tool_calls = Some(calls);
-                finish = "tool_calls";
-            }
-        }
+    let mut choices = Vec::with_capacity(finished.len());
+    for (index, f) in finished.into_iter().enumerate() {
+        usage_completion += f.state.completion_tokens;
+        let calls = !f.tool_calls.is_empty();
         choices.push(ChatChoice {
             index,
-            message,
-            finish_reason: finish,
+            message: ResponseMessage {
+                role: "assistant",
+                content: (!calls || !f.content.is_empty()).then_some(f.content),
+                tool_calls: calls.then_some(f.tool_calls),
+            },
+            finish_reason: f.finish,
             logprobs: top_logprobs.map(|_| ChoiceLogprobs {
-                content: s.logprobs.clone(),
+                content: f.state.logprobs.clone(),
             }),
-            token_ids: s.tokens.clone(),
+            token_ids: f.state.tokens.clone(),
         });
     }
     let resp = ChatCompletionResponse {
@@ -255,25 +109,23 @@ pub(super) async fn chat_inner(
     Ok(Json(resp).into_response())
 }
 
-/// Called once a tracked call is complete: (prompt ids, each choice's ids and logprobs,
-/// policy version).
-pub(super) type OnDone = Box<dyn FnOnce(&[u32], Vec<ChoiceRecord>, u64) + Send>;
-
 /// Streams a chat completion: a role chunk per choice, content deltas as text becomes
 /// final, a last chunk per choice with its finish reason (and the token-id extension),
 /// the usage chunk if asked, then `[DONE]`. With tools on, a choice's text is held until
 /// it ends so that a tool call is sent as `tool_calls`, not as raw text.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn stream_chat(
     tasks: &TaskTracker,
     id: String,
-    p: Plan,
-    rxs: Vec<ChoiceStream>,
+    s: Started,
     include_usage: bool,
-    tools_on: bool,
-    on_done: Option<OnDone>,
-    timeline: Option<&'static str>,
-) -> Sse<impl futures_util::Stream<Item = Result<Event, Infallible>>> {
+) -> EventStream {
+    let Started {
+        p,
+        rxs,
+        tools_on,
+        on_done,
+        timeline,
+    } = s;
     let (tx, out) = tokio::sync::mpsc::channel::<Result<Event, Infallible>>(64);
     let created = now();
     let want_lp = p.top_logprobs.is_some();

@@ -11,6 +11,8 @@ pub struct StopMatcher {
     text: String,
     emitted: usize,
     stopped: bool,
+    /// The stop string that ended the text.
+    matched: Option<String>,
 }
 
 impl StopMatcher {
@@ -36,11 +38,12 @@ impl StopMatcher {
         let hit = self
             .stops
             .iter()
-            .filter_map(|s| self.text[self.emitted..].find(s.as_str()))
-            .min()
-            .map(|p| p + self.emitted);
-        if let Some(pos) = hit {
+            .filter_map(|s| Some((self.text[self.emitted..].find(s.as_str())?, s)))
+            .min_by_key(|(p, _)| *p)
+            .map(|(p, s)| (p + self.emitted, s.clone()));
+        if let Some((pos, s)) = hit {
             self.stopped = true;
+            self.matched = Some(s);
             let out = self.text[self.emitted..pos].to_string();
             self.text.truncate(pos);
             self.emitted = pos;
@@ -76,6 +79,11 @@ impl StopMatcher {
     /// All text kept so far (stop string excluded).
     pub fn text(&self) -> &str {
         &self.text
+    }
+
+    /// The stop string that ended the text, if one did.
+    pub fn matched(&self) -> Option<&str> {
+        self.matched.as_deref()
     }
 }
 

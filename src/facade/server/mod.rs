@@ -1,14 +1,21 @@
 //! The HTTP server of the facade (axum), split the way TGI's router is: routes and shared
 //! state here; validation into a plan (`plan`); chat rendering (`render`); one choice's
-//! decoding (`choice`); the two endpoints that answer whole or streamed (`chat`,
-//! `completions`); the error shape and its mapping (`error`).
+//! decoding (`choice`); what the chat-shaped APIs share once a request is in chat form
+//! (`session`: tracked rendering, submission, finished choices, single-choice streams);
+//! one file per API, each translating its request and encoding its answer (`chat`,
+//! `completions`, `responses`, `messages`); the error shape and its mapping (`error`);
+//! bounded memories (`recent`).
 
 mod chat;
 mod choice;
 mod completions;
 mod error;
+mod messages;
 mod plan;
+mod recent;
 mod render;
+mod responses;
+mod session;
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -46,9 +53,13 @@ use choice::{run_choice, ChoiceState};
 use completions::completions;
 pub use error::ApiError;
 use error::{engine_error, parse_body};
+use messages::messages;
 use plan::{extra_sampling, json_mode, plan, resolve_model, submit, token_bytes, tool_plan};
 use plan::{Common, JsonMode, Plan};
+use recent::Recent;
 use render::ChatRenderer;
+use responses::{responses, StoredResponse};
+use session::{finish_all, start_chat, stream_one, EventStream, Finished, OneStream, Started};
 
 /// Limits of the facade.
 #[derive(Debug, Clone)]
@@ -62,10 +73,13 @@ pub struct FacadeConfig {
     /// Largest request body in bytes (larger ones get 413 in OpenAI's error shape).
     pub max_body_bytes: usize,
     /// Track chat calls per episode (the bearer token names the episode): token-in-token-out
-    /// prompts and recorded calls (see `openai::track`).
+    /// prompts and recorded calls (see `facade::track`).
     pub track_episodes: bool,
     /// Episodes tracked at most (the least recently used is dropped first).
     pub max_tracked_episodes: usize,
+    /// Responses kept for `previous_response_id` (and tool calls' arguments kept for
+    /// Anthropic `tool_use` blocks), at most; the oldest are forgotten first.
+    pub max_stored_responses: usize,
     /// Models forwarded to other OpenAI-compatible endpoints (recorded, never trained).
     pub external: Vec<Arc<ExternalModel>>,
     /// Where the facade's own tasks (streamed answers, external connections) are tracked,
@@ -82,6 +96,7 @@ impl Default for FacadeConfig {
             max_body_bytes: 8 << 20,
             track_episodes: false,
             max_tracked_episodes: 4096,
+            max_stored_responses: 4096,
             external: Vec::new(),
             tasks: TaskTracker::new(),
         }
@@ -101,6 +116,10 @@ pub(super) struct AppState {
     pub(super) external: Arc<ExternalLog>,
     /// Each model's token bytes, built on the first constrained request.
     pub(super) token_bytes: std::sync::Mutex<std::collections::HashMap<String, Arc<TokenBytes>>>,
+    /// Recent Responses answers, for `previous_response_id`.
+    responses: Recent<StoredResponse>,
+    /// The arguments text of recent tool calls answered as Anthropic `tool_use` blocks.
+    tool_args: Recent<String>,
 }
 
 /// What a tracking facade shares with its owner (the client's episode runner).
@@ -134,6 +153,7 @@ pub fn router_tracked(backend: Arc<dyn Backend>, cfg: FacadeConfig) -> (Router, 
         rewards: rewards.clone(),
         external: external.clone(),
     });
+    let stored = cfg.max_stored_responses;
     let state = Arc::new(AppState {
         tracker,
         rewards,
@@ -144,10 +164,14 @@ pub fn router_tracked(backend: Arc<dyn Backend>, cfg: FacadeConfig) -> (Router, 
         requests: AtomicU64::new(0),
         errors: AtomicU64::new(0),
         token_bytes: Default::default(),
+        responses: Recent::new(stored),
+        tool_args: Recent::new(stored),
     });
     let router = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/v1/responses", post(responses))
+        .route("/v1/messages", post(messages))
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
@@ -195,15 +219,22 @@ pub(super) async fn post_reward(
     answer(&st, result)
 }
 
-/// The episode a request belongs to, when tracking: its bearer token.
+/// The episode a request belongs to, when tracking: its bearer token (OpenAI SDKs), else
+/// its `x-api-key` (Anthropic SDKs).
 pub(super) fn episode_of(st: &AppState, headers: &axum::http::HeaderMap) -> Option<String> {
     st.tracker.as_ref()?;
-    let auth = headers
-        .get(axum::http::header::AUTHORIZATION)?
-        .to_str()
-        .ok()?;
-    let token = auth.strip_prefix("Bearer ").unwrap_or(auth).trim();
-    (!token.is_empty()).then(|| token.to_string())
+    let bearer = headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .map(|a| a.strip_prefix("Bearer ").unwrap_or(a).trim());
+    let key = headers
+        .get("x-api-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim);
+    bearer
+        .filter(|t| !t.is_empty())
+        .or(key.filter(|t| !t.is_empty()))
+        .map(str::to_string)
 }
 
 /// The body, or the reason it could not be read (too large: 413) in OpenAI's shape.
