@@ -9,16 +9,18 @@ auto after the call, so the next turn answers); the tool result goes back as a
 
 import asyncio
 import os
+from typing import Annotated
 
 from agents import Agent, AgentsException, ModelSettings, Runner, function_tool, set_tracing_disabled
 from agents.models.openai_responses import OpenAIResponsesModel
 from openai import AsyncOpenAI
+from pydantic import Field
 
-from calc import MAX_TURNS, calculate, reward, task
+from calc import EXPRESSION_MAX, MAX_TURNS, calculate, reward, task
 
 
 @function_tool
-def calculator(expression: str) -> str:
+def calculator(expression: Annotated[str, Field(max_length=EXPRESSION_MAX)]) -> str:
     """Evaluate an arithmetic expression such as '37 * 48'."""
     out = calculate(expression)
     print(f"calculator({expression!r}) = {out}")
@@ -33,8 +35,8 @@ async def main():
         instructions="You answer arithmetic questions with the calculator tool.",
         tools=[calculator],
         model=OpenAIResponsesModel(model=model, openai_client=AsyncOpenAI()),
-        model_settings=ModelSettings(tool_choice="required", max_tokens=64,
-                                     temperature=float(os.environ.get("AGENT_TEMPERATURE", "1.0"))),
+        model_settings=ModelSettings(tool_choice="required", max_tokens=200,
+                                     temperature=float(os.environ.get("AGENT_TEMPERATURE", "0.7"))),
     )
     try:
         result = await Runner.run(agent, question, max_turns=MAX_TURNS)

@@ -7,12 +7,12 @@ import os
 
 import anthropic
 
-from calc import MAX_TURNS, calculate, reward, task
+from calc import EXPRESSION_MAX, MAX_TURNS, calculate, reward, task
 
 TOOLS = [{
     "name": "calculator",
     "description": "Evaluate an arithmetic expression such as '37 * 48'.",
-    "input_schema": {"type": "object", "properties": {"expression": {"type": "string"}},
+    "input_schema": {"type": "object", "properties": {"expression": {"type": "string", "maxLength": EXPRESSION_MAX}},
                      "required": ["expression"]},
 }]
 
@@ -23,10 +23,10 @@ final = ""
 for turn in range(MAX_TURNS):
     # The first turn must call the tool ("any"); later turns choose.
     reply = client.messages.create(
-        model=model, max_tokens=64, tools=TOOLS, messages=messages,
+        model=model, max_tokens=200, tools=TOOLS, messages=messages,
         tool_choice={"type": "any"} if turn == 0 else {"type": "auto"},
         # This SDK takes no sampling arguments; the API reads them from the body.
-        extra_body={"temperature": float(os.environ.get("AGENT_TEMPERATURE", "1.0"))})
+        extra_body={"temperature": float(os.environ.get("AGENT_TEMPERATURE", "0.7"))})
     messages.append({"role": "assistant", "content": reply.content})
     uses = [b for b in reply.content if b.type == "tool_use"]
     if not uses:

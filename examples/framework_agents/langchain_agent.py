@@ -4,23 +4,25 @@ The client's proxy is reached through OPENAI_BASE_URL / OPENAI_API_KEY.
 """
 
 import os
+from typing import Annotated
 
 from langchain_core.messages import HumanMessage, ToolMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
+from pydantic import Field
 
-from calc import MAX_TURNS, calculate, reward, task
+from calc import EXPRESSION_MAX, MAX_TURNS, calculate, reward, task
 
 
 @tool
-def calculator(expression: str) -> str:
+def calculator(expression: Annotated[str, Field(max_length=EXPRESSION_MAX)]) -> str:
     """Evaluate an arithmetic expression such as '37 * 48'."""
     return calculate(expression)
 
 
 t, model, question = task()
 llm = ChatOpenAI(model=model, base_url=os.environ["OPENAI_BASE_URL"], api_key=os.environ["OPENAI_API_KEY"],
-                 temperature=float(os.environ.get("AGENT_TEMPERATURE", "1.0")), max_tokens=64, max_retries=0)
+                 temperature=float(os.environ.get("AGENT_TEMPERATURE", "0.7")), max_tokens=200, max_retries=0)
 messages = [HumanMessage(question)]
 final = ""
 for turn in range(MAX_TURNS):

@@ -97,7 +97,18 @@ pub fn parse_tool_calls(text: &str, id_seed: u64) -> Option<(String, Vec<ToolCal
     while let Some(start) = rest.find("<tool_call>") {
         content.push_str(&rest[..start]);
         let after = &rest[start + "<tool_call>".len()..];
-        let (body, next) = match after.find("</tool_call>") {
+        // The block ends at the first closing tag after which the body is JSON (a string
+        // argument may itself hold "</tool_call>"), else at the first closing tag.
+        let ends: Vec<usize> = after
+            .match_indices("</tool_call>")
+            .map(|(i, _)| i)
+            .collect();
+        let end = ends
+            .iter()
+            .copied()
+            .find(|&e| serde_json::from_str::<serde::de::IgnoredAny>(after[..e].trim()).is_ok())
+            .or(ends.first().copied());
+        let (body, next) = match end {
             Some(end) => (&after[..end], &after[end + "</tool_call>".len()..]),
             None => (after, ""),
         };
@@ -142,6 +153,18 @@ pub fn parse_tool_calls(text: &str, id_seed: u64) -> Option<(String, Vec<ToolCal
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_closing_tag_inside_a_string_argument_does_not_end_the_call() {
+        let text = "<tool_call>\n{\"name\": \"calc\", \"arguments\": {\"expression\": \"1</tool_call> 2\"}}\n</tool_call>";
+        let (content, calls) = parse_tool_calls(text, 1).unwrap();
+        assert_eq!(content, "");
+        assert_eq!(calls[0].function.name, "calc");
+        assert_eq!(
+            calls[0].function.arguments,
+            "{\"expression\": \"1</tool_call> 2\"}"
+        );
+    }
 
     #[test]
     fn stop_string_split_across_pieces_is_cut_and_never_shown() {

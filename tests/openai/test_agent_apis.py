@@ -192,6 +192,12 @@ class Responses(unittest.TestCase):
         self.assertEqual(status, 400)
         status, body = post_raw("/responses", json.dumps({"model": "gpt-7", "input": "hi"}).encode())
         self.assertEqual((status, body["error"]["code"]), (404, "model_not_found"))
+        big = json.dumps({"model": MODEL, "input": "x" * ((8 << 20) + 1024)}).encode()
+        status, body = post_raw("/responses", big)
+        self.assertEqual((status, body["error"]["code"]), (413, "request_too_large"))
+        # and the server keeps serving
+        r = oai().responses.create(model=MODEL, input=QUESTION, temperature=0, max_output_tokens=24)
+        self.assertEqual(r.output_text, "The capital of France is Paris.")
 
 
 class Messages(unittest.TestCase):

@@ -3,13 +3,15 @@
 //! decoding (`choice`); what the chat-shaped APIs share once a request is in chat form
 //! (`session`: tracked rendering, submission, finished choices, single-choice streams);
 //! one file per API, each translating its request and encoding its answer (`chat`,
-//! `completions`, `responses`, `messages`); the error shape and its mapping (`error`);
+//! `completions`, `responses`, `messages`); forwarding to external models (`forward`); the
+//! error shape and its mapping (`error`);
 //! bounded memories (`recent`).
 
 mod chat;
 mod choice;
 mod completions;
 mod error;
+mod forward;
 mod messages;
 mod plan;
 mod recent;
@@ -48,11 +50,12 @@ use crate::engine::{
 use crate::model::chat_template::ChatTemplate;
 use crate::model::{ChatRequest, ModelCard, StreamDecoder, TemplateError};
 
-use chat::{chat_completions, external_of, forward_external};
+use chat::chat_completions;
 use choice::{run_choice, ChoiceState};
 use completions::completions;
 pub use error::ApiError;
 use error::{engine_error, parse_body};
+use forward::{external_of, forward_external};
 use messages::messages;
 use plan::{extra_sampling, json_mode, plan, resolve_model, submit, token_bytes, tool_plan};
 use plan::{Common, JsonMode, Plan};
