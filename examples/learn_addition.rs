@@ -34,6 +34,9 @@
 //! --temperature X [1.0]  --top-p X [1.0]  --ppo-epochs N [2]  --mini-batches N [1]
 //! --entropy-coef X [0]  --clip-high X [0.28]  --dynamic N [1]  --replay F [0]
 //! --train-minutes M  (stop after M minutes of training, held-out evaluations not counted)
+//! --lr-min-ratio R [1]  (cosine decay of the learning rate by training time, from --lr to
+//!   R x --lr at the end of --train-minutes (else --minutes); 1: constant. Counted from this
+//!   process's start, so a --resume decays again over its own budget)
 //! --bf16  (train with bfloat16 matrix products over float32 master weights)
 //! ```
 
@@ -84,6 +87,8 @@ struct Args {
     replay: f64,
     /// Stop once this much time went to training (held-out evaluations not counted).
     train_minutes: Option<f64>,
+    /// The learning rate's cosine decays to this share of `lr` by the end of the budget.
+    lr_min_ratio: f64,
 }
 
 fn parse_args() -> anyhow::Result<Args> {
@@ -123,6 +128,7 @@ fn parse_args() -> anyhow::Result<Args> {
         "--dynamic",
         "--replay",
         "--train-minutes",
+        "--lr-min-ratio",
     ];
     let mut i = 0;
     while i < v.len() {
@@ -164,6 +170,10 @@ fn parse_args() -> anyhow::Result<Args> {
         train_minutes: get("--train-minutes")
             .map(|v| num("--train-minutes", Some(v), 0.0))
             .transpose()?,
+        lr_min_ratio: match num("--lr-min-ratio", get("--lr-min-ratio"), 1.0)? {
+            r if (0.0..=1.0).contains(&r) => r,
+            r => anyhow::bail!("--lr-min-ratio must be within 0..=1, got {r}"),
+        },
     })
 }
 
@@ -405,7 +415,7 @@ fn run() -> anyhow::Result<()> {
         serde_json::to_string(&pairs)?,
     )?;
     println!(
-        "learn_addition: SmolLM2-135M-Instruct on {:?}; {} tasks x {} samples per step (T {}, top_p {}, dynamic rounds {}, replay {}), lr {}, {} PPO epochs x {} mini-batches, entropy coef {}, clip high {}, held-out {} tasks; run dir {}",
+        "learn_addition: SmolLM2-135M-Instruct on {:?}; {} tasks x {} samples per step (T {}, top_p {}, dynamic rounds {}, replay {}), lr {} (cosine to {} x by the end), {} PPO epochs x {} mini-batches, entropy coef {}, clip high {}, held-out {} tasks; run dir {}",
         trainer.model.device(),
         args.tasks,
         args.group,
@@ -414,6 +424,7 @@ fn run() -> anyhow::Result<()> {
         args.dynamic,
         args.replay,
         args.lr,
+        args.lr_min_ratio,
         args.ppo_epochs,
         args.mini_batches,
         args.entropy_coef,
@@ -544,6 +555,12 @@ fn run() -> anyhow::Result<()> {
             }
         }
         let (groups, report) = buffer.take_ready(Instant::now());
+        if args.lr_min_ratio < 1.0 {
+            let budget = args.train_minutes.unwrap_or(args.minutes).max(1e-9);
+            let t = (train_minutes(eval_secs) / budget).min(1.0);
+            let cos = 0.5 * (1.0 + (std::f64::consts::PI * t).cos());
+            trainer.cfg.optim.lr = args.lr * (args.lr_min_ratio + (1.0 - args.lr_min_ratio) * cos);
+        }
         let mut m = trainer.step(&groups, &report).map_err(anyhow::Error::msg)?;
         engine
             .update_weights(&trainer.model.parameters(), trainer.version())

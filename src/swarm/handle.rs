@@ -15,7 +15,7 @@ use tokio::sync::{mpsc, oneshot};
 use super::admission;
 use super::auth::AuthTable;
 use super::frame::read_frame;
-use super::node::{Command, Shared, ViewEntry};
+use super::node::{Command, ProviderLookup, Shared, ViewEntry};
 use super::protocol::{Admission, ModelStatus, PeerStatus};
 use super::{SwarmConfig, SwarmError};
 use crate::base::lock;
@@ -49,6 +49,11 @@ impl SwarmHandle {
 
     /// The providers of `model` the DHT knows now (one query).
     pub async fn providers(&self, model: &str) -> Result<Vec<PeerId>, SwarmError> {
+        Ok(self.lookup_providers(model).await?.providers)
+    }
+
+    /// [`SwarmHandle::providers`] with the query's cost (requests sent, time taken).
+    pub async fn lookup_providers(&self, model: &str) -> Result<ProviderLookup, SwarmError> {
         let (tx, rx) = oneshot::channel();
         self.send(Command::Providers(model.to_string(), tx)).await?;
         rx.await.map_err(|_| SwarmError::Stopped)
@@ -122,6 +127,8 @@ impl SwarmHandle {
                 addrs: s.addrs.clone(),
                 age: s.at.elapsed(),
                 is_self: *p == self.peer_id,
+                published_unix_ms: s.published_unix_ms,
+                received_unix_ms: s.received_unix_ms,
             })
             .collect();
         out.sort_by_key(|e| e.peer.to_string());

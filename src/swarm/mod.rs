@@ -20,7 +20,9 @@ pub use auth::{KeyError, SwarmKey};
 pub use handle::SwarmHandle;
 pub use libp2p::multiaddr::Protocol;
 pub use libp2p::{identity::Keypair, Multiaddr, PeerId, Stream, StreamProtocol};
-pub use node::{spawn_node, SwarmConfig, ViewEntry};
+pub use node::{
+    spawn_node, BoxedTransport, OtherTransport, ProviderLookup, SwarmConfig, ViewEntry,
+};
 pub use protocol::{CacheSummary, GroupStatus, ModelStatus, PeerStatus, Role};
 
 use std::path::{Path, PathBuf};

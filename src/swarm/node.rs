@@ -80,6 +80,39 @@ pub struct SwarmConfig {
     pub max_requests_per_s: f64,
     pub request_burst: f64,
     pub kad_server: bool,
+    /// A transport beside TCP and QUIC (dialed for the addresses it supports): netsim's
+    /// simulated network. None in the peer binary.
+    pub other_transport: Option<OtherTransport>,
+}
+
+/// An authenticated, multiplexed transport, as libp2p's swarm takes one.
+pub type BoxedTransport =
+    libp2p::core::transport::Boxed<(PeerId, libp2p::core::muxing::StreamMuxerBox)>;
+
+/// Builds the extra transport of a node from its identity (see
+/// [`SwarmConfig::other_transport`]).
+#[derive(Clone)]
+#[allow(clippy::type_complexity)]
+pub struct OtherTransport(
+    pub Arc<dyn Fn(&Keypair) -> Result<BoxedTransport, String> + Send + Sync>,
+);
+
+impl std::fmt::Debug for OtherTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("OtherTransport")
+    }
+}
+
+/// What one provider lookup found, and what it cost.
+#[derive(Debug, Clone, Default)]
+pub struct ProviderLookup {
+    pub providers: Vec<PeerId>,
+    /// Kademlia requests the query sent (libp2p's query statistics), and how many were
+    /// answered.
+    pub requests: u32,
+    pub answered: u32,
+    /// From the query's start to its end.
+    pub duration: Duration,
 }
 
 impl SwarmConfig {
@@ -104,6 +137,7 @@ impl SwarmConfig {
             max_requests_per_s: 500.0,
             request_burst: 1000.0,
             kad_server: true,
+            other_transport: None,
         }
     }
 }
@@ -125,6 +159,10 @@ pub struct ViewEntry {
     pub addrs: Vec<Multiaddr>,
     pub age: Duration,
     pub is_self: bool,
+    /// The status's publication time by its author's clock, and when this peer received
+    /// it (Unix milliseconds; peers in one process, as in netsim, share the clock).
+    pub published_unix_ms: u64,
+    pub received_unix_ms: u64,
 }
 
 pub(super) struct ViewSlot {
@@ -132,9 +170,11 @@ pub(super) struct ViewSlot {
     pub(super) addrs: Vec<Multiaddr>,
     pub(super) seq: u64,
     pub(super) at: Instant,
+    pub(super) published_unix_ms: u64,
+    pub(super) received_unix_ms: u64,
 }
 
-type ProvidersReply = oneshot::Sender<Vec<PeerId>>;
+type ProvidersReply = oneshot::Sender<ProviderLookup>;
 
 /// Why a gossiped status was dropped (and not forwarded).
 #[derive(Debug, thiserror::Error)]
@@ -193,6 +233,44 @@ fn unix_ms() -> u64 {
         .unwrap_or(0)
 }
 
+/// The node's behaviours, configured from `c`.
+fn behaviour(key: &Keypair, peer_id: PeerId, c: &SwarmConfig) -> Result<Behaviour, String> {
+    let gs_cfg = gossipsub::ConfigBuilder::default()
+        .heartbeat_interval(Duration::from_millis(500))
+        .validation_mode(gossipsub::ValidationMode::Strict)
+        .validate_messages()
+        .max_transmit_size(64 * 1024)
+        .build()
+        .map_err(|e| e.to_string())?;
+    let gossipsub =
+        gossipsub::Behaviour::new(gossipsub::MessageAuthenticity::Signed(key.clone()), gs_cfg)
+            .map_err(|e| e.to_string())?;
+    let mut kcfg = kad::Config::new(KAD);
+    kcfg.set_provider_record_ttl(Some(c.provider_ttl))
+        .set_provider_publication_interval(None)
+        .set_record_filtering(StoreInserts::FilterBoth)
+        .set_kbucket_inserts(BucketInserts::Manual)
+        .set_query_timeout(Duration::from_secs(10))
+        .set_periodic_bootstrap_interval(None);
+    let mut kad = kad::Behaviour::with_config(peer_id, MemoryStore::new(peer_id), kcfg);
+    kad.set_mode(Some(if c.kad_server {
+        Mode::Server
+    } else {
+        Mode::Client
+    }));
+    Ok(Behaviour {
+        identify: identify::Behaviour::new(
+            identify::Config::new(IDENTIFY.into(), key.public())
+                .with_agent_version(format!("agentjet/{}", env!("CARGO_PKG_VERSION")))
+                .with_push_listen_addr_updates(true),
+        ),
+        ping: ping::Behaviour::new(ping::Config::new().with_interval(Duration::from_secs(5))),
+        gossipsub,
+        kad,
+        stream: libp2p_stream::Behaviour::new(),
+    })
+}
+
 /// Starts the node on the current tokio runtime: binds every listen address (an error if
 /// one cannot be bound), dials the bootstrap peers, and returns the handle.
 pub async fn spawn_node(cfg: SwarmConfig) -> Result<SwarmHandle, SwarmError> {
@@ -200,7 +278,7 @@ pub async fn spawn_node(cfg: SwarmConfig) -> Result<SwarmHandle, SwarmError> {
     let keypair = cfg.keypair.clone();
     let peer_id = keypair.public().to_peer_id();
     let c = cfg.clone();
-    let mut swarm = libp2p::SwarmBuilder::with_existing_identity(keypair.clone())
+    let builder = libp2p::SwarmBuilder::with_existing_identity(keypair.clone())
         .with_tokio()
         .with_tcp(
             tcp::Config::default().nodelay(true),
@@ -215,50 +293,27 @@ pub async fn spawn_node(cfg: SwarmConfig) -> Result<SwarmHandle, SwarmError> {
             q.max_connection_data = c.quic_connection_window;
             q.max_concurrent_stream_limit = (c.max_streams_per_peer * 4) as u32;
             q
-        })
-        .with_behaviour(|key| {
-            let gs_cfg = gossipsub::ConfigBuilder::default()
-                .heartbeat_interval(Duration::from_millis(500))
-                .validation_mode(gossipsub::ValidationMode::Strict)
-                .validate_messages()
-                .max_transmit_size(64 * 1024)
-                .build()
-                .map_err(|e| e.to_string())?;
-            let gossipsub = gossipsub::Behaviour::new(
-                gossipsub::MessageAuthenticity::Signed(key.clone()),
-                gs_cfg,
-            )
-            .map_err(|e| e.to_string())?;
-            let mut kcfg = kad::Config::new(KAD);
-            kcfg.set_provider_record_ttl(Some(c.provider_ttl))
-                .set_provider_publication_interval(None)
-                .set_record_filtering(StoreInserts::FilterBoth)
-                .set_kbucket_inserts(BucketInserts::Manual)
-                .set_query_timeout(Duration::from_secs(10))
-                .set_periodic_bootstrap_interval(None);
-            let mut kad = kad::Behaviour::with_config(peer_id, MemoryStore::new(peer_id), kcfg);
-            kad.set_mode(Some(if c.kad_server {
-                Mode::Server
-            } else {
-                Mode::Client
-            }));
-            Ok(Behaviour {
-                identify: identify::Behaviour::new(
-                    identify::Config::new(IDENTIFY.into(), key.public())
-                        .with_agent_version(format!("agentjet/{}", env!("CARGO_PKG_VERSION")))
-                        .with_push_listen_addr_updates(true),
-                ),
-                ping: ping::Behaviour::new(
-                    ping::Config::new().with_interval(Duration::from_secs(5)),
-                ),
-                gossipsub,
-                kad,
-                stream: libp2p_stream::Behaviour::new(),
+        });
+    let behaviour = |key: &Keypair| {
+        behaviour(key, peer_id, &c).map_err(Box::<dyn std::error::Error + Send + Sync>::from)
+    };
+    let idle = c.idle_connection_timeout;
+    let mut swarm = match &cfg.other_transport {
+        None => builder
+            .with_behaviour(behaviour)
+            .map_err(|e| SwarmError::Setup(format!("behaviour: {e}")))?
+            .with_swarm_config(|s| s.with_idle_connection_timeout(idle))
+            .build(),
+        Some(other) => builder
+            .with_other_transport(|key| {
+                (other.0)(key).map_err(Box::<dyn std::error::Error + Send + Sync>::from)
             })
-        })
-        .map_err(|e| SwarmError::Setup(format!("behaviour: {e}")))?
-        .with_swarm_config(|s| s.with_idle_connection_timeout(c.idle_connection_timeout))
-        .build();
+            .map_err(|e| SwarmError::Setup(format!("other transport: {e}")))?
+            .with_behaviour(behaviour)
+            .map_err(|e| SwarmError::Setup(format!("behaviour: {e}")))?
+            .with_swarm_config(|s| s.with_idle_connection_timeout(idle))
+            .build(),
+    };
 
     let topic = IdentTopic::new(STATUS_TOPIC);
     swarm
@@ -450,6 +505,8 @@ impl EventLoop {
                 addrs: self.listen_addrs.clone(),
                 seq: self.seq,
                 at: Instant::now(),
+                published_unix_ms: env.unix_ms,
+                received_unix_ms: env.unix_ms,
             },
         );
         let Ok(bytes) = postcard::to_allocvec(&env) else {
@@ -735,6 +792,8 @@ impl EventLoop {
                     addrs,
                     seq: env.seq,
                     at: Instant::now(),
+                    published_unix_ms: env.unix_ms,
+                    received_unix_ms: unix_ms(),
                 },
             );
         }
@@ -763,7 +822,7 @@ impl EventLoop {
                 id,
                 result: QueryResult::GetProviders(r),
                 step,
-                ..
+                stats,
             } => {
                 let Some(entry) = self.provider_queries.get_mut(&id) else {
                     return;
@@ -781,7 +840,12 @@ impl EventLoop {
                 }
                 if done {
                     if let Some((found, reply)) = self.provider_queries.remove(&id) {
-                        let _ = reply.send(found.into_iter().collect());
+                        let _ = reply.send(ProviderLookup {
+                            providers: found.into_iter().collect(),
+                            requests: stats.num_requests(),
+                            answered: stats.num_successes(),
+                            duration: stats.duration().unwrap_or_default(),
+                        });
                     }
                 }
             }

@@ -1,0 +1,151 @@
+//! `netsim <scenario> [flags]`: one scenario, its table printed and written to the results
+//! folder. See netsim/README.md for the commands that made the published tables.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use agentjet_netsim::scenario::{churn, discovery, gossip, partition, Env};
+use agentjet_netsim::NetConfig;
+
+const USAGE: &str = "usage: netsim <discovery|gossip|churn|partition> [--peers N,N,..] [--servers N] [--clients N]
+  [--seed N] [--latency-ms LO-HI] [--bandwidth-mbit X] [--loss P] [--out DIR]
+  [--rates R,R,.. (churn: crashes per server per hour)] [--seconds S (churn: per rate; gossip: window)]
+  [--hold S (partition)]";
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let Some(name) = args.first().cloned() else {
+        anyhow::bail!("{USAGE}");
+    };
+    let get = |flag: &str| -> Option<String> {
+        args.iter()
+            .position(|a| a == flag)
+            .and_then(|i| args.get(i + 1).cloned())
+    };
+    let known = [
+        "--peers",
+        "--servers",
+        "--clients",
+        "--seed",
+        "--latency-ms",
+        "--bandwidth-mbit",
+        "--loss",
+        "--out",
+        "--rates",
+        "--seconds",
+        "--hold",
+    ];
+    let mut i = 1;
+    while i < args.len() {
+        anyhow::ensure!(
+            known.contains(&args[i].as_str()),
+            "unknown flag {:?}\n{USAGE}",
+            args[i]
+        );
+        anyhow::ensure!(i + 1 < args.len(), "{} needs a value", args[i]);
+        i += 2;
+    }
+    fn list<T: std::str::FromStr>(flag: &str, s: &str) -> anyhow::Result<Vec<T>> {
+        s.split(',')
+            .map(|x| {
+                x.trim()
+                    .parse()
+                    .map_err(|_| anyhow::anyhow!("{flag}: cannot parse {x:?}"))
+            })
+            .collect()
+    }
+    fn one<T: std::str::FromStr>(flag: &str, s: Option<String>, d: T) -> anyhow::Result<T> {
+        match s {
+            None => Ok(d),
+            Some(s) => s
+                .parse()
+                .map_err(|_| anyhow::anyhow!("{flag}: cannot parse {s:?}")),
+        }
+    }
+    let latency = match get("--latency-ms") {
+        None => (20, 200),
+        Some(s) => {
+            let v: Vec<u64> = list("--latency-ms", &s.replace('-', ","))?;
+            match v[..] {
+                [x] => (x, x),
+                [lo, hi] if lo <= hi => (lo, hi),
+                _ => {
+                    anyhow::bail!("--latency-ms takes LO-HI (milliseconds, LO <= HI) or one value")
+                }
+            }
+        }
+    };
+    let loss: f64 = one("--loss", get("--loss"), 0.0)?;
+    anyhow::ensure!((0.0..0.5).contains(&loss), "--loss must be within 0..0.5");
+    let mbit: f64 = one("--bandwidth-mbit", get("--bandwidth-mbit"), 0.0)?;
+    anyhow::ensure!(mbit >= 0.0, "--bandwidth-mbit must not be negative");
+    let env = Env {
+        net: NetConfig {
+            seed: one("--seed", get("--seed"), 1)?,
+            latency: (
+                Duration::from_millis(latency.0),
+                Duration::from_millis(latency.1),
+            ),
+            bandwidth: mbit * 1e6 / 8.0,
+            loss,
+            ..Default::default()
+        },
+        out: get("--out").map_or_else(|| PathBuf::from("netsim/results"), PathBuf::from),
+    };
+    let sizes = |d: &[usize]| -> anyhow::Result<Vec<usize>> {
+        get("--peers").map_or(Ok(d.to_vec()), |s| list("--peers", &s))
+    };
+    let command = format!(
+        "cargo run --release -p agentjet-netsim -- {}",
+        args.join(" ")
+    );
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let _log = tracing_subscriber::fmt()
+        .with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "error".into()))
+        .with_writer(std::io::stderr)
+        .try_init();
+    rt.block_on(async {
+        match name.as_str() {
+            "discovery" => {
+                let a = discovery::Args {
+                    sizes: sizes(&[100, 300, 1000])?,
+                    servers: one("--servers", get("--servers"), 5)?,
+                    clients: one("--clients", get("--clients"), 20)?,
+                };
+                discovery::run(&env, &a, &command).await.map(drop)
+            }
+            "gossip" => {
+                let a = gossip::Args {
+                    sizes: sizes(&[100, 300])?,
+                    warmup: Duration::from_secs(20),
+                    window: Duration::from_secs(one("--seconds", get("--seconds"), 30)?),
+                };
+                gossip::run(&env, &a, &command).await.map(drop)
+            }
+            "churn" => {
+                let a = churn::Args {
+                    peers: one("--peers", get("--peers"), 100)?,
+                    servers: one("--servers", get("--servers"), 10)?,
+                    clients: one("--clients", get("--clients"), 10)?,
+                    rates: get("--rates")
+                        .map_or(Ok(vec![0.1, 10.0, 60.0, 240.0]), |s| list("--rates", &s))?,
+                    duration: Duration::from_secs(one("--seconds", get("--seconds"), 150)?),
+                    lookup_every: Duration::from_secs(2),
+                };
+                churn::run(&env, &a, &command).await.map(drop)
+            }
+            "partition" => {
+                let a = partition::Args {
+                    sizes: sizes(&[50, 200])?,
+                    servers: one("--servers", get("--servers"), 4)?,
+                    hold: Duration::from_secs(one("--hold", get("--hold"), 20)?),
+                    limit: Duration::from_secs(180),
+                };
+                partition::run(&env, &a, &command).await.map(drop)
+            }
+            other => anyhow::bail!("no scenario {other:?}\n{USAGE}"),
+        }
+    })
+}

@@ -1,0 +1,239 @@
+//! One simulated connection: a pair of in-order byte pipes whose writes arrive when the
+//! [`Network`] schedules them (upload cap, latency, loss, download cap), and wait while
+//! the pair is cut (a crash, a partition).
+
+use std::collections::VecDeque;
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use futures::channel::mpsc;
+use futures::{AsyncRead, AsyncWrite, Stream};
+use tokio::time::{Instant, Sleep};
+
+use crate::net::{Network, NodeId};
+
+/// Writes in flight one way before the writer waits (a window: 64 writes, which yamux
+/// and noise keep under 64 KiB each).
+const WINDOW: usize = 64;
+
+/// While a pair is cut, the reader looks again this often.
+const CUT_POLL: Duration = Duration::from_millis(50);
+
+/// Bytes that arrive at `at` (an empty packet: the writer closed).
+struct Packet {
+    at: Instant,
+    data: Vec<u8>,
+}
+
+/// One end of a simulated connection.
+pub struct SimStream {
+    net: Network,
+    local: NodeId,
+    remote: NodeId,
+    tx: Option<mpsc::Sender<Packet>>,
+    rx: mpsc::Receiver<Packet>,
+    /// Arrived or arriving packets, and how far the head has been read.
+    queue: VecDeque<Packet>,
+    pos: usize,
+    timer: Option<Pin<Box<Sleep>>>,
+    /// No packet of this direction arrives before the previous one (one ordered stream).
+    last_arrival: Instant,
+    eof: bool,
+}
+
+/// A connected pair: (the dialer's end, the listener's end).
+pub fn pair(net: &Network, dialer: NodeId, listener: NodeId) -> (SimStream, SimStream) {
+    let (a_tx, a_rx) = mpsc::channel(WINDOW);
+    let (b_tx, b_rx) = mpsc::channel(WINDOW);
+    let now = Instant::now();
+    let end = |local, remote, tx, rx| SimStream {
+        net: net.clone(),
+        local,
+        remote,
+        tx: Some(tx),
+        rx,
+        queue: VecDeque::new(),
+        pos: 0,
+        timer: None,
+        last_arrival: now,
+        eof: false,
+    };
+    (
+        end(dialer, listener, a_tx, b_rx),
+        end(listener, dialer, b_tx, a_rx),
+    )
+}
+
+impl SimStream {
+    fn send(&mut self, cx: &mut Context<'_>, data: Vec<u8>) -> Poll<io::Result<()>> {
+        let Some(tx) = self.tx.as_mut() else {
+            return Poll::Ready(Err(io::ErrorKind::BrokenPipe.into()));
+        };
+        match tx.poll_ready(cx) {
+            Poll::Pending => return Poll::Pending,
+            // The other end is gone: as a reset connection.
+            Poll::Ready(Err(_)) => return Poll::Ready(Err(io::ErrorKind::ConnectionReset.into())),
+            Poll::Ready(Ok(())) => {}
+        }
+        let now = Instant::now();
+        let at = self
+            .net
+            .schedule(self.local, self.remote, data.len(), now)
+            .max(self.last_arrival);
+        self.last_arrival = at;
+        let _ = tx.start_send(Packet { at, data });
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl AsyncWrite for SimStream {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        if buf.is_empty() {
+            return Poll::Ready(Ok(0));
+        }
+        let n = buf.len().min(64 * 1024);
+        match self.send(cx, buf[..n].to_vec()) {
+            Poll::Ready(Ok(())) => Poll::Ready(Ok(n)),
+            Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_close(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if self.tx.is_none() {
+            return Poll::Ready(Ok(()));
+        }
+        // The close travels like data (after everything written before it).
+        match self.send(cx, Vec::new()) {
+            Poll::Pending => return Poll::Pending,
+            Poll::Ready(_) => {}
+        }
+        self.tx = None;
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl AsyncRead for SimStream {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut [u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = &mut *self;
+        loop {
+            if this.eof {
+                return Poll::Ready(Ok(0));
+            }
+            // Take everything the writer has sent so far (arrival times are ordered).
+            while let Poll::Ready(p) = Pin::new(&mut this.rx).poll_next(cx) {
+                match p {
+                    Some(p) => this.queue.push_back(p),
+                    None => {
+                        // The writer vanished without a close: as a reset.
+                        if this.queue.is_empty() {
+                            return Poll::Ready(Err(io::ErrorKind::ConnectionReset.into()));
+                        }
+                        break;
+                    }
+                }
+            }
+            let Some(head) = this.queue.front() else {
+                return Poll::Pending;
+            };
+            let now = Instant::now();
+            let due = if head.at > now {
+                Some(head.at)
+            } else if this.net.cut(this.local, this.remote) {
+                Some(now + CUT_POLL)
+            } else {
+                None
+            };
+            if let Some(due) = due {
+                match &mut this.timer {
+                    Some(t) => t.as_mut().reset(due),
+                    None => this.timer = Some(Box::pin(tokio::time::sleep_until(due))),
+                }
+                let t = this.timer.as_mut().expect("set above");
+                if t.as_mut().poll(cx).is_pending() {
+                    return Poll::Pending;
+                }
+                continue;
+            }
+            if head.data.is_empty() {
+                this.eof = true;
+                continue;
+            }
+            let n = (head.data.len() - this.pos).min(buf.len());
+            buf[..n].copy_from_slice(&head.data[this.pos..this.pos + n]);
+            this.pos += n;
+            if this.pos == head.data.len() {
+                this.queue.pop_front();
+                this.pos = 0;
+            }
+            return Poll::Ready(Ok(n));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::net::NetConfig;
+    use futures::{AsyncReadExt, AsyncWriteExt};
+
+    #[tokio::test]
+    async fn bytes_arrive_in_order_after_the_latency_and_close_is_eof() {
+        let net = Network::new(NetConfig {
+            latency: (Duration::from_millis(40), Duration::from_millis(40)),
+            ..Default::default()
+        });
+        let (a, b) = (net.add_node(), net.add_node());
+        let (mut x, mut y) = pair(&net, a, b);
+        let t0 = Instant::now();
+        x.write_all(b"hello ").await.unwrap();
+        x.write_all(b"world").await.unwrap();
+        x.close().await.unwrap();
+        let mut got = Vec::new();
+        y.read_to_end(&mut got).await.unwrap();
+        assert_eq!(got, b"hello world");
+        let took = t0.elapsed();
+        assert!(took >= Duration::from_millis(40), "{took:?}");
+        // And the other way.
+        y.write_all(b"back").await.unwrap();
+        let mut four = [0u8; 4];
+        x.read_exact(&mut four).await.unwrap();
+        assert_eq!(&four, b"back");
+    }
+
+    #[tokio::test]
+    async fn a_partition_holds_bytes_until_it_heals() {
+        let net = Network::new(NetConfig {
+            latency: (Duration::from_millis(5), Duration::from_millis(5)),
+            ..Default::default()
+        });
+        let (a, b) = (net.add_node(), net.add_node());
+        let (mut x, mut y) = pair(&net, a, b);
+        net.partition(vec![0, 1]);
+        x.write_all(b"held").await.unwrap();
+        let mut four = [0u8; 4];
+        let early = tokio::time::timeout(Duration::from_millis(200), y.read_exact(&mut four)).await;
+        assert!(early.is_err(), "nothing passes a partition");
+        net.heal();
+        tokio::time::timeout(Duration::from_secs(2), y.read_exact(&mut four))
+            .await
+            .expect("delivered after the heal")
+            .unwrap();
+        assert_eq!(&four, b"held");
+    }
+}

@@ -1,0 +1,191 @@
+//! Scenario 1: how long a newly started client takes to find a provider of its model, and
+//! what the DHT lookup cost, at several swarm sizes.
+//!
+//! Per size: 3 bootstrap peers, `servers` servers providing the model, plain peers up to
+//! `n - clients`; once a lookup from a settled peer finds every server, `clients` new
+//! clients start one after another, each looking the model up the way the client role does
+//! (again every 500 ms until one provider is found). The time counts from the client's
+//! start (its connection to a bootstrap peer and the swarm-key proof included).
+
+use std::time::{Duration, Instant};
+
+use agentjet::swarm::Role;
+use serde_json::json;
+
+use super::{gossip_interval, start_many, Env};
+use crate::cluster::{Cluster, LagProbe, PeerTiming, MODEL};
+use crate::net::Network;
+use crate::report::{quantile, rss_bytes, secs, svg_plot, write_results, Series, Table};
+
+#[derive(Debug, Clone)]
+pub struct Args {
+    pub sizes: Vec<usize>,
+    pub servers: usize,
+    pub clients: usize,
+}
+
+/// What one size measured.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    pub peers: usize,
+    pub found: usize,
+    pub lookups: usize,
+    /// Start to first provider, per client that found one.
+    pub times: Vec<Duration>,
+    /// Kademlia requests of each client's successful lookup.
+    pub requests: Vec<u32>,
+    pub settle: Duration,
+    pub lag_p99: Duration,
+    pub rss: u64,
+}
+
+/// Runs one size and returns what it measured.
+pub async fn run_size(env: &Env, a: &Args, n: usize) -> anyhow::Result<Outcome> {
+    anyhow::ensure!(
+        n >= 3 + a.servers + a.clients,
+        "{n} peers cannot hold 3 bootstrap peers, {} servers and {} clients",
+        a.servers,
+        a.clients
+    );
+    let timing = PeerTiming {
+        status_interval: gossip_interval(n),
+        ..Default::default()
+    };
+    let c = Cluster::new(Network::new(env.net.clone()), timing, 3).await?;
+    let lag = LagProbe::start(Duration::from_millis(100));
+    for _ in 0..a.servers {
+        c.start_server(1).await?;
+    }
+    let plain = start_many(&c, Role::Plain, n - 3 - a.servers - a.clients).await?;
+    // Settled: a plain peer's lookup finds every server.
+    let t0 = Instant::now();
+    let probe = plain.last().cloned();
+    loop {
+        let found = match &probe {
+            Some(p) => p.handle.providers(MODEL).await?.len(),
+            None => a.servers,
+        };
+        if found >= a.servers {
+            break;
+        }
+        anyhow::ensure!(
+            t0.elapsed() < Duration::from_secs(180),
+            "{n} peers: the swarm did not settle in 180 s ({found} of {} servers found)",
+            a.servers
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let settle = t0.elapsed();
+    lag.take();
+    let mut out = Outcome {
+        peers: n,
+        found: 0,
+        lookups: 0,
+        times: Vec::new(),
+        requests: Vec::new(),
+        settle,
+        lag_p99: Duration::ZERO,
+        rss: 0,
+    };
+    for _ in 0..a.clients {
+        let t = Instant::now();
+        let client = c.start(Role::Client).await?;
+        loop {
+            let l = client.handle.lookup_providers(MODEL).await?;
+            out.lookups += 1;
+            if !l.providers.is_empty() {
+                out.found += 1;
+                out.times.push(t.elapsed());
+                out.requests.push(l.requests);
+                break;
+            }
+            if t.elapsed() > Duration::from_secs(30) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+    let lags = secs(&lag.take());
+    out.lag_p99 = Duration::from_secs_f64(quantile(&lags, 0.99));
+    out.rss = rss_bytes();
+    c.shutdown().await;
+    Ok(out)
+}
+
+pub async fn run(env: &Env, a: &Args, command: &str) -> anyhow::Result<Vec<Outcome>> {
+    let mut table = Table::new(&[
+        "peers",
+        "clients that found a provider",
+        "time to first provider p50 / p99 / max (s)",
+        "lookups per client",
+        "Kademlia requests per lookup p50 / p99",
+        "settle (s)",
+        "timer lag p99 (ms)",
+        "RSS (MB)",
+    ]);
+    let mut outcomes = Vec::new();
+    for &n in &a.sizes {
+        let o = run_size(env, a, n).await?;
+        let t = secs(&o.times);
+        let r: Vec<f64> = o.requests.iter().map(|&x| x as f64).collect();
+        println!(
+            "discovery: {n} peers: {}/{} found, p50 {:.3} s, p99 {:.3} s, requests p50 {:.0}, lag p99 {} ms",
+            o.found,
+            a.clients,
+            quantile(&t, 0.5),
+            quantile(&t, 0.99),
+            quantile(&r, 0.5),
+            o.lag_p99.as_millis()
+        );
+        table.row(vec![
+            n.to_string(),
+            format!("{} / {}", o.found, a.clients),
+            format!(
+                "{:.2} / {:.2} / {:.2}",
+                quantile(&t, 0.5),
+                quantile(&t, 0.99),
+                quantile(&t, 1.0)
+            ),
+            format!("{:.1}", o.lookups as f64 / a.clients.max(1) as f64),
+            format!("{:.0} / {:.0}", quantile(&r, 0.5), quantile(&r, 0.99)),
+            format!("{:.1}", o.settle.as_secs_f64()),
+            o.lag_p99.as_millis().to_string(),
+            format!("{:.0}", o.rss as f64 / 1e6),
+        ]);
+        outcomes.push(o);
+    }
+    let md = format!(
+        "{}{}\nA client counts from its start (connecting to a bootstrap peer and proving the swarm key included) to the first lookup that returns a provider, looking again every 500 ms as the client role does. {} servers provide the model; gossip runs at {} s for the largest size (see `gossip_interval`). Timer lag: how late a 100 ms timer fired while clients looked up (large: CPU-bound, the times are then upper bounds).\n",
+        env.preamble("Scenario 1: finding a provider", command),
+        table.markdown(),
+        a.servers,
+        gossip_interval(*a.sizes.iter().max().unwrap_or(&0)).as_secs_f64(),
+    );
+    let json = json!(outcomes
+        .iter()
+        .map(|o| json!({
+            "peers": o.peers,
+            "found": o.found,
+            "clients": a.clients,
+            "times_s": secs(&o.times),
+            "requests": o.requests,
+            "settle_s": o.settle.as_secs_f64(),
+            "lag_p99_ms": o.lag_p99.as_millis() as u64,
+            "rss_bytes": o.rss,
+        }))
+        .collect::<Vec<_>>());
+    let series = ["p50", "p99"]
+        .iter()
+        .zip([0.5, 0.99])
+        .map(|(name, q)| Series {
+            name: format!("time to first provider, {name}"),
+            points: outcomes
+                .iter()
+                .map(|o| (o.peers as f64, quantile(&secs(&o.times), q)))
+                .collect(),
+        })
+        .collect::<Vec<_>>();
+    let svg = svg_plot("Finding a provider", "peers", "seconds", &series);
+    write_results(&env.out, "discovery", &md, &json, Some(&svg))?;
+    Ok(outcomes)
+}

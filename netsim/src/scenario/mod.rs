@@ -1,0 +1,76 @@
+//! The scenarios, each one command (`netsim <name> [flags]`, see `main.rs`), each writing
+//! its table, JSON and plot into the results folder.
+
+pub mod churn;
+pub mod discovery;
+pub mod gossip;
+pub mod partition;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use agentjet::swarm::Role;
+
+use crate::cluster::{Cluster, SimPeer};
+use crate::net::NetConfig;
+
+/// What every scenario shares: the network's settings and where results go.
+#[derive(Debug, Clone)]
+pub struct Env {
+    pub net: NetConfig,
+    pub out: PathBuf,
+}
+
+impl Env {
+    /// "20-200 ms one-way, 100 Mbit/s, loss 0.1%" (what the tables print).
+    pub fn links(&self) -> String {
+        let (lo, hi) = self.net.latency;
+        let mut s = if lo == hi {
+            format!("{} ms one-way", lo.as_millis())
+        } else {
+            format!("{}-{} ms one-way", lo.as_millis(), hi.as_millis())
+        };
+        if self.net.bandwidth > 0.0 {
+            s.push_str(&format!(", {} Mbit/s", self.net.bandwidth * 8.0 / 1e6));
+        }
+        if self.net.loss > 0.0 {
+            s.push_str(&format!(", loss {}%", self.net.loss * 100.0));
+        }
+        s
+    }
+
+    /// The markdown preamble: the command's settings and the machine.
+    pub fn preamble(&self, title: &str, command: &str) -> String {
+        format!(
+            "# {title}\n\nCommand: `{command}` (seed {}; links {}). Machine: {} CPU cores, one process, real time.\n\n",
+            self.net.seed,
+            self.links(),
+            std::thread::available_parallelism().map_or(0, |n| n.get()),
+        )
+    }
+}
+
+/// The gossip interval for `n` peers in one process: the binary's 2 s while the whole
+/// simulation verifies under about 10,000 signed messages per second (n^2 / interval),
+/// longer beyond (one process verifies what n machines would each verify).
+pub fn gossip_interval(n: usize) -> Duration {
+    Duration::from_secs_f64((n as f64 * n as f64 / 10_000.0).max(2.0))
+}
+
+/// Starts `count` peers of `role`, 50 at a time.
+pub async fn start_many(
+    c: &Cluster,
+    role: Role,
+    count: usize,
+) -> anyhow::Result<Vec<Arc<SimPeer>>> {
+    let mut out = Vec::with_capacity(count);
+    let mut left = count;
+    while left > 0 {
+        let k = left.min(50);
+        let batch = futures::future::try_join_all((0..k).map(|_| c.start(role))).await?;
+        out.extend(batch);
+        left -= k;
+    }
+    Ok(out)
+}
