@@ -21,6 +21,8 @@ pub struct PeerTiming {
     pub status_interval: Duration,
     pub provider_ttl: Duration,
     pub rebootstrap_interval: Duration,
+    /// A connection with no open stream and no gossip mesh closes after this.
+    pub idle_connection_timeout: Duration,
 }
 
 impl Default for PeerTiming {
@@ -30,6 +32,7 @@ impl Default for PeerTiming {
             status_interval: Duration::from_secs(2),
             provider_ttl: Duration::from_secs(30),
             rebootstrap_interval: Duration::from_secs(30),
+            idle_connection_timeout: Duration::from_secs(120),
         }
     }
 }
@@ -104,6 +107,7 @@ impl Cluster {
         cfg.status_interval = self.timing.status_interval;
         cfg.provider_ttl = self.timing.provider_ttl;
         cfg.rebootstrap_interval = self.timing.rebootstrap_interval;
+        cfg.idle_connection_timeout = self.timing.idle_connection_timeout;
         cfg.other_transport = Some(other_transport(&self.net, node));
         let handle = spawn_node(cfg)
             .await

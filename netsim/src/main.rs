@@ -10,7 +10,7 @@ use agentjet_netsim::NetConfig;
 const USAGE: &str = "usage: netsim <discovery|gossip|churn|partition> [--peers N,N,..] [--servers N] [--clients N]
   [--seed N] [--latency-ms LO-HI] [--bandwidth-mbit X] [--loss P] [--out DIR]
   [--rates R,R,.. (churn: crashes per server per hour)] [--seconds S (churn: per rate; gossip: window)]
-  [--hold S (partition)]";
+  [--hold S (partition)] [--idle-s S (discovery: idle connection timeout, default 120)]";
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -34,6 +34,7 @@ fn main() -> anyhow::Result<()> {
         "--rates",
         "--seconds",
         "--hold",
+        "--idle-s",
     ];
     let mut i = 1;
     while i < args.len() {
@@ -113,6 +114,7 @@ fn main() -> anyhow::Result<()> {
                     sizes: sizes(&[100, 300, 1000])?,
                     servers: one("--servers", get("--servers"), 5)?,
                     clients: one("--clients", get("--clients"), 20)?,
+                    idle: Duration::from_secs(one("--idle-s", get("--idle-s"), 120)?),
                 };
                 discovery::run(&env, &a, &command).await.map(drop)
             }

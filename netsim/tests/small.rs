@@ -26,6 +26,7 @@ async fn every_new_client_finds_a_provider_among_50_peers() {
         sizes: vec![50],
         servers: 3,
         clients: 5,
+        idle: Duration::from_secs(120),
     };
     let o = discovery::run_size(&env(3), &a, 50).await.unwrap();
     assert_eq!(o.found, 5, "{o:?}");

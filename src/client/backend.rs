@@ -275,7 +275,13 @@ impl SwarmBackend {
         let mut cards = HashMap::new();
         for model in models {
             let card = loop {
-                let found = swarm.providers(model).await.unwrap_or_default();
+                // The first provider found is enough to start; the refresh below asks
+                // for all of them.
+                let found = swarm
+                    .lookup_providers(model, true)
+                    .await
+                    .map(|l| l.providers)
+                    .unwrap_or_default();
                 router.set_providers(model, found.clone());
                 let mut last_err = None;
                 for p in found {

@@ -47,15 +47,28 @@ impl SwarmHandle {
         self.send(Command::StopProviding(model.to_string())).await
     }
 
-    /// The providers of `model` the DHT knows now (one query).
+    /// The providers of `model` the DHT knows now (one whole query).
     pub async fn providers(&self, model: &str) -> Result<Vec<PeerId>, SwarmError> {
-        Ok(self.lookup_providers(model).await?.providers)
+        Ok(self.lookup_providers(model, false).await?.providers)
     }
 
-    /// [`SwarmHandle::providers`] with the query's cost (requests sent, time taken).
-    pub async fn lookup_providers(&self, model: &str) -> Result<ProviderLookup, SwarmError> {
+    /// A provider lookup with its cost (requests sent, time taken). With `first`, it ends
+    /// at the first answer that names a provider (what a client needs to start); without,
+    /// it asks until the closest peers to the key have all answered (every provider). A
+    /// lookup asked before this node knows any peer waits for the first one (up to 2 s)
+    /// instead of finding nothing at once.
+    pub async fn lookup_providers(
+        &self,
+        model: &str,
+        first: bool,
+    ) -> Result<ProviderLookup, SwarmError> {
         let (tx, rx) = oneshot::channel();
-        self.send(Command::Providers(model.to_string(), tx)).await?;
+        self.send(Command::Providers {
+            model: model.to_string(),
+            first,
+            reply: tx,
+        })
+        .await?;
         rx.await.map_err(|_| SwarmError::Stopped)
     }
 
@@ -131,7 +144,7 @@ impl SwarmHandle {
                 received_unix_ms: s.received_unix_ms,
             })
             .collect();
-        out.sort_by_key(|e| e.peer.to_string());
+        out.sort_by_cached_key(|e| e.peer.to_string());
         out
     }
 

@@ -176,6 +176,18 @@ pub(super) struct ViewSlot {
 
 type ProvidersReply = oneshot::Sender<ProviderLookup>;
 
+/// How long a provider lookup asked before the routing table has any entry waits for the
+/// first one (a node just started is still proving the swarm key to its bootstrap peers).
+const FIRST_ENTRY_WAIT: Duration = Duration::from_secs(2);
+
+/// A provider lookup in flight.
+struct ProviderQuery {
+    found: HashSet<PeerId>,
+    /// Answer at the first provider found (and end the query).
+    first: bool,
+    reply: ProvidersReply,
+}
+
 /// Why a gossiped status was dropped (and not forwarded).
 #[derive(Debug, thiserror::Error)]
 enum BadGossip {
@@ -193,7 +205,12 @@ enum BadGossip {
 pub(super) enum Command {
     Provide(String, oneshot::Sender<()>),
     StopProviding(String),
-    Providers(String, ProvidersReply),
+    /// A provider lookup; with `first`, answered at the first provider found.
+    Providers {
+        model: String,
+        first: bool,
+        reply: ProvidersReply,
+    },
     Connect(PeerId, oneshot::Sender<Result<(), SwarmError>>),
     Authed(PeerId, PeerAuth),
     AuthDeadline(PeerId),
@@ -404,6 +421,7 @@ pub async fn spawn_node(cfg: SwarmConfig) -> Result<SwarmHandle, SwarmError> {
         in_kad: HashSet::new(),
         providing: HashSet::new(),
         provider_queries: HashMap::new(),
+        waiting_lookups: Vec::new(),
         connect_waiters: HashMap::new(),
         seq: 0,
         reprovide_soon: false,
@@ -426,7 +444,10 @@ struct EventLoop {
     identified: HashMap<PeerId, Vec<Multiaddr>>,
     in_kad: HashSet<PeerId>,
     providing: HashSet<String>,
-    provider_queries: HashMap<QueryId, (HashSet<PeerId>, ProvidersReply)>,
+    provider_queries: HashMap<QueryId, ProviderQuery>,
+    /// Lookups asked before any peer was in the routing table: they start at the first
+    /// entry, or answer empty after [`FIRST_ENTRY_WAIT`].
+    waiting_lookups: Vec<(String, bool, ProvidersReply, Instant)>,
     connect_waiters: HashMap<PeerId, Vec<oneshot::Sender<Result<(), SwarmError>>>>,
     seq: u64,
     reprovide_soon: bool,
@@ -457,6 +478,9 @@ impl EventLoop {
                 _ = status_tick.tick() => self.publish_status(),
                 _ = reprovide_tick.tick() => self.reprovide(),
                 _ = soon_tick.tick() => {
+                    if !self.waiting_lookups.is_empty() {
+                        self.run_waiting_lookups();
+                    }
                     if self.reprovide_soon {
                         self.reprovide_soon = false;
                         self.reprovide();
@@ -544,13 +568,17 @@ impl EventLoop {
                     .kad
                     .stop_providing(&model_key(&model));
             }
-            Command::Providers(model, reply) => {
-                let id = self
-                    .swarm
-                    .behaviour_mut()
-                    .kad
-                    .get_providers(model_key(&model));
-                self.provider_queries.insert(id, (HashSet::new(), reply));
+            Command::Providers {
+                model,
+                first,
+                reply,
+            } => {
+                if self.in_kad.is_empty() {
+                    let deadline = Instant::now() + FIRST_ENTRY_WAIT;
+                    self.waiting_lookups.push((model, first, reply, deadline));
+                } else {
+                    self.start_lookup(&model, first, reply);
+                }
             }
             Command::Connect(peer, reply) => {
                 if self.swarm.is_connected(&peer) {
@@ -627,6 +655,37 @@ impl EventLoop {
         book.truncate(16);
     }
 
+    fn start_lookup(&mut self, model: &str, first: bool, reply: ProvidersReply) {
+        let id = self
+            .swarm
+            .behaviour_mut()
+            .kad
+            .get_providers(model_key(model));
+        self.provider_queries.insert(
+            id,
+            ProviderQuery {
+                found: HashSet::new(),
+                first,
+                reply,
+            },
+        );
+    }
+
+    /// Starts the waiting lookups once the routing table has an entry; answers those past
+    /// their deadline with nothing found.
+    fn run_waiting_lookups(&mut self) {
+        let now = Instant::now();
+        for (model, first, reply, deadline) in std::mem::take(&mut self.waiting_lookups) {
+            if !self.in_kad.is_empty() {
+                self.start_lookup(&model, first, reply);
+            } else if now >= deadline {
+                let _ = reply.send(ProviderLookup::default());
+            } else {
+                self.waiting_lookups.push((model, first, reply, deadline));
+            }
+        }
+    }
+
     fn maybe_add_to_kad(&mut self, peer: PeerId) {
         if !self.shared.auth.is_member(&peer) || self.in_kad.contains(&peer) {
             return;
@@ -641,6 +700,7 @@ impl EventLoop {
         self.in_kad.insert(peer);
         if first {
             let _ = self.swarm.behaviour_mut().kad.bootstrap();
+            self.run_waiting_lookups();
         }
         if !self.providing.is_empty() {
             self.reprovide_soon = true;
@@ -830,7 +890,13 @@ impl EventLoop {
                 let mut done = step.last;
                 match r {
                     Ok(kad::GetProvidersOk::FoundProviders { providers, .. }) => {
-                        entry.0.extend(providers)
+                        entry.found.extend(providers);
+                        if entry.first && !entry.found.is_empty() && !done {
+                            done = true;
+                            if let Some(mut q) = self.swarm.behaviour_mut().kad.query_mut(&id) {
+                                q.finish();
+                            }
+                        }
                     }
                     Ok(kad::GetProvidersOk::FinishedWithNoAdditionalRecord { .. }) => done = true,
                     Err(e) => {
@@ -839,9 +905,9 @@ impl EventLoop {
                     }
                 }
                 if done {
-                    if let Some((found, reply)) = self.provider_queries.remove(&id) {
-                        let _ = reply.send(ProviderLookup {
-                            providers: found.into_iter().collect(),
+                    if let Some(q) = self.provider_queries.remove(&id) {
+                        let _ = q.reply.send(ProviderLookup {
+                            providers: q.found.into_iter().collect(),
                             requests: stats.num_requests(),
                             answered: stats.num_successes(),
                             duration: stats.duration().unwrap_or_default(),

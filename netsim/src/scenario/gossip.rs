@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use agentjet::swarm::Role;
 use serde_json::json;
 
-use super::{gossip_interval, start_many, Env};
+use super::{gossip_interval, start_many, view_poll, Env};
 use crate::cluster::{Cluster, LagProbe, PeerTiming};
 use crate::net::Network;
 use crate::report::{quantile, rss_bytes, secs, svg_plot, write_results, Series, Table};
@@ -46,14 +46,16 @@ pub async fn run_size(env: &Env, a: &Args, n: usize) -> anyhow::Result<Outcome> 
     };
     let c = Cluster::new(Network::new(env.net.clone()), timing, 3).await?;
     start_many(&c, Role::Plain, n - 3).await?;
-    tokio::time::sleep(a.warmup).await;
+    // Long enough for every peer to publish a few times.
+    tokio::time::sleep(a.warmup.max(interval * 3)).await;
+    let window = a.window.max(interval * 3);
     let lag = LagProbe::start(Duration::from_millis(100));
     let peers = c.live();
     let before: Vec<(u64, u64)> = peers.iter().map(|p| c.net.traffic(p.node)).collect();
     let t0 = Instant::now();
     let mut seen = HashSet::new();
     let mut delays_ms = Vec::new();
-    while t0.elapsed() < a.window {
+    while t0.elapsed() < window {
         for p in &peers {
             for e in p.handle.view() {
                 if !e.is_self && seen.insert((p.node, e.peer, e.published_unix_ms)) {
@@ -61,7 +63,7 @@ pub async fn run_size(env: &Env, a: &Args, n: usize) -> anyhow::Result<Outcome> 
                 }
             }
         }
-        tokio::time::sleep(Duration::from_millis(250)).await;
+        tokio::time::sleep(view_poll(interval)).await;
     }
     let took = t0.elapsed().as_secs_f64();
     let moved: u64 = peers
@@ -132,7 +134,7 @@ pub async fn run(env: &Env, a: &Args, command: &str) -> anyhow::Result<Vec<Outco
         outs.push(o);
     }
     let md = format!(
-        "{}{}\nDelay: from a status's publication by its author to its arrival in another peer's view, every (observer, author, publication) counted once over a {} s window after a {} s warm-up. Coverage: the share of (observer, author) pairs of live peers present in the views at the end. Bytes: all traffic of a peer's access link in the window, not only gossip.\n",
+        "{}{}\nDelay: from a status's publication by its author to its arrival in another peer's view, every (observer, author, publication) counted once over a window of at least {} s (3 intervals) after a warm-up of at least {} s (3 intervals). Coverage: the share of (observer, author) pairs of live peers present in the views at the end. Bytes: all traffic of a peer's access link in the window, not only gossip.\n",
         env.preamble("Scenario 2: gossip propagation", command),
         table.markdown(),
         a.window.as_secs(),

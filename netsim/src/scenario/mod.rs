@@ -51,11 +51,19 @@ impl Env {
     }
 }
 
-/// The gossip interval for `n` peers in one process: the binary's 2 s while the whole
-/// simulation verifies under about 10,000 signed messages per second (n^2 / interval),
-/// longer beyond (one process verifies what n machines would each verify).
+/// The gossip interval for `n` peers in one process. Gossipsub verifies the signature of
+/// every copy of a message it receives, duplicates included (about 8 per message with the
+/// default mesh), so one process running n peers verifies about 8 n^2 / interval
+/// signatures per second, what n machines would share. The binary's 2 s while that stays
+/// under about 10,000 per second (half a core), longer beyond: n^2 / 1,250 seconds.
 pub fn gossip_interval(n: usize) -> Duration {
-    Duration::from_secs_f64((n as f64 * n as f64 / 10_000.0).max(2.0))
+    Duration::from_secs_f64((n as f64 * n as f64 / 1_250.0).max(2.0))
+}
+
+/// How often a scenario reads every peer's view: twice per gossip interval, at most once
+/// per 250 ms (reading n views of n entries costs the process too).
+pub fn view_poll(interval: Duration) -> Duration {
+    (interval / 2).clamp(Duration::from_millis(250), Duration::from_secs(2))
 }
 
 /// Starts `count` peers of `role`, 50 at a time.

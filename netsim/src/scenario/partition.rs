@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use agentjet::swarm::{PeerId, Role};
 use serde_json::json;
 
-use super::{gossip_interval, start_many, Env};
+use super::{gossip_interval, start_many, view_poll, Env};
 use crate::cluster::{set_version, Cluster, LagProbe, PeerTiming, SimPeer, MODEL};
 use crate::net::Network;
 use crate::report::{quantile, rss_bytes, secs, write_results, Table};
@@ -70,10 +70,13 @@ fn consistent(live: &[std::sync::Arc<SimPeer>], servers: &HashSet<PeerId>, versi
 
 pub async fn run_size(env: &Env, a: &Args, n: usize) -> anyhow::Result<Outcome> {
     anyhow::ensure!(n >= 4 + a.servers, "{n} peers are too few");
+    let interval = gossip_interval(n);
     let timing = PeerTiming {
-        status_interval: gossip_interval(n),
+        status_interval: interval,
         ..Default::default()
     };
+    // Longer than a view entry lives (three intervals), so each half forgets the other.
+    let hold = a.hold.max(interval * 4);
     let c = Cluster::new(Network::new(env.net.clone()), timing, 3).await?;
     let mut servers = Vec::new();
     for _ in 0..a.servers {
@@ -88,7 +91,7 @@ pub async fn run_size(env: &Env, a: &Args, n: usize) -> anyhow::Result<Outcome> 
             "{n} peers: views did not fill within {:?}",
             a.limit
         );
-        tokio::time::sleep(Duration::from_millis(250)).await;
+        tokio::time::sleep(view_poll(interval)).await;
     }
     let formed = t0.elapsed();
     let lag = LagProbe::start(Duration::from_millis(100));
@@ -98,7 +101,7 @@ pub async fn run_size(env: &Env, a: &Args, n: usize) -> anyhow::Result<Outcome> 
     for s in &servers {
         set_version(s, 2 + side(s.node) as u64);
     }
-    tokio::time::sleep(a.hold).await;
+    tokio::time::sleep(hold).await;
     let live = c.live();
     let split_views = live
         .iter()
@@ -121,7 +124,7 @@ pub async fn run_size(env: &Env, a: &Args, n: usize) -> anyhow::Result<Outcome> 
             converged = Some(healed.elapsed());
             break;
         }
-        tokio::time::sleep(Duration::from_millis(250)).await;
+        tokio::time::sleep(view_poll(interval)).await;
     }
     let lags = secs(&lag.take());
     let out = Outcome {
@@ -168,7 +171,7 @@ pub async fn run(env: &Env, a: &Args, command: &str) -> anyhow::Result<Vec<Outco
         outs.push(o);
     }
     let md = format!(
-        "{}{}\nThe partition (by node parity) holds {} s; {} servers. Consistent: every live peer's view holds every live peer and every server at the version all servers took at the heal.\n",
+        "{}{}\nThe partition (by node parity) holds {} s or four gossip intervals, whichever is longer; {} servers. Consistent: every live peer's view holds every live peer and every server at the version all servers took at the heal.\n",
         env.preamble("Scenario 5: a partition heals", command),
         table.markdown(),
         a.hold.as_secs(),
