@@ -196,6 +196,12 @@ impl LagProbe {
     pub fn take(&self) -> Vec<Duration> {
         std::mem::take(&mut *lock(&self.samples))
     }
+
+    /// The 99th percentile of the overshoots so far (and clears them).
+    pub fn take_p99(&self) -> Duration {
+        let lags = crate::report::secs(&self.take());
+        Duration::from_secs_f64(crate::report::quantile(&lags, 0.99))
+    }
 }
 
 impl Drop for LagProbe {

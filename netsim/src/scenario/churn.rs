@@ -20,7 +20,7 @@ use serde_json::json;
 use super::{gossip_interval, start_many, Env};
 use crate::cluster::{Cluster, LagProbe, PeerTiming, SimPeer, MODEL};
 use crate::net::{lock, Network, NodeId};
-use crate::report::{quantile, secs, svg_plot, write_results, Series, Table};
+use crate::report::{svg_plot, write_results, Series, Table};
 
 #[derive(Debug, Clone)]
 pub struct Args {
@@ -124,7 +124,7 @@ pub async fn run_rate(env: &Env, a: &Args, rate: f64) -> anyhow::Result<Outcome>
         let _ = l.await;
     }
     let mut o = lock(&out).clone();
-    o.lag_p99 = Duration::from_secs_f64(quantile(&secs(&lag.take()), 0.99));
+    o.lag_p99 = lag.take_p99();
     c.shutdown().await;
     Ok(o)
 }

@@ -120,8 +120,7 @@ pub async fn run_size(env: &Env, a: &Args, n: usize) -> anyhow::Result<Outcome> 
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
     }
-    let lags = secs(&lag.take());
-    out.lag_p99 = Duration::from_secs_f64(quantile(&lags, 0.99));
+    out.lag_p99 = lag.take_p99();
     out.rss = rss_bytes();
     let live = c.live();
     let mut links = 0usize;

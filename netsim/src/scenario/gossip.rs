@@ -16,7 +16,7 @@ use serde_json::json;
 use super::{gossip_interval, start_many, view_poll, Env};
 use crate::cluster::{Cluster, LagProbe, PeerTiming};
 use crate::net::Network;
-use crate::report::{quantile, rss_bytes, secs, svg_plot, write_results, Series, Table};
+use crate::report::{quantile, rss_bytes, svg_plot, write_results, Series, Table};
 
 #[derive(Debug, Clone)]
 pub struct Args {
@@ -79,14 +79,13 @@ pub async fn run_size(env: &Env, a: &Args, n: usize) -> anyhow::Result<Outcome> 
         pairs += p.handle.view().iter().filter(|e| !e.is_self).count();
     }
     let coverage = pairs as f64 / (peers.len() * (peers.len() - 1)).max(1) as f64;
-    let lags = secs(&lag.take());
     let out = Outcome {
         peers: n,
         interval,
         delays_ms,
         coverage,
         bytes_per_peer_s: moved as f64 / peers.len() as f64 / took,
-        lag_p99: Duration::from_secs_f64(quantile(&lags, 0.99)),
+        lag_p99: lag.take_p99(),
         rss: rss_bytes(),
     };
     c.shutdown().await;

@@ -18,7 +18,7 @@ use serde_json::json;
 use super::{gossip_interval, start_many, view_poll, Env};
 use crate::cluster::{set_version, Cluster, LagProbe, PeerTiming, SimPeer, MODEL};
 use crate::net::Network;
-use crate::report::{quantile, rss_bytes, secs, write_results, Table};
+use crate::report::{rss_bytes, write_results, Table};
 
 #[derive(Debug, Clone)]
 pub struct Args {
@@ -126,13 +126,12 @@ pub async fn run_size(env: &Env, a: &Args, n: usize) -> anyhow::Result<Outcome> 
         }
         tokio::time::sleep(view_poll(interval)).await;
     }
-    let lags = secs(&lag.take());
     let out = Outcome {
         peers: n,
         formed,
         split_views,
         converged,
-        lag_p99: Duration::from_secs_f64(quantile(&lags, 0.99)),
+        lag_p99: lag.take_p99(),
         rss: rss_bytes(),
     };
     c.shutdown().await;
