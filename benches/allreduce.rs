@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use agentjet::collective::{
-    ask_link, link, serve_links, LinkAsk, LinkListener, OfferBook, Ring, Wire,
+    ask_link, link, serve_links, LinkAsk, LinkListener, OfferBook, Ring, TcpLinks, Wire,
 };
 use agentjet::swarm::{spawn_node, Keypair, Multiaddr, PeerId, Role, SwarmConfig};
 use anyhow::{bail, Context, Result};
@@ -105,7 +105,8 @@ fn worker(rank: usize, n: usize, mib: usize, iters: usize) -> Result<()> {
         };
         // Dial the right neighbour (over the swarm for the offer), accept the left one.
         let (at, offer) = ask_link(&node, right, &ask(rank)).await?;
-        let dialed = tokio::task::spawn_blocking(move || link::dial(at, &offer, timeout));
+        let dialed =
+            tokio::task::spawn_blocking(move || link::dial(&TcpLinks, &at, &offer, timeout));
         let left_offer = book.take(left, &ask((rank + n - 1) % n), timeout).await?;
         let l = listener.clone();
         let accepted = tokio::task::spawn_blocking(move || l.accept(&left_offer, timeout));

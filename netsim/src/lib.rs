@@ -12,10 +12,13 @@
 //! its timers fired (`timer lag`): when one process runs a thousand peers on two cores,
 //! a figure measured while the lag is high is an upper bound.
 //!
-//! Layers: `net` (links) -> `pipe` (one shaped connection) -> `transport` (libp2p) ->
-//! `cluster` (peers) -> `scenario` (the measurements) -> `report`.
+//! Layers: `net` (links) -> `pipe` (one shaped connection) -> `transport` (libp2p) and
+//! `links` (the collective's data plane) -> `cluster` (peers) and `member` (a training-group
+//! member) -> `scenario` (the measurements) -> `report`.
 
 pub mod cluster;
+pub mod links;
+pub mod member;
 pub mod net;
 pub mod pipe;
 pub mod report;

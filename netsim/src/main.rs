@@ -4,13 +4,17 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use agentjet_netsim::scenario::{churn, discovery, gossip, partition, Env};
+use agentjet::collective::Wire;
+use agentjet_netsim::member::Mode;
+use agentjet_netsim::scenario::{churn, discovery, gossip, partition, training, Env};
 use agentjet_netsim::NetConfig;
 
-const USAGE: &str = "usage: netsim <discovery|gossip|churn|partition> [--peers N,N,..] [--servers N] [--clients N]
+const USAGE: &str = "usage: netsim <discovery|gossip|churn|partition|training> [--peers N,N,..] [--servers N] [--clients N]
   [--seed N] [--latency-ms LO-HI] [--bandwidth-mbit X] [--loss P] [--out DIR]
   [--rates R,R,.. (churn: crashes per server per hour)] [--seconds S (churn: per rate; gossip: window)]
-  [--hold S (partition)] [--idle-s S (discovery: idle connection timeout, default 120)]";
+  [--hold S (partition)] [--idle-s S (discovery: idle connection timeout, default 120)]
+  training: [--members N] [--peers N (plain peers besides them)] [--modes sync,diloco/H,..] [--seconds S (per mode)] [--values N]
+  [--model-values N] [--step-s X] [--crashes N] [--wire f32|bf16] [--timeout-s S]";
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -35,6 +39,14 @@ fn main() -> anyhow::Result<()> {
         "--seconds",
         "--hold",
         "--idle-s",
+        "--members",
+        "--modes",
+        "--values",
+        "--model-values",
+        "--step-s",
+        "--crashes",
+        "--wire",
+        "--timeout-s",
     ];
     let mut i = 1;
     while i < args.len() {
@@ -146,6 +158,49 @@ fn main() -> anyhow::Result<()> {
                     limit: Duration::from_secs(180),
                 };
                 partition::run(&env, &a, &command).await.map(drop)
+            }
+            "training" => {
+                let modes = get("--modes")
+                    .unwrap_or_else(|| "sync,diloco/8,diloco/32".into())
+                    .split(',')
+                    .map(|m| match m.trim() {
+                        "sync" => Ok(Mode::Sync),
+                        d => d
+                            .strip_prefix("diloco/")
+                            .and_then(|h| h.parse().ok())
+                            .filter(|h: &u64| *h >= 1)
+                            .map(|every| Mode::Diloco { every })
+                            .ok_or_else(|| {
+                                anyhow::anyhow!("--modes: {d:?} is neither sync nor diloco/H")
+                            }),
+                    })
+                    .collect::<anyhow::Result<Vec<_>>>()?;
+                let a = training::Args {
+                    members: one("--members", get("--members"), 32)?,
+                    peers: one("--peers", get("--peers"), 0)?,
+                    modes,
+                    duration: Duration::from_secs(one("--seconds", get("--seconds"), 240)?),
+                    values: one("--values", get("--values"), 2_000_000)?,
+                    model_values: one(
+                        "--model-values",
+                        get("--model-values"),
+                        training::SMOLLM2_VALUES,
+                    )?,
+                    compute: Duration::from_secs_f64(one("--step-s", get("--step-s"), 1.0)?),
+                    crashes: one("--crashes", get("--crashes"), 1)?,
+                    wire: match get("--wire").as_deref() {
+                        None | Some("f32") => Wire::F32,
+                        Some("bf16") => Wire::Bf16,
+                        Some(w) => anyhow::bail!("--wire takes f32 or bf16, not {w:?}"),
+                    },
+                    timeout: Duration::from_secs(one("--timeout-s", get("--timeout-s"), 60)?),
+                    form_limit: Duration::from_secs(300),
+                };
+                anyhow::ensure!(
+                    a.values >= 1 && a.model_values >= a.values as u64,
+                    "--values must be within 1..=--model-values"
+                );
+                training::run(&env, &a, &command).await.map(drop)
             }
             other => anyhow::bail!("no scenario {other:?}\n{USAGE}"),
         }

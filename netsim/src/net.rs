@@ -8,6 +8,10 @@
 //! node, or a pair on two sides of a partition, delivers nothing: bytes wait (as TCP keeps
 //! retransmitting) and arrive if the partition heals before a timeout of the protocol
 //! above closes the connection; dials to it fail after the connect timeout.
+//!
+//! An access link is one queue, but a connection keeps at most [`SEND_AHEAD`] of bytes
+//! queued on it (see [`crate::pipe`]): a bulk transfer delays the others by that, as a
+//! TCP flow's window and the bottleneck's buffer would, not by everything it wrote.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -16,6 +20,10 @@ use std::time::Duration;
 
 use agentjet::base::Rng;
 use tokio::time::Instant;
+
+/// The most a connection keeps queued on its sender's upload link, in time at the link's
+/// rate (a writer with more ahead waits).
+pub const SEND_AHEAD: Duration = Duration::from_millis(250);
 
 /// A node's index in the network; its address is `/memory/<id + 1>`.
 pub type NodeId = u64;
@@ -44,6 +52,13 @@ impl Default for NetConfig {
             connect_timeout: Duration::from_secs(3),
         }
     }
+}
+
+/// When a write leaves the sender's access link and when it arrives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Scheduled {
+    pub departs: Instant,
+    pub arrives: Instant,
 }
 
 /// Bytes a node sent and received (what crossed its access link).
@@ -172,12 +187,16 @@ impl Network {
         }
     }
 
-    /// When `len` bytes written now by `from` arrive at `to`: the sender's upload link,
-    /// the latency, retransmissions of lost segments, then the receiver's download link.
-    pub(crate) fn schedule(&self, from: NodeId, to: NodeId, len: usize, now: Instant) -> Instant {
+    /// When `len` bytes written now by `from` leave its upload link and when they arrive
+    /// at `to`: the sender's upload link, the latency, retransmissions of lost segments,
+    /// then the receiver's download link.
+    pub(crate) fn schedule(&self, from: NodeId, to: NodeId, len: usize, now: Instant) -> Scheduled {
         let cfg = &self.inner.cfg;
         let (Some(src), Some(dst)) = (self.node(from), self.node(to)) else {
-            return now;
+            return Scheduled {
+                departs: now,
+                arrives: now,
+            };
         };
         src.traffic.sent.fetch_add(len as u64, Ordering::Relaxed);
         dst.traffic
@@ -209,7 +228,10 @@ impl Network {
         // The download link: bytes from several senders queue behind each other.
         let mut free = lock(&dst.down_free);
         *free = (*free).max(arrive - serialise) + serialise;
-        *free
+        Scheduled {
+            departs: departed,
+            arrives: *free,
+        }
     }
 
     /// Bytes a node sent and received so far.
@@ -279,8 +301,8 @@ mod tests {
         });
         let (a, b) = (net.add_node(), net.add_node());
         let now = Instant::now();
-        let first = net.schedule(a, b, 100_000, now);
-        let second = net.schedule(a, b, 100_000, now);
+        let first = net.schedule(a, b, 100_000, now).arrives;
+        let second = net.schedule(a, b, 100_000, now).arrives;
         // 0.1 s on the wire each, then 50 ms of latency; the second waits for the first.
         assert_eq!(first - now, Duration::from_millis(150));
         assert_eq!(second - now, Duration::from_millis(250));

@@ -1,6 +1,7 @@
 //! One simulated connection: a pair of in-order byte pipes whose writes arrive when the
 //! [`Network`] schedules them (upload cap, latency, loss, download cap), and wait while
-//! the pair is cut (a crash, a partition).
+//! the pair is cut (a crash, a partition). A writer whose bytes already queue more than
+//! [`SEND_AHEAD`] on its upload link waits (a TCP window, roughly).
 
 use std::collections::VecDeque;
 use std::future::Future;
@@ -13,7 +14,7 @@ use futures::channel::mpsc;
 use futures::{AsyncRead, AsyncWrite, Stream};
 use tokio::time::{Instant, Sleep};
 
-use crate::net::{Network, NodeId};
+use crate::net::{Network, NodeId, SEND_AHEAD};
 
 /// Writes in flight one way before the writer waits (a window: 64 writes, which yamux
 /// and noise keep under 64 KiB each).
@@ -41,11 +42,27 @@ pub struct SimStream {
     timer: Option<Pin<Box<Sleep>>>,
     /// No packet of this direction arrives before the previous one (one ordered stream).
     last_arrival: Instant,
+    /// When this direction's last packet leaves the sender's link, and the writer's wait.
+    last_departure: Instant,
+    write_timer: Option<Pin<Box<Sleep>>>,
+    /// Bytes on the links per byte written.
+    weight: f64,
     eof: bool,
 }
 
 /// A connected pair: (the dialer's end, the listener's end).
 pub fn pair(net: &Network, dialer: NodeId, listener: NodeId) -> (SimStream, SimStream) {
+    weighted_pair(net, dialer, listener, 1.0)
+}
+
+/// A pair whose every byte counts as `weight` bytes on the links (a scaled-down payload
+/// that stands for a bigger one: it takes the bigger one's time on the wire).
+pub fn weighted_pair(
+    net: &Network,
+    dialer: NodeId,
+    listener: NodeId,
+    weight: f64,
+) -> (SimStream, SimStream) {
     let (a_tx, a_rx) = mpsc::channel(WINDOW);
     let (b_tx, b_rx) = mpsc::channel(WINDOW);
     let now = Instant::now();
@@ -59,7 +76,10 @@ pub fn pair(net: &Network, dialer: NodeId, listener: NodeId) -> (SimStream, SimS
         pos: 0,
         timer: None,
         last_arrival: now,
+        last_departure: now,
+        write_timer: None,
         eof: false,
+        weight,
     };
     (
         end(dialer, listener, a_tx, b_rx),
@@ -69,6 +89,23 @@ pub fn pair(net: &Network, dialer: NodeId, listener: NodeId) -> (SimStream, SimS
 
 impl SimStream {
     fn send(&mut self, cx: &mut Context<'_>, data: Vec<u8>) -> Poll<io::Result<()>> {
+        if self.tx.is_none() {
+            return Poll::Ready(Err(io::ErrorKind::BrokenPipe.into()));
+        }
+        // More than SEND_AHEAD queued on the link already: wait until it drains to that.
+        if self.net.config().bandwidth > 0.0 {
+            let wake = self.last_departure.checked_sub(SEND_AHEAD);
+            if let Some(wake) = wake.filter(|w| *w > Instant::now()) {
+                match &mut self.write_timer {
+                    Some(t) => t.as_mut().reset(wake),
+                    None => self.write_timer = Some(Box::pin(tokio::time::sleep_until(wake))),
+                }
+                let t = self.write_timer.as_mut().expect("set above");
+                if t.as_mut().poll(cx).is_pending() {
+                    return Poll::Pending;
+                }
+            }
+        }
         let Some(tx) = self.tx.as_mut() else {
             return Poll::Ready(Err(io::ErrorKind::BrokenPipe.into()));
         };
@@ -79,11 +116,11 @@ impl SimStream {
             Poll::Ready(Ok(())) => {}
         }
         let now = Instant::now();
-        let at = self
-            .net
-            .schedule(self.local, self.remote, data.len(), now)
-            .max(self.last_arrival);
+        let on_wire = (data.len() as f64 * self.weight).round() as usize;
+        let sched = self.net.schedule(self.local, self.remote, on_wire, now);
+        let at = sched.arrives.max(self.last_arrival);
         self.last_arrival = at;
+        self.last_departure = sched.departs;
         let _ = tx.start_send(Packet { at, data });
         Poll::Ready(Ok(()))
     }
@@ -98,7 +135,10 @@ impl AsyncWrite for SimStream {
         if buf.is_empty() {
             return Poll::Ready(Ok(0));
         }
-        let n = buf.len().min(64 * 1024);
+        // A packet stands for at most 64 KiB on the wire (a weighted stream writes less
+        // per packet), so a receiver gets bytes while the rest is still on the link.
+        let packet = ((64.0 * 1024.0) / self.weight).max(1024.0) as usize;
+        let n = buf.len().min(packet);
         match self.send(cx, buf[..n].to_vec()) {
             Poll::Ready(Ok(())) => Poll::Ready(Ok(n)),
             Poll::Ready(Err(e)) => Poll::Ready(Err(e)),

@@ -25,7 +25,8 @@ pub fn addr_of(id: NodeId) -> Multiaddr {
     Multiaddr::empty().with(Protocol::Memory(id + 1))
 }
 
-fn node_of(addr: &Multiaddr) -> Option<NodeId> {
+/// The node a `/memory/<id + 1>` address (with or without its peer id) names.
+pub fn node_of(addr: &Multiaddr) -> Option<NodeId> {
     let mut it = addr.iter();
     match (it.next(), it.next()) {
         (Some(Protocol::Memory(p)), None | Some(Protocol::P2p(_))) if p > 0 => Some(p - 1),

@@ -48,3 +48,39 @@ async fn views_split_in_a_partition_and_converge_after_it_heals() {
     assert_eq!(o.split_views, 50, "{o:?}");
     assert!(o.converged.is_some(), "{o:?}");
 }
+
+/// A four-member training group in a swarm of 50 trains synchronously and with DiLoCo
+/// through a member's crash (a new member joins by fetching the group's state) and its
+/// members end with bit-identical parameters.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_four_member_group_trains_through_a_crash_and_ends_bit_identical() {
+    use agentjet::collective::Wire;
+    use agentjet_netsim::member::Mode;
+    use agentjet_netsim::scenario::training;
+    let a = training::Args {
+        members: 4,
+        peers: 45,
+        modes: vec![],
+        duration: Duration::from_secs(60),
+        values: 50_000,
+        model_values: 50_000,
+        compute: Duration::from_millis(100),
+        crashes: 1,
+        wire: Wire::F32,
+        timeout: Duration::from_secs(10),
+        form_limit: Duration::from_secs(120),
+    };
+    for mode in [Mode::Sync, Mode::Diloco { every: 3 }] {
+        let o = training::run_mode(&env(7), &a, mode).await.unwrap();
+        let name = mode.name();
+        assert_eq!(o.member_errors, 0, "{name}: {o:?}");
+        assert!(o.identical, "{name}: members differ at the end: {o:?}");
+        assert_eq!(o.crashes, 1, "{name}: {o:?}");
+        assert!(
+            o.syncs >= 1,
+            "{name}: the new member never fetched the state: {o:?}"
+        );
+        assert!(o.after_crash >= 1, "{name}: no step after the crash: {o:?}");
+        assert!(o.final_group_steps >= 3, "{name}: {o:?}");
+    }
+}

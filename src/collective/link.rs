@@ -1,22 +1,61 @@
-//! Links: the data plane between two members, a TCP connection carrying sealed frames
-//! (see [`super::seal`]). A link is set up through the swarm: the acceptor makes an offer
-//! (a listening port, a fresh random key and a one-use token) and gives it to the dialer
-//! over the swarm's authenticated, encrypted stream, so only that peer can use the link;
-//! the dialer connects, presents the token, and both prove the key with a sealed hello
-//! before any payload moves. A connection that presents an unknown token, or whose hello
-//! does not open, is dropped.
+//! Links: the data plane between two members, a byte stream carrying sealed frames (see
+//! [`super::seal`]). A link is set up through the swarm: the acceptor makes an offer (a
+//! port, a fresh random key and a one-use token) and gives it to the dialer over the
+//! swarm's authenticated, encrypted stream, so only that peer can use the link; the dialer
+//! connects, presents the token, and both prove the key with a sealed hello before any
+//! payload moves. A connection that presents an unknown token, or whose hello does not
+//! open, is dropped.
 //!
-//! Links are blocking (std sockets, read and write timeouts): the collective runs on the
-//! training thread and its helpers, never on the async runtime. A link splits into a
-//! sending and a receiving half so both directions stream at once.
+//! The byte stream comes from a [`LinkNet`]: TCP ([`TcpLinks`], what servers use), or a
+//! network the caller simulates (netsim hands its own in). Everything above the stream
+//! (the token, the sealing, the frames, the timeouts) is the same for both.
+//!
+//! Links are blocking (read and write timeouts): the collective runs on the training
+//! thread and its helpers, never on the async runtime. A link splits into a sending and a
+//! receiving half so both directions stream at once.
 //!
 //! Owns: connecting, the handshake, and moving frames. Never interprets payloads.
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::io::{self, Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use super::seal::{random_secret, Direction, SealError, Sealer, TAG_LEN};
+use crate::swarm::{Multiaddr, Protocol};
+
+/// The receiving direction of the byte stream a link runs over.
+pub trait LinkRead: Read + Send {
+    /// Bounds every later read (a read that waits longer fails as timed out).
+    fn set_timeout(&self, t: Duration) -> io::Result<()>;
+}
+
+/// The sending direction of the byte stream a link runs over.
+pub trait LinkWrite: Write + Send {
+    /// Bounds every later write.
+    fn set_timeout(&self, t: Duration) -> io::Result<()>;
+}
+
+/// A connected byte stream, split in its two directions.
+pub struct Conn {
+    pub read: Box<dyn LinkRead>,
+    pub write: Box<dyn LinkWrite>,
+}
+
+/// Where links run: the network a member listens on and dials through.
+pub trait LinkNet: Send + Sync {
+    /// A port for links on this member (`ip`: the address its swarm listens on).
+    fn listen(&self, ip: IpAddr) -> io::Result<Box<dyn LinkPort>>;
+    /// Connects to `port` of the peer reachable at `addrs` (its swarm addresses).
+    fn connect(&self, addrs: &[Multiaddr], port: u16, timeout: Duration)
+        -> Result<Conn, LinkError>;
+}
+
+/// A member's listening port for links.
+pub trait LinkPort: Send + Sync {
+    fn port(&self) -> u16;
+    /// The next connection, waiting up to `timeout` (None: none came).
+    fn accept(&self, timeout: Duration) -> io::Result<Option<Conn>>;
+}
 
 /// What the acceptor tells the dialer (over the swarm) to set a link up.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -41,6 +80,8 @@ pub enum LinkError {
     BadHello,
     #[error("a frame of {got} bytes where {want} were due")]
     Length { got: usize, want: usize },
+    #[error("no address this network can dial among {0:?}")]
+    NoAddress(Vec<Multiaddr>),
 }
 
 /// `buf` with `len` bytes, keeping what it holds (no zeroing when it does not grow).
@@ -62,19 +103,19 @@ fn io_err(e: std::io::Error, what: &'static str) -> LinkError {
 
 /// The sending half of a link.
 pub struct LinkTx {
-    tcp: TcpStream,
+    stream: Box<dyn LinkWrite>,
     seal: Sealer,
     buf: Vec<u8>,
-    /// Bytes written to the socket so far (frames with their headers and tags).
+    /// Bytes written to the stream so far (frames with their headers and tags).
     pub bytes: u64,
 }
 
 /// The receiving half of a link.
 pub struct LinkRx {
-    tcp: TcpStream,
+    stream: Box<dyn LinkRead>,
     open: Sealer,
     buf: Vec<u8>,
-    /// Bytes read from the socket so far.
+    /// Bytes read from the stream so far.
     pub bytes: u64,
 }
 
@@ -85,7 +126,7 @@ impl LinkTx {
         set_len(&mut self.buf, 4 + len);
         fill(&mut self.buf[4..]);
         self.seal.seal(&mut self.buf)?;
-        self.tcp
+        self.stream
             .write_all(&self.buf)
             .map_err(|e| io_err(e, "sending a frame"))?;
         self.bytes += self.buf.len() as u64;
@@ -95,7 +136,7 @@ impl LinkTx {
     /// Sends `bytes` as one frame (sealed straight from them: no copy first).
     pub fn send(&mut self, bytes: &[u8]) -> Result<(), LinkError> {
         self.seal.seal_from(bytes, &mut self.buf)?;
-        self.tcp
+        self.stream
             .write_all(&self.buf)
             .map_err(|e| io_err(e, "sending a frame"))?;
         self.bytes += self.buf.len() as u64;
@@ -104,7 +145,7 @@ impl LinkTx {
 
     /// Bounds every later write.
     pub fn set_timeout(&self, t: Duration) -> Result<(), LinkError> {
-        Ok(self.tcp.set_write_timeout(Some(t))?)
+        Ok(self.stream.set_timeout(t)?)
     }
 }
 
@@ -112,12 +153,12 @@ impl LinkRx {
     /// Receives one frame; its plaintext.
     pub fn recv(&mut self) -> Result<&[u8], LinkError> {
         let mut header = [0u8; 4];
-        self.tcp
+        self.stream
             .read_exact(&mut header)
             .map_err(|e| io_err(e, "waiting for a frame"))?;
         let n = Sealer::frame_len(header)?;
         set_len(&mut self.buf, n);
-        self.tcp
+        self.stream
             .read_exact(&mut self.buf)
             .map_err(|e| io_err(e, "reading a frame"))?;
         self.bytes += (n + 4) as u64;
@@ -129,7 +170,7 @@ impl LinkRx {
     /// straight into `out` (no copy after). On an error `out` holds garbage.
     pub fn recv_into(&mut self, out: &mut [u8]) -> Result<(), LinkError> {
         let mut header = [0u8; 4];
-        self.tcp
+        self.stream
             .read_exact(&mut header)
             .map_err(|e| io_err(e, "waiting for a frame"))?;
         let n = Sealer::frame_len(header)?;
@@ -140,7 +181,7 @@ impl LinkRx {
             });
         }
         set_len(&mut self.buf, n);
-        self.tcp
+        self.stream
             .read_exact(&mut self.buf)
             .map_err(|e| io_err(e, "reading a frame"))?;
         self.bytes += (n + 4) as u64;
@@ -149,32 +190,25 @@ impl LinkRx {
 
     /// Bounds every later read (a silent peer then fails the round).
     pub fn set_timeout(&self, t: Duration) -> Result<(), LinkError> {
-        Ok(self.tcp.set_read_timeout(Some(t))?)
+        Ok(self.stream.set_timeout(t)?)
     }
 }
 
-fn halves(
-    tcp: TcpStream,
-    key: &[u8; 32],
-    mine: Direction,
-    theirs: Direction,
-) -> Result<(LinkTx, LinkRx), LinkError> {
-    tcp.set_nodelay(true)?;
-    let rx_tcp = tcp.try_clone()?;
-    Ok((
+fn halves(conn: Conn, key: &[u8; 32], mine: Direction, theirs: Direction) -> (LinkTx, LinkRx) {
+    (
         LinkTx {
-            tcp,
+            stream: conn.write,
             seal: Sealer::new(key, mine),
             buf: Vec::new(),
             bytes: 0,
         },
         LinkRx {
-            tcp: rx_tcp,
+            stream: conn.read,
             open: Sealer::new(key, theirs),
             buf: Vec::new(),
             bytes: 0,
         },
-    ))
+    )
 }
 
 /// The hello both sides seal first: the token, so a link proves it is this offer's.
@@ -186,43 +220,51 @@ fn hello(tx: &mut LinkTx, rx: &mut LinkRx, token: &[u8; 32]) -> Result<(), LinkE
     Ok(())
 }
 
-/// Connects to an offer at `addr` (the acceptor's host, the offer's port).
+/// Connects through `net` to an offer of the peer reachable at `addrs`.
 pub fn dial(
-    addr: SocketAddr,
+    net: &dyn LinkNet,
+    addrs: &[Multiaddr],
     offer: &LinkOffer,
     timeout: Duration,
 ) -> Result<(LinkTx, LinkRx), LinkError> {
-    let mut tcp =
-        TcpStream::connect_timeout(&addr, timeout).map_err(|e| io_err(e, "connecting"))?;
-    tcp.set_read_timeout(Some(timeout))?;
-    tcp.set_write_timeout(Some(timeout))?;
-    tcp.write_all(&offer.token)
+    let mut conn = net.connect(addrs, offer.port, timeout)?;
+    conn.read.set_timeout(timeout)?;
+    conn.write.set_timeout(timeout)?;
+    conn.write
+        .write_all(&offer.token)
         .map_err(|e| io_err(e, "sending the token"))?;
     let (mut tx, mut rx) = halves(
-        tcp,
+        conn,
         &offer.key,
         Direction::FromDialer,
         Direction::FromAcceptor,
-    )?;
+    );
     hello(&mut tx, &mut rx, &offer.token)?;
     Ok((tx, rx))
 }
 
-/// A member's listening socket for links, and the offers it has made.
+/// A member's listening port for links, and the offers it has made.
 pub struct LinkListener {
-    tcp: TcpListener,
+    port: Box<dyn LinkPort>,
 }
 
 impl LinkListener {
-    /// Listens on `addr` (port 0: any free one).
+    /// Listens on TCP at `addr` (port 0: any free one).
     pub fn bind(addr: SocketAddr) -> Result<LinkListener, LinkError> {
         Ok(LinkListener {
-            tcp: TcpListener::bind(addr)?,
+            port: Box::new(TcpPort(TcpListener::bind(addr)?)),
+        })
+    }
+
+    /// Listens through `net` (`ip`: the swarm's listen address).
+    pub fn on(net: &dyn LinkNet, ip: IpAddr) -> Result<LinkListener, LinkError> {
+        Ok(LinkListener {
+            port: net.listen(ip)?,
         })
     }
 
     pub fn port(&self) -> u16 {
-        self.tcp.local_addr().map(|a| a.port()).unwrap_or(0)
+        self.port.port()
     }
 
     /// A new offer on this listener (give it to exactly one peer, over the swarm).
@@ -242,38 +284,136 @@ impl LinkListener {
         timeout: Duration,
     ) -> Result<(LinkTx, LinkRx), LinkError> {
         let deadline = Instant::now() + timeout;
-        self.tcp.set_nonblocking(true)?;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return Err(LinkError::Timeout("waiting for the dialer"));
             }
-            let (mut tcp, _) = match self.tcp.accept() {
-                Ok(c) => c,
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    std::thread::sleep(Duration::from_millis(2).min(left));
-                    continue;
-                }
-                Err(e) => return Err(e.into()),
+            let Some(mut conn) = self.port.accept(left)? else {
+                return Err(LinkError::Timeout("waiting for the dialer"));
             };
-            tcp.set_nonblocking(false)?;
-            tcp.set_read_timeout(Some(left))?;
-            tcp.set_write_timeout(Some(left))?;
+            conn.read.set_timeout(left)?;
+            conn.write.set_timeout(left)?;
             let mut token = [0u8; 32];
-            if tcp.read_exact(&mut token).is_err() || token != offer.token {
+            if conn.read.read_exact(&mut token).is_err() || token != offer.token {
                 tracing::warn!("dropped a link connection with a wrong token");
                 continue;
             }
             let (mut tx, mut rx) = halves(
-                tcp,
+                conn,
                 &offer.key,
                 Direction::FromAcceptor,
                 Direction::FromDialer,
-            )?;
+            );
             match hello(&mut tx, &mut rx, &offer.token) {
                 Ok(()) => return Ok((tx, rx)),
                 Err(e) => tracing::warn!("dropped a link connection whose hello failed: {e}"),
             }
         }
+    }
+}
+
+/// The first IP address among `addrs` (a peer's listen addresses).
+pub fn ip_of(addrs: &[Multiaddr]) -> Option<IpAddr> {
+    addrs.iter().find_map(|a| {
+        a.iter().find_map(|p| match p {
+            Protocol::Ip4(ip) => Some(IpAddr::V4(ip)),
+            Protocol::Ip6(ip) => Some(IpAddr::V6(ip)),
+            _ => None,
+        })
+    })
+}
+
+/// Links over TCP: a listener on the swarm's IP, dials to the first IP of a peer's
+/// swarm addresses.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct TcpLinks;
+
+struct TcpRead(TcpStream);
+struct TcpWrite(TcpStream);
+struct TcpPort(TcpListener);
+
+impl Read for TcpRead {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.0.read(buf)
+    }
+}
+
+impl LinkRead for TcpRead {
+    fn set_timeout(&self, t: Duration) -> io::Result<()> {
+        self.0.set_read_timeout(Some(t))
+    }
+}
+
+impl Write for TcpWrite {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.0.write(buf)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        self.0.flush()
+    }
+}
+
+impl LinkWrite for TcpWrite {
+    fn set_timeout(&self, t: Duration) -> io::Result<()> {
+        self.0.set_write_timeout(Some(t))
+    }
+}
+
+impl Conn {
+    /// Both directions of a TCP connection (no Nagle delay: frames go out whole).
+    pub fn tcp(tcp: TcpStream) -> io::Result<Conn> {
+        tcp.set_nodelay(true)?;
+        Ok(Conn {
+            read: Box::new(TcpRead(tcp.try_clone()?)),
+            write: Box::new(TcpWrite(tcp)),
+        })
+    }
+}
+
+impl LinkPort for TcpPort {
+    fn port(&self) -> u16 {
+        self.0.local_addr().map(|a| a.port()).unwrap_or(0)
+    }
+
+    fn accept(&self, timeout: Duration) -> io::Result<Option<Conn>> {
+        let deadline = Instant::now() + timeout;
+        self.0.set_nonblocking(true)?;
+        loop {
+            match self.0.accept() {
+                Ok((tcp, _)) => {
+                    tcp.set_nonblocking(false)?;
+                    return Conn::tcp(tcp).map(Some);
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return Ok(None);
+                    }
+                    std::thread::sleep(Duration::from_millis(2).min(left));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}
+
+impl LinkNet for TcpLinks {
+    fn listen(&self, ip: IpAddr) -> io::Result<Box<dyn LinkPort>> {
+        Ok(Box::new(TcpPort(TcpListener::bind(SocketAddr::new(
+            ip, 0,
+        ))?)))
+    }
+
+    fn connect(
+        &self,
+        addrs: &[Multiaddr],
+        port: u16,
+        timeout: Duration,
+    ) -> Result<Conn, LinkError> {
+        let ip = ip_of(addrs).ok_or_else(|| LinkError::NoAddress(addrs.to_vec()))?;
+        let tcp = TcpStream::connect_timeout(&SocketAddr::new(ip, port), timeout)
+            .map_err(|e| io_err(e, "connecting"))?;
+        Ok(Conn::tcp(tcp)?)
     }
 }

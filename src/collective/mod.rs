@@ -3,7 +3,8 @@
 //! training group ([`group`]: masterless membership epochs, heartbeats, step rounds with
 //! a commit). The server's training loop drives a group (`server::train`).
 //!
-//! The data plane is a TCP connection per link carrying AES-256-GCM frames ([`seal`]),
+//! The data plane is a TCP connection per link carrying AES-256-GCM frames ([`seal`]) (or
+//! a byte stream of another [`LinkNet`]: netsim's simulated internet),
 //! not the swarm's QUIC streams: bulk tensors need throughput that a user-space QUIC
 //! stack on the CPU does not give (measured in `cargo bench --bench allreduce`). Security
 //! does not move: a link's key and one-use token are handed over the swarm's
@@ -20,7 +21,10 @@ pub mod rendezvous;
 pub mod ring;
 pub mod seal;
 
-pub use link::{LinkError, LinkListener, LinkOffer, LinkRx, LinkTx};
+pub use link::{
+    Conn, LinkError, LinkListener, LinkNet, LinkOffer, LinkPort, LinkRead, LinkRx, LinkTx,
+    LinkWrite, TcpLinks,
+};
 pub use rendezvous::{ask_link, serve_links, LinkAsk, OfferBook, COLLECTIVE};
 pub use ring::{Ring, RingError, RoundStats, Wire};
 

@@ -9,17 +9,17 @@
 //! Owns: the ask/offer exchange. Never carries tensor bytes (the links do).
 
 use std::collections::HashMap;
-use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
 
+pub use super::link::ip_of;
 use super::link::{LinkListener, LinkOffer};
 use crate::base::lock;
 use crate::swarm::frame::{read_frame, write_frame, FrameError};
-use crate::swarm::{Multiaddr, PeerId, Protocol, StreamProtocol, SwarmError, SwarmHandle};
+use crate::swarm::{Multiaddr, PeerId, StreamProtocol, SwarmError, SwarmHandle};
 
 pub const COLLECTIVE: StreamProtocol = StreamProtocol::new("/agentjet/collective/1");
 
@@ -46,7 +46,7 @@ pub enum RendezvousError {
     Frame(#[from] FrameError),
     #[error("{peer} refused the link: {reason}")]
     Refused { peer: PeerId, reason: String },
-    #[error("no IP address known for {0}")]
+    #[error("no address known for {0}")]
     NoAddress(PeerId),
     #[error("timed out waiting for a link ask from {0}")]
     Timeout(PeerId),
@@ -110,37 +110,28 @@ pub fn serve_links(
     })
 }
 
-/// The first IP address among `addrs` (a peer's listen addresses).
-pub fn ip_of(addrs: &[Multiaddr]) -> Option<IpAddr> {
-    addrs.iter().find_map(|a| {
-        a.iter().find_map(|p| match p {
-            Protocol::Ip4(ip) => Some(IpAddr::V4(ip)),
-            Protocol::Ip6(ip) => Some(IpAddr::V6(ip)),
-            _ => None,
-        })
-    })
-}
-
-/// Asks `peer` for a link; the offer and the address to dial (its IP, the offer's port).
+/// Asks `peer` for a link: the offer, and the addresses the swarm knows for `peer` (its
+/// gossiped listen addresses first) for a [`super::link::LinkNet`] to dial.
 pub async fn ask_link(
     swarm: &SwarmHandle,
     peer: PeerId,
     ask: &LinkAsk,
-) -> Result<(SocketAddr, LinkOffer), RendezvousError> {
+) -> Result<(Vec<Multiaddr>, LinkOffer), RendezvousError> {
     let mut s = swarm.open(peer, COLLECTIVE).await?;
     write_frame(&mut s, ask, 4096).await?;
     let offer = match read_frame::<_, LinkAnswer>(&mut s, 4096).await? {
         LinkAnswer::Offer(o) => o,
         LinkAnswer::Refused(reason) => return Err(RendezvousError::Refused { peer, reason }),
     };
-    let addrs: Vec<Multiaddr> = swarm
+    let mut addrs: Vec<Multiaddr> = swarm
         .view()
         .into_iter()
         .find(|e| e.peer == peer)
         .map(|e| e.addrs)
         .unwrap_or_default();
-    let ip = ip_of(&addrs)
-        .or(ip_of(&swarm.addresses_of(peer).await))
-        .ok_or(RendezvousError::NoAddress(peer))?;
-    Ok((SocketAddr::new(ip, offer.port), offer))
+    addrs.extend(swarm.addresses_of(peer).await);
+    if addrs.is_empty() {
+        return Err(RendezvousError::NoAddress(peer));
+    }
+    Ok((addrs, offer))
 }

@@ -17,7 +17,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::link::{dial, LinkError, LinkListener, LinkOffer, LinkRx, LinkTx};
+use super::link::{dial, LinkError, LinkListener, LinkOffer, LinkRx, LinkTx, TcpLinks};
 
 /// How values travel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -346,7 +346,9 @@ impl Ring {
             let dials: Vec<_> = (0..n)
                 .map(|r| {
                     let o = offers[(r + 1) % n].clone();
-                    s.spawn(move || dial(std::net::SocketAddr::new(loopback, o.port), &o, t))
+                    let at = [crate::swarm::Multiaddr::empty()
+                        .with(crate::swarm::Protocol::Ip4(std::net::Ipv4Addr::LOCALHOST))];
+                    s.spawn(move || dial(&TcpLinks, &at, &o, t))
                 })
                 .collect();
             let joined = |h: std::thread::ScopedJoinHandle<

@@ -5,6 +5,7 @@ pub mod churn;
 pub mod discovery;
 pub mod gossip;
 pub mod partition;
+pub mod training;
 
 use std::path::PathBuf;
 use std::sync::Arc;

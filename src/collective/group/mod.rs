@@ -69,7 +69,7 @@
 mod proto;
 
 use std::collections::HashMap;
-use std::net::{IpAddr, SocketAddr};
+use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -81,7 +81,7 @@ pub use proto::{
     STATE_CHUNK,
 };
 
-use super::link::{self, LinkError, LinkListener};
+use super::link::{self, LinkError, LinkListener, LinkNet, TcpLinks};
 use super::rendezvous::{ask_link, serve_links, LinkAsk, OfferBook, RendezvousError};
 use super::ring::{Ring, RingError, RoundStats, Wire};
 use crate::base::lock;
@@ -164,6 +164,7 @@ pub struct GroupNode {
     shared: Arc<Shared>,
     listener: Arc<LinkListener>,
     book: Arc<OfferBook>,
+    links: Arc<dyn LinkNet>,
     /// Candidates left out, and when: they count again once they gossip after that.
     suspected: HashMap<PeerId, Instant>,
 }
@@ -178,7 +179,7 @@ fn short(b: &[u8]) -> String {
 }
 
 impl GroupNode {
-    /// Joins the group `cfg.name` on `swarm`: link offers on a listener at `ip` (the
+    /// Joins the group `cfg.name` on `swarm`: link offers on a TCP listener at `ip` (the
     /// swarm's listen address), and the control protocol. `rt` runs the swarm calls.
     pub fn start(
         swarm: SwarmHandle,
@@ -186,7 +187,18 @@ impl GroupNode {
         cfg: GroupConfig,
         ip: IpAddr,
     ) -> Result<GroupNode, GroupError> {
-        let listener = Arc::new(LinkListener::bind(SocketAddr::new(ip, 0))?);
+        GroupNode::start_with(swarm, rt, cfg, ip, Arc::new(TcpLinks))
+    }
+
+    /// [`GroupNode::start`] with the links of `links` (netsim's simulated network).
+    pub fn start_with(
+        swarm: SwarmHandle,
+        rt: tokio::runtime::Handle,
+        cfg: GroupConfig,
+        ip: IpAddr,
+        links: Arc<dyn LinkNet>,
+    ) -> Result<GroupNode, GroupError> {
+        let listener = Arc::new(LinkListener::on(&*links, ip)?);
         let book = Arc::new(OfferBook::default());
         serve_links(&swarm, listener.clone(), book.clone())?;
         let shared = Arc::new(Shared::new(cfg.name.clone()));
@@ -202,6 +214,7 @@ impl GroupNode {
             shared,
             listener,
             book,
+            links,
             suspected: HashMap::new(),
         })
     }
@@ -274,6 +287,7 @@ impl GroupNode {
         let reform = lock(&self.shared.inner).reform;
         let mut v = [ready as f32, (reform || newcomer || stop) as u8 as f32];
         m.ring.all_reduce(&mut v, Wire::F32)?;
+        self.state_fetched();
         Ok(Beat {
             ready: v[0] as f64,
             dissolve: v[1] > 0.0,
@@ -287,7 +301,18 @@ impl GroupNode {
         data: &mut [f32],
         wire: Wire,
     ) -> Result<RoundStats, GroupError> {
-        Ok(m.ring.all_reduce(data, wire)?)
+        let r = m.ring.all_reduce(data, wire)?;
+        self.state_fetched();
+        Ok(r)
+    }
+
+    /// A round of the ring completed, so every member built it: a member that fetched
+    /// the group's state is done with it, and the snapshot offered goes.
+    fn state_fetched(&self) {
+        let mut g = lock(&self.shared.inner);
+        if g.snapshot.is_some() {
+            g.snapshot = None;
+        }
     }
 
     /// The commit round: true when every member stands by this ring (apply the sum).
@@ -679,7 +704,8 @@ impl GroupNode {
             g.state = None;
             g.reform = g.promised != m.start.ballot;
             g.start = None;
-            g.snapshot = None;
+            // The snapshot stays until the ring's first round: a member that built its
+            // links early (no neighbour of the joiner) still serves the joiner's chunks.
         }
         info!(
             group = self.cfg.name,
@@ -730,8 +756,9 @@ impl GroupNode {
         };
         let (dialed, accepted) = self.rt.block_on(async {
             let dial = async {
-                let (addr, offer) = ask_link(&self.swarm, right, &mine).await?;
-                tokio::task::spawn_blocking(move || link::dial(addr, &offer, ctl))
+                let (addrs, offer) = ask_link(&self.swarm, right, &mine).await?;
+                let links = self.links.clone();
+                tokio::task::spawn_blocking(move || link::dial(&*links, &addrs, &offer, ctl))
                     .await
                     .map_err(|_| GroupError::Refused("the dialing thread panicked".into()))?
                     .map_err(GroupError::from)

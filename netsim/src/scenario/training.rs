@@ -1,0 +1,532 @@
+//! Scenario 4: a training group on internet links, synchronous against DiLoCo.
+//!
+//! Per mode (`sync`, `diloco/H`, ...): one bootstrap peer and `members` servers, each a
+//! real swarm node and a member of one training group ([`crate::member`]: the project's
+//! `GroupNode` and ring over the simulated links, driven as the server drives it). The
+//! members start their loops once they see each other in the swarm's view. Time runs from
+//! the first epoch that holds every member, for `duration`; `crashes` members
+//! crash at evenly spaced times, each replaced at once by a new server (a new identity,
+//! which joins by fetching the group's state). At the end every member stops at the same
+//! heartbeat and the table says whether their parameters are bit-identical.
+//!
+//! Scale: the full model (`model_values`, SmolLM2-135M's by default) does not fit dozens
+//! of times in this process, so the members hold `values` parameters and every byte of
+//! the collective's links counts as `model_values / values` bytes on the simulated
+//! network: a transfer takes the full model's time and the byte counts are the full
+//! model's, while the swarm's own traffic (gossip, Kademlia, control) is what it is.
+//!
+//! The modes run at once, each on its own simulated network (the process is mostly
+//! waiting on the simulated links; the timer lag column says when it was not).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use agentjet::collective::group::{GroupConfig, GroupNode};
+use agentjet::collective::Wire;
+use agentjet::swarm::{GroupStatus, ModelStatus, Role};
+use serde_json::json;
+
+use super::Env;
+use crate::cluster::{Cluster, LagProbe, PeerTiming, SimPeer, MODEL};
+use crate::links::{LinkPorts, SimLinks};
+use crate::member::{Member, MemberConfig, Mode, Progress};
+use crate::net::Network;
+use crate::report::{svg_plot, write_results, Series, Table};
+
+/// SmolLM2-135M's parameter count.
+pub const SMOLLM2_VALUES: u64 = 134_515_008;
+
+#[derive(Debug, Clone)]
+pub struct Args {
+    pub members: usize,
+    /// Plain peers in the swarm besides the members (and one bootstrap peer).
+    pub peers: usize,
+    pub modes: Vec<Mode>,
+    /// Measured per mode, from the first epoch that holds every member.
+    pub duration: Duration,
+    /// Parameters each simulated member holds.
+    pub values: usize,
+    /// The model the figures stand for.
+    pub model_values: u64,
+    /// One step's gradient computation (a GPU's time; slept).
+    pub compute: Duration,
+    pub crashes: usize,
+    pub wire: Wire,
+    /// A round's bound (the server's `--collective-timeout`).
+    pub timeout: Duration,
+    /// Give up forming the first full epoch after this.
+    pub form_limit: Duration,
+}
+
+/// One mode's figures.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    pub mode: Mode,
+    pub members: usize,
+    pub seconds: f64,
+    /// Optimizer steps per member per hour (DiLoCo: inner steps).
+    pub steps_per_hour: f64,
+    /// Group steps per hour (sync: steps; DiLoCo: outer steps).
+    pub group_steps_per_hour: f64,
+    /// Seconds to form the first epoch with every member.
+    pub formed_s: f64,
+    /// Bytes (sent + received) of one member's completed value round, full model.
+    pub bytes_per_member_step: f64,
+    /// Everything a member's access link carried (links at full model, swarm), per hour.
+    pub bytes_per_member_hour: f64,
+    /// A completed value round at one member, seconds (mean).
+    pub round_s_mean: f64,
+    /// Mean heartbeat round, seconds.
+    pub beat_s_mean: f64,
+    pub epochs: u64,
+    pub failed_rounds: u64,
+    pub syncs: u64,
+    pub crashes: usize,
+    /// Members whose loop ended with an error.
+    pub member_errors: usize,
+    /// Every live member's agreed parameters (and momentum) hash the same at the end.
+    pub identical: bool,
+    pub final_group_steps: u64,
+    /// Group steps made after the last crash.
+    pub after_crash: u64,
+    pub lag_p99: Duration,
+    /// (seconds, group steps) while it ran.
+    pub curve: Vec<(f64, f64)>,
+}
+
+struct Running {
+    peer: Arc<SimPeer>,
+    stop: Arc<AtomicBool>,
+    progress: Arc<Progress>,
+    thread: std::thread::JoinHandle<Result<Member, String>>,
+}
+
+fn announce(p: &SimPeer, mode: Mode) {
+    p.handle.set_models(vec![ModelStatus {
+        name: MODEL.into(),
+        policy_version: 0,
+        train_step: 0,
+        group: Some(GroupStatus {
+            name: "netsim".into(),
+            epoch: 0,
+            members: 0,
+            param_hash: String::new(),
+            allreduce_ms: 0.0,
+            allreduce_gbps: 0.0,
+            mode: mode.name(),
+        }),
+        cache: Default::default(),
+    }]);
+}
+
+/// A new server that announces the group in its status.
+async fn start_peer(c: &Cluster, mode: Mode) -> anyhow::Result<Arc<SimPeer>> {
+    let peer = c.start(Role::Server).await?;
+    announce(&peer, mode);
+    Ok(peer)
+}
+
+/// Waits (up to `limit`) until every one of `peers` sees every other in its view.
+async fn wait_views(peers: &[Arc<SimPeer>], limit: Duration) -> bool {
+    let t0 = Instant::now();
+    while t0.elapsed() < limit {
+        let all = peers.iter().all(|p| {
+            let seen: Vec<_> = p.handle.view().into_iter().map(|e| e.peer).collect();
+            peers
+                .iter()
+                .all(|q| q.peer_id == p.peer_id || seen.contains(&q.peer_id))
+        });
+        if all {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    false
+}
+
+/// The member's group node and its loop, on its own thread.
+fn start_loop(
+    c: &Cluster,
+    peer: Arc<SimPeer>,
+    ports: &Arc<LinkPorts>,
+    cfg: &MemberConfig,
+    a: &Args,
+    index: u64,
+) -> anyhow::Result<Running> {
+    let links = SimLinks::new(
+        c.net.clone(),
+        peer.node,
+        tokio::runtime::Handle::current(),
+        ports.clone(),
+        a.model_values as f64 / a.values as f64,
+    );
+    let node = GroupNode::start_with(
+        peer.handle.clone(),
+        tokio::runtime::Handle::current(),
+        GroupConfig {
+            name: "netsim".into(),
+            model: MODEL.into(),
+            mode: cfg.mode.name(),
+            timeout: a.timeout,
+            heartbeat: cfg.heartbeat,
+        },
+        std::net::Ipv4Addr::LOCALHOST.into(),
+        Arc::new(links),
+    )?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let progress = Arc::new(Progress::default());
+    let member = Member::new(
+        node,
+        cfg.clone(),
+        index.wrapping_mul(0x51ed),
+        stop.clone(),
+        progress.clone(),
+    );
+    let thread = std::thread::Builder::new()
+        .name(format!("member-{index}"))
+        .spawn(move || member.run().map_err(|e| e.to_string()))?;
+    Ok(Running {
+        peer,
+        stop,
+        progress,
+        thread,
+    })
+}
+
+fn total<F: Fn(&Progress) -> u64>(ms: &[Running], f: F) -> u64 {
+    ms.iter().map(|m| f(&m.progress)).sum()
+}
+
+/// Runs one mode.
+pub async fn run_mode(env: &Env, a: &Args, mode: Mode) -> anyhow::Result<Outcome> {
+    anyhow::ensure!(a.members >= 2, "a group needs at least 2 members");
+    let weight = a.model_values as f64 / a.values as f64;
+    let net = Network::new(env.net.clone());
+    let c = Cluster::new(net.clone(), PeerTiming::default(), 1).await?;
+    let ports = Arc::new(LinkPorts::default());
+    let cfg = MemberConfig {
+        values: a.values,
+        compute: a.compute,
+        mode,
+        wire: a.wire,
+        hash_every: 10,
+        heartbeat: Duration::from_millis(500),
+        lr: 1e-2,
+    };
+    let lag = LagProbe::start(Duration::from_millis(100));
+    super::start_many(&c, Role::Plain, a.peers).await?;
+    let mut peers = Vec::new();
+    for _ in 0..a.members {
+        peers.push(start_peer(&c, mode).await?);
+    }
+    // A member starts its loop once its view holds the group (a real server has no
+    // batch to train alone on before clients find it; here a batch is always ready).
+    anyhow::ensure!(
+        wait_views(&peers, a.form_limit).await,
+        "the members did not see each other within {:?}",
+        a.form_limit
+    );
+    let mut ms = Vec::new();
+    for (i, p) in peers.into_iter().enumerate() {
+        ms.push(start_loop(&c, p, &ports, &cfg, a, i as u64 + 1)?);
+    }
+    // The first epoch with every member.
+    let t0 = Instant::now();
+    let formed = loop {
+        let all_in = ms
+            .iter()
+            .all(|m| m.progress.ring_size.load(Ordering::Relaxed) == a.members as u64);
+        if all_in {
+            break t0.elapsed();
+        }
+        anyhow::ensure!(
+            t0.elapsed() < a.form_limit,
+            "{}: no epoch held all {} members within {:?}",
+            mode.name(),
+            a.members,
+            a.form_limit
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    lag.take();
+    let sent_at = |ms: &[Running]| -> u64 {
+        ms.iter()
+            .map(|m| {
+                let (s, r) = net.traffic(m.peer.node);
+                s + r
+            })
+            .sum()
+    };
+    let rounds0 = total(&ms, |p| p.value_rounds.load(Ordering::Relaxed));
+    let (steps0, gsteps0, bytes0, micros0, traffic0) = (
+        total(&ms, |p| p.steps.load(Ordering::Relaxed)),
+        ms[0].progress.group_steps.load(Ordering::Relaxed),
+        total(&ms, |p| p.value_bytes.load(Ordering::Relaxed)),
+        total(&ms, |p| p.value_micros.load(Ordering::Relaxed)),
+        sent_at(&ms),
+    );
+    let (mut retired_steps, mut retired_bytes, mut retired_micros, mut retired_traffic) =
+        (0u64, 0u64, 0u64, 0u64);
+    let mut retired_rounds = 0u64;
+    let (mut retired_epochs, mut retired_failed, mut retired_syncs) = (0u64, 0u64, 0u64);
+    let start = Instant::now();
+    let crash_at: Vec<Duration> = (1..=a.crashes)
+        .map(|k| a.duration.mul_f64(k as f64 / (a.crashes + 1) as f64))
+        .collect();
+    let mut crashed = 0;
+    let mut at_last_crash = gsteps0;
+    let mut curve = Vec::new();
+    let mut next_index = a.members as u64 + 1;
+    let gsteps_now = |ms: &[Running]| {
+        ms.iter()
+            .map(|m| m.progress.group_steps.load(Ordering::Relaxed))
+            .max()
+            .unwrap_or(0)
+    };
+    while start.elapsed() < a.duration {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        curve.push((
+            start.elapsed().as_secs_f64(),
+            gsteps_now(&ms).saturating_sub(gsteps0) as f64,
+        ));
+        if crashed < crash_at.len() && start.elapsed() >= crash_at[crashed] {
+            // A member (not the first, by index: the seed picks which) dies without a
+            // goodbye; a new server takes its place at once.
+            at_last_crash = gsteps_now(&ms);
+            let victim = 1 + (env.net.seed as usize + crashed * 7) % (ms.len() - 1);
+            let gone = ms.remove(victim);
+            retired_steps += gone.progress.steps.load(Ordering::Relaxed);
+            retired_bytes += gone.progress.value_bytes.load(Ordering::Relaxed);
+            retired_micros += gone.progress.value_micros.load(Ordering::Relaxed);
+            retired_rounds += gone.progress.value_rounds.load(Ordering::Relaxed);
+            let (s, r) = net.traffic(gone.peer.node);
+            retired_traffic += s + r;
+            retired_epochs += gone.progress.epochs.load(Ordering::Relaxed);
+            retired_failed += gone.progress.failed_rounds.load(Ordering::Relaxed);
+            retired_syncs += gone.progress.syncs.load(Ordering::Relaxed);
+            gone.stop.store(true, Ordering::Relaxed);
+            c.crash(&gone.peer).await;
+            // Its thread ends once its rounds time out; not waited for.
+            drop(gone.thread);
+            let peer = start_peer(&c, mode).await?;
+            let mut group: Vec<Arc<SimPeer>> = ms.iter().map(|m| m.peer.clone()).collect();
+            group.push(peer.clone());
+            wait_views(&group, a.form_limit).await;
+            ms.push(start_loop(&c, peer, &ports, &cfg, a, next_index)?);
+            next_index += 1;
+            crashed += 1;
+            println!(
+                "training {}: member crashed at {:.0} s, a new one joins",
+                mode.name(),
+                start.elapsed().as_secs_f64()
+            );
+        }
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    let after_crash = gsteps_now(&ms).saturating_sub(at_last_crash);
+    let steps = total(&ms, |p| p.steps.load(Ordering::Relaxed)) + retired_steps - steps0;
+    let gsteps = gsteps_now(&ms).saturating_sub(gsteps0);
+    let bytes = total(&ms, |p| p.value_bytes.load(Ordering::Relaxed)) + retired_bytes - bytes0;
+    let micros = total(&ms, |p| p.value_micros.load(Ordering::Relaxed)) + retired_micros - micros0;
+    let traffic = sent_at(&ms) + retired_traffic - traffic0;
+    let rounds = (total(&ms, |p| p.value_rounds.load(Ordering::Relaxed)) + retired_rounds)
+        .saturating_sub(rounds0)
+        .max(1) as f64;
+    let lag_p99 = lag.take_p99();
+    // Before the stop, the group settles into one ring of every member at one step (a
+    // joiner may still be fetching the state), so the members compared stand together.
+    let settle = Instant::now();
+    while settle.elapsed() < a.form_limit {
+        let p: Vec<(u64, u64)> = ms
+            .iter()
+            .map(|m| {
+                (
+                    m.progress.ring_size.load(Ordering::Relaxed),
+                    m.progress.group_steps.load(Ordering::Relaxed),
+                )
+            })
+            .collect();
+        if p.iter().all(|x| x.0 == a.members as u64 && x.1 == p[0].1) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // Everyone stops at one heartbeat; the loops return their members.
+    for m in &ms {
+        m.stop.store(true, Ordering::Relaxed);
+    }
+    let mut hashes = Vec::new();
+    let mut member_errors = 0;
+    let (mut epochs, mut failed_rounds, mut syncs) =
+        (retired_epochs, retired_failed, retired_syncs);
+    let mut final_steps = Vec::new();
+    let progresses: Vec<Arc<Progress>> = ms.iter().map(|m| m.progress.clone()).collect();
+    let beat_s_mean = {
+        let beats: u64 = progresses
+            .iter()
+            .map(|p| p.beats.load(Ordering::Relaxed))
+            .sum();
+        let micros: u64 = progresses
+            .iter()
+            .map(|p| p.beat_micros.load(Ordering::Relaxed))
+            .sum();
+        micros as f64 / 1e6 / beats.max(1) as f64
+    };
+    for m in ms {
+        let joined = tokio::task::spawn_blocking(move || m.thread.join()).await?;
+        match joined {
+            Ok(Ok(member)) => hashes.push(member.agreed_hash()),
+            Ok(Err(e)) => {
+                println!("training {}: a member failed: {e}", mode.name());
+                member_errors += 1;
+            }
+            Err(_) => member_errors += 1,
+        }
+    }
+    for p in &progresses {
+        epochs += p.epochs.load(Ordering::Relaxed);
+        failed_rounds += p.failed_rounds.load(Ordering::Relaxed);
+        syncs += p.syncs.load(Ordering::Relaxed);
+        final_steps.push(p.group_steps.load(Ordering::Relaxed));
+    }
+    c.shutdown().await;
+    let n = a.members as f64;
+    Ok(Outcome {
+        mode,
+        members: a.members,
+        seconds,
+        steps_per_hour: steps as f64 / n / seconds * 3600.0,
+        group_steps_per_hour: gsteps as f64 / seconds * 3600.0,
+        formed_s: formed.as_secs_f64(),
+        bytes_per_member_step: bytes as f64 / rounds * weight,
+        bytes_per_member_hour: traffic as f64 / n / seconds * 3600.0,
+        round_s_mean: micros as f64 / 1e6 / rounds,
+        beat_s_mean,
+        epochs,
+        failed_rounds,
+        syncs,
+        crashes: crashed,
+        member_errors,
+        identical: !hashes.is_empty()
+            && hashes.iter().all(|h| *h == hashes[0])
+            && final_steps.iter().all(|s| *s == final_steps[0]),
+        final_group_steps: final_steps.first().copied().unwrap_or(0),
+        after_crash,
+        lag_p99,
+        curve,
+    })
+}
+
+fn gb(bytes: f64) -> String {
+    format!("{:.2}", bytes / 1e9)
+}
+
+pub async fn run(env: &Env, a: &Args, command: &str) -> anyhow::Result<Vec<Outcome>> {
+    let mut table = Table::new(&[
+        "mode",
+        "members",
+        "steps/h per member",
+        "group steps/h",
+        "x sync",
+        "value round (s)",
+        "heartbeat round (s)",
+        "GB per member per group step",
+        "GB per member per hour",
+        "crashes",
+        "epochs formed",
+        "failed rounds",
+        "state fetches",
+        "bit-identical at the end",
+        "timer lag p99 (ms)",
+    ]);
+    let outs: Vec<Outcome> =
+        futures::future::join_all(a.modes.iter().map(|&m| run_mode(env, a, m)))
+            .await
+            .into_iter()
+            .collect::<anyhow::Result<_>>()?;
+    let sync_rate = outs
+        .iter()
+        .find(|x| x.mode == Mode::Sync)
+        .map(|x| x.steps_per_hour);
+    for o in &outs {
+        let mode = o.mode;
+        println!(
+            "training {}: {:.1} steps/h per member, {:.1} group steps/h, value round {:.1} s, heartbeat {:.2} s, identical {}",
+            mode.name(),
+            o.steps_per_hour,
+            o.group_steps_per_hour,
+            o.round_s_mean,
+            o.beat_s_mean,
+            o.identical
+        );
+        table.row(vec![
+            mode.name(),
+            o.members.to_string(),
+            format!("{:.1}", o.steps_per_hour),
+            format!("{:.1}", o.group_steps_per_hour),
+            sync_rate.map_or("-".into(), |s| format!("{:.2}", o.steps_per_hour / s)),
+            format!("{:.1}", o.round_s_mean),
+            format!("{:.2}", o.beat_s_mean),
+            gb(o.bytes_per_member_step),
+            gb(o.bytes_per_member_hour),
+            o.crashes.to_string(),
+            o.epochs.to_string(),
+            o.failed_rounds.to_string(),
+            o.syncs.to_string(),
+            if o.identical {
+                "yes".into()
+            } else {
+                format!("NO ({} member errors)", o.member_errors)
+            },
+            o.lag_p99.as_millis().to_string(),
+        ]);
+    }
+    let md = format!(
+        "{}{}\n{} members per mode, measured for {} s from the first step with every member; one step's gradient takes {:.1} s (slept); {:?} wire; a round's timeout {} s. Members hold {} values; each byte of the group's links counts as {:.1} on the network, standing for a model of {} values (a transfer takes its time; bytes are its bytes). The modes ran at once, each on its own network. Steps per hour: each member's optimizer steps (DiLoCo: inner steps on its own batches; sync: steps on the whole group's). Every member always has a batch ready.\n",
+        env.preamble("Scenario 4: a training group, synchronous against DiLoCo", command),
+        table.markdown(),
+        a.members,
+        a.duration.as_secs(),
+        a.compute.as_secs_f64(),
+        a.wire,
+        a.timeout.as_secs(),
+        a.values,
+        a.model_values as f64 / a.values as f64,
+        a.model_values,
+    );
+    let json = json!(outs
+        .iter()
+        .map(|o| json!({
+            "mode": o.mode.name(),
+            "members": o.members,
+            "seconds": o.seconds,
+            "steps_per_hour": o.steps_per_hour,
+            "group_steps_per_hour": o.group_steps_per_hour,
+            "formed_s": o.formed_s,
+            "bytes_per_member_group_step": o.bytes_per_member_step,
+            "bytes_per_member_hour": o.bytes_per_member_hour,
+            "value_round_s": o.round_s_mean,
+            "crashes": o.crashes,
+            "epochs": o.epochs,
+            "failed_rounds": o.failed_rounds,
+            "state_fetches": o.syncs,
+            "identical": o.identical,
+            "final_group_steps": o.final_group_steps,
+        }))
+        .collect::<Vec<_>>());
+    let svg = svg_plot(
+        "Group steps over time",
+        "seconds",
+        "group steps",
+        &outs
+            .iter()
+            .map(|o| Series {
+                name: o.mode.name(),
+                points: o.curve.clone(),
+            })
+            .collect::<Vec<_>>(),
+    );
+    write_results(&env.out, "training", &md, &json, Some(&svg))?;
+    Ok(outs)
+}
