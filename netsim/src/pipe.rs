@@ -276,4 +276,62 @@ mod tests {
             .unwrap();
         assert_eq!(&four, b"held");
     }
+
+    #[tokio::test]
+    async fn a_weighted_stream_takes_the_time_and_bytes_of_its_weight() {
+        let net = Network::new(NetConfig {
+            latency: (Duration::from_millis(10), Duration::from_millis(10)),
+            bandwidth: 1e6,
+            ..Default::default()
+        });
+        let (a, b) = (net.add_node(), net.add_node());
+        let (mut x, mut y) = weighted_pair(&net, a, b, 10.0);
+        let t0 = Instant::now();
+        x.write_all(&[7u8; 10_000]).await.unwrap();
+        let mut got = vec![0u8; 10_000];
+        y.read_exact(&mut got).await.unwrap();
+        // 10,000 bytes weigh 100,000 on the wire: 0.1 s at 1 MB/s, then 10 ms.
+        assert!(
+            t0.elapsed() >= Duration::from_millis(110),
+            "{:?}",
+            t0.elapsed()
+        );
+        assert_eq!(net.traffic(a).0, 100_000);
+        assert!(got.iter().all(|&v| v == 7));
+    }
+
+    #[tokio::test]
+    async fn a_bulk_transfer_delays_another_connection_by_about_the_send_ahead() {
+        let net = Network::new(NetConfig {
+            latency: (Duration::from_millis(5), Duration::from_millis(5)),
+            bandwidth: 1e6,
+            ..Default::default()
+        });
+        let (a, b, c) = (net.add_node(), net.add_node(), net.add_node());
+        let (mut bulk, mut bulk_in) = pair(&net, a, b);
+        let (mut small, mut small_in) = pair(&net, a, c);
+        // One second of bytes on a's upload link, read as they come.
+        let writer = tokio::spawn(async move {
+            bulk.write_all(&vec![1u8; 1_000_000]).await.unwrap();
+            bulk
+        });
+        let reader = tokio::spawn(async move {
+            let mut sink = vec![0u8; 1_000_000];
+            bulk_in.read_exact(&mut sink).await.unwrap();
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let t0 = Instant::now();
+        small.write_all(b"status").await.unwrap();
+        let mut six = [0u8; 6];
+        small_in.read_exact(&mut six).await.unwrap();
+        let waited = t0.elapsed();
+        // Behind at most SEND_AHEAD plus one 64 KiB packet of the bulk (65 ms), not
+        // behind the 0.9 s of bulk bytes still to send.
+        assert!(
+            waited < SEND_AHEAD + Duration::from_millis(150),
+            "{waited:?}"
+        );
+        let _ = writer.await.unwrap();
+        reader.await.unwrap();
+    }
 }
