@@ -87,6 +87,18 @@ pub fn weighted_pair(
     )
 }
 
+/// Polls `timer` (set, or reset, to fire at `at`): ready once `at` has passed.
+fn wait_until(timer: &mut Option<Pin<Box<Sleep>>>, at: Instant, cx: &mut Context<'_>) -> Poll<()> {
+    match timer {
+        Some(t) => t.as_mut().reset(at),
+        None => *timer = Some(Box::pin(tokio::time::sleep_until(at))),
+    }
+    match timer {
+        Some(t) => t.as_mut().poll(cx),
+        None => Poll::Ready(()),
+    }
+}
+
 impl SimStream {
     fn send(&mut self, cx: &mut Context<'_>, data: Vec<u8>) -> Poll<io::Result<()>> {
         if self.tx.is_none() {
@@ -96,12 +108,7 @@ impl SimStream {
         if self.net.config().bandwidth > 0.0 {
             let wake = self.last_departure.checked_sub(SEND_AHEAD);
             if let Some(wake) = wake.filter(|w| *w > Instant::now()) {
-                match &mut self.write_timer {
-                    Some(t) => t.as_mut().reset(wake),
-                    None => self.write_timer = Some(Box::pin(tokio::time::sleep_until(wake))),
-                }
-                let t = self.write_timer.as_mut().expect("set above");
-                if t.as_mut().poll(cx).is_pending() {
+                if wait_until(&mut self.write_timer, wake, cx).is_pending() {
                     return Poll::Pending;
                 }
             }
@@ -200,12 +207,7 @@ impl AsyncRead for SimStream {
                 None
             };
             if let Some(due) = due {
-                match &mut this.timer {
-                    Some(t) => t.as_mut().reset(due),
-                    None => this.timer = Some(Box::pin(tokio::time::sleep_until(due))),
-                }
-                let t = this.timer.as_mut().expect("set above");
-                if t.as_mut().poll(cx).is_pending() {
+                if wait_until(&mut this.timer, due, cx).is_pending() {
                     return Poll::Pending;
                 }
                 continue;
