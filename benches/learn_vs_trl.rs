@@ -8,8 +8,12 @@
 //! learning rate, warmup, sampling temperature, at most 32 new tokens, no KL, clip 0.2 /
 //! 0.28, 2 passes per batch (`benches/trl_grpo.py` lists TRL's settings). What differs, and why: ours samples
 //! on its own engine (continuous batching, prefix cache), trains tree-packed rows, corrects
-//! with truncated importance weights and uses dynamic sampling (one more round of tasks
-//! while groups lack signal); TRL generates with HF `generate` and has no dynamic sampling.
+//! with truncated importance weights, uses dynamic sampling (up to three more rounds of
+//! tasks while groups lack signal) and decays its learning rate by a cosine over the
+//! training minutes to 0.1x (learn_addition's defaults); TRL generates with HF `generate`,
+//! has no dynamic sampling, and keeps its learning rate constant after the warmup (its
+//! schedulers count steps, not minutes, and its step count in a time budget is not known
+//! in advance).
 //!
 //! Prints both accuracy curves at equal training minutes, writes both into one SVG
 //! (`target/learn_vs_trl/learn_vs_trl.svg`), and ends with RESULT lines:
@@ -31,7 +35,7 @@ use agentjet::model::ModelSource;
 type Curve = Vec<(f64, f64)>;
 
 /// learn_addition's default sampling temperature.
-const LEARN_ADDITION_TEMPERATURE: f64 = 1.0;
+const LEARN_ADDITION_TEMPERATURE: f64 = 1.2;
 
 fn flag<T: std::str::FromStr>(name: &str, default: T) -> anyhow::Result<T> {
     let v: Vec<String> = std::env::args().collect();

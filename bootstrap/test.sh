@@ -1,10 +1,24 @@
 #!/usr/bin/env bash
 # README command 2: set up this machine (once; with the reference tools some tests compare
-# against: HF transformers in the cached venv), check the code's form (rustfmt, clippy and
-# rustdoc, warnings denied), then run the whole test suite.
+# against: HF transformers in the cached venv; Chromium, jq and curl from Debian when
+# missing), check the code's form (rustfmt, clippy and rustdoc, warnings denied), then run
+# the whole test suite.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash bootstrap/setup.sh --reference
+# Debian packages the tests use, installed only when missing: Chromium (the dashboard test
+# opens the page in it, headless), jq and curl (the shell agents).
+missing=()
+command -v chromium >/dev/null || command -v chromium-browser >/dev/null || missing+=(chromium)
+command -v jq >/dev/null || missing+=(jq)
+command -v curl >/dev/null || missing+=(curl)
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "[test] installing from Debian's packages: ${missing[*]}"
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
 echo "[test] cargo fmt --check"
 cargo fmt --all -- --check
 echo "[test] cargo clippy --all-targets -- -D warnings"

@@ -28,15 +28,16 @@
 //! after `--steps` steps, `--minutes` of wall time or `--train-minutes` of training.
 //!
 //! ```text
-//! --steps N [1000]  --minutes M [55]  --tasks N [8]  --group N [8]  --lr X [1e-5]
+//! --steps N [1000]  --minutes M [60]  --tasks N [8]  --group N [8]  --lr X [1e-5]
 //! --max-tokens N [32]  --eval N [100]  --eval-every N [25]  --checkpoint-every N [25]
 //! --seed N [0]  --run-dir DIR  --resume  --loss grpo|dr_grpo|rloo [grpo]
-//! --temperature X [1.0]  --top-p X [1.0]  --ppo-epochs N [2]  --mini-batches N [1]
-//! --entropy-coef X [0]  --clip-high X [0.28]  --dynamic N [1]  --replay F [0]
-//! --train-minutes M  (stop after M minutes of training, held-out evaluations not counted)
-//! --lr-min-ratio R [1]  (cosine decay of the learning rate by training time, from --lr to
-//!   R x --lr at the end of --train-minutes (else --minutes); 1: constant. Counted from this
-//!   process's start, so a --resume decays again over its own budget)
+//! --temperature X [1.2]  --top-p X [1.0]  --ppo-epochs N [2]  --mini-batches N [1]
+//! --entropy-coef X [0]  --clip-high X [0.28]  --dynamic N [3]  --replay F [0]
+//! --train-minutes M [11/12 of --minutes]  (stop after M minutes of training, held-out
+//!   evaluations not counted)
+//! --lr-min-ratio R [0.1]  (cosine decay of the learning rate by training time, from --lr
+//!   to R x --lr at the end of --train-minutes; 1: constant. Counted from this process's
+//!   start, so a --resume decays again over its own budget)
 //! --bf16  (train with bfloat16 matrix products over float32 master weights)
 //! ```
 
@@ -140,9 +141,10 @@ fn parse_args() -> anyhow::Result<Args> {
             anyhow::bail!("unknown flag {:?} (see the example's docs)", v[i]);
         }
     }
+    let minutes = num("--minutes", get("--minutes"), 60.0)?;
     Ok(Args {
         steps: num("--steps", get("--steps"), 1000)?,
-        minutes: num("--minutes", get("--minutes"), 55.0)?,
+        minutes,
         tasks: num("--tasks", get("--tasks"), 8)?,
         group: num("--group", get("--group"), 8)?,
         lr: num("--lr", get("--lr"), 1e-5)?,
@@ -159,18 +161,22 @@ fn parse_args() -> anyhow::Result<Args> {
             .map(|s| s.parse().map_err(anyhow::Error::msg))
             .transpose()?
             .unwrap_or(AdvantageKind::Grpo),
-        temperature: num("--temperature", get("--temperature"), 1.0)?,
+        temperature: num("--temperature", get("--temperature"), 1.2)?,
         top_p: num("--top-p", get("--top-p"), 1.0)?,
         ppo_epochs: num("--ppo-epochs", get("--ppo-epochs"), 2)?,
         mini_batches: num("--mini-batches", get("--mini-batches"), 1)?,
         entropy_coef: num("--entropy-coef", get("--entropy-coef"), 0.0)?,
         clip_high: num("--clip-high", get("--clip-high"), 0.28)?,
-        dynamic: num("--dynamic", get("--dynamic"), 1)?,
+        dynamic: num("--dynamic", get("--dynamic"), 3)?,
         replay: num("--replay", get("--replay"), 0.0)?,
-        train_minutes: get("--train-minutes")
-            .map(|v| num("--train-minutes", Some(v), 0.0))
-            .transpose()?,
-        lr_min_ratio: match num("--lr-min-ratio", get("--lr-min-ratio"), 1.0)? {
+        // By default 11/12 of the wall time goes to training (the held-out evaluations
+        // take the rest): 55 of 60 minutes.
+        train_minutes: Some(num(
+            "--train-minutes",
+            get("--train-minutes"),
+            minutes * 11.0 / 12.0,
+        )?),
+        lr_min_ratio: match num("--lr-min-ratio", get("--lr-min-ratio"), 0.1)? {
             r if (0.0..=1.0).contains(&r) => r,
             r => anyhow::bail!("--lr-min-ratio must be within 0..=1, got {r}"),
         },

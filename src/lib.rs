@@ -14,9 +14,10 @@
 //! ```text
 //! server  client                 the roles, as a library
 //! facade  train  rpc             HTTP APIs · RL trainer · role protocols on swarm streams
+//! collective  dash               the training group's data plane · dashboard and /metrics
 //! engine  timeline               the model thread · token bookkeeping
 //! model   swarm                  decoder, loaders, tokenizer · libp2p node
-//! base                           Rng, Stop, the lock policy, file names
+//! base                           Rng, Stop, the lock policy, file names, SVG plots
 //! ```
 //!
 //! - [`base`]: the random generator, the stop signal (drain / abort) with task trackers,
@@ -37,6 +38,10 @@
 //! - [`rpc`]: what servers and clients say over swarm streams (infer, card, submit).
 //! - [`train`]: group buffer, advantages, GRPO-family losses, AdamW, the trainer,
 //!   checkpoints.
+//! - [`collective`]: the training group (membership epochs, ring all-reduce over sealed
+//!   links, DiLoCo's heartbeat pacing).
+//! - [`dash`]: the dashboard every peer serves (live view, curves, episodes, logs) and
+//!   its Prometheus `/metrics`; run directories as the dashboard and `runs` read them.
 //! - [`server`] and [`client`]: the roles.
 //!
 //! Only `model`, `engine`, `train`, `server` and `agentjet-kernels` touch LibTorch, and
@@ -46,6 +51,7 @@
 pub mod base;
 pub mod client;
 pub mod collective;
+pub mod dash;
 pub mod engine;
 pub mod facade;
 pub mod model;

@@ -237,6 +237,8 @@ async fn roles_run_in_process_and_a_stop_releases_them() {
             dtype: None,
             engine: Default::default(),
             http: None,
+            dashboard: None,
+            config_json: None,
             train: Some(Default::default()),
             limits: Default::default(),
             drain_timeout: Duration::from_secs(30),
@@ -263,6 +265,8 @@ async fn roles_run_in_process_and_a_stop_releases_them() {
             external: Vec::new(),
             job: None,
             drain_timeout: Duration::from_secs(30),
+            dashboard: None,
+            config_json: None,
         },
         &stop,
     )

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use agentjet::base::Rng;
 use agentjet::collective::group::{Action, GroupError, GroupNode, MemberState, Membership, Start};
-use agentjet::collective::Wire;
+use agentjet::collective::{BeatPacer, Wire};
 
 /// How the group trains.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,6 +51,8 @@ pub struct MemberConfig {
     /// Every this many group steps the members compare parameter hashes (0: never).
     pub hash_every: u64,
     pub heartbeat: Duration,
+    /// A round's bound (the group's): DiLoCo's heartbeat period stays under a quarter.
+    pub timeout: Duration,
     pub lr: f32,
 }
 
@@ -354,6 +356,7 @@ impl Member {
     }
 
     fn ring_loop(&mut self, m: &mut Membership) -> Ended {
+        let mut pacer = BeatPacer::new(self.cfg.heartbeat, self.cfg.timeout, Instant::now());
         loop {
             let every = self.every();
             let diloco = matches!(self.cfg.mode, Mode::Diloco { .. });
@@ -366,6 +369,11 @@ impl Member {
             if can_step {
                 self.inner_step();
             }
+            // DiLoCo between outer steps: heartbeats spaced as the server spaces them.
+            let more = diloco && self.inner_done() < every && !self.stopping();
+            if diloco && !pacer.due(more, Instant::now()) {
+                continue;
+            }
             let ready = if diloco {
                 (self.inner_done() >= every) as usize
             } else {
@@ -376,6 +384,7 @@ impl Member {
                 Ok(b) => b,
                 Err(e) => return Ended::Failed(e),
             };
+            pacer.beat(t0, Instant::now());
             self.progress.beats.fetch_add(1, Ordering::Relaxed);
             self.progress
                 .beat_micros

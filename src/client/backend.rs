@@ -28,6 +28,7 @@ use tracing::{info, warn};
 
 use super::ClientError;
 use crate::base::lock;
+use crate::base::prom::Prom;
 use crate::base::stop::{Stop, TaskTracker};
 use crate::engine::{EngineError, EngineEvent, GenerateRequest};
 use crate::facade::{Backend, ChoiceEvent, ChoiceStream, Route, SignedPart};
@@ -482,15 +483,15 @@ impl Backend for SwarmBackend {
         self.tasks.spawn(call.run(runs));
         Ok(rxs)
     }
-    fn metrics(&self) -> String {
-        let mut out = String::from("# TYPE agentjet_swarm_providers gauge\n");
+    fn metrics(&self, p: &mut Prom) {
         for m in self.model_ids() {
-            out.push_str(&format!(
-                "agentjet_swarm_providers{{model=\"{m}\"}} {}\n",
-                self.router.providers(&m).len()
-            ));
+            p.gauge(
+                "agentjet_swarm_providers",
+                "Providers of the model this client knows.",
+                &[("model", m.as_str())],
+                self.router.providers(&m).len() as f64,
+            );
         }
-        out
     }
 }
 

@@ -63,14 +63,123 @@ struct ModelStats {
     failed: usize,
 }
 
+/// A run's live figures (the progress line, the summary and the dashboard read them).
 #[derive(Default)]
-struct Stats {
+pub struct Stats {
     done: AtomicUsize,
     running: AtomicUsize,
     aborted: AtomicUsize,
     calls: AtomicU64,
     per_model: Mutex<BTreeMap<String, ModelStats>>,
     reasons: Mutex<BTreeMap<String, usize>>,
+    /// The episodes running now: id, task, source, start (Unix ms).
+    in_flight: Mutex<BTreeMap<String, (String, String, u64)>>,
+    per_source: Mutex<BTreeMap<String, SourceStats>>,
+}
+
+/// One task source's episodes: ended, aborted, and the rewards of the finished ones.
+#[derive(Default)]
+struct SourceStats {
+    ended: usize,
+    aborted: usize,
+    rewards: Vec<f64>,
+}
+
+/// The counts of a run so far.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Counts {
+    pub done: usize,
+    pub running: usize,
+    pub aborted: usize,
+    pub calls: u64,
+}
+
+impl Stats {
+    pub fn counts(&self) -> Counts {
+        Counts {
+            done: self.done.load(Ordering::Relaxed),
+            running: self.running.load(Ordering::Relaxed),
+            aborted: self.aborted.load(Ordering::Relaxed),
+            calls: self.calls.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Per model: (sum, count) of the rewards of finished episodes.
+    pub fn rewards(&self) -> Vec<(String, f64, usize)> {
+        lock(&self.per_model)
+            .iter()
+            .map(|(m, s)| (m.clone(), s.rewards.iter().sum(), s.rewards.len()))
+            .collect()
+    }
+
+    /// An ended episode's journal line, counted for its source.
+    fn count_source(&self, source: &str, line: &Value) {
+        let mut per = lock(&self.per_source);
+        let s = per.entry(source.to_string()).or_default();
+        s.ended += 1;
+        if line["status"] == "aborted" {
+            s.aborted += 1;
+        } else {
+            let rewards: Vec<f64> = match line["reward"].as_f64() {
+                Some(r) => vec![r],
+                None => line["rewards"]
+                    .as_object()
+                    .map(|m| m.values().filter_map(Value::as_f64).collect())
+                    .unwrap_or_default(),
+            };
+            if !rewards.is_empty() {
+                s.rewards
+                    .push(rewards.iter().sum::<f64>() / rewards.len() as f64);
+            }
+        }
+    }
+
+    /// What the client gossips beside its episode count (`PeerStatus::extra`, shown on
+    /// every peer's dashboard): episodes aborted, and per model and per task source the
+    /// mean reward of the last 32 finished episodes.
+    pub fn gossip_extra(&self) -> BTreeMap<String, String> {
+        let recent = |v: &[f64]| {
+            let w = &v[v.len().saturating_sub(32)..];
+            w.iter().sum::<f64>() / w.len().max(1) as f64
+        };
+        let mut out = BTreeMap::new();
+        out.insert(
+            "aborted".to_string(),
+            self.aborted.load(Ordering::Relaxed).to_string(),
+        );
+        for (m, s) in lock(&self.per_model).iter() {
+            if !s.rewards.is_empty() {
+                out.insert(format!("reward/{m}"), format!("{:.3}", recent(&s.rewards)));
+            }
+        }
+        for (src, s) in lock(&self.per_source).iter().take(16) {
+            let r = if s.rewards.is_empty() {
+                "-".to_string()
+            } else {
+                format!("{:.3}", recent(&s.rewards))
+            };
+            out.insert(
+                format!("source/{src}"),
+                format!("{} episodes, {} aborted, reward {r}", s.ended, s.aborted),
+            );
+        }
+        out
+    }
+
+    /// The episodes running now: (id, task, source, start in Unix ms).
+    pub fn in_flight(&self) -> Vec<(String, String, String, u64)> {
+        lock(&self.in_flight)
+            .iter()
+            .map(|(id, (task, source, t))| (id.clone(), task.clone(), source.clone(), *t))
+            .collect()
+    }
+}
+
+/// Milliseconds since the Unix epoch.
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 /// What a run did.
@@ -98,6 +207,7 @@ pub async fn run_episodes(
     mut schedule: Schedule,
     backend: Arc<SwarmBackend>,
     tracking: Tracking,
+    stats: Arc<Stats>,
     stop: Stop,
 ) -> Result<Summary, ClientError> {
     let logs = cfg.run_dir.join("episodes");
@@ -113,7 +223,6 @@ pub async fn run_episodes(
             .open(&journal_path)
             .map_err(|e| ClientError::io(&journal_path, e))?,
     ));
-    let stats = Arc::new(Stats::default());
     let sem = Arc::new(Semaphore::new(cfg.concurrency.max(1)));
     let t0 = Instant::now();
     println!(
@@ -132,17 +241,28 @@ pub async fn run_episodes(
         let every = cfg.progress_every;
         let total = cfg.groups * cfg.num_repeat;
         let limit = cfg.time_limit;
+        let run = crate::dash::RunRef::new(&cfg.run_dir, crate::dash::RunKind::Episodes);
         tokio::spawn(async move {
+            let mut plotted = Instant::now();
             loop {
                 tokio::time::sleep(every).await;
                 println!("{}", progress_line(&stats, t0, total, limit));
                 let _ = std::io::stdout().flush();
+                if plotted.elapsed() >= PLOT_EVERY {
+                    plotted = Instant::now();
+                    write_plots(&run);
+                }
             }
         })
     };
     let running = TaskTracker::new();
     'groups: for g in 0..cfg.groups {
-        let (_, task) = schedule.next_task();
+        let (source, task) = schedule.next_task();
+        // The source by its file name (no directory of this machine in the journal).
+        let source = schedule.sources()[source].name.clone();
+        let source = std::path::Path::new(&source)
+            .file_name()
+            .map_or(source.clone(), |f| f.to_string_lossy().into_owned());
         let group_id = format!("{}-g{g}-{}", cfg.run_id, task.id);
         for r in 0..cfg.num_repeat {
             let permit = tokio::select! {
@@ -159,6 +279,7 @@ pub async fn run_episodes(
                 id: format!("{}-g{g}-e{r}", cfg.run_id),
                 group_id: group_id.clone(),
                 task: task.clone(),
+                source: source.clone(),
                 group_size: cfg.num_repeat as u32,
             };
             backend.router.register_episode(&ep.id, &group_id);
@@ -172,15 +293,24 @@ pub async fn run_episodes(
                 cfg.dry_run,
             );
             let st = stop.clone();
+            let source = source.clone();
             running.spawn(async move {
                 let _permit = permit;
                 stats.running.fetch_add(1, Ordering::Relaxed);
                 let id = ep.id.clone();
+                lock(&stats.in_flight).insert(
+                    id.clone(),
+                    (ep.task.id.clone(), ep.source.clone(), unix_ms()),
+                );
                 let line = ep
                     .run(&agent, &backend, &tracking, &stats, &models, dry, &st)
                     .await;
                 backend.router.forget_episode(&id);
+                lock(&stats.in_flight).remove(&id);
                 stats.running.fetch_sub(1, Ordering::Relaxed);
+                stats.count_source(&source, &line);
+                let extra = stats.gossip_extra();
+                backend.swarm.set_status(|s| s.extra.extend(extra));
                 let _ = writeln!(lock(&journal), "{line}");
             });
         }
@@ -194,11 +324,25 @@ pub async fn run_episodes(
     running.close();
     running.wait().await;
     progress.abort();
+    write_plots(&crate::dash::RunRef::new(
+        &cfg.run_dir,
+        crate::dash::RunKind::Episodes,
+    ));
     println!(
         "{}",
         progress_line(&stats, t0, cfg.groups * cfg.num_repeat, cfg.time_limit)
     );
     Ok(summary(&stats, &cfg, t0, &tracking))
+}
+
+/// Between two rewrites of the run's plots while it runs.
+const PLOT_EVERY: Duration = Duration::from_secs(30);
+
+/// The run's curves as SVG files in `<run>/plots/` (a failure is logged, not fatal).
+fn write_plots(run: &crate::dash::RunRef) {
+    if let Err(e) = crate::dash::runs::write_plots(run) {
+        tracing::warn!("plots of {}: {e}", run.dir.display());
+    }
 }
 
 fn progress_line(stats: &Stats, t0: Instant, total: usize, limit: Option<Duration>) -> String {
@@ -323,6 +467,8 @@ struct EpisodeRun {
     id: String,
     group_id: String,
     task: Task,
+    /// The task source's file name.
+    source: String,
     group_size: u32,
 }
 
@@ -340,6 +486,7 @@ impl EpisodeRun {
         stop: &Stop,
     ) -> Value {
         let t0 = Instant::now();
+        let started_unix_ms = unix_ms();
         let tracker = tracking.tracker.clone();
         let id = self.id.clone();
         let external = tracking.external.clone();
@@ -487,10 +634,40 @@ impl EpisodeRun {
             EpisodeStatus::Aborted { reason } => ("aborted", Some(reason.clone())),
             _ => ("finished", None),
         };
+        // How each model's calls merged: calls that continued the timeline, and breaks.
+        let mut timeline = serde_json::Map::new();
+        for model in models {
+            if let Ok(t) = episode.timeline(model) {
+                if t.calls > 0 {
+                    timeline.insert(
+                        model.clone(),
+                        json!({"calls": t.calls, "continued": (t.calls - 1).saturating_sub(t.breaks), "breaks": t.breaks}),
+                    );
+                }
+            }
+        }
+        // The agent's (and grader's) log files, by name within the run's episodes/.
+        let safe = crate::base::safe_file_name(&self.id);
+        let logs: Vec<String> = [
+            "stdout",
+            "stderr",
+            "grader.stdout",
+            "grader.stderr",
+            "external.jsonl",
+        ]
+        .iter()
+        .map(|ext| format!("{safe}.{ext}"))
+        .filter(|f| agent.logs.join(f).is_file())
+        .collect();
         json!({
             "episode": self.id,
             "task": self.task.id,
+            "source": self.source,
             "group": self.group_id,
+            "started_unix_ms": started_unix_ms,
+            "ended_unix_ms": unix_ms(),
+            "timeline": timeline,
+            "logs": logs,
             "status": status,
             "reason": reason,
             "reward": episode.reward,

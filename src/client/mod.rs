@@ -13,6 +13,7 @@
 
 pub mod backend;
 pub mod curve;
+mod dash;
 pub mod episodes;
 pub mod runner;
 pub mod submit;
@@ -27,7 +28,7 @@ pub use backend::{fetch_card, CardError, SwarmBackend};
 use crate::base::stop::{wind_down, TaskTracker};
 use crate::base::Stop;
 use crate::facade::external::ExternalModel;
-use crate::facade::http::serve_until;
+use crate::facade::http::{serve_until, spawn_serve};
 use crate::facade::server::{router_tracked, FacadeConfig};
 use crate::swarm::{spawn_node, Multiaddr, PeerId, SwarmConfig, SwarmError, SwarmHandle};
 
@@ -49,6 +50,10 @@ pub struct ClientConfig {
     pub job: Option<EpisodeJob>,
     /// How long the proxy's requests may take to finish once the client stops.
     pub drain_timeout: Duration,
+    /// Serve the dashboard and `/metrics` at this `HOST:PORT` (none: no dashboard).
+    pub dashboard: Option<String>,
+    /// The effective configuration, written to the job's run directory as `config.json`.
+    pub config_json: Option<serde_json::Value>,
 }
 
 /// An agent to run on tasks.
@@ -86,6 +91,12 @@ pub enum ClientError {
     },
     #[error("stopped before the swarm was ready")]
     Stopped,
+    #[error("--dashboard {addr}: {source}")]
+    Dashboard {
+        addr: String,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("binding the proxy on 127.0.0.1:{port}: {source}")]
     Proxy {
         port: u16,
@@ -120,6 +131,8 @@ pub struct Client {
     /// The proxy's base URL (`http://127.0.0.1:PORT/v1`): what agents get as
     /// `OPENAI_BASE_URL`.
     pub proxy_url: String,
+    /// Where the dashboard answers, with `--dashboard`.
+    pub dashboard_addr: Option<std::net::SocketAddr>,
     stop: Stop,
     proxy_stop: Stop,
     drain_timeout: Duration,
@@ -240,6 +253,57 @@ async fn start(cfg: ClientConfig, stop: Stop) -> Result<Client, ClientError> {
             tracing::error!("the proxy stopped: {e}");
         }
     });
+    let stats = Arc::new(episodes::Stats::default());
+    // The job's run: its id and directory, with the effective configuration.
+    let run = cfg.job.as_ref().map(|job| {
+        let run_id = episodes::new_run_id();
+        let run_dir = job
+            .run_dir
+            .clone()
+            .unwrap_or_else(|| cfg.data_dir.join("runs").join(&run_id));
+        (run_id, run_dir)
+    });
+    if let (Some((_, dir)), Some(c)) = (&run, &cfg.config_json) {
+        let path = dir.join("config.json");
+        std::fs::create_dir_all(dir)
+            .and_then(|_| {
+                let text = serde_json::to_string_pretty(c).unwrap_or_default() + "\n";
+                crate::base::files::write_atomic(&path, text.as_bytes())
+            })
+            .map_err(|e| ClientError::io(&path, e))?;
+    }
+    let dashboard_addr = match &cfg.dashboard {
+        None => None,
+        Some(addr) => {
+            let source = dash::ClientDash {
+                backend: backend.clone(),
+                tracker: tracking.as_ref().map(|t| t.tracker.clone()),
+                stats: stats.clone(),
+                run: run.as_ref().map(|(id, dir)| {
+                    (
+                        crate::dash::RunRef::new(dir, crate::dash::RunKind::Episodes),
+                        id.clone(),
+                    )
+                }),
+                data_dir: cfg.data_dir.clone(),
+            };
+            let app = crate::dash::router(
+                Arc::new(source),
+                swarm.clone(),
+                "client",
+                proxy_stop.clone(),
+            );
+            let local = spawn_serve(addr, app, proxy_stop.clone(), &tasks, "dashboard")
+                .await
+                .map_err(|source| ClientError::Dashboard {
+                    addr: addr.clone(),
+                    source,
+                })?;
+            println!("dashboard at http://{local}/");
+            flush_stdout();
+            Some(local)
+        }
+    };
     let episodes = match cfg.job {
         None => None,
         Some(job) => {
@@ -262,11 +326,9 @@ async fn start(cfg: ClientConfig, stop: Stop) -> Result<Client, ClientError> {
                     }
                 });
             }
-            let run_id = episodes::new_run_id();
-            let run_dir = job
-                .run_dir
+            let (run_id, run_dir) = run
                 .clone()
-                .unwrap_or_else(|| cfg.data_dir.join("runs").join(&run_id));
+                .ok_or(ClientError::Config("a job without a run directory".into()))?;
             let run_cfg = episodes::RunConfig {
                 agent: runner::AgentSpec {
                     command: job.command.clone(),
@@ -290,6 +352,7 @@ async fn start(cfg: ClientConfig, stop: Stop) -> Result<Client, ClientError> {
                 job.schedule,
                 backend,
                 tracking,
+                stats,
                 episodes_stop,
             )))
         }
@@ -298,6 +361,7 @@ async fn start(cfg: ClientConfig, stop: Stop) -> Result<Client, ClientError> {
         peer_id: swarm.peer_id,
         listen_addrs,
         proxy_url,
+        dashboard_addr,
         stop,
         proxy_stop,
         drain_timeout: cfg.drain_timeout,

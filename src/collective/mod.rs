@@ -17,6 +17,7 @@
 
 pub mod group;
 pub mod link;
+pub mod pace;
 pub mod rendezvous;
 pub mod ring;
 pub mod seal;
@@ -25,6 +26,7 @@ pub use link::{
     Conn, LinkError, LinkListener, LinkNet, LinkOffer, LinkPort, LinkRead, LinkRx, LinkTx,
     LinkWrite, TcpLinks,
 };
+pub use pace::BeatPacer;
 pub use rendezvous::{ask_link, serve_links, LinkAsk, OfferBook, COLLECTIVE};
 pub use ring::{Ring, RingError, RoundStats, Wire};
 

@@ -12,6 +12,7 @@ use std::sync::Arc;
 use futures_util::{Stream, StreamExt};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
+use crate::base::prom::Prom;
 use crate::engine::{EngineError, EngineEvent, EngineHandle, GenerateRequest};
 use crate::model::ModelCard;
 
@@ -68,8 +69,8 @@ pub trait Backend: Send + Sync + 'static {
         n: usize,
         route: &Route,
     ) -> Result<Vec<ChoiceStream>, EngineError>;
-    /// Extra Prometheus lines (engine gauges and counters).
-    fn metrics(&self) -> String;
+    /// Its Prometheus metrics (engine gauges and counters).
+    fn metrics(&self, p: &mut Prom);
 }
 
 /// One model served by a local engine thread (what `agentjet-peer serve` runs).
@@ -109,43 +110,99 @@ impl Backend for LocalBackend {
             })
             .collect())
     }
-    fn metrics(&self) -> String {
+    fn metrics(&self, p: &mut Prom) {
         use std::sync::atomic::Ordering::Relaxed;
         let s = &self.engine.stats;
-        let m = &self.name;
-        format!(
-            "# TYPE agentjet_engine_running gauge\nagentjet_engine_running{{model=\"{m}\"}} {}\n\
-             # TYPE agentjet_engine_waiting gauge\nagentjet_engine_waiting{{model=\"{m}\"}} {}\n\
-             # TYPE agentjet_engine_kv_bytes gauge\nagentjet_engine_kv_bytes{{model=\"{m}\"}} {}\n\
-             # TYPE agentjet_engine_completed_total counter\nagentjet_engine_completed_total{{model=\"{m}\"}} {}\n\
-             # TYPE agentjet_engine_cancelled_total counter\nagentjet_engine_cancelled_total{{model=\"{m}\"}} {}\n\
-             # TYPE agentjet_engine_generated_tokens_total counter\nagentjet_engine_generated_tokens_total{{model=\"{m}\"}} {}\n\
-             # TYPE agentjet_engine_prefill_tokens_total counter\nagentjet_engine_prefill_tokens_total{{model=\"{m}\"}} {}\n\
-             # TYPE agentjet_engine_prefill_passes_total counter\nagentjet_engine_prefill_passes_total{{model=\"{m}\"}} {}\n\
-             # TYPE agentjet_policy_version gauge\nagentjet_policy_version{{model=\"{m}\"}} {}\n\
-             # TYPE agentjet_engine_kv_allocated_bytes gauge\nagentjet_engine_kv_allocated_bytes{{model=\"{m}\"}} {}\n\
-             # TYPE agentjet_prefix_cache_bytes gauge\nagentjet_prefix_cache_bytes{{model=\"{m}\"}} {}\n\
-             # TYPE agentjet_prefix_cache_lookups_total counter\nagentjet_prefix_cache_lookups_total{{model=\"{m}\"}} {}\n\
-             # TYPE agentjet_prefix_cache_hits_total counter\nagentjet_prefix_cache_hits_total{{model=\"{m}\"}} {}\n\
-             # TYPE agentjet_prefix_cache_reused_tokens_total counter\nagentjet_prefix_cache_reused_tokens_total{{model=\"{m}\"}} {}\n\
-             # TYPE agentjet_prefix_cache_evictions_total counter\nagentjet_prefix_cache_evictions_total{{model=\"{m}\"}} {}\n\
-             # TYPE agentjet_prefix_cache_invalidated_tokens_total counter\nagentjet_prefix_cache_invalidated_tokens_total{{model=\"{m}\"}} {}\n",
-            s.running.load(Relaxed),
-            s.waiting.load(Relaxed),
-            s.kv_bytes.load(Relaxed),
-            s.completed.load(Relaxed),
-            s.cancelled.load(Relaxed),
-            s.generated_tokens.load(Relaxed),
-            s.prefill_tokens.load(Relaxed),
-            s.prefill_passes.load(Relaxed),
-            s.policy_version.load(Relaxed),
-            s.kv_allocated_bytes.load(Relaxed),
-            s.prefix_bytes.load(Relaxed),
-            s.prefix_lookups.load(Relaxed),
-            s.prefix_hits.load(Relaxed),
-            s.prefix_reused_tokens.load(Relaxed),
-            s.prefix_evictions.load(Relaxed),
-            s.prefix_invalidated_positions.load(Relaxed),
-        )
+        let l = [("model", self.name.as_str())];
+        let gauges = [
+            (
+                "agentjet_engine_running",
+                "Sequences decoding.",
+                s.running.load(Relaxed) as f64,
+            ),
+            (
+                "agentjet_engine_waiting",
+                "Requests waiting for a slot.",
+                s.waiting.load(Relaxed) as f64,
+            ),
+            (
+                "agentjet_engine_kv_bytes",
+                "Bytes of keys and values in use.",
+                s.kv_bytes.load(Relaxed) as f64,
+            ),
+            (
+                "agentjet_policy_version",
+                "The policy version served.",
+                s.policy_version.load(Relaxed) as f64,
+            ),
+            (
+                "agentjet_engine_kv_allocated_bytes",
+                "Bytes of the KV pool allocated.",
+                s.kv_allocated_bytes.load(Relaxed) as f64,
+            ),
+            (
+                "agentjet_prefix_cache_bytes",
+                "Bytes the prefix cache holds.",
+                s.prefix_bytes.load(Relaxed) as f64,
+            ),
+        ];
+        for (name, help, v) in gauges {
+            p.gauge(name, help, &l, v);
+        }
+        let counters = [
+            (
+                "agentjet_engine_completed_total",
+                "Generations completed.",
+                s.completed.load(Relaxed) as f64,
+            ),
+            (
+                "agentjet_engine_cancelled_total",
+                "Generations cancelled.",
+                s.cancelled.load(Relaxed) as f64,
+            ),
+            (
+                "agentjet_engine_generated_tokens_total",
+                "Tokens generated.",
+                s.generated_tokens.load(Relaxed) as f64,
+            ),
+            (
+                "agentjet_engine_prefill_tokens_total",
+                "Prompt tokens prefilled.",
+                s.prefill_tokens.load(Relaxed) as f64,
+            ),
+            (
+                "agentjet_engine_prefill_passes_total",
+                "Prefill passes.",
+                s.prefill_passes.load(Relaxed) as f64,
+            ),
+            (
+                "agentjet_prefix_cache_lookups_total",
+                "Prefix cache lookups.",
+                s.prefix_lookups.load(Relaxed) as f64,
+            ),
+            (
+                "agentjet_prefix_cache_hits_total",
+                "Prefix cache lookups that found a prefix.",
+                s.prefix_hits.load(Relaxed) as f64,
+            ),
+            (
+                "agentjet_prefix_cache_reused_tokens_total",
+                "Prompt tokens taken from the prefix cache.",
+                s.prefix_reused_tokens.load(Relaxed) as f64,
+            ),
+            (
+                "agentjet_prefix_cache_evictions_total",
+                "Prefix cache evictions.",
+                s.prefix_evictions.load(Relaxed) as f64,
+            ),
+            (
+                "agentjet_prefix_cache_invalidated_tokens_total",
+                "Cached positions invalidated by a new policy version.",
+                s.prefix_invalidated_positions.load(Relaxed) as f64,
+            ),
+        ];
+        for (name, help, v) in counters {
+            p.counter(name, help, &l, v);
+        }
     }
 }

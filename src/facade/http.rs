@@ -19,3 +19,22 @@ pub async fn serve_until(listener: TcpListener, app: Router, stop: Stop) -> std:
         _ = stop.aborted() => Ok(()),
     }
 }
+
+/// Binds `addr` and serves `app` on it until `stop`, as a task of `tasks`: the address
+/// it answers at. `what` names the service in the error logged if it fails.
+pub async fn spawn_serve(
+    addr: &str,
+    app: Router,
+    stop: Stop,
+    tasks: &crate::base::stop::TaskTracker,
+    what: &'static str,
+) -> std::io::Result<std::net::SocketAddr> {
+    let listener = TcpListener::bind(addr).await?;
+    let local = listener.local_addr()?;
+    tasks.spawn(async move {
+        if let Err(e) = serve_until(listener, app, stop).await {
+            tracing::error!("the {what} stopped: {e}");
+        }
+    });
+    Ok(local)
+}

@@ -21,6 +21,7 @@
 //! its step and saves its checkpoint; then the swarm node stops. Past the drain timeout,
 //! or on an abort, what still runs is cancelled.
 
+mod dash;
 mod group_loop;
 mod group_state;
 pub mod infer;
@@ -43,7 +44,7 @@ use crate::base::safe_file_name;
 use crate::base::stop::{wind_down, TaskTracker};
 use crate::base::{Stop, StopMode};
 use crate::engine::{spawn_engine, EngineConfig};
-use crate::facade::http::serve_until;
+use crate::facade::http::{serve_until, spawn_serve};
 use crate::facade::server::{router, FacadeConfig};
 use crate::facade::LocalBackend;
 use crate::model::checkpoint::{load_model, parse_placement};
@@ -67,6 +68,10 @@ pub struct ServerConfig {
     pub engine: EngineConfig,
     /// Also serve the OpenAI-compatible HTTP API at this `HOST:PORT`.
     pub http: Option<String>,
+    /// Serve the dashboard and `/metrics` at this `HOST:PORT` (none: no dashboard).
+    pub dashboard: Option<String>,
+    /// The effective configuration, written to the run directory as `config.json`.
+    pub config_json: Option<serde_json::Value>,
     /// Train on submitted episodes (`None`: serve only).
     pub train: Option<TrainSettings>,
     pub limits: ServeLimits,
@@ -101,6 +106,12 @@ pub enum ServerError {
     Card(#[from] ModelError),
     #[error("encoding the model card: {0}")]
     Encode(String),
+    #[error("--dashboard {addr}: {source}")]
+    Dashboard {
+        addr: String,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("--http {addr}: {source}")]
     Http {
         addr: String,
@@ -127,6 +138,8 @@ pub struct Server {
     pub listen_addrs: Vec<Multiaddr>,
     /// Where the OpenAI-compatible API answers, with `--http`.
     pub http_addr: Option<SocketAddr>,
+    /// Where the dashboard answers.
+    pub dashboard_addr: Option<SocketAddr>,
     /// The name the swarm knows the model by.
     pub model: String,
     pub served: Arc<ServedModel>,
@@ -203,9 +216,19 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
         stop.clone(),
         tasks.clone(),
     )?;
+    let run_dir = cfg.data_dir.join("runs").join(safe_file_name(&name));
+    if let (Some(c), true) = (&cfg.config_json, train) {
+        let path = run_dir.join("config.json");
+        std::fs::create_dir_all(&run_dir)
+            .and_then(|_| {
+                let text = serde_json::to_string_pretty(c).unwrap_or_default() + "\n";
+                crate::base::files::write_atomic(&path, text.as_bytes())
+            })
+            .map_err(|e| ServerError::io(&path, e))?;
+    }
     let training = match (cfg.train.clone(), train_model) {
         (Some(settings), Some(model)) => {
-            let run_dir = cfg.data_dir.join("runs").join(safe_file_name(&name));
+            let run_dir = run_dir.clone();
             let served = served.clone();
             let rt = tokio::runtime::Handle::current();
             // Group links listen where the swarm does.
@@ -223,6 +246,31 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
     };
     served.start().await?;
     println!("serving model {name:?} to the swarm");
+    let dashboard_addr = match &cfg.dashboard {
+        None => None,
+        Some(addr) => {
+            let source = dash::ServerDash {
+                backend: LocalBackend {
+                    name: name.clone(),
+                    card: card.clone(),
+                    engine: engine.clone(),
+                    max_context,
+                },
+                served: served.clone(),
+                data_dir: cfg.data_dir.clone(),
+                run: train.then(|| dash::ServerDash::training_run(&run_dir)),
+            };
+            let app = crate::dash::router(Arc::new(source), swarm.clone(), "server", stop.clone());
+            let local = spawn_serve(addr, app, stop.clone(), &tasks, "dashboard")
+                .await
+                .map_err(|source| ServerError::Dashboard {
+                    addr: addr.clone(),
+                    source,
+                })?;
+            println!("dashboard at http://{local}/");
+            Some(local)
+        }
+    };
     let http_addr = match &cfg.http {
         None => None,
         Some(addr) => {
@@ -263,6 +311,7 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
         peer_id: swarm.peer_id,
         listen_addrs,
         http_addr,
+        dashboard_addr,
         model: name,
         served,
         stop,

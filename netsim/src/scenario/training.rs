@@ -212,6 +212,7 @@ pub async fn run_mode(env: &Env, a: &Args, mode: Mode) -> anyhow::Result<Outcome
         wire: a.wire,
         hash_every: 10,
         heartbeat: Duration::from_millis(500),
+        timeout: a.timeout,
         lr: 1e-2,
     };
     let lag = LagProbe::start(Duration::from_millis(100));
@@ -286,10 +287,14 @@ pub async fn run_mode(env: &Env, a: &Args, mode: Mode) -> anyhow::Result<Outcome
     };
     while start.elapsed() < a.duration {
         tokio::time::sleep(Duration::from_millis(500)).await;
-        curve.push((
-            start.elapsed().as_secs_f64(),
-            gsteps_now(&ms).saturating_sub(gsteps0) as f64,
-        ));
+        // The curve: a point every 5 s (group steps take tens of seconds).
+        let t = start.elapsed().as_secs_f64();
+        if curve
+            .last()
+            .is_none_or(|&(t0, _): &(f64, f64)| t - t0 >= 5.0)
+        {
+            curve.push((t, gsteps_now(&ms).saturating_sub(gsteps0) as f64));
+        }
         if crashed < crash_at.len() && start.elapsed() >= crash_at[crashed] {
             // A member (not the first, by index: the seed picks which) dies without a
             // goodbye; a new server takes its place at once.

@@ -36,7 +36,8 @@ Examples:
   agentjet-peer --role client --bootstrap /ip4/127.0.0.1/udp/4001/quic-v1/p2p/<peer id> --proxy-port 8080
   agentjet-peer status --bootstrap /ip4/127.0.0.1/udp/4001/quic-v1/p2p/<peer id>";
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Role {
     /// Host trainable models on this machine (GPU or CPU) and train them.
     Server,
@@ -79,7 +80,7 @@ pub struct Cli {
 }
 
 /// Flags every role has: where it listens, whom it joins, who it is.
-#[derive(Debug, Clone, clap::Args)]
+#[derive(Debug, Clone, clap::Args, serde::Serialize)]
 pub struct SwarmArgs {
     /// Address to listen on (repeatable). Default: QUIC and TCP on all interfaces, port
     /// 4001 for servers and plain peers, a free port for clients.
@@ -123,7 +124,7 @@ pub struct SwarmArgs {
 }
 
 /// What every role's command line has: the role, the log filter, the swarm flags.
-#[derive(Debug, Clone, clap::Args)]
+#[derive(Debug, Clone, clap::Args, serde::Serialize)]
 pub struct RoleCommon {
     #[arg(long, value_enum)]
     pub role: Role,
@@ -135,7 +136,7 @@ pub struct RoleCommon {
 }
 
 /// `agentjet-peer --role server`.
-#[derive(Debug, Parser)]
+#[derive(Debug, Parser, serde::Serialize)]
 #[command(
     name = "agentjet-peer --role server",
     about = "Host a model and train it"
@@ -158,6 +159,13 @@ pub struct ServerCli {
     /// Also serve the OpenAI-compatible HTTP API at HOST:PORT.
     #[arg(long, value_name = "HOST:PORT")]
     pub http: Option<String>,
+    /// Serve the dashboard (and Prometheus /metrics) at HOST:PORT; port 0 takes a free
+    /// one. The address is printed at start.
+    #[arg(long, value_name = "HOST:PORT", default_value = "127.0.0.1:0")]
+    pub dashboard: String,
+    /// Serve no dashboard.
+    #[arg(long)]
+    pub no_dashboard: bool,
     #[command(flatten)]
     pub engine: EngineArgs,
     /// Serve only, do not train on submitted episodes.
@@ -242,7 +250,7 @@ pub struct ServerCli {
 }
 
 /// `agentjet-peer --role client`.
-#[derive(Debug, Parser)]
+#[derive(Debug, Parser, serde::Serialize)]
 #[command(
     name = "agentjet-peer --role client",
     about = "Run an agent on tasks against the swarm's models"
@@ -299,6 +307,10 @@ pub struct ClientCli {
     /// Where episode logs and the summary go (default: <data-dir>/runs/<time>).
     #[arg(long)]
     pub run_dir: Option<PathBuf>,
+    /// Serve the dashboard (and Prometheus /metrics) at HOST:PORT, e.g. 127.0.0.1:0
+    /// (a free port; the address is printed at start).
+    #[arg(long, value_name = "HOST:PORT")]
+    pub dashboard: Option<String>,
 }
 
 /// `agentjet-peer --role peer`.
@@ -313,7 +325,7 @@ pub struct PeerCli {
 }
 
 /// The engine's bounds (`serve` and `--role server`).
-#[derive(Debug, Clone, clap::Args)]
+#[derive(Debug, Clone, clap::Args, serde::Serialize)]
 pub struct EngineArgs {
     /// Sequences decoded together at most.
     #[arg(long, default_value_t = 32)]
@@ -446,6 +458,13 @@ pub enum Command {
         #[arg(long)]
         out: PathBuf,
     },
+    /// List the runs in data directories (training runs and client jobs) with their
+    /// last figures.
+    Runs {
+        /// A peer's data directory (repeatable; default: the server's and the client's).
+        #[arg(long = "data-dir")]
+        data_dirs: Vec<PathBuf>,
+    },
     /// Print what a model is: architecture, sizes, special tokens, chat template.
     Info {
         /// `smollm2`, a GGUF file, or an HF model directory.
@@ -477,9 +496,14 @@ pub fn parse_addrs(flag: &str, addrs: &[String]) -> Result<Vec<Multiaddr>> {
 impl SwarmArgs {
     /// The peer's data directory (`--data-dir`, else `~/.local/share/agentjet/<role>`).
     pub fn data_dir(&self, role: &str) -> PathBuf {
-        if let Some(d) = &self.data_dir {
-            return d.clone();
+        match &self.data_dir {
+            Some(d) => d.clone(),
+            None => SwarmArgs::default_data_dir(role),
         }
+    }
+
+    /// A role's data directory when `--data-dir` is not given.
+    pub fn default_data_dir(role: &str) -> PathBuf {
         let base = std::env::var_os("XDG_DATA_HOME")
             .map(PathBuf::from)
             .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".local/share")))
@@ -582,6 +606,8 @@ impl ClientCli {
             external,
             job,
             drain_timeout: secs("drain-timeout", self.common.swarm.drain_timeout)?,
+            dashboard: self.dashboard.clone(),
+            config_json: serde_json::to_value(self).ok(),
         })
     }
 }

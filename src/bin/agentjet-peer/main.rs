@@ -192,6 +192,7 @@ fn run_tool(cli: Cli) -> Result<()> {
             Ok(())
         }
         Some(Command::Info { model }) => tools::info(&model),
+        Some(Command::Runs { data_dirs }) => tools::runs(&data_dirs),
         #[cfg(feature = "torch")]
         Some(Command::Generate {
             model,

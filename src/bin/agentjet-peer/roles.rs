@@ -112,6 +112,8 @@ mod torch {
                 dtype: self.dtype.clone(),
                 engine: self.engine.config(),
                 http: self.http.clone(),
+                dashboard: (!self.no_dashboard).then(|| self.dashboard.clone()),
+                config_json: serde_json::to_value(self).ok(),
                 train,
                 limits: ServeLimits::default(),
                 drain_timeout: secs("drain-timeout", self.common.swarm.drain_timeout)?,

@@ -41,6 +41,76 @@ pub fn info(spec: &str) -> Result<()> {
 }
 
 /// `agentjet-peer status`: joins, listens to the status gossip, prints the table.
+/// `runs`: every run under the data directories, with its last figures.
+pub fn runs(data_dirs: &[std::path::PathBuf]) -> Result<()> {
+    use agentjet::dash::runs::{scan, summary};
+    use agentjet::dash::RunKind;
+    let dirs: Vec<std::path::PathBuf> = if data_dirs.is_empty() {
+        let default = crate::args::SwarmArgs::default_data_dir;
+        vec![default("server"), default("client")]
+    } else {
+        data_dirs.to_vec()
+    };
+    let fmt = |v: &serde_json::Value, digits: usize| {
+        v.as_f64()
+            .map_or("-".to_string(), |x| format!("{x:.digits$}"))
+    };
+    let mut any = false;
+    for dir in &dirs {
+        let runs = scan(dir);
+        if runs.is_empty() {
+            continue;
+        }
+        any = true;
+        println!("{}", dir.display());
+        println!(
+            "  {:<28} {:<8} {:>8} {:>9} {:>9} {:>9} {:>9}  UPDATED",
+            "RUN", "KIND", "STEPS", "REWARD", "LOSS", "ENTROPY", "ACCURACY"
+        );
+        for run in runs {
+            let s = summary(&run);
+            let updated = s["updated_unix"]
+                .as_u64()
+                .map(|t| {
+                    let now = std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(t, |d| d.as_secs());
+                    format!("{} s ago", now.saturating_sub(t))
+                })
+                .unwrap_or_else(|| "-".into());
+            match run.kind {
+                RunKind::Train => println!(
+                    "  {:<28} {:<8} {:>8} {:>9} {:>9} {:>9} {:>9}  {updated}",
+                    run.name,
+                    "train",
+                    fmt(&s["steps"], 0),
+                    fmt(&s["reward_mean"], 3),
+                    fmt(&s["loss"], 4),
+                    fmt(&s["entropy"], 3),
+                    fmt(&s["accuracy"], 3),
+                ),
+                RunKind::Episodes => println!(
+                    "  {:<28} {:<8} {:>8} {:>9} {:>9} {:>9} {:>9}  {updated} ({} episodes, {} aborted)",
+                    run.name,
+                    "client",
+                    "-",
+                    fmt(&s["reward_recent"], 3),
+                    "-",
+                    "-",
+                    "-",
+                    s["episodes"],
+                    s["aborted"],
+                ),
+            }
+        }
+    }
+    if !any {
+        let list: Vec<String> = dirs.iter().map(|d| d.display().to_string()).collect();
+        println!("no runs in {}", list.join(", "));
+    }
+    Ok(())
+}
+
 pub async fn status(bootstrap: &[String], key: Option<&Path>, wait: f64) -> Result<()> {
     let mut cfg = SwarmConfig::new(WireRole::Client, swarm::Keypair::generate_ed25519());
     cfg.listen = vec!["/ip4/0.0.0.0/udp/0/quic-v1".parse()?];

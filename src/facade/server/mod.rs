@@ -42,6 +42,7 @@ use super::text::{parse_tool_calls, StopMatcher};
 use super::track::{ChoiceRecord, Outcome, Tracker};
 use super::types::*;
 use crate::base::lock;
+use crate::base::prom::Prom;
 use crate::base::stop::TaskTracker;
 use crate::engine::{
     Constraint, EngineError, EngineEvent, FinishReason, GenerateRequest, SamplingParams,
@@ -304,37 +305,54 @@ pub(super) async fn health(State(st): State<Arc<AppState>>) -> Response {
 }
 
 pub(super) async fn metrics(State(st): State<Arc<AppState>>) -> Response {
-    let text = format!(
-        "# TYPE agentjet_http_requests_total counter\nagentjet_http_requests_total {}\n# TYPE agentjet_http_errors_total counter\nagentjet_http_errors_total {}\n{}",
-        st.requests.load(Ordering::Relaxed),
-        st.errors.load(Ordering::Relaxed),
-        st.backend.metrics()
+    let mut p = Prom::new();
+    p.counter(
+        "agentjet_http_requests_total",
+        "Requests to this API.",
+        &[],
+        st.requests.load(Ordering::Relaxed) as f64,
     );
-    let mut text = text;
+    p.counter(
+        "agentjet_http_errors_total",
+        "Requests to this API answered with an error.",
+        &[],
+        st.errors.load(Ordering::Relaxed) as f64,
+    );
+    st.backend.metrics(&mut p);
     if let Some(t) = &st.tracker {
-        text.push_str("# TYPE agentjet_timeline_calls_total counter\n");
-        for (model, c) in t.counts() {
-            for (outcome, n) in [
-                ("first", c.first),
-                ("continued", c.continued),
-                ("break", c.breaks),
-            ] {
-                text.push_str(&format!(
-                    "agentjet_timeline_calls_total{{model=\"{model}\",outcome=\"{outcome}\"}} {n}\n"
-                ));
-            }
-        }
-        text.push_str(&format!(
-            "# TYPE agentjet_tracked_episodes gauge\nagentjet_tracked_episodes {}\n",
-            t.episodes()
-        ));
+        tracking_metrics(t, &mut p);
     }
     (
         [(
             axum::http::header::CONTENT_TYPE,
             "text/plain; version=0.0.4",
         )],
-        text,
+        p.render(),
     )
         .into_response()
+}
+
+/// The tracker's figures: calls by how they joined their episode's timeline, and the
+/// episodes tracked now.
+pub fn tracking_metrics(t: &Tracker, p: &mut Prom) {
+    for (model, c) in t.counts() {
+        for (outcome, n) in [
+            ("first", c.first),
+            ("continued", c.continued),
+            ("break", c.breaks),
+        ] {
+            p.counter(
+                "agentjet_timeline_calls_total",
+                "Tracked calls: an episode's first, one that continued its timeline, or a break.",
+                &[("model", model.as_str()), ("outcome", outcome)],
+                n as f64,
+            );
+        }
+    }
+    p.gauge(
+        "agentjet_tracked_episodes",
+        "Episodes the proxy tracks now.",
+        &[],
+        t.episodes() as f64,
+    );
 }

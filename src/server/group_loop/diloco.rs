@@ -1,9 +1,11 @@
 //! DiLoCo mode of a group member (`--sync-every H`): inner steps on this member's own
 //! episodes, then an outer step with the whole group (see [`crate::train::outer`]).
 //!
-//! Between heartbeats a member takes at most one inner step (its own AdamW, its own loss
-//! normalisation, no all-reduce) until it has taken `H` since the last outer step; then it
-//! waits, its groups buffered. Heartbeats count the members at `H`; when all are, the
+//! A member takes inner steps (its own AdamW, its own loss normalisation, no all-reduce)
+//! until it has taken `H` since the last outer step; then it waits, its groups buffered.
+//! While it can step it heartbeats only every few heartbeat rounds' time
+//! ([`crate::collective::pace`]), at once when it cannot (at `H`, no data, stopping).
+//! Heartbeats count the members at `H`; when all are, the
 //! outer round runs on the same three rounds as a synchronous step (a weight, the deltas,
 //! the commit), and the same recovery rule holds: no member applies an outer step another
 //! did not, and a failed one is retried from the deltas the members hold (a member that
@@ -19,13 +21,14 @@
 //! one): inner steps after it are lost with a restart, and their episodes trained again.
 
 use std::io::Write;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tch::Tensor;
 use tracing::info;
 
 use super::{hex8, Ended, MemberLoop};
 use crate::collective::group::{GroupError, Membership};
+use crate::collective::BeatPacer;
 use crate::server::group_state::parameter_hash;
 use crate::server::train::append_consumed;
 use crate::server::TrainingError;
@@ -94,12 +97,17 @@ impl MemberLoop<'_> {
             .saturating_sub(self.trainer.version() * self.every())
     }
 
+    /// Whether an inner step can start now: fewer than `H` since the last outer step, and
+    /// a batch's groups at hand.
+    fn can_inner_step(&self) -> bool {
+        self.inner_done() < self.every() && self.ready.len() >= self.s.groups_per_step.max(1)
+    }
+
     pub(super) fn diloco_loop(&mut self, m: &mut Membership) -> Ended {
         let every = self.every();
+        let mut pacer = BeatPacer::new(self.cs().heartbeat, self.cs().timeout, Instant::now());
         loop {
-            let can_step =
-                self.inner_done() < every && self.ready.len() >= self.s.groups_per_step.max(1);
-            if can_step {
+            if self.can_inner_step() {
                 self.pump(Duration::ZERO);
             } else if m.size() == 1 {
                 self.pump_until_input(self.cs().heartbeat);
@@ -107,16 +115,22 @@ impl MemberLoop<'_> {
                 self.pump(self.cs().heartbeat);
             }
             self.take_ready();
-            if self.inner_done() < every && self.ready.len() >= self.s.groups_per_step.max(1) {
+            if self.can_inner_step() {
                 if let Err(e) = self.inner_step() {
                     return Ended::Failed(GroupError::Refused(format!("an inner step: {e}")));
                 }
             }
+            let more = self.can_inner_step() && self.stop.is_none();
+            if !pacer.due(more, Instant::now()) {
+                continue;
+            }
             let at_h = (self.inner_done() >= every) as usize;
+            let started = Instant::now();
             let beat = match self.node.heartbeat(m, at_h, self.stop.is_some()) {
                 Ok(b) => b,
                 Err(e) => return Ended::Failed(e),
             };
+            pacer.beat(started, Instant::now());
             if beat.dissolve {
                 return Ended::Dissolved;
             }

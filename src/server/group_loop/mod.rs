@@ -719,6 +719,13 @@ impl<'a> MemberLoop<'a> {
             let svg = crate::train::plot::reward_svg(&title, &all, None);
             let _ = std::fs::write(self.run_dir.dir.join("reward.svg"), svg);
         }
+        // Every curve as its own SVG in `plots/` (each step at first, then every tenth).
+        if m.step <= 20 || m.step % 10 == 0 {
+            let run = crate::dash::RunRef::new(&self.run_dir.dir, crate::dash::RunKind::Train);
+            if let Err(e) = crate::dash::runs::write_plots(&run) {
+                warn!("plots of {}: {e}", run.dir.display());
+            }
+        }
         Ok(())
     }
 

@@ -1,0 +1,118 @@
+//! What a server shows on its dashboard ([`crate::dash`]): its model's training run, the
+//! engine's metrics and the trainer's last figures.
+
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use serde_json::{json, Value};
+
+use super::ServedModel;
+use crate::dash::runs::{read_lines, scan};
+use crate::dash::{DashSource, Prom, RunKind, RunRef};
+use crate::facade::{Backend, LocalBackend};
+
+pub(super) struct ServerDash {
+    pub backend: LocalBackend,
+    pub served: Arc<ServedModel>,
+    pub data_dir: PathBuf,
+    /// The model's training run (none: serving only).
+    pub run: Option<RunRef>,
+}
+
+/// Figures of the last line of `metrics.jsonl` a scrape reports (metric, help, field).
+const TRAIN_GAUGES: &[(&str, &str, &str)] = &[
+    (
+        "agentjet_train_reward_mean",
+        "Mean reward of the last step's episodes.",
+        "reward_mean",
+    ),
+    ("agentjet_train_loss", "Loss of the last step.", "loss"),
+    (
+        "agentjet_train_kl",
+        "KL to the reference policy at the last step.",
+        "kl",
+    ),
+    (
+        "agentjet_train_entropy",
+        "Entropy of the last step's trained tokens (nats/token).",
+        "entropy",
+    ),
+    (
+        "agentjet_train_clip_fraction",
+        "Share of tokens whose ratio was clipped at the last step.",
+        "clip_frac",
+    ),
+    (
+        "agentjet_train_grad_norm",
+        "Gradient norm of the last step.",
+        "grad_norm",
+    ),
+    (
+        "agentjet_train_tokens_per_second",
+        "Trained tokens per second of the last step.",
+        "tokens_per_s",
+    ),
+    (
+        "agentjet_train_group_members",
+        "Members of the training group at the last step.",
+        "members",
+    ),
+];
+
+impl ServerDash {
+    fn last_line(&self) -> Option<Value> {
+        let run = self.run.as_ref()?;
+        // The tail is enough for the last line.
+        read_lines(&run.points_path(), 0, 64 << 10)
+            .ok()?
+            .points
+            .pop()
+    }
+}
+
+impl DashSource for ServerDash {
+    fn live(&self) -> Value {
+        json!({
+            "kind": "server",
+            "model": self.served.name,
+            "run": self.run.as_ref().map(|r| r.name.clone()),
+            "train_step": self.served.train_step.load(Ordering::Relaxed),
+        })
+    }
+
+    fn runs(&self) -> Vec<RunRef> {
+        let mut out: Vec<RunRef> = self.run.iter().cloned().collect();
+        for r in scan(&self.data_dir) {
+            if !out.iter().any(|o| o.name == r.name) {
+                out.push(r);
+            }
+        }
+        out
+    }
+
+    fn metrics(&self, p: &mut Prom) {
+        self.backend.metrics(p);
+        let model = [("model", self.served.name.as_str())];
+        p.counter(
+            "agentjet_train_steps_total",
+            "Optimizer steps this server's trainer took (DiLoCo: inner steps).",
+            &model,
+            self.served.train_step.load(Ordering::Relaxed) as f64,
+        );
+        if let Some(last) = self.last_line() {
+            for (name, help, field) in TRAIN_GAUGES {
+                if let Some(v) = last[*field].as_f64() {
+                    p.gauge(name, help, &model, v);
+                }
+            }
+        }
+    }
+}
+
+impl ServerDash {
+    /// The run directory of a training server's model, as the dashboard names it.
+    pub fn training_run(dir: &std::path::Path) -> RunRef {
+        RunRef::new(dir, RunKind::Train)
+    }
+}
