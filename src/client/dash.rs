@@ -9,7 +9,7 @@ use serde_json::{json, Value};
 
 use super::backend::SwarmBackend;
 use super::episodes::Stats;
-use crate::dash::runs::scan;
+use crate::dash::runs::with_scanned;
 use crate::dash::{DashSource, Prom, RunRef};
 use crate::facade::server::tracking_metrics;
 use crate::facade::track::Tracker;
@@ -54,13 +54,10 @@ impl DashSource for ClientDash {
     }
 
     fn runs(&self) -> Vec<RunRef> {
-        let mut out: Vec<RunRef> = self.run.iter().map(|(r, _)| r.clone()).collect();
-        for r in scan(&self.data_dir) {
-            if !out.iter().any(|o| o.name == r.name) {
-                out.push(r);
-            }
-        }
-        out
+        with_scanned(
+            self.run.iter().map(|(r, _)| r.clone()).collect(),
+            &self.data_dir,
+        )
     }
 
     fn metrics(&self, p: &mut Prom) {

@@ -86,6 +86,16 @@ pub fn scan(data_dir: &Path) -> Vec<RunRef> {
     out
 }
 
+/// `own` runs first, then every other run under `<data_dir>/runs/` (a name once).
+pub fn with_scanned(mut own: Vec<RunRef>, data_dir: &Path) -> Vec<RunRef> {
+    for r in scan(data_dir) {
+        if !own.iter().any(|o| o.name == r.name) {
+            own.push(r);
+        }
+    }
+    own
+}
+
 /// Complete lines of a points file read from byte `from`: the parsed lines, the offset
 /// after the last complete one, and whether the file was cut back (a resumed run rewinds
 /// `metrics.jsonl`; then the lines are from the start). At most `max_bytes` are read; a

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use serde_json::{json, Value};
 
 use super::ServedModel;
-use crate::dash::runs::{read_lines, scan};
+use crate::dash::runs::{read_lines, with_scanned};
 use crate::dash::{DashSource, Prom, RunKind, RunRef};
 use crate::facade::{Backend, LocalBackend};
 
@@ -82,13 +82,7 @@ impl DashSource for ServerDash {
     }
 
     fn runs(&self) -> Vec<RunRef> {
-        let mut out: Vec<RunRef> = self.run.iter().cloned().collect();
-        for r in scan(&self.data_dir) {
-            if !out.iter().any(|o| o.name == r.name) {
-                out.push(r);
-            }
-        }
-        out
+        with_scanned(self.run.iter().cloned().collect(), &self.data_dir)
     }
 
     fn metrics(&self, p: &mut Prom) {
