@@ -27,4 +27,14 @@ echo "[test] cargo clippy --no-default-features (the client-only build, without 
 cargo clippy --no-default-features --lib --bins -- -D warnings
 echo "[test] cargo doc --no-deps (warnings denied)"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps
+# The client-only binary (no LibTorch), built here in the main target folder so its
+# dependencies are the main build's (its own folder would build them all again), and kept
+# as a copy: the tests' build below puts the full binary back in its place.
+echo "[test] cargo build --release --no-default-features (the client-only binary)"
+cargo build --release --no-default-features --bin agentjet-peer
+target_dir=$(cargo metadata --format-version 1 --no-deps |
+  python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])')
+mkdir -p "$target_dir/client-only"
+cp "$target_dir/release/agentjet-peer" "$target_dir/client-only/agentjet-peer-client-only"
+export AGENTJET_CLIENT_ONLY_BIN="$target_dir/client-only/agentjet-peer-client-only"
 cargo test --release --workspace "$@"

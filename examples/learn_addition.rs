@@ -30,6 +30,8 @@
 //! ```text
 //! --steps N [1000]  --minutes M [60]  --tasks N [8]  --group N [8]  --lr X [1e-5]
 //! --max-tokens N [32]  --eval N [100]  --eval-every N [25]  --checkpoint-every N [25]
+//! --eval-dense N [0]  (also evaluate after each of the first N steps, where the curve
+//!   moves fastest)
 //! --seed N [0]  --run-dir DIR  --resume  --loss grpo|dr_grpo|rloo [grpo]
 //! --temperature X [1.2]  --top-p X [1.0]  --ppo-epochs N [2]  --mini-batches N [1]
 //! --entropy-coef X [0]  --clip-high X [0.28]  --dynamic N [3]  --replay F [0]
@@ -39,6 +41,8 @@
 //!   to R x --lr at the end of --train-minutes; 1: constant. Counted from this process's
 //!   start, so a --resume decays again over its own budget)
 //! --bf16  (train with bfloat16 matrix products over float32 master weights)
+//! --engine-dtype f32|bf16 [f32]  (the sampling engine's weights, as `serve --dtype`; the
+//!   trainer keeps float32 and its importance weights correct for the difference)
 //! ```
 
 use std::collections::HashSet;
@@ -72,6 +76,8 @@ struct Args {
     max_tokens: usize,
     eval: usize,
     eval_every: u64,
+    /// Evaluate after each of the first this many steps too.
+    eval_dense: u64,
     checkpoint_every: u64,
     seed: u64,
     run_dir: PathBuf,
@@ -90,6 +96,8 @@ struct Args {
     train_minutes: Option<f64>,
     /// The learning rate's cosine decays to this share of `lr` by the end of the budget.
     lr_min_ratio: f64,
+    /// The sampling engine's weights.
+    engine_dtype: DType,
 }
 
 fn parse_args() -> anyhow::Result<Args> {
@@ -116,6 +124,7 @@ fn parse_args() -> anyhow::Result<Args> {
         "--max-tokens",
         "--eval",
         "--eval-every",
+        "--eval-dense",
         "--checkpoint-every",
         "--seed",
         "--run-dir",
@@ -130,6 +139,7 @@ fn parse_args() -> anyhow::Result<Args> {
         "--replay",
         "--train-minutes",
         "--lr-min-ratio",
+        "--engine-dtype",
     ];
     let mut i = 0;
     while i < v.len() {
@@ -151,6 +161,7 @@ fn parse_args() -> anyhow::Result<Args> {
         max_tokens: num("--max-tokens", get("--max-tokens"), 32)?,
         eval: num("--eval", get("--eval"), 100)?,
         eval_every: num("--eval-every", get("--eval-every"), 25)?,
+        eval_dense: num("--eval-dense", get("--eval-dense"), 0)?,
         checkpoint_every: num("--checkpoint-every", get("--checkpoint-every"), 25)?,
         seed: num("--seed", get("--seed"), 0)?,
         run_dir: get("--run-dir")
@@ -180,6 +191,11 @@ fn parse_args() -> anyhow::Result<Args> {
             r if (0.0..=1.0).contains(&r) => r,
             r => anyhow::bail!("--lr-min-ratio must be within 0..=1, got {r}"),
         },
+        engine_dtype: match get("--engine-dtype").as_deref() {
+            None | Some("f32") => DType::F32,
+            Some("bf16") => DType::BF16,
+            Some(d) => anyhow::bail!("--engine-dtype takes f32 or bf16, not {d:?}"),
+        },
     })
 }
 
@@ -197,6 +213,11 @@ fn last_number(text: &str) -> Option<i64> {
     } else {
         n
     })
+}
+
+/// Whether the held-out set is answered after step `step` (counted from 1).
+fn evaluates_after(args: &Args, step: u64) -> bool {
+    (args.eval_every > 0 && step % args.eval_every == 0) || (step >= 1 && step <= args.eval_dense)
 }
 
 struct Task {
@@ -391,7 +412,8 @@ fn run() -> anyhow::Result<()> {
             ),
         }
     }
-    let engine_model = load_model(&source, tch::Device::cuda_if_available(), DType::F32)?.model;
+    let engine_model =
+        load_model(&source, tch::Device::cuda_if_available(), args.engine_dtype)?.model;
     let engine = spawn_engine(
         engine_model,
         EngineConfig {
@@ -421,8 +443,9 @@ fn run() -> anyhow::Result<()> {
         serde_json::to_string(&pairs)?,
     )?;
     println!(
-        "learn_addition: SmolLM2-135M-Instruct on {:?}; {} tasks x {} samples per step (T {}, top_p {}, dynamic rounds {}, replay {}), lr {} (cosine to {} x by the end), {} PPO epochs x {} mini-batches, entropy coef {}, clip high {}, held-out {} tasks; run dir {}",
+        "learn_addition: SmolLM2-135M-Instruct on {:?} (engine {:?}); {} tasks x {} samples per step (T {}, top_p {}, dynamic rounds {}, replay {}), lr {} (cosine to {} x by the end), {} PPO epochs x {} mini-batches, entropy coef {}, clip high {}, held-out {} tasks; run dir {}",
         trainer.model.device(),
+        args.engine_dtype,
         args.tasks,
         args.group,
         args.temperature,
@@ -571,7 +594,7 @@ fn run() -> anyhow::Result<()> {
         engine
             .update_weights(&trainer.model.parameters(), trainer.version())
             .map_err(anyhow::Error::msg)?;
-        if args.eval_every > 0 && trainer.steps() % args.eval_every == 0 {
+        if evaluates_after(&args, trainer.steps()) {
             let at = train_minutes(eval_secs);
             let e0 = Instant::now();
             last_acc = evaluate(&engine, &card, &eval_tasks, args.max_tokens, &stop, &wrong)?;
@@ -600,7 +623,7 @@ fn run() -> anyhow::Result<()> {
             return Ok(());
         }
     }
-    let after = if trainer.steps() % args.eval_every.max(1) == 0 && args.eval_every > 0 {
+    let after = if evaluates_after(&args, trainer.steps()) {
         last_acc
     } else {
         let at = train_minutes(eval_secs);

@@ -28,7 +28,10 @@ async fn node(
 }
 
 /// A stream that the serving side holds open until the opener sends a byte-sized frame.
-async fn hold(h: &SwarmHandle, server: &SwarmHandle) -> Result<agentjet::swarm::Stream, String> {
+async fn hold(
+    h: &SwarmHandle,
+    server: &SwarmHandle,
+) -> Result<agentjet::swarm::PeerStream, String> {
     h.open(server.peer_id, HOLD).await.map_err(|e| match e {
         SwarmError::Refused { reason, .. } => reason,
         other => format!("not a refusal: {other}"),
@@ -47,7 +50,7 @@ fn serve_hold(server: &SwarmHandle) {
         .unwrap();
 }
 
-async fn release(mut s: agentjet::swarm::Stream) {
+async fn release(mut s: agentjet::swarm::PeerStream) {
     write_frame(&mut s, &1u8, 64).await.unwrap();
     let echoed: u8 = read_frame(&mut s, 64).await.unwrap();
     assert_eq!(echoed, 2);

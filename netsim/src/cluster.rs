@@ -23,16 +23,26 @@ pub struct PeerTiming {
     pub rebootstrap_interval: Duration,
     /// A connection with no open stream and no gossip mesh closes after this.
     pub idle_connection_timeout: Duration,
+    /// The connection trimmer's marks (`SwarmConfig::max_connections`, `min_connections`).
+    pub max_connections: usize,
+    pub min_connections: usize,
+    pub trim_grace: Duration,
+    pub ping_interval: Duration,
 }
 
 impl Default for PeerTiming {
     fn default() -> Self {
         // The binary's defaults (`agentjet-peer --help`).
+        let swarm = SwarmConfig::new(Role::Plain, Keypair::generate_ed25519());
         PeerTiming {
             status_interval: Duration::from_secs(2),
             provider_ttl: Duration::from_secs(30),
             rebootstrap_interval: Duration::from_secs(30),
             idle_connection_timeout: Duration::from_secs(120),
+            max_connections: swarm.max_connections,
+            min_connections: swarm.min_connections,
+            trim_grace: swarm.trim_grace,
+            ping_interval: swarm.ping_interval,
         }
     }
 }
@@ -108,6 +118,10 @@ impl Cluster {
         cfg.provider_ttl = self.timing.provider_ttl;
         cfg.rebootstrap_interval = self.timing.rebootstrap_interval;
         cfg.idle_connection_timeout = self.timing.idle_connection_timeout;
+        cfg.max_connections = self.timing.max_connections;
+        cfg.min_connections = self.timing.min_connections;
+        cfg.trim_grace = self.timing.trim_grace;
+        cfg.ping_interval = self.timing.ping_interval;
         cfg.other_transport = Some(other_transport(&self.net, node));
         let handle = spawn_node(cfg)
             .await

@@ -13,6 +13,9 @@ const USAGE: &str = "usage: netsim <discovery|gossip|churn|partition|training> [
   [--seed N] [--latency-ms LO-HI] [--bandwidth-mbit X] [--loss P] [--out DIR]
   [--rates R,R,.. (churn: crashes per server per hour)] [--seconds S (churn: per rate; gossip: window)]
   [--hold S (partition)] [--idle-s S (discovery: idle connection timeout, default 120)]
+  [--rebootstrap-s S (discovery: DHT walk interval, default 30)]
+  [--max-conns N (discovery: connection trimmer's high mark, default 96)] [--grace-s S (discovery: trimmer's grace, default 30)]
+  [--ping-s S (discovery: default 5)]
   training: [--members N] [--peers N (plain peers besides them)] [--modes sync,diloco/H,..] [--seconds S (per mode)] [--values N]
   [--model-values N] [--step-s X] [--crashes N] [--wire f32|bf16] [--timeout-s S]";
 
@@ -39,6 +42,10 @@ fn main() -> anyhow::Result<()> {
         "--seconds",
         "--hold",
         "--idle-s",
+        "--rebootstrap-s",
+        "--max-conns",
+        "--grace-s",
+        "--ping-s",
         "--members",
         "--modes",
         "--values",
@@ -127,6 +134,14 @@ fn main() -> anyhow::Result<()> {
                     servers: one("--servers", get("--servers"), 5)?,
                     clients: one("--clients", get("--clients"), 20)?,
                     idle: Duration::from_secs(one("--idle-s", get("--idle-s"), 120)?),
+                    rebootstrap: Duration::from_secs(one(
+                        "--rebootstrap-s",
+                        get("--rebootstrap-s"),
+                        30,
+                    )?),
+                    max_connections: one("--max-conns", get("--max-conns"), 96)?,
+                    grace: Duration::from_secs(one("--grace-s", get("--grace-s"), 30)?),
+                    ping: Duration::from_secs(one("--ping-s", get("--ping-s"), 5)?),
                 };
                 discovery::run(&env, &a, &command).await.map(drop)
             }

@@ -19,19 +19,35 @@ fn env(seed: u64) -> Env {
     }
 }
 
-/// Every newly started client finds a provider, each through a DHT lookup.
+/// Every newly started client finds a provider, each through a DHT lookup, while every
+/// peer trims its connections to 16 (without the trimmer each peer ends connected to
+/// nearly all 49 others).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_new_client_finds_a_provider_among_50_peers() {
+async fn every_new_client_finds_a_provider_among_50_peers_that_trim_connections() {
     let a = discovery::Args {
         sizes: vec![50],
         servers: 3,
         clients: 5,
         idle: Duration::from_secs(120),
+        // As the scenario's command: a DHT walk per peer every 30 s (the binary's) would
+        // keep opening fresh connections, each spared for the grace.
+        rebootstrap: Duration::from_secs(300),
+        max_connections: 16,
+        grace: Duration::from_secs(5),
+        ping: Duration::from_secs(5),
     };
     let o = discovery::run_size(&env(3), &a, 50).await.unwrap();
     assert_eq!(o.found, 5, "{o:?}");
     assert_eq!(o.times.len(), 5);
     assert!(o.requests.iter().all(|&r| r > 0), "{o:?}");
+    // Once the DHT walks of the start are over (the scenario waits up to 90 s for it),
+    // at most the high mark.
+    assert!(
+        o.connections <= 16.0,
+        "{} connections per peer after {:?}",
+        o.connections,
+        o.connections_wait
+    );
 }
 
 /// A partition splits every view in two; after the heal every view holds every peer and

@@ -19,7 +19,7 @@ use libp2p::{PeerId, Stream, StreamProtocol};
 use tracing::{debug, info, warn};
 
 use super::auth::{NotMember, PeerAuth, SwarmKey};
-use super::frame::{read_frame, write_frame};
+use super::frame::{read_frame, write_frame, FrameError};
 use super::node::{Command, Shared};
 use super::protocol::{Admission, AuthProof, AuthVerdict, AUTH};
 use super::SwarmError;
@@ -173,6 +173,7 @@ where
                     peer,
                     name,
                 };
+                let _in_use = shared.usage.open(peer);
                 if write_frame(&mut stream, &Admission::Accepted, limit)
                     .await
                     .is_err()
@@ -239,6 +240,13 @@ pub(super) fn accept_auth(
                     read_frame::<_, AuthProof>(&mut stream, 1024),
                 )
                 .await;
+                if let Ok(Err(FrameError::Closed(_) | FrameError::Io(_))) = &got {
+                    // The connection went away mid-proof (closed by either end): nothing
+                    // was proved or disproved. The peer stays pending; a peer that stays
+                    // connected without a proof meets the auth deadline.
+                    debug!(%peer, "the auth stream closed before a proof");
+                    return;
+                }
                 let verdict = match (&got, h.auth.key()) {
                     (_, None) => AuthVerdict::Accepted,
                     (Ok(Ok(p)), Some(k)) if p.proof == k.proof(&peer, &h.peer_id) => {

@@ -17,6 +17,7 @@ use super::auth::AuthTable;
 use super::frame::read_frame;
 use super::node::{Command, ProviderLookup, Shared, ViewEntry};
 use super::protocol::{Admission, ModelStatus, PeerStatus};
+use super::usage::PeerStream;
 use super::{SwarmConfig, SwarmError};
 use crate::base::lock;
 
@@ -154,12 +155,18 @@ impl SwarmHandle {
     }
 
     /// Opens a stream to `peer` and reads its [`Admission`].
-    pub async fn open(&self, peer: PeerId, protocol: StreamProtocol) -> Result<Stream, SwarmError> {
+    /// While the stream exists, the connection trimmer leaves its connection open.
+    pub async fn open(
+        &self,
+        peer: PeerId,
+        protocol: StreamProtocol,
+    ) -> Result<PeerStream, SwarmError> {
         if peer == self.peer_id {
             return Err(SwarmError::Protocol(
                 "a peer cannot open a stream to itself".into(),
             ));
         }
+        let in_use = self.shared.usage.open(peer);
         let _ = self.connect(peer).await;
         let mut control = self.control.clone();
         let t = self.cfg.open_timeout;
@@ -179,7 +186,7 @@ impl SwarmHandle {
                     reason: e.to_string(),
                 })?;
         match adm {
-            Admission::Accepted => Ok(s),
+            Admission::Accepted => Ok(PeerStream::new(s, in_use)),
             Admission::Refused(reason) => Err(SwarmError::Refused { peer, reason }),
         }
     }

@@ -14,6 +14,7 @@ mod handle;
 pub mod node;
 pub mod protocol;
 pub mod sign;
+mod usage;
 
 pub use admission::Refusal;
 pub use auth::{KeyError, SwarmKey};
@@ -24,6 +25,7 @@ pub use node::{
     spawn_node, BoxedTransport, OtherTransport, ProviderLookup, SwarmConfig, ViewEntry,
 };
 pub use protocol::{CacheSummary, GroupStatus, ModelStatus, PeerStatus, Role};
+pub use usage::PeerStream;
 
 use std::path::{Path, PathBuf};
 

@@ -12,7 +12,9 @@
 //!
 //! Discovery: Kademlia (protocol `/agentjet/kad/1`) in server mode, with manual routing
 //! table inserts: a peer enters the table only after it proved the swarm key and identify
-//! told us its listen addresses. A served model is a provider record under
+//! told us its listen addresses; it stays there when its connections close (idle ones
+//! close after `idle_connection_timeout`) and leaves when a dial to it fails or it fails
+//! the proof on a later connection. A served model is a provider record under
 //! `agentjet/model/<name>` with a TTL of `provider_ttl`; the server re-provides every half
 //! TTL (and soon after a new member joins), so the record of a server that died expires at
 //! every peer within one TTL of its last refresh. Peers re-bootstrap periodically.
@@ -36,7 +38,7 @@ use libp2p::kad::{
     self, store::MemoryStore, store::RecordStore, BucketInserts, Mode, QueryId, QueryResult,
     StoreInserts,
 };
-use libp2p::swarm::{NetworkBehaviour, SwarmEvent};
+use libp2p::swarm::{ConnectionId, DialError, NetworkBehaviour, SwarmEvent};
 use libp2p::{identify, noise, ping, tcp, yamux, Multiaddr, PeerId, Swarm};
 use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, warn};
@@ -45,6 +47,7 @@ use super::admission::{self, Limits};
 use super::auth::{AuthTable, PeerAuth, SwarmKey};
 use super::handle::SwarmHandle;
 use super::protocol::{PeerStatus, Role, StatusEnvelope, IDENTIFY, KAD, STATUS_TOPIC};
+use super::usage::{self, Candidate, Marks, UseTable};
 use super::SwarmError;
 use crate::base::lock;
 use crate::base::stop::{CancellationToken, TaskTracker};
@@ -72,6 +75,15 @@ pub struct SwarmConfig {
     pub quic_connection_window: u32,
     /// Connections with no open stream close after this.
     pub idle_connection_timeout: Duration,
+    /// The connection trimmer's marks (see [`super::usage`]): above `max_connections`
+    /// connected peers, the least recently used are closed until `min_connections` are
+    /// left, sparing gossip-mesh peers, peers with an open stream, and any connected or
+    /// used within `trim_grace`.
+    pub max_connections: usize,
+    pub min_connections: usize,
+    pub trim_grace: Duration,
+    /// How often each connection is pinged (its round-trip time).
+    pub ping_interval: Duration,
     /// Frames larger than this are refused.
     pub max_frame_bytes: usize,
     /// Streams one peer may have open with us at once, per protocol.
@@ -132,6 +144,10 @@ impl SwarmConfig {
             quic_stream_window: 16 << 20,
             quic_connection_window: 64 << 20,
             idle_connection_timeout: Duration::from_secs(120),
+            max_connections: 96,
+            min_connections: 64,
+            trim_grace: Duration::from_secs(30),
+            ping_interval: Duration::from_secs(5),
             max_frame_bytes: 16 << 20,
             max_streams_per_peer: 256,
             max_requests_per_s: 500.0,
@@ -180,6 +196,9 @@ type ProvidersReply = oneshot::Sender<ProviderLookup>;
 /// first one (a node just started is still proving the swarm key to its bootstrap peers).
 const FIRST_ENTRY_WAIT: Duration = Duration::from_secs(2);
 
+/// Kademlia's replication factor (k): a record is stored at the k closest peers to its key.
+const K_CLOSE: usize = 20;
+
 /// A provider lookup in flight.
 struct ProviderQuery {
     found: HashSet<PeerId>,
@@ -213,7 +232,8 @@ pub(super) enum Command {
     },
     Connect(PeerId, oneshot::Sender<Result<(), SwarmError>>),
     Authed(PeerId, PeerAuth),
-    AuthDeadline(PeerId),
+    /// The auth timeout of the connection that opened a spell of connections to a peer.
+    AuthDeadline(PeerId, ConnectionId),
     ListenAddrs(oneshot::Sender<Vec<Multiaddr>>),
     Connected(oneshot::Sender<Vec<PeerId>>),
     Addresses(PeerId, Vec<Multiaddr>),
@@ -233,6 +253,8 @@ pub(super) struct Shared {
     pub(super) view: Mutex<HashMap<PeerId, ViewSlot>>,
     pub(super) status: Mutex<PeerStatus>,
     pub(super) limits: Mutex<Limits>,
+    /// Streams open per peer, and their last use (what the trimmer spares).
+    pub(super) usage: Arc<UseTable>,
     /// Cancelled when the event loop has ended.
     pub(super) ended: CancellationToken,
     /// Every task of the node, the event loop included.
@@ -281,7 +303,7 @@ fn behaviour(key: &Keypair, peer_id: PeerId, c: &SwarmConfig) -> Result<Behaviou
                 .with_agent_version(format!("agentjet/{}", env!("CARGO_PKG_VERSION")))
                 .with_push_listen_addr_updates(true),
         ),
-        ping: ping::Behaviour::new(ping::Config::new().with_interval(Duration::from_secs(5))),
+        ping: ping::Behaviour::new(ping::Config::new().with_interval(c.ping_interval)),
         gossipsub,
         kad,
         stream: libp2p_stream::Behaviour::new(),
@@ -363,6 +385,7 @@ pub async fn spawn_node(cfg: SwarmConfig) -> Result<SwarmHandle, SwarmError> {
             extra: Default::default(),
         }),
         limits: Mutex::new(Limits::default()),
+        usage: Arc::new(UseTable::default()),
         ended: CancellationToken::new(),
         tasks: TaskTracker::new(),
     });
@@ -419,6 +442,7 @@ pub async fn spawn_node(cfg: SwarmConfig) -> Result<SwarmHandle, SwarmError> {
         addr_book: HashMap::new(),
         identified: HashMap::new(),
         in_kad: HashSet::new(),
+        first_connection: HashMap::new(),
         providing: HashSet::new(),
         provider_queries: HashMap::new(),
         waiting_lookups: Vec::new(),
@@ -443,6 +467,9 @@ struct EventLoop {
     addr_book: HashMap<PeerId, Vec<Multiaddr>>,
     identified: HashMap<PeerId, Vec<Multiaddr>>,
     in_kad: HashSet<PeerId>,
+    /// Per connected peer, the connection that opened the current spell of connections
+    /// (its auth deadline applies), and when.
+    first_connection: HashMap<PeerId, (ConnectionId, Instant)>,
     providing: HashSet<String>,
     provider_queries: HashMap<QueryId, ProviderQuery>,
     /// Lookups asked before any peer was in the routing table: they start at the first
@@ -468,6 +495,7 @@ impl EventLoop {
         let mut reprovide_tick = tokio::time::interval(cfg.provider_ttl / 2);
         let mut bootstrap_tick = tokio::time::interval(cfg.rebootstrap_interval);
         let mut soon_tick = tokio::time::interval(Duration::from_millis(500));
+        let mut trim_tick = tokio::time::interval(Duration::from_secs(1));
         loop {
             tokio::select! {
                 ev = self.swarm.select_next_some() => self.on_swarm_event(ev),
@@ -486,12 +514,66 @@ impl EventLoop {
                         self.reprovide();
                     }
                 }
+                _ = trim_tick.tick() => self.trim(),
                 _ = bootstrap_tick.tick() => {
                     if !self.in_kad.is_empty() {
                         let _ = self.swarm.behaviour_mut().kad.bootstrap();
                     }
                 }
             }
+        }
+    }
+
+    /// Closes the least recently used connections when too many peers are connected (see
+    /// [`usage`]).
+    fn trim(&mut self) {
+        let cfg = &self.shared.cfg;
+        let n = self.swarm.connected_peers().count();
+        if n <= cfg.max_connections {
+            return;
+        }
+        let mesh: HashSet<PeerId> = self
+            .swarm
+            .behaviour()
+            .gossipsub
+            .all_mesh_peers()
+            .copied()
+            .collect();
+        let now = Instant::now();
+        let candidates: Vec<Candidate> = self
+            .swarm
+            .connected_peers()
+            .map(|p| Candidate {
+                peer: *p,
+                since: self.first_connection.get(p).map_or(now, |f| f.1),
+                usage: self.shared.usage.get(p),
+                protected: mesh.contains(p)
+                    || self.connect_waiters.contains_key(p)
+                    || self.shared.auth.state(p) == PeerAuth::Pending,
+            })
+            .collect();
+        let marks = Marks {
+            max: cfg.max_connections,
+            min: cfg.min_connections,
+            grace: cfg.trim_grace,
+        };
+        let close = usage::to_trim(&candidates, marks, now);
+        if !close.is_empty() {
+            debug!(
+                connected = n,
+                mesh = mesh.len(),
+                protected = candidates.iter().filter(|c| c.protected).count(),
+                busy = candidates
+                    .iter()
+                    .filter(|c| c.usage.is_some_and(|u| u.open > 0))
+                    .count(),
+                closing = close.len(),
+                "trimming connections"
+            );
+        }
+        for p in close {
+            debug!(me = %self.shared.peer_id, peer = %p, "trimmed");
+            let _ = self.swarm.disconnect_peer_id(p);
         }
     }
 
@@ -612,15 +694,23 @@ impl EventLoop {
                     PeerAuth::Member => self.maybe_add_to_kad(peer),
                     PeerAuth::Denied(why) => {
                         warn!(%peer, "refused: {why}; disconnecting");
+                        if self.in_kad.remove(&peer) {
+                            self.swarm.behaviour_mut().kad.remove_peer(&peer);
+                        }
                         let _ = self.swarm.disconnect_peer_id(peer);
                     }
                     PeerAuth::Pending => {}
                 }
             }
-            Command::AuthDeadline(peer) => {
-                if self.swarm.is_connected(&peer)
+            Command::AuthDeadline(peer, conn) => {
+                // Only for the spell it was set for: a peer that disconnected and came back
+                // has its own deadline.
+                if self.first_connection.get(&peer).map(|f| f.0) == Some(conn)
                     && self.shared.auth.state(&peer) == PeerAuth::Pending
                 {
+                    if self.in_kad.remove(&peer) {
+                        self.swarm.behaviour_mut().kad.remove_peer(&peer);
+                    }
                     warn!(%peer, "did not prove the swarm key within the auth timeout; disconnecting");
                     self.shared
                         .auth
@@ -702,7 +792,11 @@ impl EventLoop {
             let _ = self.swarm.behaviour_mut().kad.bootstrap();
             self.run_waiting_lookups();
         }
-        if !self.providing.is_empty() {
+        // A small table: the new member may be among the closest peers to our records'
+        // keys, and they may not be stored anywhere yet (a swarm just started). In a larger
+        // one, the periodic refresh (every half TTL) reaches it; re-providing at every join
+        // would cost a DHT walk per join per provider.
+        if !self.providing.is_empty() && self.in_kad.len() <= K_CLOSE {
             self.reprovide_soon = true;
         }
     }
@@ -717,6 +811,7 @@ impl EventLoop {
             }
             SwarmEvent::ConnectionEstablished {
                 peer_id,
+                connection_id,
                 endpoint,
                 num_established,
                 ..
@@ -730,7 +825,9 @@ impl EventLoop {
                     }
                 }
                 if num_established.get() == 1 {
-                    debug!(peer = %peer_id, "connected");
+                    debug!(me = %self.shared.peer_id, peer = %peer_id, dialer = endpoint.is_dialer(), "connected");
+                    self.first_connection
+                        .insert(peer_id, (connection_id, Instant::now()));
                     if let Some(key) = self.shared.auth.key().cloned() {
                         let (sh, control) = (self.shared.clone(), self.control.clone());
                         self.shared
@@ -740,7 +837,8 @@ impl EventLoop {
                         self.shared.spawn(async move {
                             tokio::time::sleep(t).await;
                             if let Some(tx) = cmd.upgrade() {
-                                let _ = tx.send(Command::AuthDeadline(peer_id)).await;
+                                let _ =
+                                    tx.send(Command::AuthDeadline(peer_id, connection_id)).await;
                             }
                         });
                     }
@@ -752,17 +850,32 @@ impl EventLoop {
                 cause,
                 ..
             } => {
+                // The peer stays in the routing table: a closed connection (idle, or the
+                // other end's choice) says nothing of whether it is alive, and a table
+                // that emptied with its connections would make every idle timeout a
+                // re-bootstrap. It must prove the swarm key again on its next connection;
+                // it leaves the table when a dial to it fails (below).
                 debug!(peer = %peer_id, ?cause, "disconnected");
                 self.shared.auth.forget(&peer_id);
-                if self.in_kad.remove(&peer_id) {
-                    self.swarm.behaviour_mut().kad.remove_peer(&peer_id);
-                }
+                self.first_connection.remove(&peer_id);
+                self.shared.usage.forget_idle(&peer_id);
             }
             SwarmEvent::OutgoingConnectionError {
                 peer_id: Some(peer),
                 error,
                 ..
             } => {
+                // Unreachable at every address it gave: out of the routing table, so
+                // lookups stop trying it (libp2p's Kademlia alone would keep it until its
+                // bucket needed the room).
+                if matches!(
+                    error,
+                    DialError::Transport(_) | DialError::WrongPeerId { .. }
+                ) && self.in_kad.remove(&peer)
+                {
+                    debug!(%peer, "dropped from the routing table: {error}");
+                    self.swarm.behaviour_mut().kad.remove_peer(&peer);
+                }
                 if let Some(ws) = self.connect_waiters.remove(&peer) {
                     for w in ws {
                         let _ = w.send(Err(SwarmError::Unreachable {
@@ -914,6 +1027,16 @@ impl EventLoop {
                         });
                     }
                 }
+            }
+            kad::Event::OutboundQueryProgressed { result, step, .. } if step.last => {
+                let kind = match result {
+                    QueryResult::Bootstrap(_) => "bootstrap",
+                    QueryResult::GetClosestPeers(_) => "closest",
+                    QueryResult::StartProviding(_) => "provide",
+                    QueryResult::RepublishProvider(_) => "republish-provider",
+                    _ => "other",
+                };
+                tracing::trace!(kind, "kad query done");
             }
             _ => {}
         }

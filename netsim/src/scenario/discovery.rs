@@ -12,24 +12,41 @@ use std::time::{Duration, Instant};
 use agentjet::swarm::Role;
 use serde_json::json;
 
-use super::{start_many, Env};
+use super::{gossip_interval, start_many, Env};
 use crate::cluster::{Cluster, LagProbe, PeerTiming, MODEL};
 use crate::net::Network;
 use crate::report::{quantile, rss_bytes, secs, svg_plot, write_results, Series, Table};
 
-/// Discovery does not use gossip; one process verifying every peer's status signatures
-/// would only slow the lookups it measures (see `gossip_interval`).
-const GOSSIP: Duration = Duration::from_secs(120);
+/// The status gossip interval at `n` peers. Discovery does not use gossip; one process
+/// verifying every peer's status signatures would only slow the lookups it measures (see
+/// `gossip_interval`): at least 600 s, and the n^2 scaling beyond (800 s at 1,000 peers).
+/// With 120 s, 300 peers kept the process CPU-bound (timers 0.9 s late at p99) and 1,000
+/// kept both cores verifying signatures.
+fn gossip(n: usize) -> Duration {
+    gossip_interval(n).max(Duration::from_secs(600))
+}
 
 #[derive(Debug, Clone)]
 pub struct Args {
     pub sizes: Vec<usize>,
     pub servers: usize,
     pub clients: usize,
-    /// The peers' idle connection timeout (the binary's is 120 s; each open connection
-    /// holds about 120 kB of noise and yamux buffers, so the largest sizes need a shorter
-    /// one to fit in one process).
+    /// The peers' idle connection timeout (the binary's is 120 s). It closes only
+    /// connections without an open substream, and gossipsub keeps one open to every peer
+    /// that speaks it, so between AgentJet peers it closes nothing (see netsim/README.md,
+    /// "Connections").
     pub idle: Duration,
+    /// How often each peer walks the DHT again (the binary: 30 s). One process pays every
+    /// peer's walks (about 300 Kademlia requests each at 1,000 peers), what n machines would
+    /// share, so the largest sizes need a longer one.
+    pub rebootstrap: Duration,
+    /// The connection trimmer's high mark (the binary: 96); it trims down to two thirds.
+    pub max_connections: usize,
+    /// Connections newer (or used more recently) than this are not trimmed (the binary:
+    /// 30 s).
+    pub grace: Duration,
+    /// How often each connection is pinged (the binary: 5 s).
+    pub ping: Duration,
 }
 
 /// What one size measured.
@@ -43,8 +60,11 @@ pub struct Outcome {
     /// Kademlia requests of each client's successful lookup, and its duration.
     pub requests: Vec<u32>,
     pub lookup_times: Vec<Duration>,
-    /// Peers each peer is connected to, mean over peers (at the end).
+    /// Peers each peer is connected to, mean over peers, at the end: from the trimmer's
+    /// grace after the last client's lookup, once at most the high mark (or 90 s more).
     pub connections: f64,
+    /// How long after that grace the count took to reach the high mark.
+    pub connections_wait: Duration,
     pub settle: Duration,
     pub lag_p99: Duration,
     pub rss: u64,
@@ -59,8 +79,13 @@ pub async fn run_size(env: &Env, a: &Args, n: usize) -> anyhow::Result<Outcome> 
         a.clients
     );
     let timing = PeerTiming {
-        status_interval: GOSSIP,
+        status_interval: gossip(n),
         idle_connection_timeout: a.idle,
+        rebootstrap_interval: a.rebootstrap,
+        max_connections: a.max_connections,
+        min_connections: a.max_connections * 2 / 3,
+        trim_grace: a.grace,
+        ping_interval: a.ping,
         ..Default::default()
     };
     let c = Cluster::new(Network::new(env.net.clone()), timing, 3).await?;
@@ -97,6 +122,7 @@ pub async fn run_size(env: &Env, a: &Args, n: usize) -> anyhow::Result<Outcome> 
         requests: Vec::new(),
         lookup_times: Vec::new(),
         connections: 0.0,
+        connections_wait: Duration::ZERO,
         settle,
         lag_p99: Duration::ZERO,
         rss: 0,
@@ -121,13 +147,33 @@ pub async fn run_size(env: &Env, a: &Args, n: usize) -> anyhow::Result<Outcome> 
         }
     }
     out.lag_p99 = lag.take_p99();
+    // Connections are counted once the trimmer may close the clients' lookups' ones, then
+    // every 2 s until at most the high mark are left, for at most 90 s more: DHT walks
+    // that began before (a peer's first walk over 100 ms links dials peer after peer for
+    // 30-60 s) keep reopening trimmed connections, each spared for the grace.
+    tokio::time::sleep(a.grace + Duration::from_secs(3)).await;
     out.rss = rss_bytes();
     let live = c.live();
-    let mut links = 0usize;
-    for p in &live {
-        links += p.handle.connected_peers().await.len();
+    let count = || async {
+        let mut links = 0usize;
+        for p in &live {
+            links += p.handle.connected_peers().await.len();
+        }
+        links as f64 / live.len().max(1) as f64
+    };
+    let t = Instant::now();
+    let mut samples = vec![count().await];
+    while samples
+        .last()
+        .is_some_and(|&c| c > a.max_connections as f64)
+        && t.elapsed() < Duration::from_secs(90)
+    {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        samples.push(count().await);
     }
-    out.connections = links as f64 / live.len().max(1) as f64;
+    tracing::info!(?samples, "connections per peer, every 2 s");
+    out.connections = samples.last().copied().unwrap_or_default();
+    out.connections_wait = t.elapsed();
     c.shutdown().await;
     Ok(out)
 }
@@ -140,7 +186,7 @@ pub async fn run(env: &Env, a: &Args, command: &str) -> anyhow::Result<Vec<Outco
         "lookups per client",
         "the successful lookup alone p50 / p99 (s)",
         "Kademlia requests per lookup p50 / p99",
-        "connections per peer",
+        "connections per peer (s to reach it)",
         "settle (s)",
         "timer lag p99 (ms)",
         "RSS (MB)",
@@ -175,7 +221,11 @@ pub async fn run(env: &Env, a: &Args, command: &str) -> anyhow::Result<Vec<Outco
                 quantile(&secs(&o.lookup_times), 0.99)
             ),
             format!("{:.0} / {:.0}", quantile(&r, 0.5), quantile(&r, 0.99)),
-            format!("{:.1}", o.connections),
+            format!(
+                "{:.1} ({:.0})",
+                o.connections,
+                o.connections_wait.as_secs_f64()
+            ),
             format!("{:.1}", o.settle.as_secs_f64()),
             o.lag_p99.as_millis().to_string(),
             format!("{:.0}", o.rss as f64 / 1e6),
@@ -183,12 +233,16 @@ pub async fn run(env: &Env, a: &Args, command: &str) -> anyhow::Result<Vec<Outco
         outcomes.push(o);
     }
     let md = format!(
-        "{}{}\nA client counts from its start (connecting to a bootstrap peer and proving the swarm key included) to the first lookup that returns a provider, looking again every 500 ms as the client role does. {} servers provide the model; gossip runs every {} s (discovery does not use it). Idle connections close after {} s (the binary: 120 s). A client's lookup ends at the first answer that names a provider (the client role's start; its refresh every 2 s asks for all). Timer lag: how late a 100 ms timer fired while clients looked up (large: CPU-bound, the times are then upper bounds).\n",
+        "{}{}\nA client counts from its start (connecting to a bootstrap peer and proving the swarm key included) to the first lookup that returns a provider, looking again every 500 ms as the client role does. {} servers provide the model; gossip runs every max(600 s, n^2 / 1,250 s) (discovery does not use it). The idle connection timeout is {} s (the binary: 120 s; gossipsub's substreams keep connections between peers open regardless); above {} connected peers a peer closes its least recently used connections down to {}, sparing those used within {} s (the binary: 96, 64 and 30 s), pings each connection every {} s (the binary: 5 s), and walks the DHT again every {} s (the binary: 30 s); connections per peer are counted from the trimmer's grace plus 3 s after the last client's lookup, every 2 s until at most the high mark are left (at most 90 s; in brackets, how long that took): a DHT walk that started before keeps reopening trimmed connections. A client's lookup ends at the first answer that names a provider (the client role's start; its refresh every 2 s asks for all). Timer lag: how late a 100 ms timer fired while clients looked up (large: CPU-bound, the times are then upper bounds).\n",
         env.preamble("Scenario 1: finding a provider", command),
         table.markdown(),
         a.servers,
-        GOSSIP.as_secs(),
         a.idle.as_secs(),
+        a.max_connections,
+        a.max_connections * 2 / 3,
+        a.grace.as_secs(),
+        a.ping.as_secs(),
+        a.rebootstrap.as_secs(),
     );
     let json = json!(outcomes
         .iter()
@@ -200,6 +254,7 @@ pub async fn run(env: &Env, a: &Args, command: &str) -> anyhow::Result<Vec<Outco
             "requests": o.requests,
             "lookup_s": secs(&o.lookup_times),
             "connections_per_peer": o.connections,
+            "connections_wait_s": o.connections_wait.as_secs_f64(),
             "settle_s": o.settle.as_secs_f64(),
             "lag_p99_ms": o.lag_p99.as_millis() as u64,
             "rss_bytes": o.rss,

@@ -108,6 +108,10 @@ pub struct SwarmArgs {
     /// Seconds of silence after which a QUIC connection is dead.
     #[arg(long, default_value_t = 3.0)]
     pub idle_timeout: f64,
+    /// Connected peers above which the least recently used connections are closed (gossip
+    /// mesh peers and peers with an open stream are kept), down to two thirds of it.
+    #[arg(long, default_value_t = 96)]
+    pub max_connections: usize,
     /// Largest protocol message accepted, bytes.
     #[arg(long, default_value_t = 16 << 20)]
     pub max_message_bytes: usize,
@@ -538,6 +542,14 @@ impl SwarmArgs {
         cfg.status_interval = secs("status-interval", self.status_interval)?;
         cfg.quic_idle_timeout = secs("idle-timeout", self.idle_timeout)?;
         cfg.max_frame_bytes = self.max_message_bytes;
+        if self.max_connections < 8 {
+            bail!(
+                "--max-connections {} is below 8 (the gossip mesh alone keeps up to 12)",
+                self.max_connections
+            );
+        }
+        cfg.max_connections = self.max_connections;
+        cfg.min_connections = self.max_connections * 2 / 3;
         cfg.max_streams_per_peer = self.max_streams_per_peer.max(1);
         cfg.max_requests_per_s = self.max_requests_per_s;
         cfg.request_burst = (self.max_requests_per_s * 2.0).max(1.0);
