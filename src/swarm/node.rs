@@ -75,7 +75,7 @@ pub struct SwarmConfig {
     pub quic_connection_window: u32,
     /// Connections with no open stream close after this.
     pub idle_connection_timeout: Duration,
-    /// The connection trimmer's marks (see [`super::usage`]): above `max_connections`
+    /// The connection trimmer's marks (see the `swarm::usage` module): above `max_connections`
     /// connected peers, the least recently used are closed until `min_connections` are
     /// left, sparing gossip-mesh peers, peers with an open stream, and any connected or
     /// used within `trim_grace`.
