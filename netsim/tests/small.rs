@@ -6,6 +6,13 @@ use std::time::Duration;
 use agentjet_netsim::scenario::{discovery, partition, Env};
 use agentjet_netsim::NetConfig;
 
+/// One test at a time: each runs about 50 peers in this process on two cores, and a
+/// group's rounds time out when another test's DHT walks take the CPU.
+async fn one_at_a_time() -> tokio::sync::MutexGuard<'static, ()> {
+    static LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    LOCK.lock().await
+}
+
 fn env(seed: u64) -> Env {
     Env {
         net: NetConfig {
@@ -24,6 +31,7 @@ fn env(seed: u64) -> Env {
 /// nearly all 49 others).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_new_client_finds_a_provider_among_50_peers_that_trim_connections() {
+    let _one = one_at_a_time().await;
     let a = discovery::Args {
         sizes: vec![50],
         servers: 3,
@@ -54,6 +62,7 @@ async fn every_new_client_finds_a_provider_among_50_peers_that_trim_connections(
 /// every server's latest version again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn views_split_in_a_partition_and_converge_after_it_heals() {
+    let _one = one_at_a_time().await;
     let a = partition::Args {
         sizes: vec![50],
         servers: 4,
@@ -70,6 +79,7 @@ async fn views_split_in_a_partition_and_converge_after_it_heals() {
 /// members end with bit-identical parameters.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_four_member_group_trains_through_a_crash_and_ends_bit_identical() {
+    let _one = one_at_a_time().await;
     use agentjet::collective::Wire;
     use agentjet_netsim::member::Mode;
     use agentjet_netsim::scenario::training;
