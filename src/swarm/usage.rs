@@ -41,11 +41,22 @@ pub(super) struct UseTable {
     peers: Mutex<HashMap<PeerId, PeerUse>>,
 }
 
+/// Above this many peers the table drops idle entries older than [`IDLE_KEEP`]: a peer
+/// dialed for a stream that never connected (a dead server) gets no disconnect event to
+/// forget it by.
+const PRUNE_AT: usize = 1024;
+/// How long an idle entry is kept once the table is over [`PRUNE_AT`] (far beyond any
+/// trimmer grace, so the trimmer's choice is the same without it).
+const IDLE_KEEP: Duration = Duration::from_secs(600);
+
 impl UseTable {
     /// Counts a stream with `peer` as open until the guard drops.
     pub(super) fn open(self: &Arc<Self>, peer: PeerId) -> UseGuard {
         let now = Instant::now();
         let mut t = lock(&self.peers);
+        if t.len() >= PRUNE_AT {
+            prune(&mut t, now);
+        }
         let u = t.entry(peer).or_insert(PeerUse { open: 0, last: now });
         u.open += 1;
         u.last = now;
@@ -66,6 +77,11 @@ impl UseTable {
             t.remove(peer);
         }
     }
+}
+
+/// Drops the entries with nothing open that were last used [`IDLE_KEEP`] before `now`.
+fn prune(t: &mut HashMap<PeerId, PeerUse>, now: Instant) {
+    t.retain(|_, u| u.open > 0 || now.saturating_duration_since(u.last) < IDLE_KEEP);
 }
 
 /// Holds one open stream's count (see [`UseTable::open`]).
@@ -213,6 +229,35 @@ mod tests {
             usage: None,
             protected: false,
         }
+    }
+
+    #[test]
+    fn idle_entries_of_peers_that_never_disconnect_are_pruned_past_the_size_bound() {
+        let table = Arc::new(UseTable::default());
+        let (held, recent) = (PeerId::random(), PeerId::random());
+        let _g = table.open(held);
+        let idle: Vec<PeerId> = (0..PRUNE_AT).map(|_| PeerId::random()).collect();
+        for p in &idle {
+            drop(table.open(*p));
+        }
+        let later = Instant::now() + IDLE_KEEP + Duration::from_secs(1);
+        let mut t = lock(&table.peers);
+        assert_eq!(t.len(), PRUNE_AT + 1, "nothing pruned below the bound");
+        t.get_mut(&idle[0]).unwrap().last = later;
+        t.insert(
+            recent,
+            PeerUse {
+                open: 0,
+                last: later,
+            },
+        );
+        prune(&mut t, later);
+        assert_eq!(
+            t.len(),
+            3,
+            "the one held and the two used recently are left"
+        );
+        assert!(t.contains_key(&held) && t.contains_key(&recent) && t.contains_key(&idle[0]));
     }
 
     #[test]
