@@ -19,11 +19,31 @@ const USAGE: &str = "usage: netsim <discovery|gossip|churn|partition|training> [
   training: [--members N] [--peers N (plain peers besides them)] [--modes sync,diloco/H,..] [--seconds S (per mode)] [--values N]
   [--model-values N] [--step-s X] [--crashes N] [--wire f32|bf16] [--timeout-s S]";
 
-fn main() -> anyhow::Result<()> {
+fn main() -> std::process::ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let Some(name) = args.first().cloned() else {
-        anyhow::bail!("{USAGE}");
-    };
+    if args.is_empty() {
+        eprintln!("{USAGE}");
+        return std::process::ExitCode::from(2);
+    }
+    if args
+        .iter()
+        .any(|a| a == "--help" || a == "-h" || a == "help")
+    {
+        println!("{USAGE}");
+        return std::process::ExitCode::SUCCESS;
+    }
+    match run(args) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            // The message alone (anyhow's `Debug` adds a backtrace when RUST_BACKTRACE is set).
+            eprintln!("netsim: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: Vec<String>) -> anyhow::Result<()> {
+    let name = args[0].clone();
     let get = |flag: &str| -> Option<String> {
         args.iter()
             .position(|a| a == flag)

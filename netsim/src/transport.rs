@@ -163,13 +163,15 @@ impl Transport for SimTransport {
     }
 }
 
-/// The swarm's extra transport for node `id`: the simulated network, with noise and yamux.
+/// The swarm's extra transport for node `id`: the simulated network, with noise and yamux,
+/// negotiated as the binary's TCP transport does (libp2p's builder: multistream-select
+/// `V1Lazy`, so the dialer's noise and yamux negotiations cost no round trip of their own).
 pub fn other_transport(net: &Network, id: NodeId) -> OtherTransport {
     let net = net.clone();
     OtherTransport(Arc::new(move |key: &Keypair| {
         let noise = noise::Config::new(key).map_err(|e| format!("noise: {e}"))?;
         Ok(SimTransport::new(net.clone(), id)
-            .upgrade(Version::V1)
+            .upgrade(Version::V1Lazy)
             .authenticate(noise)
             .multiplex(yamux::Config::default())
             .map(|(peer, muxer), _| (peer, libp2p::core::muxing::StreamMuxerBox::new(muxer)))

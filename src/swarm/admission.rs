@@ -25,6 +25,25 @@ use super::protocol::{Admission, AuthProof, AuthVerdict, AUTH};
 use super::SwarmError;
 use crate::base::lock;
 
+/// How many times a stream that closed before its first frame (admission, or the verdict
+/// on our proof) is opened again. libp2p-stream hands each inbound stream to the accept
+/// loop through a channel with room for one and drops (closes unread) any that arrives
+/// while the slot is taken, so streams that arrive together while the loop waits for the
+/// CPU are lost; nothing has read them, so opening them again is safe.
+pub(super) const OPEN_ATTEMPTS: u32 = 8;
+
+/// The pause before attempt `attempt + 1`: 10, 20, 40, ... 640 ms, each plus up to as much
+/// again (from the clock's nanoseconds), so streams dropped together do not arrive
+/// together again.
+pub(super) fn retry_pause(attempt: u32) -> std::time::Duration {
+    let base = 10u64 << attempt.saturating_sub(1).min(6);
+    let jitter = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::from(d.subsec_nanos()))
+        % (base + 1);
+    std::time::Duration::from_millis(base + jitter)
+}
+
 /// Rate buckets kept before the refilled ones are pruned.
 const MAX_IDLE_BUCKETS: usize = 1024;
 
@@ -200,17 +219,29 @@ pub(super) async fn prove(
         proof: key.proof(&shared.peer_id, &peer),
     };
     let t = shared.cfg.auth_timeout;
-    let r: Result<AuthVerdict, ProveError> = async {
-        let mut s = tokio::time::timeout(t, control.open_stream(peer, AUTH))
-            .await
-            .map_err(|_| ProveError::TimedOut)?
-            .map_err(|e| ProveError::Open(e.to_string()))?;
-        write_frame(&mut s, &proof, 1024).await?;
-        Ok(tokio::time::timeout(t, read_frame(&mut s, 4096))
-            .await
-            .map_err(|_| ProveError::TimedOut)??)
-    }
-    .await;
+    let mut attempt = 0;
+    let r = loop {
+        attempt += 1;
+        let r: Result<AuthVerdict, ProveError> = async {
+            let mut s = tokio::time::timeout(t, control.open_stream(peer, AUTH))
+                .await
+                .map_err(|_| ProveError::TimedOut)?
+                .map_err(|e| ProveError::Open(e.to_string()))?;
+            write_frame(&mut s, &proof, 1024).await?;
+            Ok(tokio::time::timeout(t, read_frame(&mut s, 4096))
+                .await
+                .map_err(|_| ProveError::TimedOut)??)
+        }
+        .await;
+        match r {
+            // Dropped unread by the other end's accept queue (see OPEN_ATTEMPTS).
+            Err(ProveError::Frame(FrameError::Closed(_))) if attempt < OPEN_ATTEMPTS => {
+                debug!(%peer, attempt, "the auth stream closed before a verdict; proving again");
+                tokio::time::sleep(retry_pause(attempt)).await;
+            }
+            r => break r,
+        }
+    };
     match r {
         Ok(AuthVerdict::Accepted) => debug!(%peer, "accepted our swarm key proof"),
         Ok(AuthVerdict::Denied(why)) => warn!(%peer, "denied our swarm key proof: {why}"),

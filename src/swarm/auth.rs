@@ -11,7 +11,13 @@
 //! Until a peer has proved the key it gets no service on any AgentJet protocol (every
 //! stream is refused with a reason), its gossip is rejected (not forwarded either), it is
 //! not put in the DHT's routing table and its provider records are not stored; a peer that
-//! has not proved the key within the auth timeout is disconnected. Every refusal is
+//! has not proved the key within the auth timeout is disconnected. A peer that proved the
+//! key stays a member when its connections close (the proof is bound to the two peer
+//! ids, which every new connection's handshake proves again, so a second proof would say
+//! nothing new): the two ends of a connection do not see it close at the same moment, and
+//! a peer that redials within that moment finds the other end still in its old spell of
+//! connections, which does not prove again. Denied and pending peers are forgotten. Every
+//! refusal is
 //! logged with the peer id. Gossip is additionally MACed with the key, so a status relayed
 //! through members still has to come from a key holder.
 //!
@@ -21,7 +27,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use libp2p::PeerId;
 use tokio::sync::Notify;
@@ -157,10 +163,22 @@ pub enum PeerAuth {
     Denied(String),
 }
 
+/// A peer's state, and since when it has had no connection (a member only: others are
+/// forgotten when their last connection closes).
+struct Entry {
+    auth: PeerAuth,
+    idle_since: Option<Instant>,
+}
+
+/// Above this many peers the table forgets the members that have been disconnected
+/// longest (down to three quarters of it), so peer ids that come and go do not grow it; a
+/// forgotten member proves the key again on its next connection.
+const MAX_PEERS: usize = 4096;
+
 /// Which peers proved the key; shared by the event loop and every protocol handler.
 pub struct AuthTable {
     key: Option<SwarmKey>,
-    peers: Mutex<HashMap<PeerId, PeerAuth>>,
+    peers: Mutex<HashMap<PeerId, Entry>>,
     changed: Notify,
 }
 
@@ -187,8 +205,7 @@ impl AuthTable {
         }
         lock(&self.peers)
             .get(peer)
-            .cloned()
-            .unwrap_or(PeerAuth::Pending)
+            .map_or(PeerAuth::Pending, |e| e.auth.clone())
     }
 
     pub fn is_member(&self, peer: &PeerId) -> bool {
@@ -196,16 +213,41 @@ impl AuthTable {
     }
 
     pub fn set(&self, peer: PeerId, state: PeerAuth) {
-        lock(&self.peers).insert(peer, state);
+        let mut t = lock(&self.peers);
+        t.insert(
+            peer,
+            Entry {
+                auth: state,
+                idle_since: None,
+            },
+        );
+        if t.len() > MAX_PEERS {
+            forget_longest_idle(&mut t);
+        }
+        drop(t);
         self.changed.notify_waiters();
     }
 
-    pub fn forget(&self, peer: &PeerId) {
-        lock(&self.peers).remove(peer);
+    /// `peer` has a connection again: a remembered member is not forgotten while connected.
+    pub fn connected(&self, peer: &PeerId) {
+        if let Some(e) = lock(&self.peers).get_mut(peer) {
+            e.idle_since = None;
+        }
     }
 
-    /// Waits until `peer` has proved the key (its proof may still be in flight when its
-    /// first request arrives); the refusal reason otherwise.
+    /// `peer`'s last connection closed: a member is kept (see the module docs), anyone
+    /// else forgotten.
+    pub fn disconnected(&self, peer: &PeerId) {
+        let mut t = lock(&self.peers);
+        match t.get_mut(peer) {
+            Some(e) if e.auth == PeerAuth::Member => e.idle_since = Some(Instant::now()),
+            Some(_) => {
+                t.remove(peer);
+            }
+            None => {}
+        }
+    }
+
     pub async fn wait_member(&self, peer: &PeerId, timeout: Duration) -> Result<(), NotMember> {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
@@ -219,6 +261,20 @@ impl AuthTable {
                 return Err(NotMember::NoProof(timeout));
             }
         }
+    }
+}
+
+/// Forgets the members disconnected longest until three quarters of [`MAX_PEERS`] are
+/// left (connected peers are never forgotten).
+fn forget_longest_idle(t: &mut HashMap<PeerId, Entry>) {
+    let mut idle: Vec<(Instant, PeerId)> = t
+        .iter()
+        .filter_map(|(p, e)| e.idle_since.map(|s| (s, *p)))
+        .collect();
+    idle.sort_unstable();
+    let over = t.len().saturating_sub(MAX_PEERS * 3 / 4);
+    for (_, p) in idle.into_iter().take(over) {
+        t.remove(&p);
     }
 }
 

@@ -13,8 +13,9 @@ use libp2p::{Multiaddr, PeerId, Stream, StreamProtocol};
 use tokio::sync::{mpsc, oneshot};
 
 use super::admission;
+use super::admission::{retry_pause, OPEN_ATTEMPTS};
 use super::auth::AuthTable;
-use super::frame::read_frame;
+use super::frame::{read_frame, FrameError};
 use super::node::{Command, ProviderLookup, Shared, ViewEntry};
 use super::protocol::{Admission, ModelStatus, PeerStatus};
 use super::usage::PeerStream;
@@ -168,26 +169,40 @@ impl SwarmHandle {
         }
         let in_use = self.shared.usage.open(peer);
         let _ = self.connect(peer).await;
-        let mut control = self.control.clone();
         let t = self.cfg.open_timeout;
-        let mut s = tokio::time::timeout(t, control.open_stream(peer, protocol.clone()))
-            .await
-            .map_err(|_| SwarmError::Timeout(format!("opening {protocol} to {peer}")))?
-            .map_err(|e| SwarmError::Unreachable {
-                peer,
-                reason: format!("{protocol}: {e}"),
-            })?;
-        let adm: Admission =
-            tokio::time::timeout(t + self.cfg.auth_timeout, read_frame(&mut s, 4096))
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let mut control = self.control.clone();
+            let mut s = tokio::time::timeout(t, control.open_stream(peer, protocol.clone()))
                 .await
-                .map_err(|_| SwarmError::Timeout(format!("admission on {protocol} from {peer}")))?
+                .map_err(|_| SwarmError::Timeout(format!("opening {protocol} to {peer}")))?
                 .map_err(|e| SwarmError::Unreachable {
                     peer,
-                    reason: e.to_string(),
+                    reason: format!("{protocol}: {e}"),
                 })?;
-        match adm {
-            Admission::Accepted => Ok(PeerStream::new(s, in_use)),
-            Admission::Refused(reason) => Err(SwarmError::Refused { peer, reason }),
+            let adm = tokio::time::timeout(t + self.cfg.auth_timeout, read_frame(&mut s, 4096))
+                .await
+                .map_err(|_| SwarmError::Timeout(format!("admission on {protocol} from {peer}")))?;
+            match adm {
+                Ok(Admission::Accepted) => return Ok(PeerStream::new(s, in_use)),
+                Ok(Admission::Refused(reason)) => return Err(SwarmError::Refused { peer, reason }),
+                // Closed before the admission frame: no handler saw the stream (admission
+                // comes first), so opening it again is safe. libp2p-stream hands inbound
+                // streams to the accept loop through a channel with room for one and
+                // drops the rest, so streams that arrive together while that loop waits
+                // for the CPU are closed unread.
+                Err(FrameError::Closed(_)) if attempt < OPEN_ATTEMPTS => {
+                    tracing::debug!(%peer, %protocol, attempt, "the stream closed before its admission; opening it again");
+                    tokio::time::sleep(retry_pause(attempt)).await;
+                }
+                Err(e) => {
+                    return Err(SwarmError::Unreachable {
+                        peer,
+                        reason: e.to_string(),
+                    })
+                }
+            }
         }
     }
 

@@ -14,7 +14,8 @@
 //! table inserts: a peer enters the table only after it proved the swarm key and identify
 //! told us its listen addresses; it stays there when its connections close (idle ones
 //! close after `idle_connection_timeout`) and leaves when a dial to it fails or it fails
-//! the proof on a later connection. A served model is a provider record under
+//! the proof on a later connection. A provider record a peer sends before its proof has
+//! arrived is held until the proof decides. A served model is a provider record under
 //! `agentjet/model/<name>` with a TTL of `provider_ttl`; the server re-provides every half
 //! TTL (and soon after a new member joins), so the record of a server that died expires at
 //! every peer within one TTL of its last refresh. Peers re-bootstrap periodically.
@@ -198,6 +199,8 @@ const FIRST_ENTRY_WAIT: Duration = Duration::from_secs(2);
 
 /// Kademlia's replication factor (k): a record is stored at the k closest peers to its key.
 const K_CLOSE: usize = 20;
+/// Provider records held while their providers' proofs are on the way (see `on_kad`).
+const MAX_HELD_RECORDS: usize = 256;
 
 /// A provider lookup in flight.
 struct ProviderQuery {
@@ -337,11 +340,21 @@ pub async fn spawn_node(cfg: SwarmConfig) -> Result<SwarmHandle, SwarmError> {
         behaviour(key, peer_id, &c).map_err(Box::<dyn std::error::Error + Send + Sync>::from)
     };
     let idle = c.idle_connection_timeout;
+    // Every substream negotiates its protocol lazily: the opener sends the protocol's name
+    // and its first bytes together instead of waiting a round trip for the echo (the
+    // builder's TCP transport does the same for noise and yamux). A Kademlia request on a
+    // new connection, a call stream or the swarm-key proof is one round trip shorter. The
+    // wire is multistream-select 1.0 either way; a peer that does not serve the protocol
+    // answers "na" and the opener's first read fails instead of the open.
+    let swarm_config = move |s: libp2p::swarm::Config| {
+        s.with_idle_connection_timeout(idle)
+            .with_substream_upgrade_protocol_override(libp2p::core::upgrade::Version::V1Lazy)
+    };
     let mut swarm = match &cfg.other_transport {
         None => builder
             .with_behaviour(behaviour)
             .map_err(|e| SwarmError::Setup(format!("behaviour: {e}")))?
-            .with_swarm_config(|s| s.with_idle_connection_timeout(idle))
+            .with_swarm_config(swarm_config)
             .build(),
         Some(other) => builder
             .with_other_transport(|key| {
@@ -350,7 +363,7 @@ pub async fn spawn_node(cfg: SwarmConfig) -> Result<SwarmHandle, SwarmError> {
             .map_err(|e| SwarmError::Setup(format!("other transport: {e}")))?
             .with_behaviour(behaviour)
             .map_err(|e| SwarmError::Setup(format!("behaviour: {e}")))?
-            .with_swarm_config(|s| s.with_idle_connection_timeout(idle))
+            .with_swarm_config(swarm_config)
             .build(),
     };
 
@@ -449,6 +462,7 @@ pub async fn spawn_node(cfg: SwarmConfig) -> Result<SwarmHandle, SwarmError> {
         connect_waiters: HashMap::new(),
         seq: 0,
         reprovide_soon: false,
+        held_records: Vec::new(),
     };
     // Not `Shared::spawn`: the loop ends by itself (and then cancels the rest).
     shared.tasks.spawn(ev.run());
@@ -478,6 +492,9 @@ struct EventLoop {
     connect_waiters: HashMap<PeerId, Vec<oneshot::Sender<Result<(), SwarmError>>>>,
     seq: u64,
     reprovide_soon: bool,
+    /// Provider records from peers whose proof had not arrived yet (at most
+    /// [`MAX_HELD_RECORDS`]).
+    held_records: Vec<kad::ProviderRecord>,
 }
 
 impl EventLoop {
@@ -690,6 +707,7 @@ impl EventLoop {
             }
             Command::Authed(peer, state) => {
                 self.shared.auth.set(peer, state.clone());
+                self.release_held_records(&peer, state == PeerAuth::Member);
                 match state {
                     PeerAuth::Member => self.maybe_add_to_kad(peer),
                     PeerAuth::Denied(why) => {
@@ -712,6 +730,7 @@ impl EventLoop {
                         self.swarm.behaviour_mut().kad.remove_peer(&peer);
                     }
                     warn!(%peer, "did not prove the swarm key within the auth timeout; disconnecting");
+                    self.release_held_records(&peer, false);
                     self.shared
                         .auth
                         .set(peer, PeerAuth::Denied("no proof of the swarm key".into()));
@@ -828,19 +847,25 @@ impl EventLoop {
                     debug!(me = %self.shared.peer_id, peer = %peer_id, dialer = endpoint.is_dialer(), "connected");
                     self.first_connection
                         .insert(peer_id, (connection_id, Instant::now()));
+                    self.shared.auth.connected(&peer_id);
                     if let Some(key) = self.shared.auth.key().cloned() {
+                        // We prove on every spell (a peer that forgot us needs it); a
+                        // remembered member needs no deadline.
                         let (sh, control) = (self.shared.clone(), self.control.clone());
                         self.shared
                             .spawn(admission::prove(sh, control, peer_id, key));
-                        let cmd = self.cmd.clone();
-                        let t = self.shared.cfg.auth_timeout;
-                        self.shared.spawn(async move {
-                            tokio::time::sleep(t).await;
-                            if let Some(tx) = cmd.upgrade() {
-                                let _ =
-                                    tx.send(Command::AuthDeadline(peer_id, connection_id)).await;
-                            }
-                        });
+                        if !self.shared.auth.is_member(&peer_id) {
+                            let cmd = self.cmd.clone();
+                            let t = self.shared.cfg.auth_timeout;
+                            self.shared.spawn(async move {
+                                tokio::time::sleep(t).await;
+                                if let Some(tx) = cmd.upgrade() {
+                                    let _ = tx
+                                        .send(Command::AuthDeadline(peer_id, connection_id))
+                                        .await;
+                                }
+                            });
+                        }
                     }
                 }
             }
@@ -853,10 +878,14 @@ impl EventLoop {
                 // The peer stays in the routing table: a closed connection (idle, or the
                 // other end's choice) says nothing of whether it is alive, and a table
                 // that emptied with its connections would make every idle timeout a
-                // re-bootstrap. It must prove the swarm key again on its next connection;
-                // it leaves the table when a dial to it fails (below).
+                // re-bootstrap. It stays a member too (see `auth`: the other end may still
+                // be in its old spell of connections when we redial, and would not prove
+                // again); it leaves the table when a dial to it fails (below).
                 debug!(peer = %peer_id, ?cause, "disconnected");
-                self.shared.auth.forget(&peer_id);
+                self.shared.auth.disconnected(&peer_id);
+                if !self.shared.auth.is_member(&peer_id) {
+                    self.release_held_records(&peer_id, false);
+                }
                 self.first_connection.remove(&peer_id);
                 self.shared.usage.forget_idle(&peer_id);
             }
@@ -973,17 +1002,46 @@ impl EventLoop {
         Ok(())
     }
 
+    fn store_provider(&mut self, r: kad::ProviderRecord) {
+        if let Err(e) = self.swarm.behaviour_mut().kad.store_mut().add_provider(r) {
+            warn!("storing a provider record: {e}");
+        }
+    }
+
+    /// Stores the held provider records of `peer` (it proved the key) or drops them.
+    fn release_held_records(&mut self, peer: &PeerId, store: bool) {
+        if self.held_records.iter().all(|r| r.provider != *peer) {
+            return;
+        }
+        let (mine, rest) = std::mem::take(&mut self.held_records)
+            .into_iter()
+            .partition(|r| r.provider == *peer);
+        self.held_records = rest;
+        for r in mine {
+            if store {
+                self.store_provider(r);
+            } else {
+                warn!(provider = %peer, "dropped a provider record from a peer that did not prove the swarm key");
+            }
+        }
+    }
+
     fn on_kad(&mut self, e: kad::Event) {
         match e {
             kad::Event::InboundRequest {
                 request: kad::InboundRequest::AddProvider { record: Some(r) },
             } => {
-                if self.shared.auth.is_member(&r.provider) {
-                    if let Err(e) = self.swarm.behaviour_mut().kad.store_mut().add_provider(r) {
-                        warn!("storing a provider record: {e}");
+                match self.shared.auth.state(&r.provider) {
+                    PeerAuth::Member => self.store_provider(r),
+                    // Its proof may still be on the way: a provider's ADD_PROVIDER to a
+                    // peer it just dialed travels beside it. Held until the proof (or
+                    // the deadline) decides.
+                    PeerAuth::Pending if self.held_records.len() < MAX_HELD_RECORDS => {
+                        self.held_records.push(r);
                     }
-                } else {
-                    warn!(provider = %r.provider, "dropped a provider record from a peer that has not proved the swarm key");
+                    _ => {
+                        warn!(provider = %r.provider, "dropped a provider record from a peer that has not proved the swarm key");
+                    }
                 }
             }
             kad::Event::InboundRequest {
