@@ -143,3 +143,27 @@ async fn peers_that_only_listen_on_tcp_still_talk_and_find_providers() {
     let s = hold(&client, &server).await.expect("a stream over TCP");
     release(s).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_streams_opened_at_once_is_served_whole() {
+    // libp2p-stream hands inbound streams to the accept loop through a channel with room
+    // for one and closes the rest unread; 96 streams opened at once arrive faster than
+    // the loop takes them, and every one must still be served (opened again by `open`).
+    let server = node(Role::Server, None, 256, 1000.0, 1000.0).await;
+    serve_hold(&server);
+    let addr = server.listen_addrs().await[0].to_string();
+    let client = node(Role::Client, Some(addr), 256, 1000.0, 1000.0).await;
+    let first = hold(&client, &server).await.expect("one stream");
+    release(first).await;
+    let opens = (0..96).map(|_| hold(&client, &server));
+    let streams = futures::future::join_all(opens).await;
+    let failed: Vec<&String> = streams.iter().filter_map(|r| r.as_ref().err()).collect();
+    assert!(
+        failed.is_empty(),
+        "{} of 96 failed: {failed:?}",
+        failed.len()
+    );
+    for s in streams {
+        release(s.unwrap()).await;
+    }
+}

@@ -14,6 +14,11 @@ async fn one_at_a_time() -> tokio::sync::MutexGuard<'static, ()> {
 }
 
 fn env(seed: u64) -> Env {
+    // RUST_LOG=agentjet::collective=info (say) shows what the peers did; errors only by default.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "error".into()))
+        .with_test_writer()
+        .try_init();
     Env {
         net: NetConfig {
             seed,
@@ -87,7 +92,10 @@ async fn a_four_member_group_trains_through_a_crash_and_ends_bit_identical() {
         members: 4,
         peers: 45,
         modes: vec![],
-        duration: Duration::from_secs(60),
+        // The crash falls at half of it; the group then needs a round's timeout, a ballot,
+        // the joiner's state fetch and new links (20-26 s here on a busy process) before
+        // its next step.
+        duration: Duration::from_secs(90),
         values: 50_000,
         model_values: 50_000,
         compute: Duration::from_millis(100),

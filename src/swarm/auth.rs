@@ -299,4 +299,51 @@ mod tests {
         assert_ne!(k.proof(&a, &b), SwarmKey::generate().proof(&a, &b));
         assert_eq!(k.proof(&a, &b), k.proof(&a, &b));
     }
+
+    #[test]
+    fn members_outlive_their_connections_others_are_forgotten_and_the_table_is_bounded() {
+        let t = AuthTable::new(Some(SwarmKey::generate()));
+        let (m, d, p) = (PeerId::random(), PeerId::random(), PeerId::random());
+        t.set(m, PeerAuth::Member);
+        t.set(d, PeerAuth::Denied("wrong swarm key".into()));
+        t.set(p, PeerAuth::Pending);
+        for peer in [&m, &d, &p] {
+            t.disconnected(peer);
+        }
+        assert_eq!(t.state(&m), PeerAuth::Member, "a member is remembered");
+        assert_eq!(
+            t.state(&d),
+            PeerAuth::Pending,
+            "a denied peer may try again"
+        );
+        assert_eq!(t.state(&p), PeerAuth::Pending);
+        // Peer ids that come and go: the disconnected members longest gone are forgotten,
+        // a connected member never.
+        let connected = PeerId::random();
+        t.set(connected, PeerAuth::Member);
+        for _ in 0..2 * MAX_PEERS {
+            let q = PeerId::random();
+            t.set(q, PeerAuth::Member);
+            t.disconnected(&q);
+        }
+        let len = lock(&t.peers).len();
+        assert!(len <= MAX_PEERS, "{len} entries");
+        assert_eq!(t.state(&connected), PeerAuth::Member);
+        assert_eq!(
+            t.state(&m),
+            PeerAuth::Pending,
+            "the oldest idle member was forgotten"
+        );
+        // A remembered member that reconnects is not forgotten while connected.
+        let back = PeerId::random();
+        t.set(back, PeerAuth::Member);
+        t.disconnected(&back);
+        t.connected(&back);
+        for _ in 0..2 * MAX_PEERS {
+            let q = PeerId::random();
+            t.set(q, PeerAuth::Member);
+            t.disconnected(&q);
+        }
+        assert_eq!(t.state(&back), PeerAuth::Member);
+    }
 }
