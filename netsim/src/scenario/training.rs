@@ -87,6 +87,12 @@ pub struct Outcome {
     pub member_errors: usize,
     /// Every live member's agreed parameters (and momentum) hash the same at the end.
     pub identical: bool,
+    /// Why not, when not: distinct agreed hashes, and the lowest and highest group step.
+    pub distinct_hashes: usize,
+    pub steps_range: (u64, u64),
+    /// Seconds the group took to stand in one ring at one step before the stop, or `None`
+    /// when it did not within the form limit (members then stop where they are).
+    pub settled_s: Option<f64>,
     pub final_group_steps: u64,
     /// Group steps made after the last crash.
     pub after_crash: u64,
@@ -342,6 +348,7 @@ pub async fn run_mode(env: &Env, a: &Args, mode: Mode) -> anyhow::Result<Outcome
     // Before the stop, the group settles into one ring of every member at one step (a
     // joiner may still be fetching the state), so the members compared stand together.
     let settle = Instant::now();
+    let mut settled_s = None;
     while settle.elapsed() < a.form_limit {
         let p: Vec<(u64, u64)> = ms
             .iter()
@@ -353,6 +360,7 @@ pub async fn run_mode(env: &Env, a: &Args, mode: Mode) -> anyhow::Result<Outcome
             })
             .collect();
         if p.iter().all(|x| x.0 == a.members as u64 && x.1 == p[0].1) {
+            settled_s = Some(settle.elapsed().as_secs_f64());
             break;
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -416,11 +424,38 @@ pub async fn run_mode(env: &Env, a: &Args, mode: Mode) -> anyhow::Result<Outcome
         identical: !hashes.is_empty()
             && hashes.iter().all(|h| *h == hashes[0])
             && final_steps.iter().all(|s| *s == final_steps[0]),
+        distinct_hashes: hashes
+            .iter()
+            .collect::<std::collections::HashSet<_>>()
+            .len(),
+        steps_range: (
+            final_steps.iter().copied().min().unwrap_or(0),
+            final_steps.iter().copied().max().unwrap_or(0),
+        ),
+        settled_s,
         final_group_steps: final_steps.first().copied().unwrap_or(0),
         after_crash,
         lag_p99,
         curve,
     })
+}
+
+/// "yes", or what differed: member errors, distinct parameter hashes (a real
+/// divergence), a spread of group steps, or a group that never stood in one ring at one
+/// step before the stop (a slow recovery, not a divergence).
+fn identical_cell(o: &Outcome) -> String {
+    if o.identical {
+        return "yes".into();
+    }
+    let mut why = vec![
+        format!("{} member errors", o.member_errors),
+        format!("{} distinct hashes", o.distinct_hashes),
+        format!("group steps {}-{}", o.steps_range.0, o.steps_range.1),
+    ];
+    if o.settled_s.is_none() {
+        why.push("not settled before the stop".into());
+    }
+    format!("NO ({})", why.join(", "))
 }
 
 fn gb(bytes: f64) -> String {
@@ -463,7 +498,7 @@ pub async fn run(env: &Env, a: &Args, command: &str) -> anyhow::Result<Vec<Outco
             o.group_steps_per_hour,
             o.round_s_mean,
             o.beat_s_mean,
-            o.identical
+            identical_cell(o)
         );
         table.row(vec![
             mode.name(),
@@ -479,11 +514,7 @@ pub async fn run(env: &Env, a: &Args, command: &str) -> anyhow::Result<Vec<Outco
             o.epochs.to_string(),
             o.failed_rounds.to_string(),
             o.syncs.to_string(),
-            if o.identical {
-                "yes".into()
-            } else {
-                format!("NO ({} member errors)", o.member_errors)
-            },
+            identical_cell(o),
             o.lag_p99.as_millis().to_string(),
         ]);
     }
@@ -517,6 +548,11 @@ pub async fn run(env: &Env, a: &Args, command: &str) -> anyhow::Result<Vec<Outco
             "failed_rounds": o.failed_rounds,
             "state_fetches": o.syncs,
             "identical": o.identical,
+            "distinct_hashes": o.distinct_hashes,
+            "final_group_steps_min": o.steps_range.0,
+            "final_group_steps_max": o.steps_range.1,
+            "settled_s": o.settled_s,
+            "member_errors": o.member_errors,
             "final_group_steps": o.final_group_steps,
         }))
         .collect::<Vec<_>>());
