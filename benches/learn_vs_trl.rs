@@ -1,24 +1,31 @@
 //! `cargo bench --bench learn_vs_trl [-- --minutes 20 --eval-every 10 --eval-dense 12
-//! --trl-eval-every 2 --temperature 0.8]`:
+//! --trl-eval-every 2 --temperature 0.8 --tasks 8 --ppo-epochs E --mini-batches M
+//! --warmup-steps 0]`:
 //! learning per hour of compute, ours against TRL's GRPOTrainer, one after the other on
 //! this machine, for the same budget of training minutes (held-out evaluations not
 //! counted) on the same task: learn_addition's 2-digit additions with SmolLM2-135M-Instruct
-//! (ours from the GGUF, TRL from the same weights exported as an HF directory), the same
-//! prompt, reward, held-out pairs (written by ours, read by TRL), 8 prompts x 8 samples,
-//! learning rate, warmup, sampling temperature (0.8 by default: in short trials of ours
-//! here, 0.8 with `--dynamic 1` passed TRL's earlier 58% soonest, against 1.0 with
-//! `--dynamic 1` and 1.2 with `--dynamic 3`; TRL's default is 1.0), at most 32 new tokens, no KL, clip 0.2 / 0.28, 2 passes per batch
-//! (`benches/trl_grpo.py` lists TRL's settings). What differs, and why: ours samples on
-//! its own engine (continuous batching, prefix cache), trains tree-packed rows, corrects
-//! with truncated importance weights, uses dynamic sampling (one more round of tasks when
-//! groups lack signal: `--dynamic 1`, the setting of that trial, where learn_addition's
-//! 60-minute default is 3; 0.8 with 3 was not tried) and decays its learning rate by
-//! a cosine over the training minutes to 0.1x (learn_addition's default); TRL generates
-//! with HF `generate`, has no dynamic sampling, and keeps its learning rate constant after
-//! the warmup (its schedulers count steps, not minutes, and its step count in a time
-//! budget is not known in advance). Ours is evaluated after each of its first
-//! `--eval-dense` steps as well (where its curve rises), TRL every `--trl-eval-every`
-//! steps (its steps take about a minute).
+//! (ours from the GGUF, TRL from the same weights exported as an HF directory).
+//!
+//! The same on both sides: the prompt, reward and held-out pairs (written by ours, read by
+//! TRL); 8 samples per prompt and `--tasks` prompts per step; the learning rate (1e-5)
+//! and its warmup (`--warmup-steps`, none by default); the sampling temperature (0.8: in
+//! short trials of ours, 0.8 passed TRL's earlier 58% soonest, against 1.0 and 1.2; TRL's
+//! default is 1.0); at most 32 new tokens; no KL; clip 0.2 / 0.28; token-level loss;
+//! `--ppo-epochs` passes over each batch (TRL's `num_iterations`), each in
+//! `--mini-batches` optimizer updates of whole groups (TRL's `steps_per_generation`).
+//! `benches/trl_grpo.py` lists TRL's settings. The defaults (two passes of 4 updates, no
+//! warmup) were chosen in 3-minute trials of ours alone (see the README); TRL was not
+//! tuned apart from following them.
+//!
+//! What differs, and why: ours samples on its own engine (continuous batching, prefix
+//! cache), trains tree-packed rows, corrects with truncated importance weights, uses
+//! dynamic sampling (one more round of tasks when groups lack signal: `--dynamic 1`;
+//! learn_addition's 60-minute default is 3) and decays its learning rate by a cosine over
+//! the training minutes to 0.1x (learn_addition's default); TRL generates with HF
+//! `generate`, has no dynamic sampling, and keeps its learning rate constant (its
+//! schedulers count steps, not minutes, and its step count in a time budget is not known in
+//! advance). Ours is evaluated after each of its first `--eval-dense` steps as well (where
+//! its curve rises), TRL every `--trl-eval-every` optimizer steps.
 //!
 //! Prints both accuracy curves at equal training minutes, writes both into one SVG
 //! (`target/learn_vs_trl/learn_vs_trl.svg`), and ends with RESULT lines:
@@ -41,6 +48,18 @@ type Curve = Vec<(f64, f64)>;
 
 /// The sampling temperature of both sides (see the module docs).
 const TEMPERATURE: f64 = 0.8;
+
+/// Prompts per step of both sides (each asked 8 times).
+const TASKS: u64 = 8;
+
+/// Passes over a batch (TRL's iterations), both sides (see the module docs).
+const PPO_EPOCHS: u64 = 2;
+
+/// Optimizer updates per pass over a batch, both sides (see the module docs).
+const MINI_BATCHES: u64 = 4;
+
+/// Steps of linear learning-rate warmup, both sides (see the module docs).
+const WARMUP_STEPS: u64 = 0;
 
 /// learn_addition's flags of its own for this budget (see the module docs).
 const OURS_FLAGS: &[&str] = &["--dynamic", "1"];
@@ -67,14 +86,18 @@ fn parse_eval(line: &str) -> Option<(f64, f64)> {
     Some((field("train_minutes=")?, field("accuracy=")?))
 }
 
-/// Runs learn_addition for `minutes` of training at `temperature`; its curve (its lines go
-/// to stdout too).
-fn ours(
-    dir: &Path,
+/// The settings both sides take (see the module docs).
+struct Shared {
     minutes: f64,
-    (eval_every, eval_dense): (u64, u64),
     temperature: f64,
-) -> anyhow::Result<Curve> {
+    tasks: u64,
+    ppo_epochs: u64,
+    mini_batches: u64,
+    warmup_steps: u64,
+}
+
+/// Runs learn_addition for the shared settings; its curve (its lines go to stdout too).
+fn ours(dir: &Path, s: &Shared, (eval_every, eval_dense): (u64, u64)) -> anyhow::Result<Curve> {
     let _ = std::fs::remove_dir_all(dir);
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut child = Command::new(cargo)
@@ -88,13 +111,17 @@ fn ours(
         ])
         .args([
             "--train-minutes",
-            &minutes.to_string(),
+            &s.minutes.to_string(),
             "--minutes",
             "100000",
         ])
         .args(["--eval-every", &eval_every.to_string()])
         .args(["--eval-dense", &eval_dense.to_string()])
-        .args(["--temperature", &temperature.to_string()])
+        .args(["--temperature", &s.temperature.to_string()])
+        .args(["--tasks", &s.tasks.to_string()])
+        .args(["--ppo-epochs", &s.ppo_epochs.to_string()])
+        .args(["--mini-batches", &s.mini_batches.to_string()])
+        .args(["--warmup-steps", &s.warmup_steps.to_string()])
         .args(OURS_FLAGS)
         .arg("--run-dir")
         .arg(dir)
@@ -183,8 +210,22 @@ fn run() -> anyhow::Result<()> {
     let eval_every: u64 = flag("--eval-every", 10)?;
     let eval_dense: u64 = flag("--eval-dense", 12)?;
     let trl_eval_every: u64 = flag("--trl-eval-every", 2)?;
-    // Both sides sample at this temperature.
-    let temperature: f64 = flag("--temperature", TEMPERATURE)?;
+    let shared = Shared {
+        minutes,
+        temperature: flag("--temperature", TEMPERATURE)?,
+        tasks: flag("--tasks", TASKS)?,
+        ppo_epochs: flag("--ppo-epochs", PPO_EPOCHS)?,
+        mini_batches: flag("--mini-batches", MINI_BATCHES)?,
+        warmup_steps: flag("--warmup-steps", WARMUP_STEPS)?,
+    };
+    anyhow::ensure!(
+        shared.ppo_epochs >= 1
+            && shared.mini_batches >= 1
+            && shared.tasks % shared.mini_batches == 0,
+        "--tasks {} does not split into {} mini-batches of whole groups",
+        shared.tasks,
+        shared.mini_batches
+    );
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/learn_vs_trl");
     std::fs::create_dir_all(&dir)?;
     let python = peer::reference_python(false)?;
@@ -197,15 +238,15 @@ fn run() -> anyhow::Result<()> {
     );
     println!("== ours: learn_addition, {minutes} training minutes ==");
     println!(
-        "ours: learn_addition {} --temperature {temperature}",
+        "shared: --temperature {} --tasks {} (x 8 samples) --ppo-epochs {} --mini-batches {} --warmup-steps {}; ours also: {}",
+        shared.temperature,
+        shared.tasks,
+        shared.ppo_epochs,
+        shared.mini_batches,
+        shared.warmup_steps,
         OURS_FLAGS.join(" ")
     );
-    let ours_curve = ours(
-        &dir.join("ours"),
-        minutes,
-        (eval_every, eval_dense),
-        temperature,
-    )?;
+    let ours_curve = ours(&dir.join("ours"), &shared, (eval_every, eval_dense))?;
     println!("== TRL GRPOTrainer, {minutes} training minutes ==");
     let model = exported(&dir)?;
     let trl = peer::run_peer(
@@ -221,7 +262,15 @@ fn run() -> anyhow::Result<()> {
             "--eval-every".into(),
             trl_eval_every.to_string(),
             "--temperature".into(),
-            temperature.to_string(),
+            shared.temperature.to_string(),
+            "--tasks".into(),
+            shared.tasks.to_string(),
+            "--iterations".into(),
+            shared.ppo_epochs.to_string(),
+            "--mini-batches".into(),
+            shared.mini_batches.to_string(),
+            "--warmup-steps".into(),
+            shared.warmup_steps.to_string(),
             "--out".into(),
             dir.join("trl").display().to_string(),
         ],

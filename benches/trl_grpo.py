@@ -4,9 +4,10 @@ The same task as examples/learn_addition.rs: "What is a + b? Answer with the num
 (a, b in 10..=99; SmolLM2's chat template), reward 1 when the last integer of the answer is
 a + b, else 0; held-out greedy accuracy on the pairs learn_addition wrote (`--heldout`,
 never trained on). Settings that have a TRL knob follow ours: 8 prompts x 8 samples per
-step, learning rate, 5 warmup steps, no weight decay, `--temperature`, at most 32 new
+step, learning rate, warmup steps, no weight decay, `--temperature`, at most 32 new
 tokens, no KL (beta 0), clip 0.2 / 0.28, token-level loss ("dapo"), group-normalised
-advantages, `--iterations` passes per generation batch (our PPO epochs).
+advantages, `--iterations` passes per generation batch (our PPO epochs), each in
+`--mini-batches` optimizer steps (`steps_per_generation`; our mini-batches).
 
 Prints `EVAL train_minutes=.. accuracy=.. step=..` at the start and every `--eval-every`
 steps (minutes of training from the first step, the evaluations' own time not counted),
@@ -48,11 +49,16 @@ def main():
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--iterations", type=int, default=2)
+    p.add_argument("--mini-batches", type=int, default=1,
+                   help="optimizer steps per generation batch and iteration (our --mini-batches)")
+    p.add_argument("--warmup-steps", type=int, default=0)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--eval-every", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
     a = p.parse_args()
+    if a.tasks % a.mini_batches:
+        p.error(f"--tasks {a.tasks} does not split into {a.mini_batches} mini-batches of whole groups")
     torch.manual_seed(a.seed)
     tok = AutoTokenizer.from_pretrained(a.model)
     tok.padding_side = "left"
@@ -116,9 +122,12 @@ def main():
         output_dir=a.out,
         learning_rate=a.lr,
         weight_decay=0.0,
-        warmup_steps=5,
+        warmup_steps=a.warmup_steps,
         lr_scheduler_type="constant_with_warmup",
-        per_device_train_batch_size=a.tasks * a.group,
+        # One generation batch of tasks x group, split into --mini-batches optimizer steps
+        # of whole groups, each taken --iterations times: our PPO epochs x mini-batches.
+        per_device_train_batch_size=a.tasks * a.group // a.mini_batches,
+        steps_per_generation=a.mini_batches,
         num_generations=a.group,
         max_completion_length=a.max_tokens,
         temperature=a.temperature,

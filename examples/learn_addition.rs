@@ -37,6 +37,7 @@
 //! --entropy-coef X [0]  --clip-high X [0.28]  --dynamic N [3]  --replay F [0]
 //! --train-minutes M [11/12 of --minutes]  (stop after M minutes of training, held-out
 //!   evaluations not counted)
+//! --warmup-steps N [5]  (linear learning-rate warmup over the first N steps)
 //! --lr-min-ratio R [0.1]  (cosine decay of the learning rate by training time, from --lr
 //!   to R x --lr at the end of --train-minutes; 1: constant. Counted from this process's
 //!   start, so a --resume decays again over its own budget)
@@ -98,6 +99,8 @@ struct Args {
     lr_min_ratio: f64,
     /// The sampling engine's weights.
     engine_dtype: DType,
+    /// Steps of linear learning-rate warmup.
+    warmup_steps: u64,
 }
 
 fn parse_args() -> anyhow::Result<Args> {
@@ -140,6 +143,7 @@ fn parse_args() -> anyhow::Result<Args> {
         "--train-minutes",
         "--lr-min-ratio",
         "--engine-dtype",
+        "--warmup-steps",
     ];
     let mut i = 0;
     while i < v.len() {
@@ -196,6 +200,7 @@ fn parse_args() -> anyhow::Result<Args> {
             Some("bf16") => DType::BF16,
             Some(d) => anyhow::bail!("--engine-dtype takes f32 or bf16, not {d:?}"),
         },
+        warmup_steps: num("--warmup-steps", get("--warmup-steps"), 5)?,
     })
 }
 
@@ -341,6 +346,9 @@ fn write_svg(path: &std::path::Path, metrics: &[StepMetrics], before: f64) -> an
 }
 
 fn main() {
+    // Freed tensors' memory is kept for the next ones (see `agentjet::base::alloc`), as the
+    // server does.
+    agentjet::base::alloc::keep_freed_memory();
     if let Err(e) = run() {
         eprintln!("learn_addition failed: {e:#}");
         std::process::exit(1);
@@ -376,7 +384,7 @@ fn run() -> anyhow::Result<()> {
                 weight_decay: 0.0,
                 ..Default::default()
             },
-            warmup_steps: 5,
+            warmup_steps: args.warmup_steps,
             max_staleness: Some(1),
             micro_batch_tokens: 2048,
             bf16: std::env::args().any(|a| a == "--bf16"),
@@ -443,7 +451,7 @@ fn run() -> anyhow::Result<()> {
         serde_json::to_string(&pairs)?,
     )?;
     println!(
-        "learn_addition: SmolLM2-135M-Instruct on {:?} (engine {:?}); {} tasks x {} samples per step (T {}, top_p {}, dynamic rounds {}, replay {}), lr {} (cosine to {} x by the end), {} PPO epochs x {} mini-batches, entropy coef {}, clip high {}, held-out {} tasks; run dir {}",
+        "learn_addition: SmolLM2-135M-Instruct on {:?} (engine {:?}); {} tasks x {} samples per step (T {}, top_p {}, dynamic rounds {}, replay {}), lr {} (warmup {} steps, cosine to {} x by the end), {} PPO epochs x {} mini-batches, entropy coef {}, clip high {}, held-out {} tasks; run dir {}",
         trainer.model.device(),
         args.engine_dtype,
         args.tasks,
@@ -453,6 +461,7 @@ fn run() -> anyhow::Result<()> {
         args.dynamic,
         args.replay,
         args.lr,
+        args.warmup_steps,
         args.lr_min_ratio,
         args.ppo_epochs,
         args.mini_batches,

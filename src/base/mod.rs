@@ -1,10 +1,12 @@
 //! The base layer: small, LibTorch-free pieces every other layer may use and that use
-//! nothing of the crate themselves: the random generator, the stop signal of a process
-//! and its tasks, the lock policy, file names, SVG line plots and Prometheus text.
+//! nothing of the crate themselves: the allocator policy, the random generator, the stop
+//! signal of a process and its tasks, the lock policy, file names, SVG line plots and
+//! Prometheus text.
 //!
 //! Owns: only these. Never imports another module of the crate (the layering test
 //! checks it; see docs/ARCHITECTURE.md).
 
+pub mod alloc;
 pub mod files;
 pub mod plot;
 pub mod prom;

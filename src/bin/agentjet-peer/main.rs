@@ -35,6 +35,11 @@ fn main() {
         Some(Role::Peer) => Parsed::Peer(PeerCli::parse_from(&argv)),
         None => Parsed::Tool(Cli::parse_from(&argv)),
     };
+    // Roles and tools that may run LibTorch keep freed memory for their next tensors
+    // (see `agentjet::base::alloc`); a client runs none.
+    if !matches!(parsed, Parsed::Client(_)) {
+        agentjet::base::alloc::keep_freed_memory();
+    }
     let filter = match &parsed {
         Parsed::Server(c) => &c.common.log,
         Parsed::Client(c) => &c.common.log,
