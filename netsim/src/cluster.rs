@@ -13,7 +13,7 @@ use agentjet::swarm::{
 use anyhow::Context as _;
 
 use crate::net::{lock, Network, NodeId};
-use crate::transport::{addr_of, other_transport};
+use crate::transport::{addr_of, other_transport, Listeners};
 
 /// The swarm's timers, as the scenarios set them.
 #[derive(Debug, Clone)]
@@ -58,6 +58,8 @@ pub struct SimPeer {
 /// The peers of one simulation.
 pub struct Cluster {
     pub net: Network,
+    /// The libp2p listeners of its nodes.
+    listeners: Arc<Listeners>,
     pub timing: PeerTiming,
     key: SwarmKey,
     rng: Mutex<Rng>,
@@ -82,6 +84,7 @@ impl Cluster {
         }
         let mut c = Cluster {
             net,
+            listeners: Arc::new(Listeners::default()),
             timing,
             key: SwarmKey::from_bytes(key),
             rng: Mutex::new(rng),
@@ -122,7 +125,7 @@ impl Cluster {
         cfg.min_connections = self.timing.min_connections;
         cfg.trim_grace = self.timing.trim_grace;
         cfg.ping_interval = self.timing.ping_interval;
-        cfg.other_transport = Some(other_transport(&self.net, node));
+        cfg.other_transport = Some(other_transport(&self.net, &self.listeners, node));
         let handle = spawn_node(cfg)
             .await
             .with_context(|| format!("starting simulated peer {node}"))?;

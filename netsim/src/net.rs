@@ -13,7 +13,6 @@
 //! queued on it (see [`crate::pipe`]): a bulk transfer delays the others by that, as a
 //! TCP flow's window and the bottleneck's buffer would, not by everything it wrote.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -86,19 +85,11 @@ pub struct Network {
 struct Inner {
     cfg: NetConfig,
     nodes: Mutex<Vec<Arc<Node>>>,
-    /// Incoming connections of each listening node.
-    pub(crate) listeners: Mutex<HashMap<NodeId, futures::channel::mpsc::UnboundedSender<Incoming>>>,
     /// Each node's side while partitioned (None: no partition).
     sides: Mutex<Option<Vec<u8>>>,
     partitioned: AtomicBool,
     /// Draws of segment loss (in the order writes happen: not fixed by the seed).
     loss_rng: Mutex<Rng>,
-}
-
-/// A connection offered to a listener: the stream and who dialed.
-pub(crate) struct Incoming {
-    pub(crate) stream: crate::pipe::SimStream,
-    pub(crate) from: NodeId,
 }
 
 impl Network {
@@ -107,7 +98,6 @@ impl Network {
             inner: Arc::new(Inner {
                 cfg: cfg.clone(),
                 nodes: Mutex::new(Vec::new()),
-                listeners: Mutex::new(HashMap::new()),
                 sides: Mutex::new(None),
                 partitioned: AtomicBool::new(false),
                 loss_rng: Mutex::new(Rng::seeded(cfg.seed ^ 0x5eed)),
@@ -154,7 +144,6 @@ impl Network {
         if let Some(n) = self.node(id) {
             n.crashed.store(true, Ordering::SeqCst);
         }
-        lock(&self.inner.listeners).remove(&id);
     }
 
     pub fn is_crashed(&self, id: NodeId) -> bool {
@@ -242,28 +231,6 @@ impl Network {
                 n.traffic.received.load(Ordering::Relaxed),
             )
         })
-    }
-
-    pub(crate) fn listen(&self, id: NodeId) -> futures::channel::mpsc::UnboundedReceiver<Incoming> {
-        let (tx, rx) = futures::channel::mpsc::unbounded();
-        lock(&self.inner.listeners).insert(id, tx);
-        rx
-    }
-
-    pub(crate) fn unlisten(&self, id: NodeId) {
-        lock(&self.inner.listeners).remove(&id);
-    }
-
-    /// Hands a new connection to `to`'s listener; false when nothing listens there.
-    pub(crate) fn offer(&self, to: NodeId, inc: Incoming) -> bool {
-        match lock(&self.inner.listeners).get(&to) {
-            Some(tx) => tx.unbounded_send(inc).is_ok(),
-            None => false,
-        }
-    }
-
-    pub(crate) fn listening(&self, id: NodeId) -> bool {
-        lock(&self.inner.listeners).contains_key(&id)
     }
 }
 

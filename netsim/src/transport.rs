@@ -17,8 +17,44 @@ use libp2p::core::upgrade::Version;
 use libp2p::core::Transport;
 use libp2p::{noise, yamux};
 
-use crate::net::{Incoming, Network, NodeId};
+use crate::net::{lock, Network, NodeId};
 use crate::pipe::{pair, SimStream};
+
+/// A connection offered to a listener: the stream and who dialed.
+pub(crate) struct Incoming {
+    stream: SimStream,
+    from: NodeId,
+}
+
+/// Every node's listener on one simulated network (one registry per [`Network`]).
+#[derive(Default)]
+pub struct Listeners {
+    map: std::sync::Mutex<std::collections::HashMap<NodeId, mpsc::UnboundedSender<Incoming>>>,
+}
+
+impl Listeners {
+    fn listen(&self, id: NodeId) -> mpsc::UnboundedReceiver<Incoming> {
+        let (tx, rx) = mpsc::unbounded();
+        lock(&self.map).insert(id, tx);
+        rx
+    }
+
+    fn unlisten(&self, id: NodeId) {
+        lock(&self.map).remove(&id);
+    }
+
+    /// Hands a new connection to `to`'s listener; false when nothing listens there.
+    fn offer(&self, to: NodeId, inc: Incoming) -> bool {
+        match lock(&self.map).get(&to) {
+            Some(tx) => tx.unbounded_send(inc).is_ok(),
+            None => false,
+        }
+    }
+
+    fn listening(&self, id: NodeId) -> bool {
+        lock(&self.map).contains_key(&id)
+    }
+}
 
 /// The address of a node.
 pub fn addr_of(id: NodeId) -> Multiaddr {
@@ -37,16 +73,26 @@ pub fn node_of(addr: &Multiaddr) -> Option<NodeId> {
 /// One node's side of the simulated network.
 pub struct SimTransport {
     net: Network,
+    listeners: Arc<Listeners>,
     id: NodeId,
     listener: Option<(ListenerId, mpsc::UnboundedReceiver<Incoming>, bool)>,
 }
 
 impl SimTransport {
-    pub fn new(net: Network, id: NodeId) -> SimTransport {
+    pub fn new(net: Network, listeners: Arc<Listeners>, id: NodeId) -> SimTransport {
         SimTransport {
             net,
+            listeners,
             id,
             listener: None,
+        }
+    }
+}
+
+impl Drop for SimTransport {
+    fn drop(&mut self) {
+        if self.listener.is_some() {
+            self.listeners.unlisten(self.id);
         }
     }
 }
@@ -64,7 +110,7 @@ impl Transport for SimTransport {
     ) -> Result<(), TransportError<io::Error>> {
         match node_of(&addr) {
             Some(n) if n == self.id && self.listener.is_none() => {
-                self.listener = Some((id, self.net.listen(self.id), true));
+                self.listener = Some((id, self.listeners.listen(self.id), true));
                 Ok(())
             }
             Some(_) => Err(TransportError::Other(io::Error::new(
@@ -78,7 +124,7 @@ impl Transport for SimTransport {
     fn remove_listener(&mut self, id: ListenerId) -> bool {
         if self.listener.as_ref().is_some_and(|l| l.0 == id) {
             self.listener = None;
-            self.net.unlisten(self.id);
+            self.listeners.unlisten(self.id);
             return true;
         }
         false
@@ -92,7 +138,7 @@ impl Transport for SimTransport {
         let Some(to) = node_of(&addr) else {
             return Err(TransportError::MultiaddrNotSupported(addr));
         };
-        let (net, from) = (self.net.clone(), self.id);
+        let (net, listeners, from) = (self.net.clone(), self.listeners.clone(), self.id);
         Ok(async move {
             let rtt = net.latency(from, to) * 2;
             if net.cut(from, to) {
@@ -104,14 +150,14 @@ impl Transport for SimTransport {
                 ));
             }
             tokio::time::sleep(rtt).await;
-            if !net.listening(to) {
+            if net.is_crashed(to) || !listeners.listening(to) {
                 return Err(io::Error::new(
                     io::ErrorKind::ConnectionRefused,
                     format!("{addr}: nothing listens"),
                 ));
             }
             let (mine, theirs) = pair(&net, from, to);
-            if !net.offer(
+            if !listeners.offer(
                 to,
                 Incoming {
                     stream: theirs,
@@ -166,11 +212,11 @@ impl Transport for SimTransport {
 /// The swarm's extra transport for node `id`: the simulated network, with noise and yamux,
 /// negotiated as the binary's TCP transport does (libp2p's builder: multistream-select
 /// `V1Lazy`, so the dialer's noise and yamux negotiations cost no round trip of their own).
-pub fn other_transport(net: &Network, id: NodeId) -> OtherTransport {
-    let net = net.clone();
+pub fn other_transport(net: &Network, listeners: &Arc<Listeners>, id: NodeId) -> OtherTransport {
+    let (net, listeners) = (net.clone(), listeners.clone());
     OtherTransport(Arc::new(move |key: &Keypair| {
         let noise = noise::Config::new(key).map_err(|e| format!("noise: {e}"))?;
-        Ok(SimTransport::new(net.clone(), id)
+        Ok(SimTransport::new(net.clone(), listeners.clone(), id)
             .upgrade(Version::V1Lazy)
             .authenticate(noise)
             .multiplex(yamux::Config::default())

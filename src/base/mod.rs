@@ -18,3 +18,9 @@ pub use files::safe_file_name;
 pub use rng::Rng;
 pub use stop::{Stop, StopMode};
 pub use sync::lock;
+
+/// Writes what stdout holds now (lines other programs wait for, such as an address).
+pub fn flush_stdout() {
+    use std::io::Write as _;
+    let _ = std::io::stdout().flush();
+}

@@ -26,7 +26,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tracing::{info, warn};
 
-use super::ClientError;
+use super::error::ClientError;
 use crate::base::lock;
 use crate::base::prom::Prom;
 use crate::base::stop::{Stop, TaskTracker};

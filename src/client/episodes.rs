@@ -23,10 +23,10 @@ use serde_json::{json, Value};
 use tokio::sync::Semaphore;
 
 use super::backend::SwarmBackend;
+use super::error::ClientError;
 use super::runner::{run_agent, AgentOutcome, AgentSpec};
 use super::submit::submit_to_model;
 use super::tasks::{Schedule, Task};
-use super::ClientError;
 use crate::base::stop::TaskTracker;
 use crate::base::{lock, Stop};
 use crate::facade::reward::PostedReward;

@@ -15,22 +15,24 @@ pub mod backend;
 pub mod curve;
 mod dash;
 pub mod episodes;
+mod error;
 pub mod runner;
 pub mod submit;
 pub mod tasks;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 pub use backend::{fetch_card, CardError, SwarmBackend};
+pub use error::ClientError;
 
 use crate::base::stop::{wind_down, TaskTracker};
-use crate::base::Stop;
+use crate::base::{flush_stdout, Stop};
 use crate::facade::external::ExternalModel;
 use crate::facade::http::{serve_until, spawn_serve};
 use crate::facade::server::{router_tracked, FacadeConfig};
-use crate::swarm::{spawn_node, Multiaddr, PeerId, SwarmConfig, SwarmError, SwarmHandle};
+use crate::swarm::{spawn_node, Multiaddr, PeerId, SwarmConfig, SwarmHandle};
 
 /// Everything `--role client` is configured by (the binary builds it from its flags).
 #[derive(Debug, Clone)]
@@ -73,55 +75,6 @@ pub struct EpisodeJob {
     pub time_limit: Option<Duration>,
     /// Where episode logs and the journal go (default: `<data-dir>/runs/<run id>`).
     pub run_dir: Option<PathBuf>,
-}
-
-/// What can stop a client.
-#[derive(Debug, thiserror::Error)]
-pub enum ClientError {
-    #[error("{0}")]
-    Config(String),
-    #[error(transparent)]
-    Swarm(#[from] SwarmError),
-    #[error("no provider of model {model:?} answered within {:.0} s{}", waited.as_secs_f64(),
-        last_error.as_ref().map(|e| format!(" (last error: {e})")).unwrap_or_default())]
-    NoProvider {
-        model: String,
-        waited: Duration,
-        last_error: Option<String>,
-    },
-    #[error("stopped before the swarm was ready")]
-    Stopped,
-    #[error("--dashboard {addr}: {source}")]
-    Dashboard {
-        addr: String,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("binding the proxy on 127.0.0.1:{port}: {source}")]
-    Proxy {
-        port: u16,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("{}: {source}", path.display())]
-    Io {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("{}: not a journal line ({problem})", path.display())]
-    Journal { path: PathBuf, problem: String },
-    #[error("the episode loop panicked: {0}")]
-    Panicked(String),
-}
-
-impl ClientError {
-    pub(crate) fn io(path: &Path, source: std::io::Error) -> ClientError {
-        ClientError::Io {
-            path: path.to_path_buf(),
-            source,
-        }
-    }
 }
 
 /// A running client.
@@ -369,11 +322,6 @@ async fn start(cfg: ClientConfig, stop: Stop) -> Result<Client, ClientError> {
         tasks,
         episodes,
     })
-}
-
-fn flush_stdout() {
-    use std::io::Write as _;
-    let _ = std::io::stdout().flush();
 }
 
 impl Client {

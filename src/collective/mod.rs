@@ -1,7 +1,8 @@
 //! The collective: what the servers of one model do together. The data plane (sealed
-//! point-to-point links set up through the swarm), the ring all-reduce over them, and the
+//! point-to-point links set up through the swarm), the ring all-reduce over them, the
 //! training group ([`group`]: masterless membership epochs, heartbeats, step rounds with
-//! a commit). The server's training loop drives a group (`server::train`).
+//! a commit), and the member loop that drives any [`member::Learner`] through the group's
+//! rounds ([`member`]: the server's trainer and netsim's stand-in run the same loop).
 //!
 //! The data plane is a TCP connection per link carrying AES-256-GCM frames ([`seal`]) (or
 //! a byte stream of another [`LinkNet`]: netsim's simulated internet),
@@ -12,11 +13,13 @@
 //! authenticated, after the swarm key's admission; every frame is authenticated, and a
 //! frame that was altered, replayed or reordered kills the link ([`link`]).
 //!
-//! Owns: moving and reducing tensors between members. Never touches LibTorch (callers
-//! hand it `f32` slices) and never decides membership.
+//! Owns: moving and reducing values between members, who is in a group (epochs), and the
+//! order of a member's rounds. Never touches LibTorch (learners hand it `f32` slices),
+//! never decides what a step computes (the learner does).
 
 pub mod group;
 pub mod link;
+pub mod member;
 pub mod pace;
 pub mod rendezvous;
 pub mod ring;

@@ -63,7 +63,7 @@ pub struct Ring {
 }
 
 /// What one round cost.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct RoundStats {
     pub seconds: f64,
     pub bytes_sent: u64,

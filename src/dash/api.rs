@@ -17,8 +17,9 @@ use futures_util::{Stream, StreamExt as _};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+use super::assets;
 use super::runs::{self, LogRefusal, RunRef};
-use super::{assets, DashState, MAX_EVENT_STREAMS, MAX_QUERY_BYTES};
+use super::state::{DashState, MAX_EVENT_STREAMS, MAX_QUERY_BYTES};
 use crate::base::prom::Prom;
 
 /// Bytes of a points file one answer carries at most (a first read: its tail).

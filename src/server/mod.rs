@@ -22,34 +22,39 @@
 //! or on an abort, what still runs is cancelled.
 
 mod dash;
-mod group_loop;
+mod error;
 mod group_state;
 pub mod infer;
+mod learner;
+mod ledger;
 pub mod served;
+mod settings;
 mod stored;
 pub mod submit;
 pub mod train;
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+pub use error::ServerError;
+pub use error::TrainingError;
 pub use infer::{BadCall, InferError};
 pub use served::{card_blob, ServeLimits, ServedModel};
+pub use settings::TrainSettings;
 pub use submit::{read_stored_episodes, StoredEpisode, SubmitError};
-pub use train::{TrainSettings, TrainingError};
 
 use crate::base::safe_file_name;
 use crate::base::stop::{wind_down, TaskTracker};
-use crate::base::{Stop, StopMode};
+use crate::base::{flush_stdout, Stop, StopMode};
 use crate::engine::{spawn_engine, EngineConfig};
 use crate::facade::http::{serve_until, spawn_serve};
 use crate::facade::server::{router, FacadeConfig};
 use crate::facade::LocalBackend;
 use crate::model::checkpoint::{load_model, parse_placement};
-use crate::model::{ModelError, ModelSource};
-use crate::swarm::{spawn_node, Multiaddr, PeerId, SwarmConfig, SwarmError, SwarmHandle};
+use crate::model::ModelSource;
+use crate::swarm::{spawn_node, Multiaddr, PeerId, SwarmConfig, SwarmHandle};
 
 /// Everything `--role server` is configured by (the binary builds it from its flags).
 #[derive(Debug, Clone)]
@@ -77,58 +82,6 @@ pub struct ServerConfig {
     pub limits: ServeLimits,
     /// How long a drain may take before what still runs is aborted.
     pub drain_timeout: Duration,
-}
-
-/// What can stop a server from starting or stopping cleanly.
-#[derive(Debug, thiserror::Error)]
-pub enum ServerError {
-    #[error("loading model {spec}: {source}")]
-    Model {
-        spec: String,
-        #[source]
-        source: ModelError,
-    },
-    #[error("starting the engine: {0}")]
-    Engine(#[source] ModelError),
-    #[error(transparent)]
-    Swarm(#[from] SwarmError),
-    #[error(transparent)]
-    Training(#[from] TrainingError),
-    #[error("{}: {source}", path.display())]
-    Io {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("{}: not an episode file ({problem})", path.display())]
-    Corrupt { path: PathBuf, problem: String },
-    #[error(transparent)]
-    Card(#[from] ModelError),
-    #[error("encoding the model card: {0}")]
-    Encode(String),
-    #[error("--dashboard {addr}: {source}")]
-    Dashboard {
-        addr: String,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("--http {addr}: {source}")]
-    Http {
-        addr: String,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("a task of the server panicked: {0}")]
-    Panicked(String),
-}
-
-impl ServerError {
-    pub(crate) fn io(path: &Path, source: std::io::Error) -> ServerError {
-        ServerError::Io {
-            path: path.to_path_buf(),
-            source,
-        }
-    }
 }
 
 /// A running server.
@@ -320,11 +273,6 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
         tasks,
         training,
     })
-}
-
-fn flush_stdout() {
-    use std::io::Write as _;
-    let _ = std::io::stdout().flush();
 }
 
 impl Server {

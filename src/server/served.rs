@@ -11,8 +11,8 @@ use std::sync::{Arc, Mutex};
 
 use tracing::Instrument;
 
-use super::train::TrainerInput;
-use super::ServerError;
+use super::error::ServerError;
+use super::settings::TrainerInput;
 use crate::base::stop::{Stop, TaskTracker};
 use crate::base::{lock, safe_file_name};
 use crate::engine::{EngineHandle, TokenBytes};

@@ -12,7 +12,7 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use super::ServerError;
+use super::error::ServerError;
 use crate::timeline::digest::rebuilt_calls;
 use crate::timeline::fragment::EpisodeManifest;
 use crate::timeline::{Branch, Call, Episode, SamplingTransform, Segment, Timeline};

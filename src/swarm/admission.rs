@@ -9,7 +9,6 @@
 //! task tracker and ends with the node; none holds a command sender that would keep the
 //! event loop alive.
 
-use std::collections::HashMap;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Instant;
@@ -18,10 +17,11 @@ use futures::StreamExt;
 use libp2p::{PeerId, Stream, StreamProtocol};
 use tracing::{debug, info, warn};
 
-use super::auth::{NotMember, PeerAuth, SwarmKey};
+use super::auth::{PeerAuth, SwarmKey};
 use super::frame::{read_frame, write_frame, FrameError};
-use super::node::{Command, Shared};
+use super::limits::Refusal;
 use super::protocol::{Admission, AuthProof, AuthVerdict, AUTH};
+use super::shared::{Command, Shared};
 use super::SwarmError;
 use crate::base::lock;
 
@@ -44,23 +44,6 @@ pub(super) fn retry_pause(attempt: u32) -> std::time::Duration {
     std::time::Duration::from_millis(base + jitter)
 }
 
-/// Rate buckets kept before the refilled ones are pruned.
-const MAX_IDLE_BUCKETS: usize = 1024;
-
-/// Why an inbound stream was refused (sent to the opener as its first frame).
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum Refusal {
-    #[error(transparent)]
-    NotMember(#[from] NotMember),
-    #[error("over the request rate limit ({rate}/s, burst {burst})")]
-    RateLimited { rate: f64, burst: f64 },
-    #[error("too many concurrent {protocol} streams (limit {limit})")]
-    TooManyStreams {
-        protocol: &'static str,
-        limit: usize,
-    },
-}
-
 /// Why our proof of the swarm key did not reach a peer (logged).
 #[derive(Debug, thiserror::Error)]
 enum ProveError {
@@ -70,40 +53,6 @@ enum ProveError {
     Open(String),
     #[error(transparent)]
     Frame(#[from] super::frame::FrameError),
-}
-
-/// Per-peer admission bounds (concurrent streams, request rate).
-#[derive(Default)]
-pub(super) struct Limits {
-    open: HashMap<(PeerId, &'static str), usize>,
-    buckets: RateTable,
-}
-
-/// A token bucket per peer: `burst` requests at once, refilled at `rate` per second.
-#[derive(Default)]
-struct RateTable {
-    buckets: HashMap<PeerId, (f64, Instant)>,
-}
-
-impl RateTable {
-    /// Takes one request of `peer`'s bucket at `now`, or says why not.
-    fn take(&mut self, peer: &PeerId, now: Instant, rate: f64, burst: f64) -> Result<(), Refusal> {
-        let level =
-            |b: &(f64, Instant)| b.0 + rate * now.saturating_duration_since(b.1).as_secs_f64();
-        if self.buckets.len() >= MAX_IDLE_BUCKETS {
-            // A bucket that has refilled is the same as none: forget those, so peers that
-            // came and went (or a stream of fresh peer ids) do not grow the table.
-            self.buckets.retain(|_, b| level(b) < burst);
-        }
-        let b = self.buckets.entry(*peer).or_insert((burst, now));
-        b.0 = level(b).min(burst);
-        b.1 = now;
-        if b.0 < 1.0 {
-            return Err(Refusal::RateLimited { rate, burst });
-        }
-        b.0 -= 1.0;
-        Ok(())
-    }
 }
 
 /// Releases a peer's concurrent-stream slot when a served stream ends (however it ends:
@@ -116,14 +65,7 @@ struct OpenGuard {
 
 impl Drop for OpenGuard {
     fn drop(&mut self) {
-        let mut l = lock(&self.shared.limits);
-        let key = (self.peer, self.name);
-        if let Some(n) = l.open.get_mut(&key) {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                l.open.remove(&key);
-            }
-        }
+        lock(&self.shared.limits).release(&self.peer, self.name);
     }
 }
 
@@ -141,18 +83,14 @@ impl Shared {
 
     async fn admit(&self, peer: &PeerId, name: &'static str) -> Result<(), Refusal> {
         self.auth.wait_member(peer, self.cfg.auth_timeout).await?;
-        let mut l = lock(&self.limits);
-        let (rate, burst) = (self.cfg.max_requests_per_s, self.cfg.request_burst);
-        l.buckets.take(peer, Instant::now(), rate, burst)?;
-        let open = l.open.entry((*peer, name)).or_insert(0);
-        if *open >= self.cfg.max_streams_per_peer {
-            return Err(Refusal::TooManyStreams {
-                protocol: name,
-                limit: self.cfg.max_streams_per_peer,
-            });
-        }
-        *open += 1;
-        Ok(())
+        let rate = (self.cfg.max_requests_per_s, self.cfg.request_burst);
+        lock(&self.limits).take(
+            peer,
+            name,
+            Instant::now(),
+            rate,
+            self.cfg.max_streams_per_peer,
+        )
     }
 }
 
@@ -306,47 +244,4 @@ pub(super) fn accept_auth(
         }
     });
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::time::Duration;
-
-    #[test]
-    fn buckets_refuse_past_the_burst_refill_and_idle_ones_are_forgotten() {
-        let t0 = Instant::now();
-        let mut t = RateTable::default();
-        let p = PeerId::random();
-        for _ in 0..3 {
-            t.take(&p, t0, 1.0, 3.0).unwrap();
-        }
-        let e = t.take(&p, t0, 1.0, 3.0).unwrap_err();
-        assert!(e.to_string().contains("rate limit (1/s, burst 3)"), "{e}");
-        t.take(&p, t0 + Duration::from_millis(1100), 1.0, 3.0)
-            .unwrap();
-        // 3000 one-off peers: the table stays bounded once their buckets refilled.
-        for i in 0..3000u64 {
-            let now = t0 + Duration::from_secs(10 + i * 5);
-            t.take(&PeerId::random(), now, 1.0, 3.0).unwrap();
-        }
-        assert!(t.buckets.len() <= MAX_IDLE_BUCKETS, "{}", t.buckets.len());
-        // Buckets still draining are kept: a busy peer's survives the pruning.
-        let busy = PeerId::random();
-        let late = t0 + Duration::from_secs(100_000);
-        for _ in 0..3 {
-            t.take(&busy, late, 1.0, 3.0).unwrap();
-        }
-        for _ in 0..2 * MAX_IDLE_BUCKETS {
-            t.take(&PeerId::random(), late, 1.0, 3.0).unwrap();
-        }
-        assert!(
-            t.buckets.len() > 2 * MAX_IDLE_BUCKETS,
-            "draining buckets are kept"
-        );
-        assert!(
-            t.take(&busy, late, 1.0, 3.0).is_err(),
-            "its bucket was not reset"
-        );
-    }
 }

@@ -15,11 +15,12 @@ use tokio::sync::{mpsc, oneshot};
 use super::admission;
 use super::admission::{retry_pause, OPEN_ATTEMPTS};
 use super::auth::AuthTable;
+use super::config::SwarmConfig;
 use super::frame::{read_frame, FrameError};
-use super::node::{Command, ProviderLookup, Shared, ViewEntry};
 use super::protocol::{Admission, ModelStatus, PeerStatus};
+use super::shared::{Command, ProviderLookup, Shared, ViewEntry};
 use super::usage::PeerStream;
-use super::{SwarmConfig, SwarmError};
+use super::SwarmError;
 use crate::base::lock;
 
 /// The handle the rest of the program holds.

@@ -9,22 +9,25 @@
 
 mod admission;
 pub mod auth;
+mod config;
 pub mod frame;
 mod handle;
+mod limits;
 pub mod node;
 pub mod protocol;
+mod shared;
 pub mod sign;
 mod usage;
 
-pub use admission::Refusal;
 pub use auth::{KeyError, SwarmKey};
+pub use config::{BoxedTransport, OtherTransport, SwarmConfig};
 pub use handle::SwarmHandle;
 pub use libp2p::multiaddr::Protocol;
 pub use libp2p::{identity::Keypair, Multiaddr, PeerId, Stream, StreamProtocol};
-pub use node::{
-    spawn_node, BoxedTransport, OtherTransport, ProviderLookup, SwarmConfig, ViewEntry,
-};
+pub use limits::Refusal;
+pub use node::spawn_node;
 pub use protocol::{CacheSummary, GroupStatus, ModelStatus, PeerStatus, Role};
+pub use shared::{ProviderLookup, ViewEntry};
 pub use usage::PeerStream;
 
 use std::path::{Path, PathBuf};

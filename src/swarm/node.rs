@@ -44,120 +44,17 @@ use libp2p::{identify, noise, ping, tcp, yamux, Multiaddr, PeerId, Swarm};
 use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, warn};
 
-use super::admission::{self, Limits};
-use super::auth::{AuthTable, PeerAuth, SwarmKey};
+use super::admission;
+use super::auth::{AuthTable, PeerAuth};
+use super::config::SwarmConfig;
 use super::handle::SwarmHandle;
-use super::protocol::{PeerStatus, Role, StatusEnvelope, IDENTIFY, KAD, STATUS_TOPIC};
+use super::limits::Limits;
+use super::protocol::{PeerStatus, StatusEnvelope, IDENTIFY, KAD, STATUS_TOPIC};
+use super::shared::{Command, ProviderLookup, ProvidersReply, Shared, ViewSlot};
 use super::usage::{self, Candidate, Marks, UseTable};
 use super::SwarmError;
 use crate::base::lock;
 use crate::base::stop::{CancellationToken, TaskTracker};
-
-/// Everything the node needs; every bound and timeout is here.
-#[derive(Debug, Clone)]
-pub struct SwarmConfig {
-    pub role: Role,
-    pub keypair: Keypair,
-    pub listen: Vec<Multiaddr>,
-    pub bootstrap: Vec<Multiaddr>,
-    pub swarm_key: Option<SwarmKey>,
-    /// Lifetime of a provider record (re-provided every half of it).
-    pub provider_ttl: Duration,
-    pub status_interval: Duration,
-    pub rebootstrap_interval: Duration,
-    /// A connected peer must prove the swarm key within this.
-    pub auth_timeout: Duration,
-    /// Dial + protocol negotiation + admission for a new stream.
-    pub open_timeout: Duration,
-    /// A QUIC connection with no packets for this long is dead (keep-alives every third).
-    pub quic_idle_timeout: Duration,
-    /// QUIC flow-control windows (bulk fragments and tensors need large ones).
-    pub quic_stream_window: u32,
-    pub quic_connection_window: u32,
-    /// Connections with no open stream close after this.
-    pub idle_connection_timeout: Duration,
-    /// The connection trimmer's marks (see the `swarm::usage` module): above `max_connections`
-    /// connected peers, the least recently used are closed until `min_connections` are
-    /// left, sparing gossip-mesh peers, peers with an open stream, and any connected or
-    /// used within `trim_grace`.
-    pub max_connections: usize,
-    pub min_connections: usize,
-    pub trim_grace: Duration,
-    /// How often each connection is pinged (its round-trip time).
-    pub ping_interval: Duration,
-    /// Frames larger than this are refused.
-    pub max_frame_bytes: usize,
-    /// Streams one peer may have open with us at once, per protocol.
-    pub max_streams_per_peer: usize,
-    /// New streams per second one peer may open (sustained), and the burst above it.
-    pub max_requests_per_s: f64,
-    pub request_burst: f64,
-    pub kad_server: bool,
-    /// A transport beside TCP and QUIC (dialed for the addresses it supports): netsim's
-    /// simulated network. None in the peer binary.
-    pub other_transport: Option<OtherTransport>,
-}
-
-/// An authenticated, multiplexed transport, as libp2p's swarm takes one.
-pub type BoxedTransport =
-    libp2p::core::transport::Boxed<(PeerId, libp2p::core::muxing::StreamMuxerBox)>;
-
-/// Builds the extra transport of a node from its identity (see
-/// [`SwarmConfig::other_transport`]).
-#[derive(Clone)]
-#[allow(clippy::type_complexity)]
-pub struct OtherTransport(
-    pub Arc<dyn Fn(&Keypair) -> Result<BoxedTransport, String> + Send + Sync>,
-);
-
-impl std::fmt::Debug for OtherTransport {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("OtherTransport")
-    }
-}
-
-/// What one provider lookup found, and what it cost.
-#[derive(Debug, Clone, Default)]
-pub struct ProviderLookup {
-    pub providers: Vec<PeerId>,
-    /// Kademlia requests the query sent (libp2p's query statistics), and how many were
-    /// answered.
-    pub requests: u32,
-    pub answered: u32,
-    /// From the query's start to its end.
-    pub duration: Duration,
-}
-
-impl SwarmConfig {
-    pub fn new(role: Role, keypair: Keypair) -> SwarmConfig {
-        SwarmConfig {
-            role,
-            keypair,
-            listen: Vec::new(),
-            bootstrap: Vec::new(),
-            swarm_key: None,
-            provider_ttl: Duration::from_secs(30),
-            status_interval: Duration::from_secs(2),
-            rebootstrap_interval: Duration::from_secs(30),
-            auth_timeout: Duration::from_secs(10),
-            open_timeout: Duration::from_secs(15),
-            quic_idle_timeout: Duration::from_secs(3),
-            quic_stream_window: 16 << 20,
-            quic_connection_window: 64 << 20,
-            idle_connection_timeout: Duration::from_secs(120),
-            max_connections: 96,
-            min_connections: 64,
-            trim_grace: Duration::from_secs(30),
-            ping_interval: Duration::from_secs(5),
-            max_frame_bytes: 16 << 20,
-            max_streams_per_peer: 256,
-            max_requests_per_s: 500.0,
-            request_burst: 1000.0,
-            kad_server: true,
-            other_transport: None,
-        }
-    }
-}
 
 #[derive(NetworkBehaviour)]
 struct Behaviour {
@@ -167,31 +64,6 @@ struct Behaviour {
     kad: kad::Behaviour<MemoryStore>,
     stream: libp2p_stream::Behaviour,
 }
-
-/// One peer in the live view.
-#[derive(Debug, Clone)]
-pub struct ViewEntry {
-    pub peer: PeerId,
-    pub status: PeerStatus,
-    pub addrs: Vec<Multiaddr>,
-    pub age: Duration,
-    pub is_self: bool,
-    /// The status's publication time by its author's clock, and when this peer received
-    /// it (Unix milliseconds; peers in one process, as in netsim, share the clock).
-    pub published_unix_ms: u64,
-    pub received_unix_ms: u64,
-}
-
-pub(super) struct ViewSlot {
-    pub(super) status: PeerStatus,
-    pub(super) addrs: Vec<Multiaddr>,
-    pub(super) seq: u64,
-    pub(super) at: Instant,
-    pub(super) published_unix_ms: u64,
-    pub(super) received_unix_ms: u64,
-}
-
-type ProvidersReply = oneshot::Sender<ProviderLookup>;
 
 /// How long a provider lookup asked before the routing table has any entry waits for the
 /// first one (a node just started is still proving the swarm key to its bootstrap peers).
@@ -221,47 +93,6 @@ enum BadGossip {
     NotSignedByAuthor { author: PeerId, signer: String },
     #[error("status of {0}: {1} swarm key MAC")]
     Mac(PeerId, &'static str),
-}
-
-/// What handles ask of the event loop.
-pub(super) enum Command {
-    Provide(String, oneshot::Sender<()>),
-    StopProviding(String),
-    /// A provider lookup; with `first`, answered at the first provider found.
-    Providers {
-        model: String,
-        first: bool,
-        reply: ProvidersReply,
-    },
-    Connect(PeerId, oneshot::Sender<Result<(), SwarmError>>),
-    Authed(PeerId, PeerAuth),
-    /// The auth timeout of the connection that opened a spell of connections to a peer.
-    AuthDeadline(PeerId, ConnectionId),
-    ListenAddrs(oneshot::Sender<Vec<Multiaddr>>),
-    Connected(oneshot::Sender<Vec<PeerId>>),
-    Addresses(PeerId, Vec<Multiaddr>),
-    /// The addresses the address book holds for a peer.
-    AddressesOf(PeerId, oneshot::Sender<Vec<Multiaddr>>),
-    /// End the loop now (see [`SwarmHandle::shutdown`]).
-    Shutdown,
-}
-
-/// What the event loop, the node's tasks and every handle share. It holds no command
-/// sender, so holding it never keeps the loop alive.
-pub(super) struct Shared {
-    pub(super) peer_id: PeerId,
-    pub(super) keypair: Keypair,
-    pub(super) cfg: Arc<SwarmConfig>,
-    pub(super) auth: Arc<AuthTable>,
-    pub(super) view: Mutex<HashMap<PeerId, ViewSlot>>,
-    pub(super) status: Mutex<PeerStatus>,
-    pub(super) limits: Mutex<Limits>,
-    /// Streams open per peer, and their last use (what the trimmer spares).
-    pub(super) usage: Arc<UseTable>,
-    /// Cancelled when the event loop has ended.
-    pub(super) ended: CancellationToken,
-    /// Every task of the node, the event loop included.
-    pub(super) tasks: TaskTracker,
 }
 
 fn model_key(model: &str) -> kad::RecordKey {

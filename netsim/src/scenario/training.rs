@@ -18,19 +18,22 @@
 //! The modes run at once, each on its own simulated network (the process is mostly
 //! waiting on the simulated links; the timer lag column says when it was not).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use agentjet::collective::group::{GroupConfig, GroupNode};
+use agentjet::base::StopMode;
+use agentjet::collective::member::toy::ToyHooks;
 use agentjet::collective::Wire;
-use agentjet::swarm::{GroupStatus, ModelStatus, Role};
+use agentjet::swarm::Role;
 use serde_json::json;
 
 use super::Env;
-use crate::cluster::{Cluster, LagProbe, PeerTiming, SimPeer, MODEL};
-use crate::links::{LinkPorts, SimLinks};
-use crate::member::{Member, MemberConfig, Mode, Progress};
+use crate::cluster::{Cluster, LagProbe, PeerTiming, SimPeer};
+use crate::links::LinkPorts;
+use crate::member::{
+    agreed_hash, spawn, start_peer, wait_views, MemberConfig, MemberSpec, Mode, Progress, Running,
+};
 use crate::net::Network;
 use crate::report::{svg_plot, write_results, Series, Table};
 
@@ -101,56 +104,6 @@ pub struct Outcome {
     pub curve: Vec<(f64, f64)>,
 }
 
-struct Running {
-    peer: Arc<SimPeer>,
-    stop: Arc<AtomicBool>,
-    progress: Arc<Progress>,
-    thread: std::thread::JoinHandle<Result<Member, String>>,
-}
-
-fn announce(p: &SimPeer, mode: Mode) {
-    p.handle.set_models(vec![ModelStatus {
-        name: MODEL.into(),
-        policy_version: 0,
-        train_step: 0,
-        group: Some(GroupStatus {
-            name: "netsim".into(),
-            epoch: 0,
-            members: 0,
-            param_hash: String::new(),
-            allreduce_ms: 0.0,
-            allreduce_gbps: 0.0,
-            mode: mode.name(),
-        }),
-        cache: Default::default(),
-    }]);
-}
-
-/// A new server that announces the group in its status.
-async fn start_peer(c: &Cluster, mode: Mode) -> anyhow::Result<Arc<SimPeer>> {
-    let peer = c.start(Role::Server).await?;
-    announce(&peer, mode);
-    Ok(peer)
-}
-
-/// Waits (up to `limit`) until every one of `peers` sees every other in its view.
-async fn wait_views(peers: &[Arc<SimPeer>], limit: Duration) -> bool {
-    let t0 = Instant::now();
-    while t0.elapsed() < limit {
-        let all = peers.iter().all(|p| {
-            let seen: Vec<_> = p.handle.view().into_iter().map(|e| e.peer).collect();
-            peers
-                .iter()
-                .all(|q| q.peer_id == p.peer_id || seen.contains(&q.peer_id))
-        });
-        if all {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    false
-}
-
 /// The member's group node and its loop, on its own thread.
 fn start_loop(
     c: &Cluster,
@@ -160,44 +113,15 @@ fn start_loop(
     a: &Args,
     index: u64,
 ) -> anyhow::Result<Running> {
-    let links = SimLinks::new(
-        c.net.clone(),
-        peer.node,
-        tokio::runtime::Handle::current(),
-        ports.clone(),
-        a.model_values as f64 / a.values as f64,
-    );
-    let node = GroupNode::start_with(
-        peer.handle.clone(),
-        tokio::runtime::Handle::current(),
-        GroupConfig {
-            name: "netsim".into(),
-            model: MODEL.into(),
-            mode: cfg.mode.name(),
-            timeout: a.timeout,
-            heartbeat: cfg.heartbeat,
-        },
-        std::net::Ipv4Addr::LOCALHOST.into(),
-        Arc::new(links),
-    )?;
-    let stop = Arc::new(AtomicBool::new(false));
-    let progress = Arc::new(Progress::default());
-    let member = Member::new(
-        node,
-        cfg.clone(),
-        index.wrapping_mul(0x51ed),
-        stop.clone(),
-        progress.clone(),
-    );
-    let thread = std::thread::Builder::new()
-        .name(format!("member-{index}"))
-        .spawn(move || member.run().map_err(|e| e.to_string()))?;
-    Ok(Running {
-        peer,
-        stop,
-        progress,
-        thread,
-    })
+    let spec = MemberSpec {
+        cfg: cfg.clone(),
+        seed: index.wrapping_mul(0x51ed),
+        hooks: ToyHooks::default(),
+        resume: None,
+        weight: a.model_values as f64 / a.values as f64,
+        events: None,
+    };
+    spawn(c, peer, ports, spec)
 }
 
 fn total<F: Fn(&Progress) -> u64>(ms: &[Running], f: F) -> u64 {
@@ -220,6 +144,7 @@ pub async fn run_mode(env: &Env, a: &Args, mode: Mode) -> anyhow::Result<Outcome
         heartbeat: Duration::from_millis(500),
         timeout: a.timeout,
         lr: 1e-2,
+        midway_pause: None,
     };
     let lag = LagProbe::start(Duration::from_millis(100));
     super::start_many(&c, Role::Plain, a.peers).await?;
@@ -316,7 +241,7 @@ pub async fn run_mode(env: &Env, a: &Args, mode: Mode) -> anyhow::Result<Outcome
             retired_epochs += gone.progress.epochs.load(Ordering::Relaxed);
             retired_failed += gone.progress.failed_rounds.load(Ordering::Relaxed);
             retired_syncs += gone.progress.syncs.load(Ordering::Relaxed);
-            gone.stop.store(true, Ordering::Relaxed);
+            gone.stop.request(StopMode::Abort);
             c.crash(&gone.peer).await;
             // Its thread ends once its rounds time out; not waited for.
             drop(gone.thread);
@@ -367,7 +292,7 @@ pub async fn run_mode(env: &Env, a: &Args, mode: Mode) -> anyhow::Result<Outcome
     }
     // Everyone stops at one heartbeat; the loops return their members.
     for m in &ms {
-        m.stop.store(true, Ordering::Relaxed);
+        m.stop.request(StopMode::Drain);
     }
     let mut hashes = Vec::new();
     let mut member_errors = 0;
@@ -389,7 +314,7 @@ pub async fn run_mode(env: &Env, a: &Args, mode: Mode) -> anyhow::Result<Outcome
     for m in ms {
         let joined = tokio::task::spawn_blocking(move || m.thread.join()).await?;
         match joined {
-            Ok(Ok(member)) => hashes.push(member.agreed_hash()),
+            Ok(Ok(learner)) => hashes.push(agreed_hash(&learner)),
             Ok(Err(e)) => {
                 println!("training {}: a member failed: {e}", mode.name());
                 member_errors += 1;

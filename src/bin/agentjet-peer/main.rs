@@ -101,11 +101,6 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
         .context("starting the async runtime")
 }
 
-pub fn flush_stdout() {
-    use std::io::Write as _;
-    let _ = std::io::stdout().flush();
-}
-
 /// Ctrl-C (SIGINT) and SIGTERM, registered as soon as a command starts, so that a signal
 /// sent while a model is still loading is not missed (and does not kill the process).
 struct StopSignals {
@@ -131,7 +126,7 @@ impl StopSignals {
             }
             if mode == StopMode::Abort {
                 println!("aborting what still runs");
-                flush_stdout();
+                agentjet::base::flush_stdout();
             }
             stop.request(mode);
         }

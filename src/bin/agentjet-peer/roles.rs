@@ -23,7 +23,7 @@ pub async fn peer(cli: PeerCli, stop: Stop) -> Result<()> {
     let cfg = cli.common.swarm.config(WireRole::Plain, &dir)?;
     let node = swarm::spawn_node(cfg).await?;
     println!("{}", node.introduction(&node.listen_addrs().await));
-    super::flush_stdout();
+    agentjet::base::flush_stdout();
     stop.requested().await;
     node.shutdown(Duration::from_secs(5)).await;
     Ok(())

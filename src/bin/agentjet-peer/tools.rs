@@ -378,11 +378,11 @@ pub mod torch_cmds {
             .with_context(|| format!("binding {host}:{port}"))?;
         let addr = listener.local_addr()?;
         println!("serving {name} at http://{addr}/v1 (OpenAI-compatible; Ctrl-C or SIGTERM stops)");
-        crate::flush_stdout();
+        agentjet::base::flush_stdout();
         let http = tasks.spawn(serve_until(listener, app, stop.clone()));
         stop.requested().await;
         println!("stopping: running requests finish (a second Ctrl-C or SIGTERM aborts)");
-        crate::flush_stdout();
+        agentjet::base::flush_stdout();
         if !wind_down(
             &tasks,
             &stop,

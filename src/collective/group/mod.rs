@@ -1,6 +1,7 @@
 //! A training group: the servers of one model that train it together, with no fixed
-//! master. This module decides who is in the group and runs the rounds; the server's
-//! training loop decides what the rounds carry (gradients, stats) and applies them.
+//! master. This module decides who is in the group and runs the rounds; the member loop
+//! ([`super::member`]) calls them in order, and its learner decides what they carry
+//! (gradients, stats) and applies them.
 //!
 //! # Epochs: how members agree who is in
 //!
@@ -31,7 +32,7 @@
 //! stopping). Every member sees the same sums, so every member decides the same thing at
 //! the same round: take a step (when the group holds `groups_per_step` groups), dissolve,
 //! or wait. (In DiLoCo mode the count is of members that finished their inner steps, and
-//! the step is the outer one when all have: see `server::group_loop::diloco`.)
+//! the step is the outer one when all have: see `collective::member`.)
 //!
 //! A member waiting for a proposer's Start suspects it as soon as the swarm lost its
 //! connection to it and cannot dial it again, not only after the wait.

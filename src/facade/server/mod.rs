@@ -18,6 +18,7 @@ mod recent;
 mod render;
 mod responses;
 mod session;
+mod state;
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -62,69 +63,10 @@ use plan::{extra_sampling, json_mode, plan, resolve_model, submit, token_bytes, 
 use plan::{Common, JsonMode, Plan};
 use recent::Recent;
 use render::ChatRenderer;
-use responses::{responses, StoredResponse};
+use responses::responses;
 use session::{finish_all, start_chat, stream_one, EventStream, Finished, OneStream, Started};
-
-/// Limits of the facade.
-#[derive(Debug, Clone)]
-pub struct FacadeConfig {
-    /// `max_tokens` when a request gives none (capped by the context left).
-    pub default_max_tokens: usize,
-    /// Largest `n`.
-    pub max_n: usize,
-    /// Largest `top_logprobs`.
-    pub max_top_logprobs: usize,
-    /// Largest request body in bytes (larger ones get 413 in OpenAI's error shape).
-    pub max_body_bytes: usize,
-    /// Track chat calls per episode (the bearer token names the episode): token-in-token-out
-    /// prompts and recorded calls (see `facade::track`).
-    pub track_episodes: bool,
-    /// Episodes tracked at most (the least recently used is dropped first).
-    pub max_tracked_episodes: usize,
-    /// Responses kept for `previous_response_id` (and tool calls' arguments kept for
-    /// Anthropic `tool_use` blocks), at most; the oldest are forgotten first.
-    pub max_stored_responses: usize,
-    /// Models forwarded to other OpenAI-compatible endpoints (recorded, never trained).
-    pub external: Vec<Arc<ExternalModel>>,
-    /// Where the facade's own tasks (streamed answers, external connections) are tracked,
-    /// so that the owner's stop waits for them.
-    pub tasks: TaskTracker,
-}
-
-impl Default for FacadeConfig {
-    fn default() -> Self {
-        FacadeConfig {
-            default_max_tokens: 1024,
-            max_n: 16,
-            max_top_logprobs: 20,
-            max_body_bytes: 8 << 20,
-            track_episodes: false,
-            max_tracked_episodes: 4096,
-            max_stored_responses: 4096,
-            external: Vec::new(),
-            tasks: TaskTracker::new(),
-        }
-    }
-}
-
-pub(super) struct AppState {
-    pub(super) backend: Arc<dyn Backend>,
-    pub(super) cfg: FacadeConfig,
-    pub(super) next_id: AtomicU64,
-    pub(super) requests: AtomicU64,
-    pub(super) errors: AtomicU64,
-    pub(super) tracker: Option<Arc<Tracker>>,
-    /// Rewards agents posted to `/v1/agentjet/reward`, by episode (when tracking).
-    pub(super) rewards: Arc<Rewards>,
-    /// Calls of external models, by episode.
-    pub(super) external: Arc<ExternalLog>,
-    /// Each model's token bytes, built on the first constrained request.
-    pub(super) token_bytes: std::sync::Mutex<std::collections::HashMap<String, Arc<TokenBytes>>>,
-    /// Recent Responses answers, for `previous_response_id`.
-    responses: Recent<StoredResponse>,
-    /// The arguments text of recent tool calls answered as Anthropic `tool_use` blocks.
-    tool_args: Recent<String>,
-}
+pub use state::FacadeConfig;
+use state::{answer, body_or_error, episode_of, now, sse_json, AppState, Body, StoredResponse};
 
 /// What a tracking facade shares with its owner (the client's episode runner).
 #[derive(Clone)]
@@ -187,7 +129,7 @@ pub fn router_tracked(backend: Arc<dyn Backend>, cfg: FacadeConfig) -> (Router, 
 
 /// `POST /v1/agentjet/reward` (tracking only): the episode named by the bearer token
 /// reports its reward.
-pub(super) async fn post_reward(
+async fn post_reward(
     State(st): State<Arc<AppState>>,
     headers: axum::http::HeaderMap,
     body: Body,
@@ -223,65 +165,7 @@ pub(super) async fn post_reward(
     answer(&st, result)
 }
 
-/// The episode a request belongs to, when tracking: its bearer token (OpenAI SDKs), else
-/// its `x-api-key` (Anthropic SDKs).
-pub(super) fn episode_of(st: &AppState, headers: &axum::http::HeaderMap) -> Option<String> {
-    st.tracker.as_ref()?;
-    let bearer = headers
-        .get(axum::http::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .map(|a| a.strip_prefix("Bearer ").unwrap_or(a).trim());
-    let key = headers
-        .get("x-api-key")
-        .and_then(|v| v.to_str().ok())
-        .map(str::trim);
-    bearer
-        .filter(|t| !t.is_empty())
-        .or(key.filter(|t| !t.is_empty()))
-        .map(str::to_string)
-}
-
-/// The body, or the reason it could not be read (too large: 413) in OpenAI's shape.
-pub(super) fn body_or_error(body: Body, limit: usize) -> Result<Bytes, ApiError> {
-    body.map_err(|e| {
-        let status = e.status();
-        let message = if status == StatusCode::PAYLOAD_TOO_LARGE {
-            format!("request body exceeds the server's limit of {limit} bytes")
-        } else {
-            format!("cannot read the request body: {e}")
-        };
-        ApiError {
-            status,
-            message,
-            kind: "invalid_request_error",
-            param: Some("body".into()),
-            code: (status == StatusCode::PAYLOAD_TOO_LARGE).then_some("request_too_large"),
-        }
-    })
-}
-
-/// Counts the request, and turns an error into its response (counting it too).
-pub(super) fn answer(st: &AppState, result: Result<Response, ApiError>) -> Response {
-    result.unwrap_or_else(|e| {
-        st.errors.fetch_add(1, Ordering::Relaxed);
-        e.into_response()
-    })
-}
-
-pub(super) type Body = Result<Bytes, axum::extract::rejection::BytesRejection>;
-
-pub(super) fn now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
-}
-
-pub(super) fn sse_json(v: &Json_) -> Result<Event, Infallible> {
-    Ok(Event::default().data(v.to_string()))
-}
-
-pub(super) async fn models(State(st): State<Arc<AppState>>) -> Response {
+async fn models(State(st): State<Arc<AppState>>) -> Response {
     let data: Vec<Json_> = st
         .backend
         .model_ids()
@@ -292,7 +176,7 @@ pub(super) async fn models(State(st): State<Arc<AppState>>) -> Response {
     Json(json!({"object": "list", "data": data})).into_response()
 }
 
-pub(super) async fn health(State(st): State<Arc<AppState>>) -> Response {
+async fn health(State(st): State<Arc<AppState>>) -> Response {
     if st.backend.ready() {
         (StatusCode::OK, Json(json!({"status": "ok"}))).into_response()
     } else {
@@ -304,7 +188,7 @@ pub(super) async fn health(State(st): State<Arc<AppState>>) -> Response {
     }
 }
 
-pub(super) async fn metrics(State(st): State<Arc<AppState>>) -> Response {
+async fn metrics(State(st): State<Arc<AppState>>) -> Response {
     let mut p = Prom::new();
     p.counter(
         "agentjet_http_requests_total",

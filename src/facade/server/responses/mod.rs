@@ -15,15 +15,6 @@ use super::*;
 use input::{items_to_messages, parse, to_chat};
 use output::{response_json, Keep, ResponseMeta, ResponsesStream};
 
-/// One stored response: the conversation up to and including its answer (chat form,
-/// without the request's `instructions`, which a later call does not inherit), and the
-/// episode it belongs to (another episode's call does not find it).
-#[derive(Clone)]
-pub(super) struct StoredResponse {
-    episode: Option<String>,
-    messages: Vec<Json_>,
-}
-
 /// The assistant message a finished answer adds to the conversation (what a chat answer
 /// holds, so that the next call's history renders as the model wrote it).
 pub(super) fn assistant_message(f: &Finished) -> Json_ {

@@ -1,0 +1,94 @@
+//! The ledger of consumed episodes in a run directory (`consumed.log`): one
+//! `STEP<TAB>EPISODE ID` line per episode a step took out of the group buffer (trained,
+//! skipped or dropped), appended after each step. With the checkpoint it says which stored
+//! episodes a restarted server has not trained on yet.
+
+use std::collections::HashSet;
+use std::path::Path;
+
+use tracing::warn;
+
+use super::served::ServedModel;
+use super::stored::StoredEpisode;
+use crate::train::TrainError;
+
+/// The ledger's file in a run directory.
+const CONSUMED: &str = "consumed.log";
+
+/// The ids consumed by steps `1..=step` (the checkpoint's), cutting off later lines: their
+/// steps are lost with the restart, so their episodes are trained again.
+pub(super) fn consumed_upto(run_dir: &Path, step: u64) -> Result<HashSet<String>, TrainError> {
+    let path = run_dir.join(CONSUMED);
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(HashSet::new()),
+        Err(e) => return Err(TrainError::file(&path, e)),
+    };
+    let mut kept = String::new();
+    let mut ids = HashSet::new();
+    let mut cut = false;
+    for line in text.lines() {
+        // A torn last line (a kill mid-append) has no tab or no valid step: dropped.
+        let Some((st, id)) = line.split_once('\t') else {
+            cut = true;
+            continue;
+        };
+        match st.parse::<u64>() {
+            Ok(n) if n <= step => {
+                ids.insert(id.to_string());
+                kept.push_str(line);
+                kept.push('\n');
+            }
+            _ => cut = true,
+        }
+    }
+    if cut {
+        std::fs::write(&path, kept).map_err(|e| TrainError::file(&path, e))?;
+    }
+    Ok(ids)
+}
+
+pub(super) fn append_consumed(run_dir: &Path, step: u64, ids: &[String]) -> Result<(), TrainError> {
+    use std::io::Write;
+    let path = run_dir.join(CONSUMED);
+    let text: String = ids.iter().map(|id| format!("{step}\t{id}\n")).collect();
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .and_then(|mut f| f.write_all(text.as_bytes()))
+        .map_err(|e| TrainError::file(&path, e))
+}
+
+/// Stored episodes of `served` that the resumed trainer has not consumed, oldest first.
+pub(super) fn unconsumed_episodes(
+    served: &ServedModel,
+    consumed: &HashSet<String>,
+) -> Result<Vec<StoredEpisode>, TrainError> {
+    let consumed_files: HashSet<String> = consumed
+        .iter()
+        .map(|id| ServedModel::episode_file_name(id))
+        .collect();
+    let dir = served.episodes_dir();
+    let mut files = Vec::new();
+    for e in std::fs::read_dir(dir)
+        .map_err(|e| TrainError::file(dir, e))?
+        .flatten()
+    {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.ends_with(".episode") && !consumed_files.contains(&name) {
+            let t = e.metadata().and_then(|m| m.modified()).ok();
+            files.push((t, e.path()));
+        }
+    }
+    files.sort();
+    let mut out = Vec::new();
+    for (_, p) in files {
+        let b = std::fs::read(&p).map_err(|e| TrainError::file(&p, e))?;
+        match StoredEpisode::decode(&b) {
+            Ok(ep) => out.push(ep),
+            Err(e) => warn!("{}: not an episode ({e}); not trained", p.display()),
+        }
+    }
+    Ok(out)
+}

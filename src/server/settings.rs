@@ -1,0 +1,146 @@
+//! How a server trains, as its flags set it, and the training thread's interface: what
+//! it hears ([`TrainerInput`]; why it stops is [`super::error::TrainingError`]).
+
+use std::time::Duration;
+
+use super::stored::StoredEpisode;
+use crate::base::StopMode;
+use crate::collective::member::{LoopConfig, Mode};
+use crate::collective::Wire;
+use crate::swarm::PeerId;
+use crate::train::groups::AdvantageKind;
+use crate::train::outer::OuterConfig;
+
+/// What the training thread hears, in order.
+pub enum TrainerInput {
+    /// An episode stored (and synced) by the submit protocol.
+    Episode(Box<StoredEpisode>),
+    /// The role is stopping.
+    Stop(StopMode),
+}
+
+/// How the server trains (each a flag of `--role server`).
+#[derive(Debug, Clone)]
+pub struct TrainSettings {
+    pub learning_rate: f64,
+    pub warmup_steps: u64,
+    /// Trainable groups per optimizer step: a step starts once this many are ready.
+    pub groups_per_step: usize,
+    /// At most this many groups in one step (at least `groups_per_step`): a backlog (a
+    /// client faster than training) is trained over several steps, oldest groups first,
+    /// instead of in one step that takes as long as all of it.
+    pub max_groups_per_step: usize,
+    /// Group size when a client does not say it.
+    pub num_repeat: usize,
+    /// A group waits this long for its stragglers, then trains with what arrived (if at
+    /// least `min_episodes` finished).
+    pub group_timeout: Duration,
+    pub min_episodes: usize,
+    pub advantage: AdvantageKind,
+    /// Calls sampled more than this many versions ago are not trained on.
+    pub max_staleness: Option<u64>,
+    pub checkpoint_every: u64,
+    pub micro_batch_tokens: usize,
+    /// How the servers of the model train together.
+    pub collective: CollectiveSettings,
+    /// DiLoCo mode (none: synchronous): inner steps per outer step and the outer
+    /// optimizer's settings.
+    pub outer: Option<OuterConfig>,
+    /// PPO epochs and mini-batches per step (see [`crate::train::trainer`]).
+    pub ppo_epochs: usize,
+    pub mini_batches: usize,
+    /// Weight of the entropy bonus.
+    pub entropy_coef: f64,
+}
+
+/// The training group's settings (see [`crate::collective::group`]).
+#[derive(Debug, Clone)]
+pub struct CollectiveSettings {
+    /// A round's bound: a member that stalls or dies longer fails the round everywhere.
+    /// It must exceed the slowest member's gradient time (members wait for each other).
+    pub timeout: Duration,
+    /// Between heartbeat rounds (step boundaries) while no step is due.
+    pub heartbeat: Duration,
+    /// How gradients travel.
+    pub wire: Wire,
+    /// Tests only: hold every gradient round this long between its reduce-scatter and
+    /// its all-gather (to kill a member mid-round).
+    pub midway_pause: Option<Duration>,
+    /// The training group's name (none: the model's). Servers of one model train together
+    /// only when their group names (and modes) are equal: one name per run.
+    pub group: Option<String>,
+    /// Members compare their parameter hashes every this many group steps (0: never).
+    pub hash_every: u64,
+    /// Tests only: after applying this group step, this member's parameters silently
+    /// drift (one value moved by 1e-3), as a corrupted member's would.
+    pub perturb_at: Option<u64>,
+}
+
+impl Default for CollectiveSettings {
+    fn default() -> Self {
+        CollectiveSettings {
+            timeout: Duration::from_secs(60),
+            heartbeat: Duration::from_millis(500),
+            wire: Wire::F32,
+            midway_pause: None,
+            group: None,
+            hash_every: 10,
+            perturb_at: None,
+        }
+    }
+}
+
+impl Default for TrainSettings {
+    fn default() -> Self {
+        TrainSettings {
+            learning_rate: 1e-5,
+            warmup_steps: 0,
+            groups_per_step: 4,
+            max_groups_per_step: 16,
+            num_repeat: 8,
+            group_timeout: Duration::from_secs(600),
+            min_episodes: 2,
+            advantage: AdvantageKind::Grpo,
+            max_staleness: Some(4),
+            checkpoint_every: 20,
+            micro_batch_tokens: 4096,
+            collective: CollectiveSettings::default(),
+            outer: None,
+            ppo_epochs: 1,
+            mini_batches: 1,
+            entropy_coef: 0.0,
+        }
+    }
+}
+
+/// The training mode as the group gossips it: `sync`, `diloco/H`, or `alone/<peer>`.
+///
+/// A synchronous group all-reduces one gradient per step, so a member that takes several
+/// updates per step (PPO epochs, mini-batches) trains alone: its mode names it, and no
+/// other member matches. In DiLoCo mode those updates are inner steps, which each member
+/// takes on its own anyway.
+pub fn mode_name(outer: Option<&OuterConfig>, updates_per_step: usize, me: &PeerId) -> String {
+    match outer {
+        Some(o) => format!("diloco/{}", o.every),
+        None if updates_per_step > 1 => format!("alone/{me}"),
+        None => "sync".into(),
+    }
+}
+
+impl TrainSettings {
+    /// The member loop's settings (the group's timeout and heartbeat go to its node).
+    pub fn loop_config(&self) -> LoopConfig {
+        LoopConfig {
+            mode: match &self.outer {
+                Some(o) => Mode::Diloco {
+                    every: o.every.max(1),
+                },
+                None => Mode::Sync,
+            },
+            groups_per_step: self.groups_per_step.max(1),
+            wire: self.collective.wire,
+            hash_every: self.collective.hash_every,
+            midway_pause: self.collective.midway_pause,
+        }
+    }
+}

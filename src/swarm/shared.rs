@@ -1,0 +1,97 @@
+//! What the event loop, the node's tasks and every handle share ([`Shared`]), and the
+//! commands handles send the loop ([`Command`]).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use libp2p::identity::Keypair;
+use libp2p::swarm::ConnectionId;
+use libp2p::{Multiaddr, PeerId};
+use tokio::sync::oneshot;
+
+use super::auth::{AuthTable, PeerAuth};
+use super::config::SwarmConfig;
+use super::limits::Limits;
+use super::protocol::PeerStatus;
+use super::usage::UseTable;
+use super::SwarmError;
+use crate::base::stop::{CancellationToken, TaskTracker};
+
+/// What one provider lookup found, and what it cost.
+#[derive(Debug, Clone, Default)]
+pub struct ProviderLookup {
+    pub providers: Vec<PeerId>,
+    /// Kademlia requests the query sent (libp2p's query statistics), and how many were
+    /// answered.
+    pub requests: u32,
+    pub answered: u32,
+    /// From the query's start to its end.
+    pub duration: Duration,
+}
+
+/// One peer in the live view.
+#[derive(Debug, Clone)]
+pub struct ViewEntry {
+    pub peer: PeerId,
+    pub status: PeerStatus,
+    pub addrs: Vec<Multiaddr>,
+    pub age: Duration,
+    pub is_self: bool,
+    /// The status's publication time by its author's clock, and when this peer received
+    /// it (Unix milliseconds; peers in one process, as in netsim, share the clock).
+    pub published_unix_ms: u64,
+    pub received_unix_ms: u64,
+}
+
+pub(super) struct ViewSlot {
+    pub(super) status: PeerStatus,
+    pub(super) addrs: Vec<Multiaddr>,
+    pub(super) seq: u64,
+    pub(super) at: Instant,
+    pub(super) published_unix_ms: u64,
+    pub(super) received_unix_ms: u64,
+}
+
+pub(super) type ProvidersReply = oneshot::Sender<ProviderLookup>;
+
+/// What handles ask of the event loop.
+pub(super) enum Command {
+    Provide(String, oneshot::Sender<()>),
+    StopProviding(String),
+    /// A provider lookup; with `first`, answered at the first provider found.
+    Providers {
+        model: String,
+        first: bool,
+        reply: ProvidersReply,
+    },
+    Connect(PeerId, oneshot::Sender<Result<(), SwarmError>>),
+    Authed(PeerId, PeerAuth),
+    /// The auth timeout of the connection that opened a spell of connections to a peer.
+    AuthDeadline(PeerId, ConnectionId),
+    ListenAddrs(oneshot::Sender<Vec<Multiaddr>>),
+    Connected(oneshot::Sender<Vec<PeerId>>),
+    Addresses(PeerId, Vec<Multiaddr>),
+    /// The addresses the address book holds for a peer.
+    AddressesOf(PeerId, oneshot::Sender<Vec<Multiaddr>>),
+    /// End the loop now (see [`SwarmHandle::shutdown`]).
+    Shutdown,
+}
+
+/// What the event loop, the node's tasks and every handle share. It holds no command
+/// sender, so holding it never keeps the loop alive.
+pub(super) struct Shared {
+    pub(super) peer_id: PeerId,
+    pub(super) keypair: Keypair,
+    pub(super) cfg: Arc<SwarmConfig>,
+    pub(super) auth: Arc<AuthTable>,
+    pub(super) view: Mutex<HashMap<PeerId, ViewSlot>>,
+    pub(super) status: Mutex<PeerStatus>,
+    pub(super) limits: Mutex<Limits>,
+    /// Streams open per peer, and their last use (what the trimmer spares).
+    pub(super) usage: Arc<UseTable>,
+    /// Cancelled when the event loop has ended.
+    pub(super) ended: CancellationToken,
+    /// Every task of the node, the event loop included.
+    pub(super) tasks: TaskTracker,
+}
