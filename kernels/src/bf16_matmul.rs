@@ -72,11 +72,11 @@ fn matmul_bf16_at(
     y: &mut [f32],
 ) {
     let pool = crate::pool::global();
-    let workers = pool.workers();
+    let workers = pool.active();
     // Rows of W per worker, in whole register blocks.
     let per = n.div_ceil(workers).div_ceil(NB) * NB;
     let out = SendPtr(y.as_mut_ptr());
-    pool.run(&|wi| {
+    pool.run_on(workers, &|wi| {
         let j0 = (wi * per).min(n);
         let j1 = (j0 + per).min(n);
         if j0 < j1 {

@@ -1,6 +1,14 @@
 //! A tiny fork-join pool for the decode kernels: the calling thread plus helper threads
-//! that spin briefly between jobs. A decode step calls a matmul every few tens of
-//! microseconds; waking sleeping threads (futex) for each would cost as much as the work.
+//! that spin briefly between jobs, then park. A decode step calls a matmul every few tens
+//! of microseconds; waking sleeping threads (futex) for each would cost as much as the
+//! work.
+//!
+//! A job runs on as many workers as the caller asks ([`Pool::run_on`]; [`Pool::active`] is
+//! the count the process's owner of the cores set): a fork-join step waits for its slowest
+//! worker, so on a machine where another process holds a core, a job split over more
+//! workers than there are free cores waits for a worker that lost its core. Workers not in
+//! a job stay parked. The caller, waiting for its helpers, spins briefly and then yields
+//! its core (a helper that was preempted gets it back sooner).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
@@ -11,6 +19,8 @@ type Job = dyn Fn(usize) + Sync;
 struct Shared {
     /// Incremented for every job; helpers run each generation once.
     generation: AtomicUsize,
+    /// Workers in the current job (helpers from this index on sit it out).
+    width: AtomicUsize,
     /// Helpers still working on the current job.
     pending: AtomicUsize,
     job: Mutex<Option<JobPtr>>,
@@ -24,10 +34,14 @@ unsafe impl Send for JobPtr {}
 
 /// Spin this long for the next job before sleeping.
 const SPIN: Duration = Duration::from_micros(500);
+/// The caller spins this many rounds for its helpers before it yields between checks.
+const WAIT_SPINS: u32 = 2000;
 
 pub struct Pool {
     shared: Arc<Shared>,
     helpers: usize,
+    /// Workers a job should use now (see [`Pool::set_active`]).
+    active: AtomicUsize,
     /// One job at a time; concurrent callers take turns.
     running: Mutex<()>,
 }
@@ -36,6 +50,7 @@ impl Pool {
     fn new(helpers: usize) -> Pool {
         let shared = Arc::new(Shared {
             generation: AtomicUsize::new(0),
+            width: AtomicUsize::new(helpers + 1),
             pending: AtomicUsize::new(0),
             job: Mutex::new(None),
             wake: Condvar::new(),
@@ -50,6 +65,7 @@ impl Pool {
         Pool {
             shared,
             helpers,
+            active: AtomicUsize::new(helpers + 1),
             running: Mutex::new(()),
         }
     }
@@ -59,9 +75,28 @@ impl Pool {
         self.helpers + 1
     }
 
+    /// Workers a job should use now: [`Pool::workers`] unless the owner of the cores set
+    /// fewer.
+    pub fn active(&self) -> usize {
+        self.active.load(Ordering::Relaxed).clamp(1, self.workers())
+    }
+
+    /// Sets [`Pool::active`] (clamped to 1..=workers).
+    pub fn set_active(&self, n: usize) {
+        self.active
+            .store(n.clamp(1, self.workers()), Ordering::Relaxed);
+    }
+
     /// Runs `f(worker)` on every worker (0 is the caller) and returns when all are done.
     pub fn run(&self, f: &(dyn Fn(usize) + Sync)) {
-        if self.helpers == 0 {
+        self.run_on(self.workers(), f)
+    }
+
+    /// Runs `f(worker)` for workers `0..n` (0 is the caller; `n` clamped to
+    /// 1..=workers) and returns when all are done.
+    pub fn run_on(&self, n: usize, f: &(dyn Fn(usize) + Sync)) {
+        let n = n.clamp(1, self.workers());
+        if n == 1 {
             f(0);
             return;
         }
@@ -71,23 +106,32 @@ impl Pool {
         {
             let mut job = self.shared.job.lock().unwrap_or_else(|p| p.into_inner());
             *job = Some(JobPtr(ptr));
-            self.shared.pending.store(self.helpers, Ordering::SeqCst);
+            self.shared.width.store(n, Ordering::SeqCst);
+            self.shared.pending.store(n - 1, Ordering::SeqCst);
             self.shared.generation.fetch_add(1, Ordering::SeqCst);
         }
         self.shared.wake.notify_all();
         f(0);
+        let mut spins = 0u32;
         while self.shared.pending.load(Ordering::Acquire) != 0 {
-            std::hint::spin_loop();
+            if spins < WAIT_SPINS {
+                spins += 1;
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
         }
     }
 }
 
 fn helper(s: Arc<Shared>, index: usize) {
     let mut seen = 0usize;
+    // Left out of the last job: the pool runs narrower now, so wait without spinning.
+    let mut left_out = false;
     loop {
         let start = Instant::now();
         while s.generation.load(Ordering::Acquire) == seen {
-            if start.elapsed() > SPIN {
+            if left_out || start.elapsed() > SPIN {
                 let guard = s.job.lock().unwrap_or_else(|p| p.into_inner());
                 let _guard = s
                     .wake
@@ -97,8 +141,16 @@ fn helper(s: Arc<Shared>, index: usize) {
             }
             std::hint::spin_loop();
         }
-        seen = s.generation.load(Ordering::Acquire);
-        let job = *s.job.lock().unwrap_or_else(|p| p.into_inner());
+        // The job, its width and the generation are written together under `job`'s lock.
+        let (job, width) = {
+            let g = s.job.lock().unwrap_or_else(|p| p.into_inner());
+            seen = s.generation.load(Ordering::Acquire);
+            (*g, s.width.load(Ordering::Acquire))
+        };
+        left_out = index >= width;
+        if left_out {
+            continue;
+        }
         if let Some(JobPtr(f)) = job {
             // SAFETY: `run` keeps the job alive until `pending` reaches zero. A panic in
             // the job must not leave `run` waiting forever.

@@ -1,12 +1,13 @@
 //! The base layer: small, LibTorch-free pieces every other layer may use and that use
-//! nothing of the crate themselves: the allocator policy, the random generator, the stop
-//! signal of a process and its tasks, the lock policy, file names, SVG line plots and
-//! Prometheus text.
+//! nothing of the crate themselves: the allocator policy, the cores free for the process
+//! and how its engine and trainer share them, the random generator, the stop signal of a
+//! process and its tasks, the lock policy, file names, SVG line plots and Prometheus text.
 //!
 //! Owns: only these. Never imports another module of the crate (the layering test
 //! checks it; see docs/ARCHITECTURE.md).
 
 pub mod alloc;
+pub mod cores;
 pub mod files;
 pub mod plot;
 pub mod prom;
@@ -14,6 +15,7 @@ pub mod rng;
 pub mod stop;
 pub mod sync;
 
+pub use cores::cores;
 pub use files::safe_file_name;
 pub use rng::Rng;
 pub use stop::{Stop, StopMode};

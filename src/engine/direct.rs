@@ -7,7 +7,7 @@ use std::time::Instant;
 use tch::{Kind, Tensor};
 
 use super::{sampling, FinishReason, GenerateRequest, Generation, RequestError};
-use crate::base::Rng;
+use crate::base::{cores, Rng};
 use crate::model::llama::{Llama, Logits};
 use crate::model::ModelError;
 
@@ -75,6 +75,7 @@ pub fn generate(
     let input = Tensor::f_from_slice(&ids)?
         .f_view([1, -1])?
         .f_to_device(device)?;
+    model.fit_threads(cores().available());
     let mut logits = model.forward(&input, &mut cache, Logits::Last)?;
     let prefill_time = t0.elapsed();
     let t1 = Instant::now();
@@ -99,6 +100,7 @@ pub fn generate(
         let next = Tensor::f_from_slice(&[id as i64])?
             .f_view([1, 1])?
             .f_to_device(device)?;
+        model.fit_threads(cores().available());
         logits = model.forward(&next, &mut cache, Logits::Last)?;
     }
     out.decode_time = t1.elapsed();
@@ -201,6 +203,7 @@ pub fn generate_batch(
     while !active.is_empty() {
         let ids: Vec<u32> = active.iter().map(|s| s.last).collect();
         let mut lens: Vec<usize> = active.iter().map(|s| s.len).collect();
+        model.fit_threads(cores().available());
         let logits = model
             .decode_slots(&ids, &mut lens, &slots)?
             .f_to_device(tch::Device::Cpu)?

@@ -24,6 +24,7 @@ use super::sampling::Picked;
 use super::{
     sampling, EngineConfig, EngineError, EngineEvent, FinishReason, GenerateRequest, RequestError,
 };
+use crate::base::cores::{cores, Busy};
 use crate::base::{lock, Rng};
 use crate::model::llama::Llama;
 use crate::model::ModelError;
@@ -90,6 +91,7 @@ pub fn spawn_engine(model: Llama, cfg: EngineConfig) -> Result<EngineHandle, Mod
                 bytes_per_position,
                 disconnected: false,
                 allowed: Vec::new(),
+                decoding: None,
             }
             .run()
         })
@@ -142,6 +144,9 @@ struct EngineLoop {
     disconnected: bool,
     /// Scratch for constrained decoding's vocabulary mask.
     allowed: Vec<bool>,
+    /// Held while sequences run: a trainer step in this process then takes only its
+    /// share of the cores ([`crate::base::cores`]).
+    decoding: Option<Busy<'static>>,
 }
 
 impl EngineLoop {
@@ -167,7 +172,13 @@ impl EngineLoop {
             }
             self.admit();
             self.drop_cancelled();
-            if !self.running.is_empty() {
+            if self.running.is_empty() {
+                self.decoding = None;
+            } else {
+                let c = cores();
+                self.decoding.get_or_insert_with(|| c.decoding());
+                // The cores free now: other processes' load, and a trainer step here.
+                self.model.fit_threads(c.for_engine());
                 if let Err(e) = self.step() {
                     // A failed step fails the batch, not the engine.
                     for r in self.running.drain(..) {

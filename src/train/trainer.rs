@@ -37,6 +37,7 @@ use super::groups::{Group, ReadyReport};
 use super::loss::{policy_loss, BatchCounts, LossConfig, LossInputs, LossSums, Normalization};
 use super::optim::{AdamW, AdamWConfig};
 use super::TrainError;
+use crate::base::cores::{cores, Busy};
 use crate::model::llama::Llama;
 use crate::timeline::layout::{pack, Layout, PackedRow};
 use crate::timeline::{Episode, SamplingTransform};
@@ -590,6 +591,7 @@ impl Trainer {
     /// log-probabilities of a PPO step, and what importance weights compare with the
     /// behaviour log-probabilities.
     pub fn score_row(&self, row: &PackedRow) -> Result<Tensor, TrainError> {
+        let _share = compute_share();
         let _g = tch::no_grad_guard();
         let dev = self.model.device();
         let long = |v: Vec<i64>| Tensor::from_slice(&v).to_device(dev);
@@ -749,6 +751,7 @@ impl Trainer {
         seq_len: &HashMap<u32, usize>,
         counts: BatchCounts,
     ) -> Result<(f64, LossSums), TrainError> {
+        let _share = compute_share();
         let dev = self.model.device();
         let long = |v: Vec<i64>| Tensor::from_slice(&v).to_device(dev);
         let float = |v: Vec<f32>| Tensor::from_slice(&v).to_device(dev);
@@ -882,6 +885,21 @@ fn row_transform(row: &PackedRow, dev: tch::Device) -> Option<Transform> {
         inv_temperature,
         truncation,
     })
+}
+
+/// This thread's LibTorch threads for one pass of a row: the trainer's share of the free
+/// cores ([`crate::base::cores`]); the engine sees a trainer step while the guard lives.
+fn compute_share() -> Busy<'static> {
+    thread_local! {
+        static SET: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    }
+    let c = cores();
+    let busy = c.training();
+    let n = c.for_trainer();
+    if SET.with(|s| s.replace(n)) != n {
+        tch::set_num_threads(n as i32);
+    }
+    busy
 }
 
 #[cfg(test)]

@@ -267,6 +267,26 @@ impl Llama {
         }
     }
 
+    /// Sizes this thread's compute to `n` cores (the count `base::cores` gives it now):
+    /// the kernel pool's workers where the model runs on them (pooled, or bfloat16
+    /// decode), LibTorch's intra-op threads on this thread otherwise. Call it between
+    /// steps; it costs nothing when `n` did not change.
+    pub fn fit_threads(&self, n: usize) {
+        if self.device != Device::Cpu {
+            return;
+        }
+        let n = n.max(1);
+        agentjet_kernels::pool().set_active(n);
+        if !self.pooled && self.dtype == DType::F32 {
+            thread_local! {
+                static SET: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+            }
+            if SET.with(|c| c.replace(n)) != n {
+                tch::set_num_threads(n as i32);
+            }
+        }
+    }
+
     /// For a thread that serves this model for the life of the process (the engine's): on
     /// the CPU, every matrix product is split across the kernel pool (whose workers spin
     /// between jobs) and this thread runs one OpenMP thread. OpenMP's own workers spin
@@ -413,7 +433,7 @@ unsafe impl Sync for SharedTensor {}
 /// dimension.
 fn split_gemm(x: &Tensor, w: &Tensor) -> Result<Tensor, ModelError> {
     let pool = agentjet_kernels::pool();
-    let workers = pool.workers() as i64;
+    let workers = pool.active() as i64;
     let n = w.size()[0];
     if workers <= 1 || n < 64 {
         return Ok(x.f_linear(w, None::<&Tensor>)?);
@@ -427,7 +447,7 @@ fn split_gemm(x: &Tensor, w: &Tensor) -> Result<Tensor, ModelError> {
         .collect();
     let parts: std::sync::Mutex<Vec<Option<Result<Tensor, tch::TchError>>>> =
         std::sync::Mutex::new((0..workers).map(|_| None).collect());
-    pool.run(&|wi| {
+    pool.run_on(workers as usize, &|wi| {
         let wi = wi as i64;
         let j0 = (wi * per).min(n);
         let len = per.min(n - j0);
