@@ -7,7 +7,7 @@
 //!    p50 and p99 of each; the overhead is the difference of the p50s (goal < 5 ms).
 //! 2. Episode submission: AppWorld-shaped episodes (one group sharing a system + task
 //!    prompt, every turn adds environment tokens and samples a short action; `--turns`
-//!    20 by default) generated for real by the server over `/agentjet/infer/1`, so every
+//!    20 by default) generated for real by the server over `/agentjet/infer/2`, so every
 //!    call is signed; then submitted with fragment deduplication (`client::submit`: the
 //!    manifest, only the fragments the server lacks, the server's verdict once stored).
 //!    The peer figure is what sending every call whole costs (each call's postcard

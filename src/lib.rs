@@ -12,16 +12,25 @@
 //! checks it against docs/ARCHITECTURE.md, which is the map of the whole system):
 //!
 //! ```text
-//! server  client                 the roles, as a library
-//! facade  train  rpc             HTTP APIs · RL trainer · role protocols on swarm streams
-//! collective  dash               the training group's data plane · dashboard and /metrics
-//! engine  timeline               the model thread · token bookkeeping
-//! model   swarm                  decoder, loaders, tokenizer · libp2p node
-//! base                           Rng, Stop, the lock policy, file names, SVG plots
+//!  agentjet-peer (src/bin)        flags → configs, one runtime, Ctrl-C/SIGTERM → Stop
+//!         │
+//!  server     client              the roles, as a library: server::run / client::run
+//!         │
+//!  facade train rpc collective   HTTP APIs · RL trainer · role protocols on swarm streams ·
+//!  dash                           the training group · the dashboard and /metrics
+//!         │
+//!  engine   timeline              model thread (batching, sampling) · token bookkeeping
+//!         │
+//!  model    swarm                 decoder, loaders, tokenizer · libp2p node (bytes, peers)
+//!         │
+//!  base                           Rng, Stop, lock policy, allocator and cores policy, files, plots
+//!         │
+//!  agentjet-kernels               fused compute kernels (a separate crate)
 //! ```
 //!
 //! - [`base`]: the random generator, the stop signal (drain / abort) with task trackers,
-//!   the lock policy, atomic file writes.
+//!   the lock policy, the allocator policy, the cores free for the process, atomic file
+//!   writes.
 //! - [`model`]: the Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) with its caches,
 //!   loaders for GGUF and HF safetensors directories, the tokenizer, chat templates, and
 //!   HF-compatible checkpoints.
@@ -39,7 +48,8 @@
 //! - [`train`]: group buffer, advantages, GRPO-family losses, AdamW, the trainer,
 //!   checkpoints.
 //! - [`collective`]: the training group (membership epochs, ring all-reduce over sealed
-//!   links, DiLoCo's heartbeat pacing).
+//!   links, DiLoCo's heartbeat pacing) and the member loop that drives any learner
+//!   through it (the server's trainer, netsim's stand-in).
 //! - [`dash`]: the dashboard every peer serves (live view, curves, episodes, logs) and
 //!   its Prometheus `/metrics`; run directories as the dashboard and `runs` read them.
 //! - [`server`] and [`client`]: the roles.

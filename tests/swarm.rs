@@ -172,7 +172,7 @@ mod library {
         spawn_node(cfg).await.unwrap()
     }
 
-    /// One signed call of 6 tokens made directly over `/agentjet/infer/1`.
+    /// One signed call of 6 tokens made directly over `/agentjet/infer/2`.
     pub async fn call(h: &SwarmHandle, server: PeerId, prompt: Vec<u32>) -> Call {
         common::peer::signed_call(h, server, prompt, 6, 1)
             .await

@@ -142,10 +142,10 @@ mod tests {
     use super::*;
 
     /// The bytes of an infer request are the protocol: if this fails, a field of
-    /// `SamplingParams` (or of the request) changed, and `/agentjet/infer/1` must become
-    /// `/2` together with the new expected bytes.
+    /// `SamplingParams` (or of the request) changed, and `/agentjet/infer/2` must become
+    /// `/3` together with the new expected bytes.
     #[test]
-    fn an_infer_request_encodes_as_protocol_version_1() {
+    fn an_infer_request_encodes_as_protocol_version_2() {
         let r = InferRequest {
             model: "m".into(),
             prompt: vec![1, 300],
@@ -164,7 +164,7 @@ mod tests {
         };
         let bytes = postcard::to_allocvec(&r).unwrap();
         let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
-        assert_eq!(hex, EXPECTED_INFER_V1, "the infer wire format changed");
+        assert_eq!(hex, EXPECTED_INFER_V2, "the infer wire format changed");
         let back: InferRequest = postcard::from_bytes(&bytes).unwrap();
         assert_eq!(back, r);
         let f = InferFrame::Finished {
@@ -182,7 +182,7 @@ mod tests {
         );
     }
 
-    const EXPECTED_INFER_V1: &str = concat!(
+    const EXPECTED_INFER_V2: &str = concat!(
         "016d0201ac0205",                     // model "m", prompt [1, 300], max_tokens 5
         "000000000000e03f000000000000f03f03", // temperature 0.5, top_p 1, top_k 3
         "0000000000000000",                   // min_p 0

@@ -5,11 +5,11 @@
 //!
 //! - announces the model in the DHT (provider record, re-provided) and gossips its status
 //!   (policy version, load, queue depth, free KV positions, episodes stored);
-//! - `/agentjet/infer/1` ([`infer`]): token-level generation; every streamed token comes
+//! - `/agentjet/infer/2` ([`infer`]): token-level generation; every streamed token comes
 //!   with the server's signature over the call so far; a caller that goes away cancels its
 //!   generation;
 //! - `/agentjet/card/1`: the model card blob;
-//! - `/agentjet/submit/1` ([`submit`]): episodes as fragment manifests, deduplicated,
+//! - `/agentjet/submit/2` ([`submit`]): episodes as fragment manifests, deduplicated,
 //!   verified, acknowledged only once synced under `<data-dir>/episodes/<model>/`;
 //! - the training loop ([`train`]) steps the trainer on its own copy of the model and
 //!   brings the engine to each new policy version;

@@ -1,4 +1,4 @@
-//! `/agentjet/submit/1` on the server: an episode arrives as a manifest of content-
+//! `/agentjet/submit/2` on the server: an episode arrives as a manifest of content-
 //! addressed fragments; the server answers which fragments it lacks (its cache holds
 //! recent ones), takes only those, checks each against its hash and every sampled call
 //! against a signature by a server of this model, and acknowledges the episode only once

@@ -217,7 +217,7 @@ pub fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) ->
     t0.elapsed()
 }
 
-/// One signed call of model `tiny` made directly over `/agentjet/infer/1`: `max_tokens`
+/// One signed call of model `tiny` made directly over `/agentjet/infer/2`: `max_tokens`
 /// sampled at temperature 1 with the end-of-sequence token (2) banned, so exactly that
 /// many; the server's signature kept with the call.
 pub async fn signed_call(

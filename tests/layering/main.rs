@@ -1,6 +1,9 @@
 //! The walls of the house, checked: every `crate::` path in `src/` against the layer table
-//! of docs/ARCHITECTURE.md (a module may use only modules of lower layers), and every link
-//! of README.md and docs/ against the repository (none may point outside it).
+//! of docs/ARCHITECTURE.md (a module may use only modules of lower layers), no circle
+//! between files ([`circles`]), and every link of README.md and docs/ against the
+//! repository (none may point outside it).
+
+mod circles;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
