@@ -16,7 +16,11 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 start=$(date +%s)
 steps=${AGENTJET_DEMO_STEPS:-12}
 bound=$(( ${AGENTJET_DEMO_MINUTES:-8} * 60 ))
+# The crates download while setup installs LibTorch (both mostly wait on the network).
+cargo fetch --quiet &
+fetch=$!
 bash bootstrap/setup.sh
+wait $fetch || echo "cargo fetch failed; the build fetches what it needs"
 eval "$(bash bootstrap/setup.sh --print-env)"
 cargo build --release --bin agentjet-peer
 built=$(date +%s)
