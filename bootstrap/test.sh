@@ -2,39 +2,102 @@
 # README command 2: set up this machine (once; with the reference tools some tests compare
 # against: HF transformers in the cached venv; Chromium, jq and curl from Debian when
 # missing), check the code's form (rustfmt, clippy and rustdoc, warnings denied), then run
-# the whole test suite.
+# the whole test suite. Ends with a table of each phase's time and each test binary's.
+#
+# Order: the builds share what they can. Clippy and rustdoc run in the release profile,
+# so the C and C++ that build scripts compile (LibTorch's shim, aws-lc, zstd) are built
+# once, for the tests' own build; the client-only binary comes first, so that the tests'
+# build puts the full binary back in its place.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-bash bootstrap/setup.sh --reference
-# Debian packages the tests use, installed only when missing: Chromium (the dashboard test
-# opens the page in it, headless), jq and curl (the shell agents).
-missing=()
-command -v chromium >/dev/null || command -v chromium-browser >/dev/null || missing+=(chromium)
-command -v jq >/dev/null || missing+=(jq)
-command -v curl >/dev/null || missing+=(curl)
-if [ ${#missing[@]} -gt 0 ]; then
-  echo "[test] installing from Debian's packages: ${missing[*]}"
-  sudo=""
-  [ "$(id -u)" -eq 0 ] || sudo="sudo"
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
-fi
-echo "[test] cargo fmt --check"
-cargo fmt --all -- --check
-echo "[test] cargo clippy --all-targets -- -D warnings"
-cargo clippy --workspace --all-targets -- -D warnings
-echo "[test] cargo clippy --no-default-features (the client-only build, without LibTorch)"
-cargo clippy --no-default-features --lib --bins -- -D warnings
-echo "[test] cargo doc --no-deps (warnings denied)"
-RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps
-# The client-only binary (no LibTorch), built here in the main target folder so its
-# dependencies are the main build's (its own folder would build them all again), and kept
-# as a copy: the tests' build below puts the full binary back in its place.
-echo "[test] cargo build --release --no-default-features (the client-only binary)"
-cargo build --release --no-default-features --bin agentjet-peer
+
+phases=()
+results=$(mktemp)
+trap 'rm -f "$results"' EXIT
+table() {
+  echo
+  echo "| phase | seconds |"
+  echo "|---|---|"
+  local total=0
+  for p in "${phases[@]}"; do
+    echo "| ${p%%|*} | ${p##*|} |"
+    total=$(( total + ${p##*|} ))
+  done
+  # Each test binary's own time (libtest's "finished in"), from the test phase's output.
+  python3 - "$results" <<'PY'
+import re, sys
+name = None
+for line in open(sys.argv[1], errors="replace"):
+    m = re.search(r"Running (\S+)", line)
+    if m:
+        name = m.group(1)
+    m = re.search(r"test result: (\w+)\. (\d+) passed; (\d+) failed.*finished in ([\d.]+)s", line)
+    if m and name:
+        print(f"| test {name} ({m.group(2)} passed, {m.group(3)} failed) | {float(m.group(4)):.0f} |")
+        name = None
+PY
+  echo "| total | $total |"
+}
+phase() {
+  local name=$1
+  shift
+  echo "[test] $name: $*"
+  local t0
+  t0=$(date +%s)
+  local rc=0
+  "$@" || rc=$?
+  phases+=("$name|$(( $(date +%s) - t0 ))")
+  if [ "$rc" -ne 0 ]; then
+    echo "[test] $name failed (exit $rc)"
+    table
+    exit "$rc"
+  fi
+}
+
+debian() {
+  # Debian packages the tests use, installed only when missing: Chromium (the dashboard
+  # test opens the page in it, headless), jq and curl (the shell agents).
+  local missing=()
+  command -v chromium >/dev/null || command -v chromium-browser >/dev/null || missing+=(chromium)
+  command -v jq >/dev/null || missing+=(jq)
+  command -v curl >/dev/null || missing+=(curl)
+  if [ ${#missing[@]} -gt 0 ]; then
+    echo "[test] installing from Debian's packages: ${missing[*]}"
+    local sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  fi
+}
+
+client_only() {
+  # The client-only binary (no LibTorch), built in the main target folder so its
+  # dependencies are the main build's (its own folder would build them all again), and
+  # kept as a copy: the tests' build below puts the full binary back in its place.
+  cargo build --release --no-default-features --bin agentjet-peer
+  mkdir -p "$target_dir/client-only"
+  cp "$target_dir/release/agentjet-peer" "$AGENTJET_CLIENT_ONLY_BIN"
+}
+
+run_tests() {
+  # Libraries' unit tests and the integration tests (no examples: clippy checked that
+  # they build; no doc tests: there are none).
+  cargo test --release --workspace --lib --tests "$@" 2>&1 | tee "$results"
+  return "${PIPESTATUS[0]}"
+}
+
+phase "setup" bash bootstrap/setup.sh --reference
+phase "debian packages" debian
+phase "fmt" cargo fmt --all -- --check
 target_dir=$(cargo metadata --format-version 1 --no-deps |
   python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])')
-mkdir -p "$target_dir/client-only"
-cp "$target_dir/release/agentjet-peer" "$target_dir/client-only/agentjet-peer-client-only"
 export AGENTJET_CLIENT_ONLY_BIN="$target_dir/client-only/agentjet-peer-client-only"
-cargo test --release --workspace "$@"
+phase "client-only build" client_only
+phase "build (tests)" cargo test --release --workspace --lib --tests --no-run
+phase "clippy" cargo clippy --release --workspace --all-targets -- -D warnings
+phase "clippy (client-only)" cargo clippy --release --no-default-features --lib --bins -- -D warnings
+export RUSTDOCFLAGS="-D warnings"
+phase "doc" cargo doc --release --workspace --no-deps
+unset RUSTDOCFLAGS
+phase "tests" run_tests "$@"
+table

@@ -8,7 +8,7 @@
 //! OpenAI-compatible API every agent framework speaks. Peers find each other over a libp2p
 //! gossip mesh and a DHT, with no central coordinator.
 //!
-//! The layers, arrows pointing down (a module uses only lower layers; `tests/layering.rs`
+//! The layers, arrows pointing down (a module uses only lower layers; `tests/layering`
 //! checks it against docs/ARCHITECTURE.md, which is the map of the whole system):
 //!
 //! ```text

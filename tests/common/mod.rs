@@ -4,6 +4,15 @@
 
 pub mod peer;
 
+/// Held by the tests that load the CPU most (a SmolLM2 server that trains or serves many
+/// streams, three or more training servers, Chromium beside a trainer): no two of them
+/// run at once, so none starves another past its timeouts. Light tests still run beside
+/// them (libtest runs two at a time).
+pub fn heavy() -> std::sync::MutexGuard<'static, ()> {
+    static HEAVY: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    HEAVY.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};

@@ -3,7 +3,7 @@
 //! weights on both sides the importance weights are 1; and PPO epochs make the clip bind,
 //! with the loss of a two-token batch equal to the value computed by hand.
 
-mod common;
+use crate::common;
 
 use agentjet::engine::{spawn_engine, Completed, EngineConfig, GenerateRequest, SamplingParams};
 use agentjet::facade::track::transform_of;

@@ -22,12 +22,7 @@ use agentjet_netsim::member::{
 use agentjet_netsim::net::Network;
 use agentjet_netsim::NetConfig;
 
-/// One test at a time: rounds have a 2 s bound, and two groups on two cores would make
-/// a slow round a test's verdict.
-async fn one_at_a_time() -> tokio::sync::MutexGuard<'static, ()> {
-    static LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-    LOCK.lock().await
-}
+use crate::one_at_a_time;
 
 const WAIT: Duration = Duration::from_secs(30);
 

@@ -3,7 +3,7 @@
 //! cancelled without disturbing the others, KV memory returns to idle, and a full queue
 //! answers "overloaded".
 
-mod common;
+use crate::common;
 
 use agentjet::engine::{
     generate, spawn_engine, Constraint, EngineConfig, EngineError, EngineEvent, FinishReason,

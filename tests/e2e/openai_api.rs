@@ -3,7 +3,7 @@
 //! tests/openai/test_agent_apis.py (the Responses API with `openai`, the Messages API with
 //! `anthropic`) against a live `serve` and through a client's proxy over the swarm.
 
-mod common;
+use crate::common;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -45,6 +45,7 @@ fn serve(extra: &[&str]) -> Server {
 
 #[test]
 fn openai_python_sdk_suite_passes_against_live_serve() {
+    let _heavy = common::heavy();
     common::smollm2_path();
     let main = serve(&["--track-episodes"]);
     let tight = serve(&["--max-batch", "1", "--max-queue", "1"]);
@@ -83,6 +84,7 @@ fn agent_api_suite(base: &str, what: &str) {
 
 #[test]
 fn responses_and_messages_sdk_suites_pass_against_serve_and_through_a_proxy() {
+    let _heavy = common::heavy();
     common::smollm2_path();
     let main = serve(&["--track-episodes"]);
     agent_api_suite(&main.base, "serve");

@@ -1,6 +1,6 @@
 //! Bad HF model directories give one clear error naming the file and the problem.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 

@@ -7,7 +7,7 @@
 //! - fragments round-trip, deduplicate within an episode and across a group (bytes counted),
 //!   and a tampered or oversize fragment is refused naming its hash.
 
-mod common;
+use crate::common;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 

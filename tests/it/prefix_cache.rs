@@ -4,7 +4,7 @@
 //! correct; a weight update invalidates the cache; KV memory goes back to the budget when
 //! many concurrent sessions end.
 
-mod common;
+use crate::common;
 
 use agentjet::engine::{
     generate, spawn_engine, EngineConfig, EngineEvent, EngineHandle, GenerateRequest,

@@ -1,7 +1,7 @@
 //! `agentjet-peer` as a user runs it: generate on the default model, export and reload,
 //! help, and honest errors for what is not built yet.
 
-mod common;
+use crate::common;
 
 use std::process::Command;
 

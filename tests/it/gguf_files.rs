@@ -3,7 +3,7 @@
 //! truncated, missing tensor, unknown quantization type, lying sizes) giving one clear
 //! error that names the file and the problem, through the library and through the CLI.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

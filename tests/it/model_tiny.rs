@@ -1,7 +1,7 @@
 //! The decoder on tiny random models the tests write themselves: loading, KV-cache
 //! consistency, every architecture variant, checkpoints, and GGUF vs safetensors.
 
-mod common;
+use crate::common;
 
 use agentjet::model::checkpoint::{load_model, save_checkpoint};
 use agentjet::model::llama::{DType, Llama, Logits};

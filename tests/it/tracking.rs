@@ -2,7 +2,7 @@
 //! previous one; a template that strips earlier reasoning breaks the timeline, the break is
 //! detected and counted, and no training sequence spans it.
 
-mod common;
+use crate::common;
 
 use agentjet::facade::track::{Outcome, Tracker};
 use agentjet::model::{ChatRequest, ModelCard, ModelSource};

@@ -3,7 +3,7 @@
 //! engine serves each new policy version without a restart. The toy task: reward 1 when
 //! the first sampled token is one of 30 target tokens (10% of the vocabulary), else 0.
 
-mod common;
+use crate::common;
 
 use std::time::Instant;
 
@@ -252,7 +252,7 @@ fn toy_child(root: &std::path::Path) {
 fn spawn_child(root: &std::path::Path, pause_ms: u64) -> std::process::Child {
     std::process::Command::new(std::env::current_exe().unwrap())
         .args([
-            "training_killed_mid_run_resumes_without_losing_or_repeating_a_step",
+            "trainer::training_killed_mid_run_resumes_without_losing_or_repeating_a_step",
             "--exact",
             "--nocapture",
         ])

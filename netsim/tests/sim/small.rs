@@ -6,12 +6,7 @@ use std::time::Duration;
 use agentjet_netsim::scenario::{discovery, partition, Env};
 use agentjet_netsim::NetConfig;
 
-/// One test at a time: each runs about 50 peers in this process on two cores, and a
-/// group's rounds time out when another test's DHT walks take the CPU.
-async fn one_at_a_time() -> tokio::sync::MutexGuard<'static, ()> {
-    static LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-    LOCK.lock().await
-}
+use crate::one_at_a_time;
 
 fn env(seed: u64) -> Env {
     // RUST_LOG=agentjet::collective=info (say) shows what the peers did; errors only by default.

@@ -7,7 +7,7 @@
 //! parse as Prometheus text and their counters move; bad input gets a 4xx and the peers
 //! keep serving; the run directories hold the effective config and a plot per curve.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -152,6 +152,7 @@ fn first_events(base: &str) -> String {
 
 #[test]
 fn the_dashboard_shows_the_swarm_and_a_curve_in_chromium_and_metrics_parse() {
+    let _heavy = common::heavy();
     let chromium_bin = chromium();
     let dir = tempfile::tempdir().unwrap();
     let model = common::Tiny {

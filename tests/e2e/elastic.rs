@@ -2,7 +2,7 @@
 //! tiny model train as one group (a ring all-reduce of their gradients each step), stay
 //! bit-identical, and go on when one of them is killed in the middle of a round.
 
-mod common;
+use crate::common;
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -204,6 +204,7 @@ fn hashes(lines: &[Value]) -> BTreeMap<u64, String> {
 
 #[test]
 fn three_servers_train_as_one_group_and_stay_bit_identical() {
+    let _heavy = common::heavy();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let model = tiny_model(d);
@@ -306,6 +307,7 @@ fn train_lines(p: &mut Peer) -> Vec<String> {
 
 #[test]
 fn a_member_killed_mid_all_reduce_leaves_two_that_finish_the_step_and_go_on() {
+    let _heavy = common::heavy();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let model = tiny_model(d);
@@ -386,6 +388,7 @@ fn a_member_killed_mid_all_reduce_leaves_two_that_finish_the_step_and_go_on() {
 
 #[test]
 fn a_fourth_server_joins_mid_run_and_is_bit_identical_from_its_first_step() {
+    let _heavy = common::heavy();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let model = tiny_model(d);
@@ -466,6 +469,7 @@ fn first_epoch_step(p: &mut Peer) -> u64 {
 
 #[test]
 fn a_whole_group_restarted_from_its_checkpoints_resumes_at_one_step() {
+    let _heavy = common::heavy();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let model = tiny_model(d);
@@ -571,6 +575,7 @@ fn outer_lines(dir: &Path, name: &str) -> Vec<(u64, String, u64)> {
 
 #[test]
 fn diloco_members_take_their_own_inner_steps_and_are_identical_after_every_outer_step() {
+    let _heavy = common::heavy();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let model = tiny_model(d);
@@ -639,6 +644,7 @@ fn diloco_members_take_their_own_inner_steps_and_are_identical_after_every_outer
 
 #[test]
 fn a_member_whose_parameters_drift_is_found_by_the_hash_round_and_resyncs() {
+    let _heavy = common::heavy();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let model = tiny_model(d);
@@ -685,6 +691,7 @@ fn a_member_whose_parameters_drift_is_found_by_the_hash_round_and_resyncs() {
 
 #[test]
 fn a_diloco_joiner_fetches_the_outer_state_and_matches_from_the_next_outer_step() {
+    let _heavy = common::heavy();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let model = tiny_model(d);

@@ -3,7 +3,7 @@
 //! (whose prefix cache then reuses the repeated context); when that server is killed with
 //! SIGKILL mid-episode, the rest of the episode runs on the other one and finishes.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -3,7 +3,7 @@
 //! tests/fixtures/make_smollm2_reference.py): chat template text, tokenization, greedy
 //! tokens and per-token logprobs.
 
-mod common;
+use crate::common;
 
 use agentjet::engine::{generate, GenerateRequest, SamplingParams};
 use agentjet::model::checkpoint::load_model;

@@ -4,7 +4,7 @@
 //! (peer id and addresses from the handle, a call through the client's proxy, a stop that
 //! releases the ports).
 
-mod common;
+use crate::common;
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;

@@ -3,7 +3,7 @@
 //! the ring all-reduce adds them up (sealed TCP links on loopback), and every member
 //! applies the same bytes.
 
-mod common;
+use crate::common;
 
 use std::time::Instant;
 

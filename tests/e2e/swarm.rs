@@ -3,7 +3,7 @@
 //! fail-over when a server is killed with SIGKILL, provider records expiring, the swarm
 //! key, signed calls and episode submission, malformed messages.
 
-mod common;
+use crate::common;
 
 use common::peer::{http, metric, wait_until, Peer};
 
