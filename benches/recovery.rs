@@ -136,7 +136,7 @@ fn trial(model: &Path, timeout: f64, signal: i32) -> Result<f64> {
     let mut b = server(d, model, "b", Some(&boot), timeout);
     let mut c = server(d, model, "c", Some(&boot), timeout);
     for s in [&mut a, &mut b, &mut c] {
-        s.wait_line_containing("with 3 member(s)", Duration::from_secs(120));
+        s.wait_epoch(3, Duration::from_secs(120));
     }
     let mut cl = client(d, &boot)?;
     wait("three-member steps", Duration::from_secs(120), || {

@@ -201,9 +201,9 @@ fn run() -> Result<()> {
         dir.path(),
         &a1.iter().map(|s| s.as_str()).collect::<Vec<_>>(),
     );
-    let boot = s1.wait_line("listening on", WAIT);
-    let id1: PeerId = s1.wait_line("peer id:", WAIT).parse()?;
-    let http1 = s1.wait_line("http at", WAIT);
+    let boot = s1.addr();
+    let id1: PeerId = s1.peer_id().parse()?;
+    let http1 = s1.http_url(WAIT);
     let mut client = Peer::start(
         "client",
         dir.path(),
@@ -278,7 +278,7 @@ fn run() -> Result<()> {
         dir.path(),
         &a2.iter().map(|s| s.as_str()).collect::<Vec<_>>(),
     );
-    let http2 = s2.wait_line("http at", WAIT);
+    let http2 = s2.http_url(WAIT);
     wait_until(
         "the client finds the second server",
         Duration::from_secs(60),

@@ -8,6 +8,7 @@
 
 pub mod alloc;
 pub mod cores;
+pub mod events;
 pub mod files;
 pub mod plot;
 pub mod prom;

@@ -24,9 +24,11 @@ use tokio::sync::Semaphore;
 
 use super::backend::SwarmBackend;
 use super::error::ClientError;
+use super::events::ClientEvent;
 use super::runner::{run_agent, AgentOutcome, AgentSpec};
 use super::submit::submit_to_model;
 use super::tasks::{Schedule, Task};
+use crate::base::events::Events;
 use crate::base::stop::TaskTracker;
 use crate::base::{lock, Stop};
 use crate::facade::reward::PostedReward;
@@ -53,6 +55,8 @@ pub struct RunConfig {
     pub progress_every: Duration,
     /// The run's time limit, if any (progress then counts down to it, not to `groups`).
     pub time_limit: Option<Duration>,
+    /// The client's events (the run's start, a drain, its end).
+    pub events: Events<ClientEvent>,
 }
 
 #[derive(Default)]
@@ -236,6 +240,12 @@ pub async fn run_episodes(
         if cfg.dry_run { " (dry run: nothing is submitted)" } else { "" },
         cfg.run_dir.display()
     );
+    cfg.events.emit(ClientEvent::Running {
+        groups: cfg.groups,
+        num_repeat: cfg.num_repeat,
+        concurrency: cfg.concurrency,
+        run_dir: cfg.run_dir.display().to_string(),
+    });
     let progress = {
         let stats = stats.clone();
         let every = cfg.progress_every;
@@ -316,10 +326,11 @@ pub async fn run_episodes(
         }
     }
     if stop.mode().is_some() {
+        let running = stats.running.load(Ordering::Relaxed);
         println!(
-            "stopping: no new episodes; {} running finish and are submitted (Ctrl-C again aborts them)",
-            stats.running.load(Ordering::Relaxed)
+            "stopping: no new episodes; {running} running finish and are submitted (Ctrl-C again aborts them)"
         );
+        cfg.events.emit(ClientEvent::Draining { running });
     }
     running.close();
     running.wait().await;
@@ -332,7 +343,12 @@ pub async fn run_episodes(
         "{}",
         progress_line(&stats, t0, cfg.groups * cfg.num_repeat, cfg.time_limit)
     );
-    Ok(summary(&stats, &cfg, t0, &tracking))
+    let out = summary(&stats, &cfg, t0, &tracking);
+    cfg.events.emit(ClientEvent::Finished {
+        episodes: out.episodes,
+        aborted: out.aborted,
+    });
+    Ok(out)
 }
 
 /// Between two rewrites of the run's plots while it runs.

@@ -16,17 +16,20 @@ pub mod curve;
 mod dash;
 pub mod episodes;
 mod error;
+pub mod events;
 pub mod runner;
 pub mod submit;
 pub mod tasks;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 pub use backend::{fetch_card, CardError, SwarmBackend};
 pub use error::ClientError;
+pub use events::ClientEvent;
 
+use crate::base::events::Events;
 use crate::base::stop::{wind_down, TaskTracker};
 use crate::base::{flush_stdout, Stop};
 use crate::facade::external::ExternalModel;
@@ -56,6 +59,8 @@ pub struct ClientConfig {
     pub dashboard: Option<String>,
     /// The effective configuration, written to the job's run directory as `config.json`.
     pub config_json: Option<serde_json::Value>,
+    /// Also write the client's events ([`ClientEvent`]) to this file, as JSON lines.
+    pub events_file: Option<PathBuf>,
 }
 
 /// An agent to run on tasks.
@@ -86,6 +91,8 @@ pub struct Client {
     pub proxy_url: String,
     /// Where the dashboard answers, with `--dashboard`.
     pub dashboard_addr: Option<std::net::SocketAddr>,
+    /// What it did, as it happened (also in `ClientConfig::events_file`).
+    pub events: Events<ClientEvent>,
     stop: Stop,
     proxy_stop: Stop,
     drain_timeout: Duration,
@@ -142,6 +149,8 @@ pub async fn run(cfg: ClientConfig, stop: &Stop) -> Result<Client, ClientError> 
 async fn start(cfg: ClientConfig, stop: Stop) -> Result<Client, ClientError> {
     // With a job the proxy outlives the role's drain (running episodes still call it);
     // it stops once the episodes are done, or with an abort.
+    let events = Events::new(cfg.events_file.as_deref())
+        .map_err(|e| ClientError::io(cfg.events_file.as_deref().unwrap_or(Path::new("")), e))?;
     let tasks = TaskTracker::new();
     let proxy_stop = match cfg.job {
         Some(_) => {
@@ -161,6 +170,10 @@ async fn start(cfg: ClientConfig, stop: Stop) -> Result<Client, ClientError> {
     let swarm = spawn_node(cfg.swarm.clone()).await?;
     let listen_addrs = swarm.listen_addrs().await;
     println!("{}", swarm.introduction(&listen_addrs));
+    events.emit(ClientEvent::Started {
+        peer_id: swarm.peer_id.to_string(),
+        listen: listen_addrs.iter().map(ToString::to_string).collect(),
+    });
     let backend = Arc::new(
         SwarmBackend::connect(
             swarm.clone(),
@@ -193,6 +206,10 @@ async fn start(cfg: ClientConfig, stop: Stop) -> Result<Client, ClientError> {
         "proxy at {proxy_url} (OpenAI-compatible; models {:?})",
         cfg.models
     );
+    events.emit(ClientEvent::Proxy {
+        url: proxy_url.clone(),
+        models: cfg.models.clone(),
+    });
     for m in &cfg.external {
         println!(
             "external model {:?} -> {} (model {:?}; recorded, not trained)",
@@ -254,6 +271,9 @@ async fn start(cfg: ClientConfig, stop: Stop) -> Result<Client, ClientError> {
                 })?;
             println!("dashboard at http://{local}/");
             flush_stdout();
+            events.emit(ClientEvent::Dashboard {
+                addr: local.to_string(),
+            });
             Some(local)
         }
     };
@@ -266,6 +286,7 @@ async fn start(cfg: ClientConfig, stop: Stop) -> Result<Client, ClientError> {
             let episodes_stop = stop.child();
             if let Some(limit) = job.time_limit {
                 let s = episodes_stop.clone();
+                let ev = events.clone();
                 tasks.spawn(async move {
                     tokio::select! {
                         _ = tokio::time::sleep(limit) => {
@@ -273,6 +294,9 @@ async fn start(cfg: ClientConfig, stop: Stop) -> Result<Client, ClientError> {
                                 "time limit ({:.0} s) reached: no new episodes",
                                 limit.as_secs_f64()
                             );
+                            ev.emit(ClientEvent::TimeLimit {
+                                secs: limit.as_secs_f64(),
+                            });
                             s.request(crate::base::StopMode::Drain);
                         }
                         _ = s.requested() => {}
@@ -299,6 +323,7 @@ async fn start(cfg: ClientConfig, stop: Stop) -> Result<Client, ClientError> {
                 run_id,
                 progress_every: Duration::from_secs(2),
                 time_limit: job.time_limit,
+                events: events.clone(),
             };
             Some(tokio::spawn(episodes::run_episodes(
                 run_cfg,
@@ -315,6 +340,7 @@ async fn start(cfg: ClientConfig, stop: Stop) -> Result<Client, ClientError> {
         listen_addrs,
         proxy_url,
         dashboard_addr,
+        events,
         stop,
         proxy_stop,
         drain_timeout: cfg.drain_timeout,
@@ -363,6 +389,7 @@ impl Client {
         )
         .await;
         self.swarm.shutdown(ABORT_GRACE).await;
+        self.events.emit(ClientEvent::Stopped);
         Ok(summary)
     }
 }

@@ -23,6 +23,7 @@
 
 mod dash;
 mod error;
+pub mod events;
 mod group_state;
 pub mod infer;
 mod learner;
@@ -34,17 +35,19 @@ pub mod submit;
 pub mod train;
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 pub use error::ServerError;
 pub use error::TrainingError;
+pub use events::ServerEvent;
 pub use infer::{BadCall, InferError};
 pub use served::{card_blob, ServeLimits, ServedModel};
 pub use settings::TrainSettings;
 pub use submit::{read_stored_episodes, StoredEpisode, SubmitError};
 
+use crate::base::events::Events;
 use crate::base::safe_file_name;
 use crate::base::stop::{wind_down, TaskTracker};
 use crate::base::{flush_stdout, Stop, StopMode};
@@ -82,6 +85,8 @@ pub struct ServerConfig {
     pub limits: ServeLimits,
     /// How long a drain may take before what still runs is aborted.
     pub drain_timeout: Duration,
+    /// Also write the server's events ([`ServerEvent`]) to this file, as JSON lines.
+    pub events_file: Option<PathBuf>,
 }
 
 /// A running server.
@@ -96,6 +101,8 @@ pub struct Server {
     /// The name the swarm knows the model by.
     pub model: String,
     pub served: Arc<ServedModel>,
+    /// What it did, as it happened (also in `ServerConfig::events_file`).
+    pub events: Events<ServerEvent>,
     stop: Stop,
     drain_timeout: Duration,
     swarm: SwarmHandle,
@@ -121,6 +128,8 @@ pub async fn run(cfg: ServerConfig, stop: &Stop) -> Result<Server, ServerError> 
 }
 
 async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Server, ServerError> {
+    let events = Events::new(cfg.events_file.as_deref())
+        .map_err(|e| ServerError::io(cfg.events_file.as_deref().unwrap_or(Path::new("")), e))?;
     let (device, dtype) =
         parse_placement(&cfg.device, cfg.dtype.as_deref()).map_err(|e| ServerError::Model {
             spec: cfg.model.clone(),
@@ -157,6 +166,10 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
     let swarm = spawn_node(cfg.swarm.clone()).await?;
     let listen_addrs = swarm.listen_addrs().await;
     println!("{}", swarm.introduction(&listen_addrs));
+    events.emit(ServerEvent::Started {
+        peer_id: swarm.peer_id.to_string(),
+        listen: listen_addrs.iter().map(ToString::to_string).collect(),
+    });
     let served = ServedModel::new(
         name.clone(),
         card.clone(),
@@ -168,6 +181,7 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
         cfg.limits.clone(),
         stop.clone(),
         tasks.clone(),
+        events.clone(),
     )?;
     let run_dir = cfg.data_dir.join("runs").join(safe_file_name(&name));
     if let (Some(c), true) = (&cfg.config_json, train) {
@@ -199,6 +213,9 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
     };
     served.start().await?;
     println!("serving model {name:?} to the swarm");
+    events.emit(ServerEvent::Serving {
+        model: name.clone(),
+    });
     let dashboard_addr = match &cfg.dashboard {
         None => None,
         Some(addr) => {
@@ -221,6 +238,9 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
                     source,
                 })?;
             println!("dashboard at http://{local}/");
+            events.emit(ServerEvent::Dashboard {
+                addr: local.to_string(),
+            });
             Some(local)
         }
     };
@@ -250,6 +270,9 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
                 source,
             })?;
             println!("http at http://{local}/v1");
+            events.emit(ServerEvent::Http {
+                addr: local.to_string(),
+            });
             let stop = stop.clone();
             tasks.spawn(async move {
                 if let Err(e) = serve_until(listener, app, stop).await {
@@ -267,6 +290,7 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
         dashboard_addr,
         model: name,
         served,
+        events,
         stop,
         drain_timeout: cfg.drain_timeout,
         swarm,
@@ -304,6 +328,9 @@ impl Server {
             }
         );
         flush_stdout();
+        self.events.emit(ServerEvent::Stopping {
+            drain: mode == StopMode::Drain,
+        });
         if let Err(e) = self.swarm.stop_providing(&self.model).await {
             tracing::warn!("withdrawing the provider record: {e}");
         }
@@ -335,6 +362,7 @@ impl Server {
         self.swarm.shutdown(ABORT_GRACE).await;
         println!("stopped");
         flush_stdout();
+        self.events.emit(ServerEvent::Stopped);
         result
     }
 }

@@ -12,7 +12,9 @@ use std::sync::{Arc, Mutex};
 use tracing::Instrument;
 
 use super::error::ServerError;
+use super::events::ServerEvent;
 use super::settings::TrainerInput;
+use crate::base::events::Events;
 use crate::base::stop::{Stop, TaskTracker};
 use crate::base::{lock, safe_file_name};
 use crate::engine::{EngineHandle, TokenBytes};
@@ -64,6 +66,8 @@ pub struct ServedModel {
     pub(super) cache: Mutex<FragmentCache>,
     pub(super) episodes_dir: PathBuf,
     pub episodes_stored: AtomicU64,
+    /// The server's events (see [`ServerEvent`]).
+    pub events: Events<ServerEvent>,
     /// Servers of this model ever seen in the swarm view (their signatures are accepted).
     servers: Mutex<HashSet<PeerId>>,
     /// Where stored episodes go to be trained on (none: serving only, or stopped).
@@ -126,6 +130,7 @@ impl ServedModel {
         limits: ServeLimits,
         stop: Stop,
         tasks: TaskTracker,
+        events: Events<ServerEvent>,
     ) -> Result<Arc<ServedModel>, ServerError> {
         let card_blob = card_blob(&name, &card)?;
         let vocab = Arc::new(card.tokenizer.token_bytes(card.config.vocab_size));
@@ -153,6 +158,7 @@ impl ServedModel {
             group: Mutex::new(None),
             stop,
             tasks,
+            events,
         }))
     }
 

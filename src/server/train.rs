@@ -23,6 +23,7 @@ use std::sync::mpsc::Sender;
 use std::sync::Arc;
 
 pub use super::error::TrainingError;
+use super::events::ServerEvent;
 use super::learner::{events, ServerLearner};
 use super::ledger::{consumed_upto, unconsumed_episodes};
 pub use super::settings::{mode_name, CollectiveSettings, TrainSettings, TrainerInput};
@@ -103,6 +104,12 @@ pub fn start_training(
         );
     }
     let resumed = run_dir.resume(&mut trainer)?;
+    served.events.emit(ServerEvent::Training {
+        model: served.name.clone(),
+        step: trainer.steps(),
+        version: trainer.version(),
+        resumed: resumed.is_some(),
+    });
     match &resumed {
         Some(s) => println!(
             "training: resumed {:?} at step {} (policy version {}) from {}",
@@ -136,6 +143,9 @@ pub fn start_training(
             "training: {} stored episodes not trained yet are fed to the trainer again",
             again.len()
         );
+        served.events.emit(ServerEvent::Refed {
+            episodes: again.len(),
+        });
     }
     for ep in again {
         let _ = tx.send(TrainerInput::Episode(Box::new(ep)));

@@ -1,5 +1,7 @@
 //! Real `agentjet-peer` processes for multi-peer tests: start one with its stdout lines
-//! collected and its stderr in a log file, wait for a line, talk HTTP to its proxy or API.
+//! collected and its stderr in a log file; wait for a server's or a client's typed events
+//! (`--events`: [`Peer::wait_event`], [`Peer::wait_client_event`]) or, for a relay peer,
+//! a line; talk HTTP to its proxy or API.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
@@ -8,6 +10,9 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use agentjet::client::ClientEvent;
+use agentjet::server::ServerEvent;
+use serde::de::DeserializeOwned;
 use serde_json::Value;
 
 /// A running `agentjet-peer` whose stdout lines are collected.
@@ -16,6 +21,15 @@ pub struct Peer {
     lines: mpsc::Receiver<String>,
     pub seen: Vec<String>,
     log: PathBuf,
+    /// A server's or a client's events file (`--events`).
+    events: Option<(PathBuf, Role)>,
+}
+
+/// The role of a peer whose events are watched.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Role {
+    Server,
+    Client,
 }
 
 impl Peer {
@@ -43,8 +57,24 @@ impl Peer {
         env: &[(&str, &str)],
     ) -> Peer {
         let log = dir.join(format!("{name}.log"));
+        let role = args.windows(2).find_map(|w| match w {
+            ["--role", "server"] => Some(Role::Server),
+            ["--role", "client"] => Some(Role::Client),
+            _ => None,
+        });
+        let events = role.map(|r| (dir.join(format!("{name}.events.jsonl")), r));
+        // A restart under the same name: the last run's events must not answer a wait
+        // before the new process truncates the file.
+        if let Some((path, _)) = &events {
+            let _ = std::fs::remove_file(path);
+        }
         let mut child = Command::new(bin)
             .args(args)
+            .args(
+                events
+                    .iter()
+                    .flat_map(|(e, _)| [std::ffi::OsStr::new("--events"), e.as_os_str()]),
+            )
             .arg("--data-dir")
             .arg(dir.join(name))
             .args(["--listen", "/ip4/127.0.0.1/udp/0/quic-v1"])
@@ -69,6 +99,143 @@ impl Peer {
             lines: rx,
             seen: Vec::new(),
             log,
+            events,
+        }
+    }
+
+    /// The events so far of a peer of `role`.
+    fn read_events<E: DeserializeOwned>(&self, role: Role) -> Vec<E> {
+        let path = match &self.events {
+            Some((p, r)) if *r == role => p,
+            _ => panic!("this peer is not a {role:?} whose events are watched"),
+        };
+        std::fs::read_to_string(path)
+            .unwrap_or_default()
+            .lines()
+            // The last line may be half-written.
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect()
+    }
+
+    /// The first event of a peer of `role` that `f` accepts (the ones so far included).
+    fn wait_for<E: DeserializeOwned + Clone + std::fmt::Debug>(
+        &mut self,
+        role: Role,
+        what: &str,
+        timeout: Duration,
+        f: &dyn Fn(&E) -> bool,
+    ) -> E {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let all: Vec<E> = self.read_events(role);
+            if let Some(e) = all.iter().find(|e| f(e)) {
+                return e.clone();
+            }
+            if Instant::now() > deadline {
+                panic!(
+                    "no event {what} within {timeout:?}; events {all:#?}; stdout {:?}; log:\n{}",
+                    self.stdout_so_far(),
+                    self.log_text()
+                );
+            }
+            if let Ok(Some(st)) = self.child.try_wait() {
+                // Its last events were written before it exited.
+                let all: Vec<E> = self.read_events(role);
+                if let Some(e) = all.iter().find(|e| f(e)) {
+                    return e.clone();
+                }
+                panic!(
+                    "the {role:?} exited ({st}) before {what}; events {all:#?}; log:\n{}",
+                    self.log_text()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// A server's events so far.
+    pub fn events(&self) -> Vec<ServerEvent> {
+        self.read_events(Role::Server)
+    }
+
+    /// The first of a server's events that `f` accepts (the ones so far included).
+    pub fn wait_event(
+        &mut self,
+        what: &str,
+        timeout: Duration,
+        f: impl Fn(&ServerEvent) -> bool,
+    ) -> ServerEvent {
+        self.wait_for(Role::Server, what, timeout, &f)
+    }
+
+    /// A client's events so far.
+    pub fn client_events(&self) -> Vec<ClientEvent> {
+        self.read_events(Role::Client)
+    }
+
+    /// The first of a client's events that `f` accepts (the ones so far included).
+    pub fn wait_client_event(
+        &mut self,
+        what: &str,
+        timeout: Duration,
+        f: impl Fn(&ClientEvent) -> bool,
+    ) -> ClientEvent {
+        self.wait_for(Role::Client, what, timeout, &f)
+    }
+
+    /// A client's proxy base URL (`http://127.0.0.1:PORT/v1`, from its event).
+    pub fn proxy_url(&mut self, timeout: Duration) -> String {
+        match self.wait_client_event("the proxy", timeout, |e| {
+            matches!(e, ClientEvent::Proxy { .. })
+        }) {
+            ClientEvent::Proxy { url, .. } => url,
+            e => unreachable!("{e:?}"),
+        }
+    }
+
+    /// The peer id and first listen address of a server or client (from its event).
+    fn started(&mut self, role: Role) -> (String, String) {
+        match role {
+            Role::Server => match self.wait_event("the start", Duration::from_secs(120), |e| {
+                matches!(e, ServerEvent::Started { .. })
+            }) {
+                ServerEvent::Started { peer_id, listen } => (peer_id, listen[0].clone()),
+                e => unreachable!("{e:?}"),
+            },
+            Role::Client => {
+                match self.wait_client_event("the start", Duration::from_secs(120), |e| {
+                    matches!(e, ClientEvent::Started { .. })
+                }) {
+                    ClientEvent::Started { peer_id, listen } => (peer_id, listen[0].clone()),
+                    e => unreachable!("{e:?}"),
+                }
+            }
+        }
+    }
+
+    /// A server's training-group epoch of `members` members (its event).
+    pub fn wait_epoch(&mut self, members: usize, timeout: Duration) -> ServerEvent {
+        self.wait_event(
+            &format!("an epoch of {members}"),
+            timeout,
+            |e| matches!(e, ServerEvent::Formed { members: m, .. } if *m == members),
+        )
+    }
+
+    /// A server's model is served (its event).
+    pub fn wait_serving(&mut self, timeout: Duration) {
+        self.wait_event("serving", timeout, |e| {
+            matches!(e, ServerEvent::Serving { .. })
+        });
+    }
+
+    /// A server's HTTP API base URL (`http://ADDR/v1`, from its event).
+    pub fn http_url(&mut self, timeout: Duration) -> String {
+        match self.wait_event("the HTTP API", timeout, |e| {
+            matches!(e, ServerEvent::Http { .. })
+        }) {
+            ServerEvent::Http { addr } => format!("http://{addr}/v1"),
+            _ => unreachable!(),
         }
     }
 
@@ -149,12 +316,21 @@ impl Peer {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
+    /// Its peer id (a server's or client's from its event; a relay peer's from its line).
     pub fn peer_id(&mut self) -> String {
-        self.wait_line("peer id:", Duration::from_secs(60))
+        match self.events.as_ref().map(|(_, r)| *r) {
+            Some(role) => self.started(role).0,
+            None => self.wait_line("peer id:", Duration::from_secs(60)),
+        }
     }
 
+    /// Its bootstrap address (a server's or client's from its event; a relay peer's from
+    /// its line).
     pub fn addr(&mut self) -> String {
-        self.wait_line("listening on", Duration::from_secs(60))
+        match self.events.as_ref().map(|(_, r)| *r) {
+            Some(role) => self.started(role).1,
+            None => self.wait_line("listening on", Duration::from_secs(60)),
+        }
     }
 
     pub fn kill9(&mut self) {

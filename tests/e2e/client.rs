@@ -9,6 +9,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use agentjet::client::episodes::read_journal;
+use agentjet::client::ClientEvent;
+use agentjet::server::ServerEvent;
 use agentjet::timeline::EpisodeStatus;
 use common::peer::{metric, Peer};
 use serde_json::Value;
@@ -129,8 +131,8 @@ fn a_shell_agent_trains_the_server_and_bad_agents_are_aborted() {
 
     let mut s = named_server(dir.path(), model, "tiny", None, &["--http", "127.0.0.1:0"]);
     let boot = s.addr();
-    let http = s.wait_line("http at", Duration::from_secs(120));
-    s.wait_line("serving model", Duration::from_secs(120));
+    let http = s.http_url(Duration::from_secs(120));
+    s.wait_serving(Duration::from_secs(120));
     let run_dir = dir.path().join("run1");
     let mut c = Peer::start(
         "client",
@@ -139,9 +141,15 @@ fn a_shell_agent_trains_the_server_and_bad_agents_are_aborted() {
     );
     let status = c.child.wait().unwrap();
     assert!(status.success(), "client failed:\n{}", c.log_text());
-    let out = c.stdout();
-    println!("client:\n{out}");
-    assert!(out.contains("summary: 24 episodes"), "{out}");
+    println!("client:\n{}", c.stdout());
+    let events = c.client_events();
+    assert!(
+        events.contains(&ClientEvent::Finished {
+            episodes: 24,
+            aborted: 0
+        }),
+        "{events:#?}"
+    );
     let journal = read_journal(&run_dir.join("episodes.jsonl")).unwrap();
     assert_eq!(journal.len(), 24, "6 tasks x 4 episodes");
     for e in &journal {
@@ -153,7 +161,9 @@ fn a_shell_agent_trains_the_server_and_bad_agents_are_aborted() {
     // ran after the first steps were sampled by it.
     let metrics = dir.path().join("tiny/runs/tiny/metrics.jsonl");
     assert_trained_and_served(&metrics, &http, "tiny", &journal, Duration::from_secs(60));
-    s.wait_line("train step", Duration::from_secs(10));
+    s.wait_event("a step", Duration::from_secs(10), |e| {
+        matches!(e, ServerEvent::TrainStep { trained: true, .. })
+    });
     // Every group of this run is trained before the next run starts (the checks below
     // are about the next run's steps).
     let ledger = dir.path().join("tiny/runs/tiny/consumed.log");
@@ -288,8 +298,8 @@ fn two_models_train_in_one_run_each_with_its_own_reward() {
     let mut a = named_server(dir.path(), model, "tiny-a", None, &[]);
     let boot = a.addr();
     let mut b = named_server(dir.path(), model, "tiny-b", Some(&boot), &[]);
-    a.wait_line("serving model", Duration::from_secs(120));
-    b.wait_line("serving model", Duration::from_secs(120));
+    a.wait_serving(Duration::from_secs(120));
+    b.wait_serving(Duration::from_secs(120));
     let run_dir = dir.path().join("run");
     let mut c = Peer::start(
         "client",
@@ -399,7 +409,7 @@ fn killed_clients_leave_no_partial_episode_and_mixed_sources_keep_their_ratio() 
     let path = |n: &str| dir.path().join(n).to_str().unwrap().to_string();
     let mut s = named_server(dir.path(), model, "tiny", None, &[]);
     let boot = s.addr();
-    s.wait_line("serving model", Duration::from_secs(120));
+    s.wait_serving(Duration::from_secs(120));
     let client = |name: &str, extra: &[&str]| {
         let run = path(&format!("run-{name}"));
         let mut args = vec![
@@ -638,8 +648,8 @@ fn example_a_trains_smollm2_through_a_client_only_binary() {
         ],
     );
     let boot = s.addr();
-    let http = s.wait_line("http at", Duration::from_secs(300));
-    s.wait_line("serving model", Duration::from_secs(300));
+    let http = s.http_url(Duration::from_secs(300));
+    s.wait_serving(Duration::from_secs(300));
     let run_dir = dir.path().join("run");
     let agent = format!(
         "{} {}",
@@ -703,7 +713,7 @@ fn ctrl_c_finishes_running_episodes_and_submits_them_a_second_aborts() {
     let model = model.as_str();
     let mut s = named_server(dir.path(), model, "tiny", None, &[]);
     let boot = s.addr();
-    s.wait_line("serving model", Duration::from_secs(120));
+    s.wait_serving(Duration::from_secs(120));
     for (round, signals) in [(1, 1), (2, 2)] {
         let run = dir.path().join(format!("run{round}"));
         let mut c = Peer::start(
@@ -711,7 +721,9 @@ fn ctrl_c_finishes_running_episodes_and_submits_them_a_second_aborts() {
             dir.path(),
             &client_args(&boot, &cmd, &tasks, &run, &["--concurrency", "4"]),
         );
-        c.wait_line("running 10 groups", Duration::from_secs(60));
+        c.wait_client_event("the job's start", Duration::from_secs(60), |e| {
+            matches!(e, ClientEvent::Running { groups: 10, .. })
+        });
         // Let the first episodes start (they take 2 s), then Ctrl-C once or twice.
         std::thread::sleep(Duration::from_millis(1000));
         let pid = c.child.id() as i32;
@@ -720,8 +732,13 @@ fn ctrl_c_finishes_running_episodes_and_submits_them_a_second_aborts() {
             std::thread::sleep(Duration::from_millis(300));
         }
         assert!(c.child.wait().unwrap().success(), "{}", c.log_text());
-        let out = c.stdout();
-        assert!(out.contains("stopping: no new episodes"), "{out}");
+        let events = c.client_events();
+        assert!(
+            events
+                .iter()
+                .any(|e| matches!(e, ClientEvent::Draining { .. })),
+            "{events:#?}"
+        );
         let journal = read_journal(&run.join("episodes.jsonl")).unwrap();
         assert_eq!(
             journal.len(),
@@ -770,7 +787,7 @@ fn external_models_are_forwarded_and_recorded_never_trained() {
     let model = model.as_str();
     let mut s = named_server(dir.path(), model, "tiny", None, &[]);
     let boot = s.addr();
-    s.wait_line("serving model", Duration::from_secs(120));
+    s.wait_serving(Duration::from_secs(120));
     // The external endpoint: another OpenAI-compatible server (ours, outside the swarm,
     // not training), serving the same weights as "judge-remote".
     let mut j = named_server(
@@ -780,8 +797,8 @@ fn external_models_are_forwarded_and_recorded_never_trained() {
         None,
         &["--no-train", "--http", "127.0.0.1:0"],
     );
-    let judge_http = j.wait_line("http at", Duration::from_secs(120));
-    j.wait_line("serving model", Duration::from_secs(120));
+    let judge_http = j.http_url(Duration::from_secs(120));
+    j.wait_serving(Duration::from_secs(120));
     let judge_spec = format!("judge={judge_http}#judge-remote");
     let run_dir = dir.path().join("run");
     let mut c = Peer::start(
@@ -920,7 +937,7 @@ fn a_restarted_server_trains_the_episodes_it_stored_but_had_not_trained() {
     // nothing; it is killed.
     let mut s = server("100");
     let boot = s.addr();
-    s.wait_line("serving model", Duration::from_secs(120));
+    s.wait_serving(Duration::from_secs(120));
     let run_dir = dir.path().join("run");
     let mut c = Peer::start(
         "client",
@@ -940,8 +957,11 @@ fn a_restarted_server_trains_the_episodes_it_stored_but_had_not_trained() {
     );
     // Restarted (2 groups per step): the 8 stored episodes are trained in one step.
     let mut s = server("2");
-    let fed = s.wait_line("training: 8 stored episodes", Duration::from_secs(120));
-    assert!(fed.contains("fed to the trainer again"), "{fed}");
+    s.wait_event(
+        "8 stored episodes fed again",
+        Duration::from_secs(120),
+        |e| *e == ServerEvent::Refed { episodes: 8 },
+    );
     common::peer::wait_until(
         "the step on the stored episodes",
         Duration::from_secs(60),
@@ -956,14 +976,39 @@ fn a_restarted_server_trains_the_episodes_it_stored_but_had_not_trained() {
     // A graceful stop saves a checkpoint at step 1; the next start resumes there and has
     // nothing left to feed again.
     unsafe { libc::kill(s.child.id() as i32, libc::SIGTERM) };
-    s.wait_line("training: checkpoint at step 1", Duration::from_secs(60));
+    s.wait_event("the checkpoint on stop", Duration::from_secs(60), |e| {
+        matches!(
+            e,
+            ServerEvent::CheckpointSaved {
+                step: 1,
+                on_stop: true
+            }
+        )
+    });
     let _ = s.child.wait();
     let mut s = server("2");
-    let resumed = s.wait_line("training: resumed", Duration::from_secs(120));
-    assert!(resumed.contains("at step 1"), "{resumed}");
-    s.wait_line("serving model", Duration::from_secs(120));
-    let out = s.stdout();
-    assert!(!out.contains("fed to the trainer again"), "{out}");
+    let start = s.wait_event("the training's start", Duration::from_secs(120), |e| {
+        matches!(e, ServerEvent::Training { .. })
+    });
+    assert!(
+        matches!(
+            start,
+            ServerEvent::Training {
+                step: 1,
+                resumed: true,
+                ..
+            }
+        ),
+        "{start:?}"
+    );
+    s.wait_serving(Duration::from_secs(120));
+    let events = s.events();
+    assert!(
+        !events
+            .iter()
+            .any(|e| matches!(e, ServerEvent::Refed { .. })),
+        "{events:#?}"
+    );
 }
 
 /// Example (c) (Python, OpenAI SDK, two trainable models) and example (d) (sh + curl), as
@@ -981,7 +1026,7 @@ fn examples_c_and_d_run_unchanged() {
     let mut verifier = named_server(dir.path(), model, "verifier", Some(&boot), &[]);
     let mut plain = named_server(dir.path(), model, "smollm2", Some(&boot), &[]);
     for s in [&mut solver, &mut verifier, &mut plain] {
-        s.wait_line("serving model", Duration::from_secs(120));
+        s.wait_serving(Duration::from_secs(120));
     }
     let example = |name: &str, models: &[&str], agent: String, tasks: &str| {
         let run = dir.path().join(format!("run-{name}"));
@@ -1093,7 +1138,7 @@ fn framework_agents_on_three_apis_run_unmodified_and_train() {
         ],
     );
     let boot = s.addr();
-    s.wait_line("serving model", Duration::from_secs(300));
+    s.wait_serving(Duration::from_secs(300));
     let python = common::python();
     let tasks = root.join("examples/tool_agent/tasks.jsonl");
     let mut all = Vec::new();
@@ -1161,6 +1206,9 @@ fn framework_agents_on_three_apis_run_unmodified_and_train() {
         let text = std::fs::read_to_string(&ledger).unwrap_or_default();
         all.iter().all(|id| text.contains(id.as_str()))
     });
+    // The server writes a step's metrics line before the ledger names its episodes. (It
+    // wrote the ledger first, and the new weights went to the engine in between: this
+    // test failed about 1 run in 4 when it read the metrics in that moment.)
     // A group whose rewards differ carries a signal, and a step trains on it. (An untrained
     // 135M model often scores every episode of a group alike: such a group is skipped, as
     // GRPO skips it, and that alone is no failure; the 1-in-4 failures of this test were

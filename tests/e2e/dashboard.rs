@@ -13,6 +13,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
+use agentjet::client::ClientEvent;
+use agentjet::server::ServerEvent;
 use common::peer::{http, wait_until, Peer};
 use serde_json::Value;
 
@@ -192,8 +194,13 @@ fn the_dashboard_shows_the_swarm_and_a_curve_in_chromium_and_metrics_parse() {
     );
     let boot = s.addr();
     let server_id = s.peer_id();
-    let sdash = s.wait_line("dashboard at", Duration::from_secs(120));
-    s.wait_line("serving model", Duration::from_secs(120));
+    let sdash = match s.wait_event("the dashboard", Duration::from_secs(120), |e| {
+        matches!(e, ServerEvent::Dashboard { .. })
+    }) {
+        ServerEvent::Dashboard { addr } => format!("http://{addr}/"),
+        _ => unreachable!(),
+    };
+    s.wait_serving(Duration::from_secs(120));
     let sdash = sdash.trim_end_matches('/').to_string();
     let run_dir = dir.path().join("run1");
     let agent_cmd = format!("sh {}", agent.display());
@@ -226,8 +233,12 @@ fn the_dashboard_shows_the_swarm_and_a_curve_in_chromium_and_metrics_parse() {
         ],
     );
     let client_id = c.peer_id();
-    let cdash = c.wait_line("dashboard at", Duration::from_secs(120));
-    let cdash = cdash.trim_end_matches('/').to_string();
+    let cdash = match c.wait_client_event("the dashboard", Duration::from_secs(120), |e| {
+        matches!(e, ClientEvent::Dashboard { .. })
+    }) {
+        ClientEvent::Dashboard { addr } => format!("http://{addr}"),
+        e => unreachable!("{e:?}"),
+    };
 
     // Both /metrics parse from the start; the counters move once episodes and a step ran.
     let s0 = scrape(&sdash);

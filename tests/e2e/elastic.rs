@@ -8,6 +8,7 @@ use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use agentjet::server::ServerEvent;
 use common::peer::{metric, wait_until, Peer};
 use serde_json::Value;
 
@@ -70,8 +71,8 @@ fn three_servers(d: &Path, model: &Path, extra: &[&str]) -> (Peer, Peer, Peer, S
     let mut b = server(d, model, "b", Some(&boot), extra);
     let mut c = server(d, model, "c", Some(&boot), extra);
     for s in [&mut a, &mut b, &mut c] {
-        s.wait_line("serving model", Duration::from_secs(120));
-        s.wait_line_containing("with 3 member(s)", Duration::from_secs(60));
+        s.wait_serving(Duration::from_secs(120));
+        s.wait_epoch(3, Duration::from_secs(60));
     }
     (a, b, c, boot)
 }
@@ -83,7 +84,7 @@ fn two_servers(d: &Path, model: &Path, extra: &[&str]) -> (Peer, Peer, String) {
     let boot = a.addr();
     let mut b = server(d, model, "b", Some(&boot), extra);
     for s in [&mut a, &mut b] {
-        s.wait_line_containing("with 2 member(s)", Duration::from_secs(60));
+        s.wait_epoch(2, Duration::from_secs(60));
     }
     (a, b, boot)
 }
@@ -166,6 +167,7 @@ fn stored_ids(dir: &Path, name: &str) -> HashSet<String> {
 fn wait_all_consumed(d: &Path, names: &[&str], peers: &[&Peer]) {
     let t0 = std::time::Instant::now();
     loop {
+        // (A step's metrics line is written before the ledger names its episodes.)
         let done = names.iter().all(|n| {
             let used: usize = consumed(d, n).values().map(Vec::len).sum();
             used == stored_ids(d, n).len()
@@ -212,7 +214,7 @@ fn three_servers_train_as_one_group_and_stay_bit_identical() {
     let (mut a, mut b, mut c, boot) = three_servers(d, &model, &["--groups-per-step", "1"]);
     let http: Vec<String> = [&mut a, &mut b, &mut c]
         .into_iter()
-        .map(|s| s.wait_line("http at", Duration::from_secs(1)))
+        .map(|s| s.http_url(Duration::from_secs(1)))
         .collect();
     let mut cl = client(d, &boot, 24, "run1");
     let st = cl.child.wait().unwrap();
@@ -327,8 +329,8 @@ fn a_member_killed_mid_all_reduce_leaves_two_that_finish_the_step_and_go_on() {
     let mut cl = client(d, &boot, 24, "run1");
     // The second step has started at c (the first completed with three members): c is
     // now inside the gradient round's pause. Kill it there.
-    wait_until("c's second step", Duration::from_secs(120), || {
-        c.log_text().matches("training step started").count() >= 2
+    c.wait_event("c's second step", Duration::from_secs(120), |e| {
+        matches!(e, ServerEvent::StepStarted { step: 2, .. })
     });
     std::thread::sleep(Duration::from_millis(800));
     let killed_in = metrics_lines(d, "c").len() as u64 + 1;
@@ -403,31 +405,17 @@ fn a_fourth_server_joins_mid_run_and_is_bit_identical_from_its_first_step() {
     assert!(k >= 1);
     // A fresh server of the model: it fetches the group's state and joins at step k.
     let mut dd = server(d, &model, "d", Some(&boot), &gps);
-    let http_d = dd.wait_line("http at", Duration::from_secs(120));
-    let t0 = std::time::Instant::now();
-    let joined = loop {
-        if let Some(l) = dd
-            .stdout_so_far()
-            .into_iter()
-            .find(|l| l.contains("joined at step"))
-        {
-            break l;
-        }
-        if t0.elapsed() > Duration::from_secs(60) {
-            for p in [&a, &b, &c, &dd] {
-                eprintln!("-----\n{}", p.log_text());
-            }
-            panic!("the fourth server did not join within 60 s");
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    };
-    println!("{joined}");
+    let http_d = dd.http_url(Duration::from_secs(120));
+    let joined = dd.wait_event("the join", Duration::from_secs(60), |e| {
+        matches!(e, ServerEvent::Joined { .. })
+    });
+    println!("{joined:?}");
     assert!(
-        joined.contains(&format!("joined at step {k} ")),
-        "{joined} (group at {k})"
+        matches!(joined, ServerEvent::Joined { steps, .. } if steps == k),
+        "{joined:?} (group at {k})"
     );
     for s in [&mut a, &mut b, &mut c, &mut dd] {
-        s.wait_line_containing("with 4 member(s)", Duration::from_secs(60));
+        s.wait_epoch(4, Duration::from_secs(60));
     }
     // Its engine serves the group's version at once.
     let va = metrics_lines(d, "a").last().unwrap()["version"]
@@ -453,7 +441,7 @@ fn a_fourth_server_joins_mid_run_and_is_bit_identical_from_its_first_step() {
     let versions: Vec<f64> = [&mut a, &mut b, &mut c, &mut dd]
         .into_iter()
         .map(|p| {
-            let u = p.wait_line("http at", Duration::from_secs(1));
+            let u = p.http_url(Duration::from_secs(1));
             metric(&u, "agentjet_policy_version{model=\"tiny\"}").unwrap()
         })
         .collect();
@@ -462,9 +450,10 @@ fn a_fourth_server_joins_mid_run_and_is_bit_identical_from_its_first_step() {
 
 /// The step a member's first epoch line after a (re)start says it goes on from.
 fn first_epoch_step(p: &mut Peer) -> u64 {
-    let l = p.wait_line_containing("with 2 member(s)", Duration::from_secs(60));
-    let step = l.split("step ").nth(1).unwrap().split(',').next().unwrap();
-    step.trim().parse().unwrap()
+    match p.wait_epoch(2, Duration::from_secs(60)) {
+        ServerEvent::Formed { steps, .. } => steps,
+        _ => unreachable!(),
+    }
 }
 
 #[test]
@@ -543,7 +532,7 @@ fn groups_without_signal_reach_the_ledger_with_no_step_to_carry_them() {
     let d = dir.path();
     let model = tiny_model(d);
     let mut a = server(d, &model, "a", None, &["--groups-per-step", "1"]);
-    a.wait_line_containing("with 1 member(s)", Duration::from_secs(120));
+    a.wait_epoch(1, Duration::from_secs(120));
     let boot = a.addr();
     let mut cl = client_with(d, &boot, 3, "run1", FLAT_AGENT);
     assert!(cl.child.wait().unwrap().success(), "{}", cl.log_text());
@@ -581,8 +570,8 @@ fn diloco_members_take_their_own_inner_steps_and_are_identical_after_every_outer
     let model = tiny_model(d);
     let extra = ["--groups-per-step", "1", "--sync-every", "4"];
     let (mut a, mut b, boot) = two_servers(d, &model, &extra);
-    let http_a = a.wait_line("http at", Duration::from_secs(1));
-    let http_b = b.wait_line("http at", Duration::from_secs(1));
+    let http_a = a.http_url(Duration::from_secs(1));
+    let http_b = b.http_url(Duration::from_secs(1));
     let mut cl = client(d, &boot, 48, "run1");
     assert!(cl.child.wait().unwrap().success(), "{}", cl.log_text());
     // Each member's groups feed its inner steps, 4 per outer step (the rest wait for the
@@ -657,21 +646,26 @@ fn a_member_whose_parameters_drift_is_found_by_the_hash_round_and_resyncs() {
     drifting.extend(["--test-perturb-at-step", "2"]);
     let mut c = server(d, &model, "c", Some(&boot), &drifting);
     for s in [&mut a, &mut b, &mut c] {
-        s.wait_line_containing("with 3 member(s)", Duration::from_secs(60));
+        s.wait_epoch(3, Duration::from_secs(60));
     }
     let mut cl = client(d, &boot, 24, "run1");
     assert!(cl.child.wait().unwrap().success(), "{}", cl.log_text());
     wait_all_consumed(d, &["a", "b", "c"], &[&a, &b, &c]);
     // Every member learnt of it in the hash round after step 2; c re-synced and says why.
-    let differ = a.wait_line_containing("hashes differ at step 2", Duration::from_secs(5));
-    println!("{differ}");
-    let why = c.wait_line_containing(
-        "fetching the group's state (step 2)",
-        Duration::from_secs(5),
+    a.wait_event("the hash round's verdict", Duration::from_secs(5), |e| {
+        matches!(e, ServerEvent::HashesDiffer { steps: 2, .. })
+    });
+    let why = c.wait_event("the re-sync", Duration::from_secs(5), |e| {
+        matches!(e, ServerEvent::Syncing { steps: 2, .. })
+    });
+    println!("{why:?}");
+    assert!(
+        matches!(&why, ServerEvent::Syncing { differ: Some((mine, group)), behind: None, .. } if mine != group),
+        "{why:?}"
     );
-    println!("{why}");
-    assert!(why.contains("differ from the group's"), "{why}");
-    c.wait_line_containing("joined at step 2 ", Duration::from_secs(5));
+    c.wait_event("the join at step 2", Duration::from_secs(5), |e| {
+        matches!(e, ServerEvent::Joined { steps: 2, .. })
+    });
     let (ha, hb, hc) = (
         hashes(&metrics_lines(d, "a")),
         hashes(&metrics_lines(d, "b")),
@@ -713,19 +707,14 @@ fn a_diloco_joiner_fetches_the_outer_state_and_matches_from_the_next_outer_step(
     }
     // A third member joins: it fetches the anchor, the outer momentum and the counters.
     let mut c = server(d, &model, "c", Some(&boot), &extra);
-    let joined = c.wait_line_containing("joined at step", Duration::from_secs(60));
-    println!("{joined}");
-    let k: u64 = joined
-        .split("joined at step ")
-        .nth(1)
-        .unwrap()
-        .split(' ')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
+    let k = match c.wait_event("the join", Duration::from_secs(60), |e| {
+        matches!(e, ServerEvent::Joined { .. })
+    }) {
+        ServerEvent::Joined { steps, .. } => steps,
+        _ => unreachable!(),
+    };
     for s in [&mut a, &mut b, &mut c] {
-        s.wait_line_containing("with 3 member(s)", Duration::from_secs(60));
+        s.wait_epoch(3, Duration::from_secs(60));
     }
     let mut cl2 = client(d, &boot, 24, "run2");
     assert!(cl2.child.wait().unwrap().success(), "{}", cl2.log_text());
@@ -761,15 +750,15 @@ fn servers_of_one_model_in_two_runs_train_as_two_groups() {
     let mut b = server(d, &model, "b", Some(&boot), &["--train-group", "run-2"]);
     let mut c = server(d, &model, "c", Some(&boot), &["--train-group", "run-1"]);
     for s in [&mut a, &mut c] {
-        s.wait_line_containing("with 2 member(s)", Duration::from_secs(60));
+        s.wait_epoch(2, Duration::from_secs(60));
     }
-    b.wait_line_containing("with 1 member(s)", Duration::from_secs(60));
+    b.wait_epoch(1, Duration::from_secs(60));
     // Gossip has long carried every status: b still trains alone, a and c together.
     std::thread::sleep(Duration::from_secs(3));
     assert!(
-        !b.stdout_so_far()
+        !b.events()
             .iter()
-            .any(|l| l.contains("with 2 member(s)")),
+            .any(|e| matches!(e, ServerEvent::Formed { members: 2, .. })),
         "run-2 merged with run-1"
     );
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_agentjet-peer"))

@@ -105,7 +105,7 @@ fn responses_and_messages_sdk_suites_pass_against_serve_and_through_a_proxy() {
         ],
     );
     let boot = s.addr();
-    s.wait_line("serving model", Duration::from_secs(300));
+    s.wait_serving(Duration::from_secs(300));
     let mut c = Peer::start(
         "client",
         dir.path(),
@@ -118,8 +118,7 @@ fn responses_and_messages_sdk_suites_pass_against_serve_and_through_a_proxy() {
             &boot,
         ],
     );
-    let proxy = c.wait_line("proxy at", Duration::from_secs(120));
-    let proxy = proxy.split_whitespace().next().unwrap().to_string();
+    let proxy = c.proxy_url(Duration::from_secs(120));
     wait_until("the server in the DHT", Duration::from_secs(60), || {
         metric(&proxy, "agentjet_swarm_providers{model=\"smollm2\"}") == Some(1.0)
     });

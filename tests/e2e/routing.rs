@@ -77,7 +77,7 @@ fn an_episodes_calls_stay_on_one_server_and_fail_over_when_it_is_killed() {
     ];
     let http: Vec<String> = servers
         .iter_mut()
-        .map(|s| s.wait_line("http at", Duration::from_secs(120)))
+        .map(|s| s.http_url(Duration::from_secs(120)))
         .collect();
     let marks = dir.path().join("marks");
     std::fs::create_dir_all(&marks).unwrap();

@@ -12,8 +12,9 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use agentjet::base::{Stop, StopMode};
+use agentjet::server::ServerEvent;
 use agentjet::swarm::{Keypair, PeerId, Role, SwarmConfig};
-use common::peer::{http, wait_until, Peer};
+use common::peer::{http, Peer};
 use serde_json::{json, Value};
 
 /// A tiny random model big enough that a training step on two long episodes takes
@@ -112,11 +113,8 @@ fn sigterm_mid_step_and_mid_stream_drains_checkpoints_and_exits_0() {
     );
     let boot = s.addr();
     let server: PeerId = s.peer_id().parse().unwrap();
-    let base = format!(
-        "http://{}",
-        s.wait_line("http at http://", Duration::from_secs(120))
-    );
-    s.wait_line("serving model", Duration::from_secs(120));
+    let base = format!("http://{}", s.http_url(Duration::from_secs(120)));
+    s.wait_serving(Duration::from_secs(120));
 
     // Two long signed calls of one group, rewards 1 and 0: the group trains at once.
     let rt = tokio::runtime::Runtime::new().unwrap();
@@ -158,11 +156,9 @@ fn sigterm_mid_step_and_mid_stream_drains_checkpoints_and_exits_0() {
         }
     });
     // The step has started: SIGTERM now, while it runs and while the stream streams.
-    wait_until(
-        "the training step to start",
-        Duration::from_secs(60),
-        || s.log_text().contains("training step started"),
-    );
+    s.wait_event("the training step to start", Duration::from_secs(60), |e| {
+        matches!(e, ServerEvent::StepStarted { .. })
+    });
     let signalled = Instant::now();
     unsafe { libc::kill(s.child.id() as i32, libc::SIGTERM) };
     let status = s.child.wait().unwrap();
@@ -173,17 +169,27 @@ fn sigterm_mid_step_and_mid_stream_drains_checkpoints_and_exits_0() {
     println!("{out}\n(stopped {:.1} s after SIGTERM)", took.as_secs_f64());
 
     // The step was in progress when the stop came, and it finished and was saved.
-    let line_of = |prefix: &str| out.lines().position(|l| l.starts_with(prefix));
-    let stopping = line_of("stopping (drain)").expect("no drain line");
-    let stepped = line_of("train step").expect("the step did not finish");
+    let events = s.events();
+    let at = |f: &dyn Fn(&ServerEvent) -> bool| events.iter().position(f);
+    let stopping = at(&|e| matches!(e, ServerEvent::Stopping { drain: true }))
+        .unwrap_or_else(|| panic!("no drain: {events:#?}"));
+    let stepped = at(&|e| matches!(e, ServerEvent::TrainStep { step: 1, .. }))
+        .unwrap_or_else(|| panic!("the step did not finish: {events:#?}"));
+    let saved = at(&|e| {
+        matches!(
+            e,
+            ServerEvent::CheckpointSaved {
+                step: 1,
+                on_stop: true
+            }
+        )
+    });
     assert!(
         stopping < stepped,
-        "the step ended before the signal:\n{out}"
+        "the step ended before the signal: {events:#?}"
     );
-    assert!(
-        out.contains("training: checkpoint at step 1 saved on stop"),
-        "{out}"
-    );
+    assert!(saved > Some(stepped), "no checkpoint on stop: {events:#?}");
+    assert_eq!(events.last(), Some(&ServerEvent::Stopped), "{events:#?}");
     let state: Value = serde_json::from_str(
         &std::fs::read_to_string(dir.path().join("tiny/runs/tiny/checkpoint/state.json")).unwrap(),
     )
@@ -242,6 +248,7 @@ async fn roles_run_in_process_and_a_stop_releases_them() {
             train: Some(Default::default()),
             limits: Default::default(),
             drain_timeout: Duration::from_secs(30),
+            events_file: None,
         },
         &stop,
     )
@@ -267,6 +274,7 @@ async fn roles_run_in_process_and_a_stop_releases_them() {
             drain_timeout: Duration::from_secs(30),
             dashboard: None,
             config_json: None,
+            events_file: None,
         },
         &stop,
     )

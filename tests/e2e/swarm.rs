@@ -65,15 +65,13 @@ fn clients_find_servers_through_the_dht_and_survive_a_killed_server() {
     let mut s1 = Peer::start("server1", dir.path(), &server_args(model, &boot));
     let mut s2 = Peer::start("server2", dir.path(), &server_args(model, &boot));
     let (id1, id2) = (s1.peer_id(), s2.peer_id());
-    let http1 = s1.wait_line("http at", Duration::from_secs(120));
-    let http2 = s2.wait_line("http at", Duration::from_secs(120));
+    let http1 = s1.http_url(Duration::from_secs(120));
+    let http2 = s2.http_url(Duration::from_secs(120));
     let client_args = ["--role", "client", "--model", "tiny", "--bootstrap", &boot];
     let mut c1 = Peer::start("client1", dir.path(), &client_args);
     let mut c2 = Peer::start("client2", dir.path(), &client_args);
-    let p1 = c1.wait_line("proxy at", Duration::from_secs(120));
-    let p2 = c2.wait_line("proxy at", Duration::from_secs(120));
-    let p1 = p1.split_whitespace().next().unwrap().to_string();
-    let p2 = p2.split_whitespace().next().unwrap().to_string();
+    let p1 = c1.proxy_url(Duration::from_secs(120));
+    let p2 = c2.proxy_url(Duration::from_secs(120));
     // Every peer knew only the plain peer; each client finds both servers in the DHT.
     for (c, p) in [(&c1, &p1), (&c2, &p2)] {
         wait_until("two providers in the DHT", Duration::from_secs(60), || {
@@ -235,7 +233,7 @@ async fn the_swarm_key_signed_calls_and_bad_messages() {
     args.extend(["--swarm-key", kp.as_str()]);
     let mut server = Peer::start("server", dir.path(), &args);
     let server_id: agentjet::swarm::PeerId = server.peer_id().parse().unwrap();
-    server.wait_line("serving model", Duration::from_secs(120));
+    server.wait_serving(Duration::from_secs(120));
 
     // A client without the key: no provider ever answers it.
     let mut intruder = Peer::start(

@@ -312,8 +312,8 @@ fn an_idle_smollm2_server_holds_no_kv_slots_and_stays_under_2_gb() {
             "127.0.0.1:0",
         ],
     );
-    let http = s.wait_line("http at", Duration::from_secs(180));
-    s.wait_line("serving model", Duration::from_secs(60));
+    let http = s.http_url(Duration::from_secs(180));
+    s.wait_serving(Duration::from_secs(60));
     let kv = |name: &str| common::peer::metric(&http, &format!("{name}{{model=\"smollm2\"}}"));
     assert_eq!(kv("agentjet_engine_kv_allocated_bytes"), Some(0.0));
     let idle = rss_bytes(s.child.id());

@@ -170,6 +170,11 @@ pub struct ServerCli {
     /// Serve no dashboard.
     #[arg(long)]
     pub no_dashboard: bool,
+    /// Write what the server does (listening, serving, training steps, checkpoints, the
+    /// training group's epochs and joins, the stop) to FILE as JSON lines, one typed
+    /// event each, for programs that watch it.
+    #[arg(long, value_name = "FILE")]
+    pub events: Option<std::path::PathBuf>,
     #[command(flatten)]
     pub engine: EngineArgs,
     /// Serve only, do not train on submitted episodes.
@@ -315,6 +320,11 @@ pub struct ClientCli {
     /// (a free port; the address is printed at start).
     #[arg(long, value_name = "HOST:PORT")]
     pub dashboard: Option<String>,
+    /// Write what the client does (listening, its proxy's and dashboard's addresses, the
+    /// job's start, a drain, its end) to FILE as JSON lines, one typed event each, for
+    /// programs that watch it.
+    #[arg(long, value_name = "FILE")]
+    pub events: Option<PathBuf>,
 }
 
 /// `agentjet-peer --role peer`.
@@ -620,6 +630,7 @@ impl ClientCli {
             drain_timeout: secs("drain-timeout", self.common.swarm.drain_timeout)?,
             dashboard: self.dashboard.clone(),
             config_json: serde_json::to_value(self).ok(),
+            events_file: self.events.clone(),
         })
     }
 }

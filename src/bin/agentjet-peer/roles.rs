@@ -117,6 +117,7 @@ mod torch {
                 train,
                 limits: ServeLimits::default(),
                 drain_timeout: secs("drain-timeout", self.common.swarm.drain_timeout)?,
+                events_file: self.events.clone(),
             })
         }
     }

@@ -19,6 +19,7 @@ use tracing::info;
 use super::ServerLearner;
 use crate::collective::member::{hex8, Applied};
 use crate::server::error::TrainingError;
+use crate::server::events::ServerEvent;
 use crate::server::group_state::parameter_hash;
 use crate::server::ledger::append_consumed;
 use crate::train::outer::Outer;
@@ -50,8 +51,11 @@ impl ServerLearner<'_> {
         self.trainer.set_counters(self.trainer.steps(), version);
         metrics.version = version;
         metrics.members = 1;
+        // The metrics line first: once the ledger names an episode, the step that took
+        // it is recorded.
+        self.record(&metrics)?;
         append_consumed(&self.run_dir.dir, self.trainer.steps(), &rep.taken)?;
-        self.record(&metrics)
+        Ok(())
     }
 
     /// The outer step from the summed deltas and weights; serves the new version.
@@ -95,6 +99,12 @@ impl ServerLearner<'_> {
             "outer step {v}: {members} member(s), {contributors} contributed, parameters {}",
             hex8(&self.hash)
         );
+        self.served.events.emit(ServerEvent::OuterStep {
+            version: v,
+            members,
+            contributors,
+            params: hex8(&self.hash),
+        });
         info!(
             outer_step = v,
             members,
@@ -104,6 +114,7 @@ impl ServerLearner<'_> {
         );
         if v % self.s.checkpoint_every.max(1) == 0 {
             self.save()?;
+            self.saved(false);
         }
         Ok(())
     }

@@ -6,10 +6,14 @@ use tracing::error;
 
 use crate::base::lock;
 use crate::collective::member::{hex8, MemberEvent, SyncReason};
+use crate::server::events::ServerEvent;
 use crate::server::served::ServedModel;
 
 /// Applies `e` to `served`'s status and prints what a person should see.
 pub fn on_event(served: &ServedModel, e: &MemberEvent) {
+    if let Some(ev) = ServerEvent::of_member(e) {
+        served.events.emit(ev);
+    }
     let name = &served.name;
     match e {
         MemberEvent::Status(s) => *lock(&served.group) = Some(s.clone()),

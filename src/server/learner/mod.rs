@@ -21,6 +21,7 @@ pub(super) mod events;
 mod momentum;
 
 use super::error::TrainingError;
+use super::events::ServerEvent;
 use super::group_state::{install_state, parameter_hash, state_bytes};
 use super::ledger::{append_consumed, consumed_upto, unconsumed_episodes};
 use super::served::ServedModel;
@@ -142,6 +143,9 @@ impl<'a> ServerLearner<'a> {
                 "training: {} stored episodes not trained yet are fed to the trainer again",
                 lost.len()
             );
+            self.served.events.emit(ServerEvent::Refed {
+                episodes: lost.len(),
+            });
         }
         for stored in lost {
             let size = stored.manifest.group_size as usize;
@@ -221,13 +225,23 @@ impl<'a> ServerLearner<'a> {
         }
         self.hash = parameter_hash(&self.trainer, None)?;
         m.param_hash = Some(self.hash.iter().map(|b| format!("{b:02x}")).collect());
-        append_consumed(&self.run_dir.dir, self.trainer.steps(), taken)?;
         self.serve_trained()?;
+        // The metrics line first: once the ledger names an episode, the step that took it
+        // is recorded (a reader of both never sees the one without the other).
         self.record(&m)?;
+        append_consumed(&self.run_dir.dir, self.trainer.steps(), taken)?;
         if self.trainer.steps() % self.s.checkpoint_every.max(1) == 0 {
             self.save()?;
+            self.saved(false);
         }
         Ok(())
+    }
+
+    fn saved(&self, on_stop: bool) {
+        self.served.events.emit(ServerEvent::CheckpointSaved {
+            step: self.trainer.steps(),
+            on_stop,
+        });
     }
 
     /// A step's line on stdout, in the log, in `metrics.jsonl` and on the reward curve.
@@ -242,6 +256,15 @@ impl<'a> ServerLearner<'a> {
             "trained"
         );
         self.run_dir.append(m)?;
+        // After the metrics line: whoever sees the event finds the step in the file.
+        self.served.events.emit(ServerEvent::TrainStep {
+            step: m.step,
+            version: m.version,
+            trained: m.trained,
+            members: m.members,
+            reward_mean: m.reward_mean,
+            params: m.param_hash.clone(),
+        });
         if let Ok(all) = self.run_dir.metrics() {
             let title = format!(
                 "{}: mean training reward per step (AgentJet server)",
@@ -286,6 +309,10 @@ impl<'a> ServerLearner<'a> {
     }
 
     fn started(&self, groups: usize, members: usize) {
+        self.served.events.emit(ServerEvent::StepStarted {
+            step: self.trainer.steps() + 1,
+            members,
+        });
         info!(
             step = self.trainer.steps() + 1,
             groups, members, "training step started"
@@ -449,6 +476,7 @@ impl Learner for ServerLearner<'_> {
                 self.rewind_to_anchor()?;
                 if self.trainer.steps() != self.last_saved {
                     self.save()?;
+                    self.saved(true);
                     println!(
                         "training: checkpoint at step {} saved on stop",
                         self.trainer.steps()
