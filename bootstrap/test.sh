@@ -26,15 +26,24 @@ table() {
   # Each test binary's own time (libtest's "finished in"), from the test phase's output.
   python3 - "$results" <<'PY'
 import re, sys
-name = None
+# A binary's own result is the last before the next binary starts (a test that re-runs
+# its binary in a child process prints a result line of its own before it).
+name, last = None, None
+def flush():
+    if name and last:
+        print(f"| test {name} ({last.group(2)} passed, {last.group(3)} failed) | {float(last.group(4)):.0f} |")
 for line in open(sys.argv[1], errors="replace"):
-    m = re.search(r"Running (\S+)", line)
+    m = re.match(r"\s+Running (\S+)", line)
     if m:
-        name = m.group(1)
+        flush()
+        name, last = m.group(1), None
+        crate = re.search(r"deps/(\w+)-[0-9a-f]+\)", line)
+        if name == "unittests" and crate:
+            name = f"unittests ({crate.group(1)})"
     m = re.search(r"test result: (\w+)\. (\d+) passed; (\d+) failed.*finished in ([\d.]+)s", line)
-    if m and name:
-        print(f"| test {name} ({m.group(2)} passed, {m.group(3)} failed) | {float(m.group(4)):.0f} |")
-        name = None
+    if m:
+        last = m
+flush()
 PY
   echo "| total | $total |"
 }

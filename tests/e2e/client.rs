@@ -1168,7 +1168,7 @@ fn framework_agents_on_three_apis_run_unmodified_and_train() {
                 "--num-repeat",
                 "4",
                 "--groups",
-                "2",
+                "1",
                 "--concurrency",
                 "4",
                 "--run-dir",
@@ -1178,7 +1178,7 @@ fn framework_agents_on_three_apis_run_unmodified_and_train() {
         assert!(c.child.wait().unwrap().success(), "{}", c.log_text());
         println!("{agent}:\n{}", c.stdout());
         let journal = read_journal(&run.join("episodes.jsonl")).unwrap();
-        assert_eq!(journal.len(), 8, "{agent}");
+        assert_eq!(journal.len(), 4, "{agent}");
         for e in &journal {
             let logs = run.join("episodes");
             // The agent's own output (its turns, its final answer) and its errors.
@@ -1211,8 +1211,7 @@ fn framework_agents_on_three_apis_run_unmodified_and_train() {
     // test failed about 1 run in 4 when it read the metrics in that moment.)
     // A group whose rewards differ carries a signal, and a step trains on it. (An untrained
     // 135M model often scores every episode of a group alike: such a group is skipped, as
-    // GRPO skips it, and that alone is no failure; the 1-in-4 failures of this test were
-    // runs in which all six groups were alike.)
+    // GRPO skips it, and that alone is no failure.)
     let metrics = metrics_lines(&dir.path().join("server/runs/smollm2/metrics.jsonl"));
     let with_signal = rewards
         .values()
