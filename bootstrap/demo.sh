@@ -6,7 +6,7 @@
 # starts in ~50 ms) on additions of two numbers up to 30, 8 episodes per task.
 #
 # The episodes run until the server has taken $AGENTJET_DEMO_STEPS training steps
-# (default 12), or for at most $AGENTJET_DEMO_MINUTES minutes (default 8), whichever comes
+# (default 10), or for at most $AGENTJET_DEMO_MINUTES minutes (default 8), whichever comes
 # first: how long setup and the build took does not change what the demo shows. Before the
 # first episode and after the last step, 40 held-out additions (never trained on) are
 # answered greedily by the served policy; the demo ends with both answers side by side,
@@ -14,13 +14,22 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 start=$(date +%s)
-steps=${AGENTJET_DEMO_STEPS:-12}
+steps=${AGENTJET_DEMO_STEPS:-10}
 bound=$(( ${AGENTJET_DEMO_MINUTES:-8} * 60 ))
-# The crates download while setup installs LibTorch (both mostly wait on the network).
-cargo fetch --quiet &
-fetch=$!
+# While setup downloads and unpacks LibTorch (mostly waiting on the network and the
+# disk), cargo fetches the crates and compiles the dependencies that do not need LibTorch
+# (those of the client-only library, which the full build shares). When setup is done,
+# that build is interrupted wherever it is (what it finished stays built) and the full
+# build goes on from there.
+# (Its own process group, so that the interrupt reaches its compilers too.)
+setsid cargo build --release --quiet --no-default-features --lib 2>/dev/null &
+early=$!
+trap 'kill -INT -- -$early 2>/dev/null || true' EXIT
 bash bootstrap/setup.sh
-wait $fetch || echo "cargo fetch failed; the build fetches what it needs"
+kill -INT -- -$early 2>/dev/null || true
+wait $early 2>/dev/null || true
+while pgrep -g $early >/dev/null; do sleep 0.2; done
+trap - EXIT
 eval "$(bash bootstrap/setup.sh --print-env)"
 cargo build --release --bin agentjet-peer
 built=$(date +%s)
