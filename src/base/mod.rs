@@ -1,7 +1,8 @@
 //! The base layer: small, LibTorch-free pieces every other layer may use and that use
 //! nothing of the crate themselves: the allocator policy, the cores free for the process
 //! and how its engine and trainer share them, the random generator, the stop signal of a
-//! process and its tasks, the lock policy, file names, SVG line plots and Prometheus text.
+//! process and its tasks, the lock policy, file names and durable writes, JSON's non-finite
+//! numbers, SVG line plots and Prometheus text.
 //!
 //! Owns: only these. Never imports another module of the crate (the layering test
 //! checks it; see docs/ARCHITECTURE.md).
@@ -10,6 +11,7 @@ pub mod alloc;
 pub mod cores;
 pub mod events;
 pub mod files;
+pub mod json;
 pub mod plot;
 pub mod prom;
 pub mod rng;

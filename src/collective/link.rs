@@ -243,6 +243,9 @@ pub fn dial(
     Ok((tx, rx))
 }
 
+/// How long an accepted link connection may take to send its token.
+pub const TOKEN_WAIT: Duration = Duration::from_secs(2);
+
 /// A member's listening port for links, and the offers it has made.
 pub struct LinkListener {
     port: Box<dyn LinkPort>,
@@ -292,13 +295,20 @@ impl LinkListener {
             let Some(mut conn) = self.port.accept(left)? else {
                 return Err(LinkError::Timeout("waiting for the dialer"));
             };
-            conn.read.set_timeout(left)?;
+            // The dialer sends its token as soon as it is connected: a connection that
+            // stays silent is dropped after `TOKEN_WAIT`, not left to block the accept.
+            conn.read.set_timeout(left.min(TOKEN_WAIT))?;
             conn.write.set_timeout(left)?;
             let mut token = [0u8; 32];
-            if conn.read.read_exact(&mut token).is_err() || token != offer.token {
+            if let Err(e) = conn.read.read_exact(&mut token) {
+                tracing::warn!("dropped a link connection that sent no token: {e}");
+                continue;
+            }
+            if token != offer.token {
                 tracing::warn!("dropped a link connection with a wrong token");
                 continue;
             }
+            conn.read.set_timeout(left)?;
             let (mut tx, mut rx) = halves(
                 conn,
                 &offer.key,
@@ -415,5 +425,34 @@ impl LinkNet for TcpLinks {
         let tcp = TcpStream::connect_timeout(&SocketAddr::new(ip, port), timeout)
             .map_err(|e| io_err(e, "connecting"))?;
         Ok(Conn::tcp(tcp)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Silent connections and a wrong token in front of the member's dialer: each is
+    /// dropped (a silent one after `TOKEN_WAIT`) and the dialer's link is made.
+    #[test]
+    fn silent_connections_do_not_block_the_dialer_behind_them() {
+        let ip = std::net::Ipv4Addr::LOCALHOST;
+        let l = LinkListener::bind(SocketAddr::new(ip.into(), 0)).unwrap();
+        let offer = l.offer();
+        let to = SocketAddr::new(ip.into(), l.port());
+        let silent: Vec<TcpStream> = (0..2).map(|_| TcpStream::connect(to).unwrap()).collect();
+        let mut wrong = TcpStream::connect(to).unwrap();
+        wrong.write_all(&[9u8; 32]).unwrap();
+        let t = Duration::from_secs(20);
+        std::thread::scope(|s| {
+            let dialer = s.spawn(|| {
+                let at = [Multiaddr::empty().with(Protocol::Ip4(ip))];
+                dial(&TcpLinks, &at, &offer, t)
+            });
+            let accepted = l.accept(&offer, t);
+            assert!(accepted.is_ok(), "{:?}", accepted.err());
+            assert!(dialer.join().unwrap().is_ok());
+        });
+        drop(silent);
     }
 }

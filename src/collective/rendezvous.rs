@@ -10,7 +10,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
@@ -52,12 +52,22 @@ pub enum RendezvousError {
     Timeout(PeerId),
 }
 
-/// The offers an acceptor has made, by (asker, ask), until it takes them.
+/// The offers an acceptor has made, by (asker, ask), until it takes them. Bounded so
+/// that no peer can push out another's: at most [`PER_PEER`] untaken offers per asker
+/// (its oldest goes first), [`OFFERS`] in all (the oldest goes first), and none older
+/// than [`OFFER_TTL`].
 #[derive(Default)]
 pub struct OfferBook {
-    offers: Mutex<HashMap<(PeerId, LinkAsk), LinkOffer>>,
+    offers: Mutex<HashMap<(PeerId, LinkAsk), (Instant, LinkOffer)>>,
     changed: Notify,
 }
+
+/// Untaken offers kept per asking peer (an honest member asks one link per epoch).
+pub const PER_PEER: usize = 4;
+/// Untaken offers kept in all.
+pub const OFFERS: usize = 1024;
+/// How long an untaken offer is kept (a ring is built within a control timeout).
+pub const OFFER_TTL: Duration = Duration::from_secs(120);
 
 impl OfferBook {
     /// Waits (up to `timeout`) for `peer`'s ask `ask`, and takes its offer.
@@ -70,7 +80,7 @@ impl OfferBook {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             let changed = self.changed.notified();
-            if let Some(o) = lock(&self.offers).remove(&(peer, ask.clone())) {
+            if let Some((_, o)) = lock(&self.offers).remove(&(peer, ask.clone())) {
                 return Ok(o);
             }
             if tokio::time::timeout_at(deadline, changed).await.is_err() {
@@ -81,13 +91,38 @@ impl OfferBook {
 
     fn put(&self, peer: PeerId, ask: LinkAsk, offer: LinkOffer) {
         let mut m = lock(&self.offers);
-        // Bounded: asks nobody takes (a member that gave up) do not pile up.
-        if m.len() >= 256 {
-            m.clear();
+        // Bounded: asks nobody takes (a member that gave up, a peer that floods) do not
+        // pile up, and cannot push out other peers' offers.
+        m.retain(|_, (at, _)| at.elapsed() < OFFER_TTL);
+        let oldest = |m: &HashMap<(PeerId, LinkAsk), (Instant, LinkOffer)>, of: Option<PeerId>| {
+            m.iter()
+                .filter(|((p, _), _)| of.is_none_or(|of| *p == of))
+                .min_by_key(|(_, (at, _))| *at)
+                .map(|(k, _)| k.clone())
+        };
+        if m.keys().filter(|(p, _)| *p == peer).count() >= PER_PEER {
+            if let Some(k) = oldest(&m, Some(peer)) {
+                tracing::info!(%peer, "too many untaken link asks from one peer: its oldest dropped");
+                m.remove(&k);
+            }
         }
-        m.insert((peer, ask), offer);
+        if m.len() >= OFFERS {
+            if let Some(k) = oldest(&m, None) {
+                m.remove(&k);
+            }
+        }
+        m.insert((peer, ask), (Instant::now(), offer));
         drop(m);
         self.changed.notify_waiters();
+    }
+
+    /// Untaken offers, in all.
+    pub fn len(&self) -> usize {
+        lock(&self.offers).len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 
@@ -134,4 +169,51 @@ pub async fn ask_link(
         return Err(RendezvousError::NoAddress(peer));
     }
     Ok((addrs, offer))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ask(group: &str, epoch: u64) -> LinkAsk {
+        LinkAsk {
+            group: group.into(),
+            epoch,
+            from_rank: 0,
+        }
+    }
+
+    fn offer(port: u16) -> LinkOffer {
+        LinkOffer {
+            port,
+            key: [1; 32],
+            token: [2; 32],
+        }
+    }
+
+    /// A peer that floods link asks keeps at most `PER_PEER` of its own and never pushes
+    /// out another peer's offer; asks of many peers at once are bounded in all.
+    #[tokio::test]
+    async fn a_flood_of_link_asks_never_drops_an_honest_offer() {
+        let book = OfferBook::default();
+        let (honest, rogue) = (PeerId::random(), PeerId::random());
+        book.put(honest, ask("g@3", 3), offer(7));
+        for i in 0..10_000 {
+            book.put(rogue, ask("g@3", i), offer(9));
+        }
+        assert_eq!(book.len(), 1 + PER_PEER);
+        let got = book
+            .take(honest, &ask("g@3", 3), Duration::from_millis(100))
+            .await
+            .unwrap();
+        assert_eq!(got.port, 7);
+        assert!(book
+            .take(honest, &ask("g@3", 3), Duration::from_millis(10))
+            .await
+            .is_err());
+        for _ in 0..2 * OFFERS {
+            book.put(PeerId::random(), ask("x", 1), offer(9));
+        }
+        assert_eq!(book.len(), OFFERS);
+    }
 }

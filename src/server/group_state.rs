@@ -70,9 +70,22 @@ pub fn state_bytes(t: &Trainer, outer: Option<&Outer>) -> Result<Vec<u8>, TrainE
     Ok(out)
 }
 
-/// Installs `bytes` (from [`state_bytes`] of a trainer of the same shape); returns the
-/// outer momentum they carry, if any.
-pub fn install_state(t: &mut Trainer, bytes: &[u8]) -> Result<Option<Vec<Tensor>>, TrainError> {
+/// The largest step count or version a state may carry (far above any real run; later
+/// arithmetic on them cannot overflow).
+pub const MAX_COUNTER: u64 = 1 << 48;
+
+/// Installs `bytes` (from [`state_bytes`] of a trainer of the same shape) when they hold
+/// the group's state: group step `group_steps` (the step count; in DiLoCo mode, `every`
+/// inner steps per outer step, the version), parameters hashing to `hash`, every value
+/// finite. Anything else is refused before the trainer is touched. Returns the outer
+/// momentum they carry, if any.
+pub fn install_state(
+    t: &mut Trainer,
+    bytes: &[u8],
+    group_steps: u64,
+    every: Option<u64>,
+    hash: &[u8; 32],
+) -> Result<Option<Vec<Tensor>>, TrainError> {
     let params = t.model.parameters();
     let values: usize = params.iter().map(Tensor::numel).sum();
     let word = |i: usize| {
@@ -88,11 +101,32 @@ pub fn install_state(t: &mut Trainer, bytes: &[u8]) -> Result<Option<Vec<Tensor>
             bytes.len()
         )));
     }
+    let at_group_step = match every {
+        Some(h) => version == group_steps && Some(steps) == version.checked_mul(h),
+        None => steps == group_steps,
+    };
+    if !at_group_step || steps > MAX_COUNTER || version > MAX_COUNTER {
+        return Err(TrainError::Invalid(format!(
+            "a state of step {steps}, version {version}: the group's step is {group_steps}"
+        )));
+    }
+    // The parameters are hashed as laid out here (the anchor's, in DiLoCo mode).
+    let got = *blake3::hash(&bytes[32..32 + values * 4]).as_bytes();
+    if got != *hash {
+        return Err(TrainError::Invalid(
+            "a state whose parameters are not the group's (their hash differs)".into(),
+        ));
+    }
     // The float32 values, copied out (the byte slice need not be aligned).
     let floats: Vec<f32> = bytes[32..]
         .chunks_exact(4)
         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
         .collect();
+    if let Some(i) = floats.iter().position(|x| !x.is_finite()) {
+        return Err(TrainError::Invalid(format!(
+            "a state with a non-finite value (value {i})"
+        )));
+    }
     let take = |at: &mut usize, like: &Tensor| {
         let n = like.numel();
         let t = Tensor::from_slice(&floats[*at..*at + n])

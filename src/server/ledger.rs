@@ -43,21 +43,32 @@ pub(super) fn consumed_upto(run_dir: &Path, step: u64) -> Result<HashSet<String>
         }
     }
     if cut {
-        std::fs::write(&path, kept).map_err(|e| TrainError::file(&path, e))?;
+        crate::base::files::write_atomic(&path, kept.as_bytes())
+            .map_err(|e| TrainError::file(&path, e))?;
     }
     Ok(ids)
 }
 
+/// Appends step `step`'s consumed ids and syncs them. An id with a control character (a
+/// newline would forge another line) is refused: submission checks ids before they are
+/// stored, so one here is a bug, not an attack to tolerate.
 pub(super) fn append_consumed(run_dir: &Path, step: u64, ids: &[String]) -> Result<(), TrainError> {
-    use std::io::Write;
     let path = run_dir.join(CONSUMED);
+    if let Some(bad) = ids.iter().find(|id| !valid_episode_id(id)) {
+        return Err(TrainError::file(
+            &path,
+            format!("episode id {bad:?} is not a valid id"),
+        ));
+    }
     let text: String = ids.iter().map(|id| format!("{step}\t{id}\n")).collect();
-    std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&path)
-        .and_then(|mut f| f.write_all(text.as_bytes()))
+    crate::base::files::append_durable(&path, text.as_bytes())
         .map_err(|e| TrainError::file(&path, e))
+}
+
+/// What an episode id may be: 1 to 256 bytes of UTF-8 with no control character (no
+/// newline, tab or NUL: ids are lines of `consumed.log` and keys of the ledger).
+pub fn valid_episode_id(id: &str) -> bool {
+    !id.is_empty() && id.len() <= 256 && !id.chars().any(char::is_control)
 }
 
 /// Stored episodes of `served` that the resumed trainer has not consumed, oldest first.

@@ -68,8 +68,10 @@ impl ServedModel {
     fn check_manifest(&self, m: &SubmitManifest) -> Result<(), SubmitError> {
         let bad = |m: &str| SubmitError::Manifest(m.to_string());
         let man = &m.manifest;
-        if man.episode_id.is_empty() || man.episode_id.len() > 256 {
-            return Err(bad("episode id must be 1..=256 bytes"));
+        if !super::ledger::valid_episode_id(&man.episode_id) {
+            return Err(bad(
+                "episode id must be 1..=256 bytes with no control character",
+            ));
         }
         let aborted = matches!(man.status, EpisodeStatus::Aborted { .. });
         if man.timelines.is_empty() && !aborted {

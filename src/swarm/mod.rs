@@ -92,14 +92,7 @@ pub fn load_or_create_identity(path: &Path) -> Result<Keypair, PeerFileError> {
     }
     let key = Keypair::generate_ed25519();
     let bytes = key.to_protobuf_encoding().expect("an ed25519 key encodes");
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, &bytes).map_err(|e| io(&tmp, e))?;
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::PermissionsExt;
-        let _ = std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600));
-    }
-    std::fs::rename(&tmp, path).map_err(|e| io(path, e))?;
+    crate::base::files::write_secret(path, &bytes).map_err(|e| io(path, e))?;
     Ok(key)
 }
 

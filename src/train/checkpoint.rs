@@ -15,7 +15,6 @@
 //! checkpoint covers, so a resumed run appends exactly the steps that follow (none lost,
 //! none repeated).
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -66,17 +65,13 @@ impl RunDir {
         self.dir.join("checkpoint")
     }
 
-    /// Appends one step's metrics (one JSON line, flushed).
+    /// Appends one step's metrics (one JSON line, synced). Non-finite figures are written
+    /// as `null` (JSON has no NaN) and read back as NaN.
     pub fn append(&self, m: &StepMetrics) -> Result<(), TrainError> {
         let path = self.metrics_path();
-        let mut f = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&path)
-            .map_err(|e| io(&path, e))?;
         let line = serde_json::to_string(m).map_err(|e| io(&path, e))?;
-        writeln!(f, "{line}").map_err(|e| io(&path, e))?;
-        f.flush().map_err(|e| io(&path, e))
+        crate::base::files::append_durable(&path, format!("{line}\n").as_bytes())
+            .map_err(|e| io(&path, e))
     }
 
     /// Every step's metrics so far.
@@ -87,7 +82,14 @@ impl RunDir {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
             Err(e) => return Err(io(&path, e)),
         };
-        text.lines()
+        // A last line with no newline is torn (a kill mid-append): its step is lost with
+        // the kill, as if never taken.
+        let whole = match text.rfind('\n') {
+            Some(i) => &text[..=i],
+            None => "",
+        };
+        whole
+            .lines()
             .enumerate()
             .filter(|(_, l)| !l.trim().is_empty())
             .map(|(i, l)| {
@@ -161,6 +163,9 @@ impl RunDir {
             serde_json::to_vec_pretty(&state).map_err(|e| io(&state_path, e))?,
         )
         .map_err(|e| io(&state_path, e))?;
+        // On disk before it replaces the old one: a power cut after the renames below
+        // must not leave a checkpoint of empty files.
+        crate::base::files::sync_tree(&tmp).map_err(|e| io(&tmp, e))?;
         let dst = self.checkpoint_path();
         let old = self.dir.join("checkpoint.old");
         if dst.exists() {
@@ -170,6 +175,7 @@ impl RunDir {
             std::fs::rename(&dst, &old).map_err(|e| io(&dst, e))?;
         }
         std::fs::rename(&tmp, &dst).map_err(|e| io(&tmp, e))?;
+        crate::base::files::sync_dir(&self.dir).map_err(|e| io(&self.dir, e))?;
         if old.exists() {
             std::fs::remove_dir_all(&old).map_err(|e| io(&old, e))?;
         }
@@ -269,7 +275,7 @@ impl RunDir {
             text.push_str(&serde_json::to_string(m).map_err(|e| io(&path, e))?);
             text.push('\n');
         }
-        std::fs::write(&path, text).map_err(|e| io(&path, e))?;
+        crate::base::files::write_atomic(&path, text.as_bytes()).map_err(|e| io(&path, e))?;
         Ok(Some(state))
     }
 }

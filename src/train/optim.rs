@@ -137,12 +137,19 @@ impl AdamW {
     /// tensor skips its parameter), clipped in place. Returns the norm before clipping.
     /// The same gradient bytes give the same parameter bytes on every machine of one kind:
     /// what keeps the members of a training group identical.
+    ///
+    /// A non-finite norm (a NaN or infinite value anywhere in `grads`) is refused: nothing
+    /// changes (parameters, moments, step count) and the norm is returned for the caller
+    /// to count the skipped step.
     pub fn step_with(&mut self, grads: &mut [Tensor]) -> f64 {
         assert_eq!(grads.len(), self.params.len(), "one gradient per parameter");
         self.allocate();
         let norm = norm_of(grads.iter().map(Tensor::shallow_clone));
+        if !norm.is_finite() {
+            return norm;
+        }
         let clip = match self.cfg.max_grad_norm {
-            Some(max) if norm > max && norm.is_finite() => max / (norm + 1e-6),
+            Some(max) if norm > max => max / (norm + 1e-6),
             _ => 1.0,
         };
         self.step += 1;
@@ -229,5 +236,31 @@ mod tests {
         assert!((w[1] - (-2.0 * 0.999 + 0.1)).abs() < 1e-6, "{w:?}");
         assert!((b[0] - (3.0 - 0.1)).abs() < 1e-6, "{b:?}");
         assert_eq!(opt.steps(), 1);
+    }
+
+    #[test]
+    fn a_non_finite_gradient_changes_nothing_even_with_clipping_on() {
+        for bad in [f32::NAN, f32::INFINITY] {
+            let w = Tensor::from_slice(&[1.0f32, -2.0]);
+            let mut opt = AdamW::new(
+                vec![w.shallow_clone()],
+                AdamWConfig {
+                    lr: 0.1,
+                    max_grad_norm: Some(1.0),
+                    ..Default::default()
+                },
+            );
+            let mut g = vec![Tensor::from_slice(&[bad, 1.0f32])];
+            let norm = opt.step_with(&mut g);
+            assert!(!norm.is_finite());
+            assert_eq!(opt.steps(), 0);
+            let after: Vec<f32> = Vec::try_from(&w).unwrap();
+            assert_eq!(after, [1.0, -2.0]);
+            // The moments are untouched too: the next good step is a first step.
+            let norm = opt.step_with(&mut [Tensor::from_slice(&[0.5f32, 0.0])]);
+            assert_eq!(norm, 0.5);
+            let after: Vec<f32> = Vec::try_from(&w).unwrap();
+            assert!((after[0] - 0.9).abs() < 1e-5, "{bad}: {after:?}");
+        }
     }
 }

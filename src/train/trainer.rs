@@ -124,24 +124,35 @@ pub struct StepMetrics {
     /// The policy version after the step.
     pub version: u64,
     /// Over every finished episode the step saw (groups trained and groups skipped).
+    #[serde(deserialize_with = "crate::base::json::f64_or_nan")]
     pub reward_mean: f64,
+    #[serde(deserialize_with = "crate::base::json::f64_or_nan")]
     pub reward_std: f64,
     /// Task accuracy, where the task reports one (set by the caller).
     pub accuracy: Option<f64>,
+    #[serde(deserialize_with = "crate::base::json::f64_or_nan")]
     pub loss: f64,
     /// Mean k3 KL to the reference (when there is one).
     pub kl: Option<f64>,
+    #[serde(deserialize_with = "crate::base::json::f64_or_nan")]
     pub entropy: f64,
+    #[serde(deserialize_with = "crate::base::json::f64_or_nan")]
     pub clip_frac: f64,
+    #[serde(deserialize_with = "crate::base::json::f64_or_nan")]
     pub is_weight_mean: f64,
+    #[serde(deserialize_with = "crate::base::json::f64_or_nan")]
     pub is_capped_frac: f64,
+    #[serde(deserialize_with = "crate::base::json::f64_or_nan")]
     pub grad_norm: f64,
+    #[serde(deserialize_with = "crate::base::json::f64_or_nan")]
     pub lr: f64,
     /// Sampled tokens trained on.
     pub tokens_trained: usize,
     /// Row tokens run through the model.
     pub tokens_computed: usize,
+    #[serde(deserialize_with = "crate::base::json::f64_or_nan")]
     pub tokens_per_s: f64,
+    #[serde(deserialize_with = "crate::base::json::f64_or_nan")]
     pub seconds: f64,
     pub groups: usize,
     pub episodes: usize,
@@ -157,7 +168,7 @@ pub struct StepMetrics {
     #[serde(default)]
     pub members: usize,
     /// The gradient all-reduce's seconds.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::base::json::f64_or_nan")]
     pub allreduce_seconds: f64,
     /// blake3 of the parameters after the step, hex (set by a group member: every member
     /// of a group writes the same).
@@ -166,6 +177,10 @@ pub struct StepMetrics {
     /// Optimizer updates the step took (PPO epochs x mini-batches that had tokens).
     #[serde(default)]
     pub updates: usize,
+    /// Updates refused for a non-finite loss or gradient (NaN or infinite): nothing of
+    /// them reached the weights or the optimizer's moments.
+    #[serde(default)]
+    pub nonfinite_updates: usize,
 }
 
 impl StepMetrics {
@@ -176,8 +191,12 @@ impl StepMetrics {
             .map(|a| format!(" acc {:.3}", a))
             .unwrap_or_default();
         let kl = self.kl.map(|k| format!(" kl {k:.4}")).unwrap_or_default();
+        let refused = match self.nonfinite_updates {
+            0 => String::new(),
+            n => format!(" REFUSED {n} non-finite update(s)"),
+        };
         format!(
-            "step {:>4} v{} reward {:.3}±{:.3}{acc} loss {:+.4}{kl} ent {:.3} clip {:.3} gnorm {:.3} lr {:.2e} tok {} ({:.0}/s) groups {} skip {} stale {} {:.1}s",
+            "step {:>4} v{} reward {:.3}±{:.3}{acc} loss {:+.4}{kl} ent {:.3} clip {:.3} gnorm {:.3} lr {:.2e} tok {} ({:.0}/s) groups {} skip {} stale {} {:.1}s{refused}",
             self.step,
             self.version,
             self.reward_mean,
@@ -553,7 +572,29 @@ impl Trainer {
         }
         .max(1.0);
         self.opt.cfg.lr = m.lr;
-        m.grad_norm = self.update(grads, norm);
+        m.loss = st(Stat::Loss) / norm;
+        // A non-finite loss or gradient (from any member: `grad` is the group's sum) is
+        // refused: the weights, moments and version stay, the schedule moves on, and
+        // every member of a group decides the same from the same sum.
+        m.grad_norm = if m.loss.is_finite() {
+            self.update(grads, norm)
+        } else {
+            f64::NAN
+        };
+        if !m.grad_norm.is_finite() {
+            self.step += 1;
+            m.step = self.step;
+            m.version = self.version;
+            m.nonfinite_updates = 1;
+            m.seconds = p.t0.elapsed().as_secs_f64();
+            tracing::warn!(
+                step = m.step,
+                loss = m.loss,
+                grad_norm = m.grad_norm,
+                "a non-finite loss or gradient: the update is refused, the weights stay"
+            );
+            return Ok(m);
+        }
         self.step += 1;
         self.version += 1;
         if let tch::Device::Cuda(i) = self.model.device() {
@@ -563,7 +604,6 @@ impl Trainer {
         m.updates = 1;
         m.step = self.step;
         m.version = self.version;
-        m.loss = st(Stat::Loss) / norm;
         m.entropy = st(Stat::Entropy) / tokens;
         m.kl = self.reference.as_ref().map(|_| st(Stat::Kl) / tokens);
         m.clip_frac = st(Stat::Clipped) / tokens;
@@ -679,7 +719,12 @@ impl Trainer {
                 .max(1.0);
                 let mut grads: Vec<Tensor> =
                     self.model.parameters().iter().map(|t| t.grad()).collect();
-                gnorm += self.update(&mut grads, norm);
+                let l = stats[Stat::Loss as usize] as f64 / norm;
+                let g = if l.is_finite() {
+                    self.update(&mut grads, norm)
+                } else {
+                    f64::NAN
+                };
                 tch::no_grad(|| {
                     for g in &mut grads {
                         if g.defined() {
@@ -687,7 +732,20 @@ impl Trainer {
                         }
                     }
                 });
-                loss += stats[Stat::Loss as usize] as f64 / norm;
+                if !g.is_finite() {
+                    // Refused (see `finish`); the next mini-batch starts from the same
+                    // weights.
+                    m.nonfinite_updates += 1;
+                    tracing::warn!(
+                        step = self.step + 1,
+                        loss = l,
+                        grad_norm = g,
+                        "a non-finite loss or gradient: the update is refused, the weights stay"
+                    );
+                    continue;
+                }
+                gnorm += g;
+                loss += l;
                 sums.add(&s);
                 m.updates += 1;
             }

@@ -10,6 +10,7 @@ mod common;
 mod bootstrap;
 mod cli;
 mod client;
+mod crash;
 mod dashboard;
 mod elastic;
 mod openai_api;

@@ -152,7 +152,7 @@ fn clients_find_servers_through_the_dht_and_survive_a_killed_server() {
     );
 }
 
-mod library {
+pub(crate) mod library {
     use super::*;
     use agentjet::client::submit::{prepare, submit};
     use agentjet::rpc::{InferFrame, SubmitReply, INFER};
@@ -393,6 +393,19 @@ async fn the_swarm_key_signed_calls_and_bad_messages() {
     .await;
     assert!(
         matches!(&reply, SubmitReply::Rejected(r) if r.contains("not a server of")),
+        "{reply:?}"
+    );
+    // An id with a newline would forge a line of consumed.log (another episode marked as
+    // trained): refused before it is stored.
+    let reply = library::submit_episode(
+        &member,
+        server_id,
+        &library::episode("ep-7\n1\tep-1", c2.clone()),
+        false,
+    )
+    .await;
+    assert!(
+        matches!(&reply, SubmitReply::Rejected(r) if r.contains("control character")),
         "{reply:?}"
     );
     assert_eq!(

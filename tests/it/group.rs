@@ -187,6 +187,8 @@ fn diloco_outer_steps_match_the_update_computed_by_hand_and_leave_members_identi
         every: 2,
         lr: 0.7,
         momentum: 0.9,
+        // The by-hand update below has no clip.
+        max_norm: Some(f64::INFINITY),
     };
     // Member i's groups of outer step k, inner step j: all different.
     let tasks = |i: u32, k: u32, j: u32| vec![100 * i + 10 * k + j];
@@ -264,4 +266,58 @@ fn diloco_outer_steps_match_the_update_computed_by_hand_and_leave_members_identi
         // (measured 5.9e-8).
         assert!(diff < 1e-6, "outer step {} vs by hand: {diff}", k + 1);
     }
+}
+
+/// DiLoCo's outer step with bad deltas: a sum holding one NaN is refused (the parameters
+/// go back to the anchor and no momentum starts), a huge finite delta moves the model no
+/// further than the honest bound, and an honest delta is not clipped by the default bound.
+#[test]
+fn diloco_outer_step_refuses_non_finite_deltas_and_clips_huge_ones() {
+    use agentjet::train::outer::{Outer, OuterConfig};
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = OuterConfig {
+        every: 2,
+        ..OuterConfig::default()
+    };
+    let mut t = trainer(tiny(dir.path()), Normalization::Token);
+    let mut outer = Outer::new(&t, cfg);
+    let anchor = params(&t);
+    let inner = |t: &mut Trainer, k: u32| {
+        for j in 0..2 {
+            let (g, r) = groups_of(&[10 * k + j]);
+            assert!(t.step(&g, &r).unwrap().trained);
+        }
+    };
+    inner(&mut t, 0);
+    let honest = outer.delta(&t).unwrap();
+    assert_ne!(params(&t), anchor);
+
+    let mut bad = honest.clone();
+    bad[honest.len() / 2] = f32::NAN;
+    let o = outer.step(&mut t, &bad, 1).unwrap();
+    assert!(o.refused && !o.norm.is_finite(), "{o:?}");
+    assert_eq!(params(&t), anchor, "a refused outer step moved the model");
+    assert!(outer.momentum().is_none());
+
+    let bound = outer.honest_bound(&t);
+    let huge: Vec<f32> = honest.iter().map(|x| x * 1e6 + 1.0).collect();
+    let o = outer.step(&mut t, &huge, 1).unwrap();
+    assert_eq!(o.clipped_to, Some(bound), "{o:?}");
+    assert!(!o.refused);
+    // The first outer step moves by lr (Δ + μΔ): 0.7 x 1.9 x the clipped norm.
+    let moved = params(&t)
+        .iter()
+        .zip(&anchor)
+        .map(|(p, a)| ((p - a) as f64).powi(2))
+        .sum::<f64>()
+        .sqrt();
+    assert!(
+        (moved - 0.7 * 1.9 * bound).abs() < 1e-3 * bound,
+        "moved {moved}, bound {bound}"
+    );
+
+    inner(&mut t, 1);
+    let honest = outer.delta(&t).unwrap();
+    let o = outer.step(&mut t, &honest, 1).unwrap();
+    assert!(o.clipped_to.is_none() && !o.refused, "{o:?}, bound {bound}");
 }

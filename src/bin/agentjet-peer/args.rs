@@ -240,6 +240,11 @@ pub struct ServerCli {
     /// DiLoCo's outer Nesterov momentum.
     #[arg(long, default_value_t = 0.9)]
     pub outer_momentum: f64,
+    /// DiLoCo: clip the members' mean parameter delta to this global L2 norm. Default: the
+    /// most honest inner steps can move (4 lr N_inner sqrt(parameters), plus weight decay),
+    /// so one member's huge delta moves the group no further than an honest one could.
+    #[arg(long)]
+    pub outer_max_norm: Option<f64>,
     /// The training group's name: servers of one model train together only when their
     /// group names (and modes) are equal, so two runs of one model in one swarm stay
     /// apart. Default: the served model's name.

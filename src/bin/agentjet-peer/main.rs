@@ -186,8 +186,14 @@ fn run_tool(cli: Cli) -> Result<()> {
             if out.exists() {
                 bail!("{} exists; not overwriting a swarm key", out.display());
             }
-            std::fs::write(&out, agentjet::swarm::SwarmKey::generate().to_file_text())
-                .with_context(|| format!("writing {}", out.display()))?;
+            // Owner-only from its creation (0600): the key admits peers to the swarm.
+            agentjet::base::files::write_secret(
+                &out,
+                agentjet::swarm::SwarmKey::generate()
+                    .to_file_text()
+                    .as_bytes(),
+            )
+            .with_context(|| format!("writing {}", out.display()))?;
             println!("wrote a new swarm key to {}", out.display());
             Ok(())
         }

@@ -87,13 +87,15 @@ mod torch {
                             .then(|| -> Result<OuterConfig> {
                                 anyhow::ensure!(
                                     self.outer_lr > 0.0
-                                        && (0.0..1.0).contains(&self.outer_momentum),
-                                    "--outer-lr must be above 0 and --outer-momentum in [0, 1)"
+                                        && (0.0..1.0).contains(&self.outer_momentum)
+                                        && self.outer_max_norm.is_none_or(|n| n > 0.0),
+                                    "--outer-lr and --outer-max-norm must be above 0 and --outer-momentum in [0, 1)"
                                 );
                                 Ok(OuterConfig {
                                     every: self.sync_every,
                                     lr: self.outer_lr,
                                     momentum: self.outer_momentum,
+                                    max_norm: self.outer_max_norm,
                                 })
                             })
                             .transpose()?,

@@ -141,9 +141,14 @@ impl Membership {
     pub fn size(&self) -> usize {
         self.members.len()
     }
-    /// What this member does first.
+    /// What this member does first (a Start is checked to hold one action per member
+    /// when it arrives; Sync, the safe one, if it did not).
     pub fn action(&self) -> Action {
-        self.start.actions[self.ring.rank]
+        self.start
+            .actions
+            .get(self.ring.rank)
+            .copied()
+            .unwrap_or(Action::Sync)
     }
 }
 
@@ -202,7 +207,7 @@ impl GroupNode {
         let listener = Arc::new(LinkListener::on(&*links, ip)?);
         let book = Arc::new(OfferBook::default());
         serve_links(&swarm, listener.clone(), book.clone())?;
-        let shared = Arc::new(Shared::new(cfg.name.clone()));
+        let shared = Arc::new(Shared::new(cfg.name.clone(), swarm.peer_id.to_bytes()));
         let sh = shared.clone();
         // Under the asker's timeout, so a member still in a round answers "refused".
         let wait = cfg.timeout.mul_f64(0.9);
@@ -452,8 +457,10 @@ impl GroupNode {
 
     /// Fetches the group's state for `start` from its Ready members, chunks spread over
     /// all of them (a chunk that fails or does not match its blake3 is asked of the next
-    /// member). The caller checks the parameter hash of what it installs.
-    pub fn fetch_state(&self, start: &Start) -> Result<Vec<u8>, GroupError> {
+    /// member). A manifest is used only if it is well-formed and announces at most
+    /// `max_len` bytes (nothing is allocated from a peer's word before that). The caller
+    /// checks the step and parameter hash of what it installs against `start`'s.
+    pub fn fetch_state(&self, start: &Start, max_len: u64) -> Result<Vec<u8>, GroupError> {
         let sources: Vec<PeerId> = start
             .members
             .iter()
@@ -486,8 +493,13 @@ impl GroupNode {
                         Ok(Reply::Manifest(m))
                             if m.steps == start.steps && m.hash == start.hash =>
                         {
-                            manifest = Some(m);
-                            break;
+                            match manifest_fault(&m, max_len) {
+                                None => {
+                                    manifest = Some(m);
+                                    break;
+                                }
+                                Some(why) => warn!(group, peer = %p, "a bad state manifest: {why}"),
+                            }
                         }
                         Ok(other) => debug!(group, peer = %p, "no usable manifest yet: {other:?}"),
                         Err(e) => warn!(group, peer = %p, "no manifest: {e}"),
@@ -590,6 +602,13 @@ impl GroupNode {
     fn propose(&mut self, cands: &[PeerId], mine: &MemberState) -> Result<Start, GroupError> {
         let ballot = {
             let mut g = lock(&self.shared.inner);
+            if g.promised.epoch >= proto::MAX_EPOCH {
+                return Err(GroupError::Refused(format!(
+                    "epoch {} reached the bound of {}",
+                    g.promised.epoch,
+                    proto::MAX_EPOCH
+                )));
+            }
             let b = Ballot {
                 epoch: g.promised.epoch + 1,
                 proposer: self.me.to_bytes(),
@@ -626,7 +645,7 @@ impl GroupNode {
                     // Alive: it promised another ballot (or stops). Not suspected; the
                     // next ballot goes above what it promised.
                     let mut g = lock(&self.shared.inner);
-                    if promised.epoch > g.promised.epoch {
+                    if promised.epoch > g.promised.epoch && promised.epoch < proto::MAX_EPOCH {
                         g.promised.epoch = promised.epoch;
                     }
                     drop(g);
@@ -790,6 +809,29 @@ impl GroupNode {
             ring,
         })
     }
+}
+
+/// Why a peer's state manifest cannot be used (None: it can): its chunking must be ours,
+/// its chunk list must cover exactly its length, and the length must be at most `max_len`.
+fn manifest_fault(m: &StateManifest, max_len: u64) -> Option<String> {
+    if m.len > max_len {
+        return Some(format!(
+            "{} bytes announced, at most {max_len} expected",
+            m.len
+        ));
+    }
+    if m.chunk != STATE_CHUNK as u64 {
+        return Some(format!("chunks of {} bytes, not {STATE_CHUNK}", m.chunk));
+    }
+    let want = m.len.div_ceil(m.chunk).max(1);
+    if m.chunks.len() as u64 != want {
+        return Some(format!(
+            "{} chunk hashes for {} bytes ({want} chunks)",
+            m.chunks.len(),
+            m.len
+        ));
+    }
+    None
 }
 
 /// The proposer's decision from every candidate's state (its own included): who is in,

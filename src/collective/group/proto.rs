@@ -13,6 +13,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use tracing::warn;
+
 use crate::base::lock;
 use crate::swarm::frame::{read_frame, write_frame, FrameError};
 use crate::swarm::{PeerId, Stream, StreamProtocol};
@@ -24,6 +26,13 @@ pub const STOPPING: &str = "stopping";
 
 /// The largest control frame (a Start names every member; 64 KiB is thousands).
 pub(super) const LIMIT: usize = 64 << 10;
+
+/// The highest epoch a ballot may carry: a peer's ballot above it is refused, so `epoch
+/// + 1` never overflows (a group forming an epoch a millisecond would take 8,900 years).
+pub const MAX_EPOCH: u64 = 1 << 48;
+
+/// The most members (or excluded candidates) one Start may name.
+pub const MAX_MEMBERS: usize = 1024;
 
 /// A proposal's number: epochs first, then the proposer's peer id breaks ties, so two
 /// proposers never share a ballot.
@@ -136,6 +145,8 @@ pub enum Reply {
 /// What the handler and the member's thread share.
 pub(super) struct Shared {
     pub group: String,
+    /// This member's peer id (bytes).
+    pub me: Vec<u8>,
     pub inner: Mutex<Inner>,
     /// Signalled on every change of `inner` (the thread waits for a Start, handlers for
     /// the state).
@@ -156,9 +167,10 @@ pub(super) struct Inner {
 }
 
 impl Shared {
-    pub fn new(group: String) -> Shared {
+    pub fn new(group: String, me: Vec<u8>) -> Shared {
         Shared {
             group,
+            me,
             inner: Mutex::new(Inner::default()),
             changed: Condvar::new(),
         }
@@ -171,12 +183,43 @@ impl Shared {
         }
     }
 
-    /// Answers one request (blocking for up to `wait`: run off the async runtime).
-    pub fn answer(&self, req: Request, wait: Duration) -> Reply {
+    /// A refusal of a malformed or forged request, logged with the sender's id.
+    fn reject(&self, from: &[u8], why: String) -> Reply {
+        let peer = PeerId::from_bytes(from).map_or_else(|_| "?".into(), |p| p.to_string());
+        warn!(group = self.group, %peer, "refused a group message: {why}");
+        self.refuse(why)
+    }
+
+    /// Answers one request from peer `from` (its id's bytes; blocking for up to `wait`:
+    /// run off the async runtime). Requests that are not the sender's to make (a ballot or
+    /// Start of another proposer) or are malformed are refused and logged.
+    pub fn answer(&self, from: &[u8], req: Request, wait: Duration) -> Reply {
         match req {
-            Request::Prepare { group, ballot, .. } => {
+            Request::Prepare {
+                group,
+                ballot,
+                members,
+            } => {
                 if group != self.group {
                     return self.refuse(format!("not a member of group {group:?}"));
+                }
+                if ballot.proposer != from {
+                    return self.reject(from, "a ballot whose proposer is not its sender".into());
+                }
+                if ballot.epoch >= MAX_EPOCH {
+                    return self.reject(from, format!("epoch {} is above the bound", ballot.epoch));
+                }
+                if members.len() > MAX_MEMBERS
+                    || !members.contains(&self.me)
+                    || !members.iter().any(|m| m == from)
+                {
+                    return self.reject(
+                        from,
+                        format!(
+                            "a prepare for {} candidates that leaves out this member or its proposer",
+                            members.len()
+                        ),
+                    );
                 }
                 let mut g = lock(&self.inner);
                 if g.stopping {
@@ -233,10 +276,17 @@ impl Shared {
                 }
             }
             Request::Start(start) => {
+                if start.ballot.proposer != from {
+                    return self.reject(from, "a start whose proposer is not its sender".into());
+                }
                 let mut g = lock(&self.inner);
                 if start.group != self.group || start.ballot != g.promised || g.stopping {
                     drop(g);
                     return self.refuse("not the ballot promised");
+                }
+                if let Err(why) = start_fault(&start, &self.me, g.state.as_ref()) {
+                    drop(g);
+                    return self.reject(from, why);
                 }
                 g.start = Some(start);
                 self.changed.notify_all();
@@ -246,16 +296,87 @@ impl Shared {
     }
 }
 
-/// Serves one control stream.
+/// Why `start` cannot be this member's next epoch (`me`; `state`: what it reported to the
+/// proposer): members sorted and unique, one action each, bounded lists, and for this
+/// member an action its state allows (Ready only at the group's step and hash,
+/// ApplyPending only with a pending sum of the next step, never a step behind its own).
+pub(super) fn start_fault(
+    start: &Start,
+    me: &[u8],
+    state: Option<&MemberState>,
+) -> Result<(), String> {
+    let n = start.members.len();
+    if n == 0 || n > MAX_MEMBERS || start.excluded.len() > MAX_MEMBERS {
+        return Err(format!(
+            "a start of {n} members and {} excluded",
+            start.excluded.len()
+        ));
+    }
+    if start.actions.len() != n {
+        return Err(format!("{} actions for {n} members", start.actions.len()));
+    }
+    if start.members.windows(2).any(|w| w[0] >= w[1]) {
+        return Err("members not sorted or repeated".into());
+    }
+    if let Some(bad) = start
+        .members
+        .iter()
+        .chain(&start.excluded)
+        .find(|p| PeerId::from_bytes(p).is_err())
+    {
+        return Err(format!(
+            "a member id of {} bytes that is no peer id",
+            bad.len()
+        ));
+    }
+    if !start.members.contains(&start.ballot.proposer) {
+        return Err("a start that leaves out its proposer".into());
+    }
+    let Some(i) = start.members.iter().position(|p| p == me) else {
+        return Ok(());
+    };
+    let Some(st) = state else {
+        return Err("a start for a member in a round".into());
+    };
+    if start.steps < st.steps {
+        return Err(format!(
+            "the group's step {} is behind this member's {}",
+            start.steps, st.steps
+        ));
+    }
+    match start.actions[i] {
+        Action::Ready if start.steps != st.steps || start.hash != st.hash => Err(format!(
+            "ready at step {}, but this member is at step {} with other parameters or steps",
+            start.steps, st.steps
+        )),
+        Action::ApplyPending if !st.pending || st.steps.checked_add(1) != Some(start.steps) => {
+            Err(format!(
+                "apply a pending sum of step {}: this member holds none for it (at step {})",
+                start.steps, st.steps
+            ))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Serves one control stream; a stream that is not one request of ours is dropped and
+/// logged with the sender's id.
 pub(super) async fn serve_one(
     shared: Arc<Shared>,
-    _peer: PeerId,
+    peer: PeerId,
     mut s: Stream,
     wait: Duration,
 ) -> Result<(), FrameError> {
-    let req: Request = read_frame(&mut s, LIMIT).await?;
+    let req: Request = match read_frame(&mut s, LIMIT).await {
+        Ok(r) => r,
+        Err(e) => {
+            warn!(group = shared.group, %peer, "dropped a bad group request: {e}");
+            return Err(e);
+        }
+    };
     let sh = shared.clone();
-    let reply = tokio::task::spawn_blocking(move || sh.answer(req, wait))
+    let from = peer.to_bytes();
+    let reply = tokio::task::spawn_blocking(move || sh.answer(&from, req, wait))
         .await
         .unwrap_or_else(|_| Reply::Refused {
             reason: "the handler panicked".into(),
@@ -302,17 +423,37 @@ pub enum AskError {
 mod tests {
     use super::*;
 
-    fn ballot(epoch: u64, who: u8) -> Ballot {
+    /// Three peers' ids, sorted: the member under test is `ids[1]`.
+    fn ids() -> Vec<Vec<u8>> {
+        let mut v: Vec<Vec<u8>> = (0..3).map(|_| PeerId::random().to_bytes()).collect();
+        v.sort();
+        v
+    }
+
+    fn ballot(epoch: u64, who: &[u8]) -> Ballot {
         Ballot {
             epoch,
-            proposer: vec![who],
+            proposer: who.to_vec(),
+        }
+    }
+
+    fn state(steps: u64, pending: bool) -> MemberState {
+        MemberState {
+            steps,
+            version: steps,
+            hash: [7; 32],
+            values: 10,
+            pending,
+            held: false,
         }
     }
 
     #[test]
     fn promises_only_go_up_and_a_state_is_asked_before_it_is_offered() {
-        let sh = Shared::new("g".into());
-        let ask_manifest = || sh.answer(Request::Manifest { group: "g".into() }, Duration::ZERO);
+        let id = ids();
+        let (a, me, c) = (&id[0], &id[1], &id[2]);
+        let sh = Shared::new("g".into(), me.clone());
+        let ask_manifest = || sh.answer(a, Request::Manifest { group: "g".into() }, Duration::ZERO);
         // Nothing offered yet: refused (and the lock released: asking again answers).
         assert!(matches!(ask_manifest(), Reply::Refused { .. }));
         assert!(matches!(ask_manifest(), Reply::Refused { .. }));
@@ -329,6 +470,7 @@ mod tests {
         assert!(matches!(ask_manifest(), Reply::Manifest(m) if m.steps == 2));
         let chunk = |index| {
             sh.answer(
+                a,
                 Request::Chunk {
                     group: "g".into(),
                     index,
@@ -340,50 +482,186 @@ mod tests {
         assert!(matches!(chunk(1), Reply::Refused { .. }));
         // A member out of any ring answers a prepare with its state; a lower or equal
         // ballot is refused; a Start counts only for the ballot promised.
-        let st = MemberState {
-            steps: 2,
-            version: 2,
-            hash: [7; 32],
-            values: 10,
-            pending: false,
-            held: false,
-        };
+        let st = state(2, false);
         lock(&sh.inner).state = Some(st.clone());
         let prepare = |b: Ballot| {
+            let from = b.proposer.clone();
             sh.answer(
+                &from,
                 Request::Prepare {
                     group: "g".into(),
                     ballot: b,
-                    members: vec![],
+                    members: id.clone(),
                 },
                 Duration::from_millis(10),
             )
         };
-        assert_eq!(prepare(ballot(3, 1)), Reply::State(st));
-        assert!(matches!(prepare(ballot(3, 1)), Reply::Refused { .. }));
-        assert!(matches!(prepare(ballot(2, 9)), Reply::Refused { .. }));
+        assert_eq!(prepare(ballot(3, a)), Reply::State(st));
+        assert!(matches!(prepare(ballot(3, a)), Reply::Refused { .. }));
+        assert!(matches!(prepare(ballot(2, c)), Reply::Refused { .. }));
         let start = |b: Ballot| Start {
             group: "g".into(),
             ballot: b,
-            members: vec![],
-            actions: vec![],
+            members: id.clone(),
+            actions: vec![Action::Ready; 3],
             steps: 2,
             hash: [7; 32],
             retry: false,
             excluded: vec![],
         };
         assert!(matches!(
-            sh.answer(Request::Start(start(ballot(2, 1))), Duration::ZERO),
+            sh.answer(a, Request::Start(start(ballot(2, a))), Duration::ZERO),
             Reply::Refused { .. }
         ));
         assert_eq!(
-            sh.answer(Request::Start(start(ballot(3, 1))), Duration::ZERO),
+            sh.answer(a, Request::Start(start(ballot(3, a))), Duration::ZERO),
             Reply::Started
         );
         // Another group's requests are refused.
         assert!(matches!(
-            sh.answer(Request::Manifest { group: "h".into() }, Duration::ZERO),
+            sh.answer(a, Request::Manifest { group: "h".into() }, Duration::ZERO),
             Reply::Refused { .. }
         ));
+    }
+
+    type Edit = Box<dyn Fn(&mut Start)>;
+
+    /// What a rogue peer sends: ballots and Starts in another's name, an epoch at the
+    /// bound, an empty or short actions list, unsorted members, a Start that would send
+    /// this member back or have it "apply" a sum it does not hold. Each is refused, and
+    /// none changes what the member promised or will act on.
+    #[test]
+    fn forged_and_malformed_prepares_and_starts_are_refused_and_change_nothing() {
+        let id = ids();
+        let (a, me, rogue) = (&id[0], &id[1], &id[2]);
+        let sh = Shared::new("g".into(), me.clone());
+        lock(&sh.inner).state = Some(state(5, false));
+        let prepare = |from: &[u8], b: Ballot, members: Vec<Vec<u8>>| {
+            sh.answer(
+                from,
+                Request::Prepare {
+                    group: "g".into(),
+                    ballot: b,
+                    members,
+                },
+                Duration::from_millis(10),
+            )
+        };
+        let refused = |r: Reply| matches!(r, Reply::Refused { .. });
+        // In another's name, at the bound, or leaving out the member or the proposer.
+        assert!(refused(prepare(rogue, ballot(9, a), id.clone())));
+        assert!(refused(prepare(rogue, ballot(u64::MAX, rogue), id.clone())));
+        assert!(refused(prepare(
+            rogue,
+            ballot(MAX_EPOCH, rogue),
+            id.clone()
+        )));
+        assert!(refused(prepare(
+            rogue,
+            ballot(9, rogue),
+            vec![rogue.clone()]
+        )));
+        assert!(refused(prepare(rogue, ballot(9, rogue), vec![me.clone()])));
+        assert_eq!(lock(&sh.inner).promised, Ballot::default());
+        assert!(!lock(&sh.inner).reform);
+        // The honest proposer's ballot is promised.
+        assert!(matches!(
+            prepare(a, ballot(4, a), id.clone()),
+            Reply::State(_)
+        ));
+        let good = Start {
+            group: "g".into(),
+            ballot: ballot(4, a),
+            members: id.clone(),
+            actions: vec![Action::Ready; 3],
+            steps: 5,
+            hash: [7; 32],
+            retry: false,
+            excluded: vec![],
+        };
+        let start = |from: &[u8], f: &dyn Fn(&mut Start)| {
+            let mut s = good.clone();
+            f(&mut s);
+            sh.answer(from, Request::Start(s), Duration::ZERO)
+        };
+        let a = a.as_slice();
+        let bad: Vec<(&str, &[u8], Edit)> = vec![
+            (
+                "the rogue sends it",
+                rogue.as_slice(),
+                Box::new(|_: &mut Start| {}),
+            ),
+            ("no actions", a, Box::new(|s: &mut Start| s.actions.clear())),
+            (
+                "no members",
+                a,
+                Box::new(|s: &mut Start| {
+                    s.members.clear();
+                    s.actions.clear();
+                }),
+            ),
+            (
+                "unsorted",
+                a,
+                Box::new(|s: &mut Start| s.members.swap(0, 2)),
+            ),
+            (
+                "repeated",
+                a,
+                Box::new(|s: &mut Start| s.members[2] = s.members[1].clone()),
+            ),
+            (
+                "a member id that is no peer id",
+                a,
+                Box::new(|s: &mut Start| s.members[2] = vec![0xff; 3]),
+            ),
+            (
+                "a wrong step for a ready member",
+                a,
+                Box::new(|s: &mut Start| s.steps = 6),
+            ),
+            (
+                "a wrong hash for a ready member",
+                a,
+                Box::new(|s: &mut Start| s.hash = [8; 32]),
+            ),
+            (
+                "a step behind",
+                a,
+                Box::new(|s: &mut Start| {
+                    s.steps = 4;
+                    s.actions[1] = Action::Sync;
+                }),
+            ),
+            (
+                "a pending sum it does not hold",
+                a,
+                Box::new(|s: &mut Start| {
+                    s.steps = 6;
+                    s.actions[1] = Action::ApplyPending;
+                }),
+            ),
+            (
+                "a one-member start at a wrong step",
+                a,
+                Box::new(|s: &mut Start| {
+                    s.members = vec![s.members[0].clone(), s.members[1].clone()];
+                    s.actions = vec![Action::Ready; 2];
+                    s.steps = 7;
+                }),
+            ),
+            (
+                "too many excluded",
+                a,
+                Box::new(|s: &mut Start| s.excluded = vec![s.members[0].clone(); MAX_MEMBERS + 1]),
+            ),
+        ];
+        for (what, from, f) in bad.iter() {
+            let from: &[u8] = from;
+            assert!(refused(start(from, f.as_ref())), "{what}: accepted");
+            assert!(lock(&sh.inner).start.is_none(), "{what}: recorded");
+        }
+        assert_eq!(lock(&sh.inner).promised, ballot(4, a));
+        assert_eq!(start(a, &|_| {}), Reply::Started);
     }
 }

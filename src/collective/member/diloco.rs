@@ -12,7 +12,7 @@
 
 use std::time::{Duration, Instant};
 
-use tracing::info;
+use tracing::{info, warn};
 
 use super::rounds::learner_failed;
 use super::{Ended, Held, Learner, MemberEvent, MemberLoop, StepCtx, Wait};
@@ -96,18 +96,32 @@ impl<L: Learner> MemberLoop<'_, L> {
     /// The outer round in ring `m`: the weights, the deltas, the commit.
     pub(super) fn outer_round(&mut self, m: &mut Membership) -> Result<(), Ended<L::Error>> {
         let retried = self.held.is_some();
-        let delta = match self.held.take() {
-            Some(h) => h.values,
-            None => self.learner.delta().map_err(learner_failed)?,
+        let step = self.learner.version() + 1;
+        let (delta, finite) = match self.held.take() {
+            Some(h) => (h.values, true),
+            None => {
+                let mut d = self.learner.delta().map_err(learner_failed)?;
+                let finite = super::rounds::all_finite(&d);
+                if !finite {
+                    // Its own NaN never reaches the others: it adds nothing.
+                    warn!(
+                        group = self.node.config().name,
+                        outer_step = step,
+                        "this member's parameter delta is not finite: it contributes nothing to the outer step"
+                    );
+                    self.emit(MemberEvent::NonFinite { step });
+                    d.fill(0.0);
+                }
+                (d, finite)
+            }
         };
         // A member with no inner step since the last outer step (a joiner) adds nothing.
-        let stats = vec![(self.inner_done() > 0) as u8 as f32];
+        let stats = vec![(finite && self.inner_done() > 0) as u8 as f32];
         self.held = Some(Held {
             step: None,
             values: delta.clone(),
             stats: stats.clone(),
         });
-        let step = self.learner.version() + 1;
         info!(outer_step = step, members = m.size(), "outer step started");
         self.emit(MemberEvent::StepStarted {
             step,

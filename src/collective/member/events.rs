@@ -86,6 +86,11 @@ pub enum MemberEvent {
         values: usize,
         members: usize,
     },
+    /// This member's own gradient (or DiLoCo delta) of group step `step` held a NaN or
+    /// an infinity: it contributed zeros instead.
+    NonFinite {
+        step: u64,
+    },
     /// A member did not commit: the step is retried.
     NotCommitted {
         step: u64,

@@ -114,8 +114,11 @@ pub trait Learner {
 
     /// The state a joiner installs (counters, parameters, optimizer and outer state).
     fn export(&self) -> Result<Vec<u8>, Self::Error>;
-    /// Installs another member's [`Learner::export`].
-    fn import(&mut self, bytes: &[u8]) -> Result<(), Self::Error>;
+    /// Installs another member's [`Learner::export`] if it holds the group's state: step
+    /// count `steps` and parameter hash `hash` (what the proposer's Start says). Anything
+    /// else is refused with nothing changed: a peer that offers a poisoned state cannot
+    /// reach the parameters (or the checkpoint).
+    fn import(&mut self, bytes: &[u8], steps: u64, hash: &[u8; 32]) -> Result<(), Self::Error>;
 
     /// An epoch stands, its catch-up done.
     fn formed(&mut self, _epoch: u64, _members: usize) -> Result<(), Self::Error> {

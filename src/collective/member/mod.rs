@@ -298,13 +298,26 @@ impl<'a, L: Learner> MemberLoop<'a, L> {
                     steps: start.steps,
                     reason,
                 });
-                let bytes = self.node.fetch_state(start).map_err(MemberError::Group)?;
+                // A state is at most the parameters, two optimizer moments and an outer
+                // momentum, plus a header: what a peer's manifest may announce.
+                let max_len = self
+                    .state()
+                    .values
+                    .saturating_mul(16)
+                    .saturating_add(1 << 20);
+                let bytes = self
+                    .node
+                    .fetch_state(start, max_len)
+                    .map_err(MemberError::Group)?;
+                // Checked against the group's step and hash before anything is installed.
+                self.learner
+                    .import(&bytes, start.steps, &start.hash)
+                    .map_err(MemberError::Learner)?;
                 // Its own step in progress is given up: its inputs go back.
                 if let Some(step) = self.held.take().and_then(|h| h.step) {
                     self.learner.give_back(step);
                 }
                 self.pending = None;
-                self.learner.import(&bytes).map_err(MemberError::Learner)?;
                 if self.learner.hash() != start.hash || self.group_steps() != start.steps {
                     return Err(MemberError::Invalid(format!(
                         "the fetched state has step {} parameters {}, the group step {} parameters {}",

@@ -108,7 +108,19 @@ impl<L: Learner> MemberLoop<'_, L> {
         let held = match self.held.take() {
             Some(h) => h,
             None => {
-                let (s, c) = self.learner.local_step(at).map_err(learner_failed)?;
+                let (s, mut c) = self.learner.local_step(at).map_err(learner_failed)?;
+                if !all_finite(&c.values) || !all_finite(&c.stats) {
+                    // Its own NaN never reaches the others: it contributes nothing (its
+                    // tokens and groups count nowhere) and says so.
+                    warn!(
+                        group = self.node.config().name,
+                        step,
+                        "this member's gradient or loss is not finite: it contributes nothing to the step"
+                    );
+                    self.emit(MemberEvent::NonFinite { step });
+                    c.values.fill(0.0);
+                    c.stats.fill(0.0);
+                }
                 Held {
                     step: Some(s),
                     values: c.values,
@@ -219,4 +231,9 @@ impl<L: Learner> MemberLoop<'_, L> {
 
 pub(super) fn learner_failed<E: std::fmt::Display + std::fmt::Debug>(e: E) -> Ended<E> {
     Ended::Fatal(MemberError::Learner(e))
+}
+
+/// No NaN or infinity in `v`.
+pub(super) fn all_finite(v: &[f32]) -> bool {
+    v.iter().all(|x| x.is_finite())
 }

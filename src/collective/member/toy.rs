@@ -108,7 +108,8 @@ impl ToyLearner {
         state: &[u8],
     ) -> Result<ToyLearner, String> {
         let mut t = ToyLearner::new(cfg, hooks, stop);
-        t.import(state)?;
+        let saved = t.decode(state)?;
+        t.install(saved);
         Ok(t)
     }
 
@@ -170,6 +171,58 @@ impl ToyLearner {
         }
     }
 
+    /// A state of [`ToyLearner::state_bytes`]'s layout, checked for this shape, bounded
+    /// counters and finite values.
+    fn decode(&self, b: &[u8]) -> Result<ToyState, String> {
+        let n = self.params.len();
+        let has_m = *b.get(16).ok_or("a state of under 17 bytes")? == 1;
+        let want = 17 + 4 * n * (1 + has_m as usize);
+        if b.len() != want {
+            return Err(format!("a state of {} bytes, {want} expected", b.len()));
+        }
+        let f32s = |at: usize| -> Vec<f32> {
+            b[at..at + 4 * n]
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect()
+        };
+        let word = |at: usize| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&b[at..at + 8]);
+            u64::from_le_bytes(w)
+        };
+        let new = ToyState {
+            steps: word(0),
+            version: word(8),
+            params: f32s(17),
+            momentum: has_m.then(|| f32s(17 + 4 * n)),
+        };
+        if new.steps > 1 << 48 || new.version > 1 << 48 {
+            return Err(format!(
+                "a state of step {}, version {}: above the bound",
+                new.steps, new.version
+            ));
+        }
+        if new
+            .params
+            .iter()
+            .chain(new.momentum.iter().flatten())
+            .any(|x| !x.is_finite())
+        {
+            return Err("a state with a non-finite value".into());
+        }
+        Ok(new)
+    }
+
+    fn install(&mut self, new: ToyState) {
+        self.steps = new.steps;
+        self.version = new.version;
+        self.params = new.params;
+        self.anchor = self.params.clone();
+        self.momentum = new.momentum;
+        self.rehash();
+    }
+
     /// The counters at the anchor, the anchor, the momentum.
     fn state_bytes(&self) -> Vec<u8> {
         let mut b = Vec::with_capacity(17 + 8 * self.anchor.len());
@@ -188,6 +241,14 @@ impl ToyLearner {
             Mode::Diloco { .. } => self.version * self.cfg.mode.every(),
         }
     }
+}
+
+/// A state being checked before it is installed.
+struct ToyState {
+    steps: u64,
+    version: u64,
+    params: Vec<f32>,
+    momentum: Option<Vec<f32>>,
 }
 
 impl Learner for ToyLearner {
@@ -299,30 +360,29 @@ impl Learner for ToyLearner {
         Ok(self.state_bytes())
     }
 
-    fn import(&mut self, b: &[u8]) -> Result<(), String> {
-        let n = self.params.len();
-        let has_m = *b.get(16).ok_or("a state of under 17 bytes")? == 1;
-        let want = 17 + 4 * n * (1 + has_m as usize);
-        if b.len() != want {
-            return Err(format!("a state of {} bytes, {want} expected", b.len()));
+    fn import(&mut self, b: &[u8], steps: u64, hash: &[u8; 32]) -> Result<(), String> {
+        // Checked on a copy: a state that is not the group's changes nothing here.
+        let new = self.decode(b)?;
+        // The group's steps count outer steps in DiLoCo mode (the state's step count is
+        // then `version x H`).
+        let group_steps = match self.cfg.mode {
+            Mode::Sync => new.steps,
+            Mode::Diloco { .. } => new.version,
+        };
+        if group_steps != steps {
+            return Err(format!(
+                "a state of step {} (version {}): the group's step is {steps}",
+                new.steps, new.version
+            ));
         }
-        let f32s = |at: usize| -> Vec<f32> {
-            b[at..at + 4 * n]
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect()
-        };
-        let word = |at: usize| {
-            let mut w = [0u8; 8];
-            w.copy_from_slice(&b[at..at + 8]);
-            u64::from_le_bytes(w)
-        };
-        self.steps = word(0);
-        self.version = word(8);
-        self.params = f32s(17);
-        self.anchor = self.params.clone();
-        self.momentum = has_m.then(|| f32s(17 + 4 * n));
-        self.rehash();
+        let mut h = blake3::Hasher::new();
+        for v in new.params.iter().chain(new.momentum.iter().flatten()) {
+            h.update(&v.to_le_bytes());
+        }
+        if h.finalize().as_bytes() != hash {
+            return Err("a state whose parameters are not the group's (their hash differs)".into());
+        }
+        self.install(new);
         Ok(())
     }
 

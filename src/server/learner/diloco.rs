@@ -12,8 +12,6 @@
 //! parameter hash. Checkpoints are taken at outer steps only (a drain rewinds to the last
 //! one): inner steps after it are lost with a restart, and their episodes trained again.
 
-use std::io::Write;
-
 use tracing::info;
 
 use super::ServerLearner;
@@ -71,7 +69,20 @@ impl ServerLearner<'_> {
             .as_mut()
             .ok_or_else(|| TrainError::Invalid("not in DiLoCo mode".into()))?;
         // No member trained: a zero outer gradient (the momentum still moves).
-        o.step(&mut self.trainer, sum, contributors.max(1))?;
+        let step = o.step(&mut self.trainer, sum, contributors.max(1))?;
+        if step.refused {
+            tracing::warn!(
+                norm = step.norm,
+                contributors,
+                "the members' summed deltas hold a non-finite value: the outer step is refused, the parameters stay the last outer step's"
+            );
+        } else if let Some(to) = step.clipped_to {
+            tracing::warn!(
+                norm = step.norm,
+                clipped_to = to,
+                "the members' mean delta is above the outer clip: scaled down"
+            );
+        }
         let v = self.trainer.version() + 1;
         self.trainer.set_counters(v * every, v);
         self.hash = parameter_hash(&self.trainer, self.outer.as_ref())?;
@@ -87,13 +98,12 @@ impl ServerLearner<'_> {
             "param_hash": self.hash.iter().map(|b| format!("{b:02x}")).collect::<String>(),
             "allreduce_seconds": seconds,
             "bytes_sent": bytes_sent,
+            "delta_norm": step.norm.is_finite().then_some(step.norm),
+            "clipped_to": step.clipped_to,
+            "refused": step.refused,
         });
         let path = self.run_dir.dir.join("outer.jsonl");
-        std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&path)
-            .and_then(|mut f| writeln!(f, "{line}"))
+        crate::base::files::append_durable(&path, format!("{line}\n").as_bytes())
             .map_err(|e| TrainError::file(&path, e))?;
         println!(
             "outer step {v}: {members} member(s), {contributors} contributed, parameters {}",

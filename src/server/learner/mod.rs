@@ -444,9 +444,11 @@ impl Learner for ServerLearner<'_> {
         Ok(state_bytes(&self.trainer, self.outer.as_ref())?)
     }
 
-    /// Installs the group's state; the engine serves it and the checkpoint holds it.
-    fn import(&mut self, bytes: &[u8]) -> Result<(), TrainingError> {
-        let momentum = install_state(&mut self.trainer, bytes)?;
+    /// Installs the group's state, once checked against the group's step and parameter
+    /// hash; the engine serves it and the checkpoint holds it.
+    fn import(&mut self, bytes: &[u8], steps: u64, hash: &[u8; 32]) -> Result<(), TrainingError> {
+        let every = self.outer.as_ref().map(|o| o.cfg.every);
+        let momentum = install_state(&mut self.trainer, bytes, steps, every, hash)?;
         if let Some(o) = &mut self.outer {
             o.reanchor(&self.trainer, momentum);
         }

@@ -86,7 +86,8 @@ async fn responses_inner(
     let started = start_chat(st, &req, episode.clone())?;
     let n = st.next_id.fetch_add(1, Ordering::Relaxed);
     let meta = ResponseMeta {
-        id: format!("resp_{n:016x}"),
+        // 128 random bits: a stored response cannot be found by guessing its id.
+        id: format!("resp_{}", unguessable_id()),
         created_at: now(),
         model: r.model.clone(),
         request: r.body.clone(),
@@ -114,4 +115,14 @@ async fn responses_inner(
         k(f);
     }
     Ok(Json(response_json(&meta, &p, f, version)).into_response())
+}
+
+/// 32 hex digits from the system's random generator.
+fn unguessable_id() -> String {
+    use aws_lc_rs::rand::SecureRandom;
+    let mut b = [0u8; 16];
+    aws_lc_rs::rand::SystemRandom::new()
+        .fill(&mut b)
+        .expect("the system's random generator");
+    b.iter().map(|x| format!("{x:02x}")).collect()
 }
