@@ -90,15 +90,31 @@ pub fn write_secret(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     sync_parent(path)
 }
 
-/// Appends `bytes` to `path` (created when missing) and syncs it before returning; a new
-/// file's directory entry is synced too. A kill mid-append can leave a torn last line:
-/// readers of append-only files drop a last line that has no newline.
+/// Appends `bytes` (whole lines) to the file of lines `path` (created when missing) and
+/// syncs it before returning; a new file's directory entry is synced too. A kill
+/// mid-append can leave a torn last line (no newline): readers ignore it, and the next
+/// append cuts it first, so it is never glued to a new line.
 pub fn append_durable(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::{Read, Seek, SeekFrom};
     let existed = path.exists();
     let mut f = std::fs::OpenOptions::new()
         .create(true)
+        .read(true)
         .append(true)
         .open(path)?;
+    let len = f.metadata()?.len();
+    if len > 0 {
+        let mut last = [0u8; 1];
+        f.seek(SeekFrom::End(-1))?;
+        f.read_exact(&mut last)?;
+        if last[0] != b'\n' {
+            let mut all = Vec::new();
+            f.seek(SeekFrom::Start(0))?;
+            f.read_to_end(&mut all)?;
+            let keep = all.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
+            f.set_len(keep as u64)?;
+        }
+    }
     f.write_all(bytes)?;
     f.sync_data()?;
     if !existed {
@@ -160,6 +176,15 @@ mod tests {
         append_durable(&dir.path().join("log"), b"a\n").unwrap();
         append_durable(&dir.path().join("log"), b"b\n").unwrap();
         assert_eq!(std::fs::read(dir.path().join("log")).unwrap(), b"a\nb\n");
+        // A torn last line (a kill mid-append) is cut before the next line goes on.
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(dir.path().join("log"))
+            .unwrap();
+        f.write_all(b"tor").unwrap();
+        drop(f);
+        append_durable(&dir.path().join("log"), b"c\n").unwrap();
+        assert_eq!(std::fs::read(dir.path().join("log")).unwrap(), b"a\nb\nc\n");
         let names: Vec<_> = std::fs::read_dir(dir.path())
             .unwrap()
             .map(|e| e.unwrap().file_name().into_string().unwrap())

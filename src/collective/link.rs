@@ -243,6 +243,29 @@ pub fn dial(
     Ok((tx, rx))
 }
 
+/// Fills `buf` from `r` within `wait` in all, however the bytes are spread.
+fn read_within(r: &mut dyn LinkRead, buf: &mut [u8], wait: Duration) -> io::Result<()> {
+    let until = Instant::now() + wait;
+    let mut got = 0;
+    while got < buf.len() {
+        let rest = until.saturating_duration_since(Instant::now());
+        if rest.is_zero() {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("{got} of {} bytes within {wait:?}", buf.len()),
+            ));
+        }
+        r.set_timeout(rest)?;
+        match r.read(&mut buf[got..]) {
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
 /// How long an accepted link connection may take to send its token.
 pub const TOKEN_WAIT: Duration = Duration::from_secs(2);
 
@@ -295,12 +318,12 @@ impl LinkListener {
             let Some(mut conn) = self.port.accept(left)? else {
                 return Err(LinkError::Timeout("waiting for the dialer"));
             };
-            // The dialer sends its token as soon as it is connected: a connection that
-            // stays silent is dropped after `TOKEN_WAIT`, not left to block the accept.
-            conn.read.set_timeout(left.min(TOKEN_WAIT))?;
+            // The dialer sends its token as soon as it is connected: a connection whose
+            // 32 bytes do not all arrive within `TOKEN_WAIT` (silent, or trickling) is
+            // dropped, not left to block the accept.
             conn.write.set_timeout(left)?;
             let mut token = [0u8; 32];
-            if let Err(e) = conn.read.read_exact(&mut token) {
+            if let Err(e) = read_within(&mut *conn.read, &mut token, left.min(TOKEN_WAIT)) {
                 tracing::warn!("dropped a link connection that sent no token: {e}");
                 continue;
             }
@@ -432,8 +455,9 @@ impl LinkNet for TcpLinks {
 mod tests {
     use super::*;
 
-    /// Silent connections and a wrong token in front of the member's dialer: each is
-    /// dropped (a silent one after `TOKEN_WAIT`) and the dialer's link is made.
+    /// Silent connections, one trickling its bytes and a wrong token in front of the
+    /// member's dialer: each is dropped (a silent or trickling one after `TOKEN_WAIT`) and
+    /// the dialer's link is made.
     #[test]
     fn silent_connections_do_not_block_the_dialer_behind_them() {
         let ip = std::net::Ipv4Addr::LOCALHOST;
@@ -441,6 +465,16 @@ mod tests {
         let offer = l.offer();
         let to = SocketAddr::new(ip.into(), l.port());
         let silent: Vec<TcpStream> = (0..2).map(|_| TcpStream::connect(to).unwrap()).collect();
+        // One that trickles its token a byte a second (each read within the wait).
+        let mut trickle = TcpStream::connect(to).unwrap();
+        let trickler = std::thread::spawn(move || {
+            for _ in 0..32 {
+                if trickle.write_all(&[9]).is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(1000));
+            }
+        });
         let mut wrong = TcpStream::connect(to).unwrap();
         wrong.write_all(&[9u8; 32]).unwrap();
         let t = Duration::from_secs(20);
@@ -454,5 +488,6 @@ mod tests {
             assert!(dialer.join().unwrap().is_ok());
         });
         drop(silent);
+        let _ = trickler.join();
     }
 }

@@ -55,7 +55,8 @@ pub enum RendezvousError {
 /// The offers an acceptor has made, by (asker, ask), until it takes them. Bounded so
 /// that no peer can push out another's: at most [`PER_PEER`] untaken offers per asker
 /// (its oldest goes first), [`OFFERS`] in all (the oldest goes first), and none older
-/// than [`OFFER_TTL`].
+/// than [`OFFER_TTL`]. (Many peer ids at once can still push out the oldest offers: peer
+/// ids are free without a swarm key.)
 #[derive(Default)]
 pub struct OfferBook {
     offers: Mutex<HashMap<(PeerId, LinkAsk), (Instant, LinkOffer)>>,
@@ -194,7 +195,7 @@ mod tests {
     /// A peer that floods link asks keeps at most `PER_PEER` of its own and never pushes
     /// out another peer's offer; asks of many peers at once are bounded in all.
     #[tokio::test]
-    async fn a_flood_of_link_asks_never_drops_an_honest_offer() {
+    async fn a_flood_of_link_asks_from_one_peer_never_drops_another_peers_offer() {
         let book = OfferBook::default();
         let (honest, rogue) = (PeerId::random(), PeerId::random());
         book.put(honest, ask("g@3", 3), offer(7));

@@ -127,6 +127,18 @@ pub fn install_state(
             "a state with a non-finite value (value {i})"
         )));
     }
+    // What AdamW divides by must be sound too: a negative second moment or step count
+    // would turn the next update into NaNs.
+    if opt_steps < 0 || opt_steps as u64 > MAX_COUNTER {
+        return Err(TrainError::Invalid(format!(
+            "a state with {opt_steps} optimizer steps"
+        )));
+    }
+    if floats[2 * values..3 * values].iter().any(|v| *v < 0.0) {
+        return Err(TrainError::Invalid(
+            "a state with a negative second moment".into(),
+        ));
+    }
     let take = |at: &mut usize, like: &Tensor| {
         let n = like.numel();
         let t = Tensor::from_slice(&floats[*at..*at + n])

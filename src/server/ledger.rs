@@ -26,8 +26,10 @@ pub(super) fn consumed_upto(run_dir: &Path, step: u64) -> Result<HashSet<String>
     };
     let mut kept = String::new();
     let mut ids = HashSet::new();
-    let mut cut = false;
-    for line in text.lines() {
+    // A torn last line (a kill mid-append; no newline) may hold a cut-off id: dropped.
+    let whole = &text[..text.rfind('\n').map_or(0, |i| i + 1)];
+    let mut cut = whole.len() < text.len();
+    for line in whole.lines() {
         // A torn last line (a kill mid-append) has no tab or no valid step: dropped.
         let Some((st, id)) = line.split_once('\t') else {
             cut = true;
@@ -97,6 +99,13 @@ pub(super) fn unconsumed_episodes(
     for (_, p) in files {
         let b = std::fs::read(&p).map_err(|e| TrainError::file(&p, e))?;
         match StoredEpisode::decode(&b) {
+            // Stored before ids were checked at submission: it could not be recorded in
+            // the ledger, so it is not trained.
+            Ok(ep) if !valid_episode_id(&ep.manifest.episode_id) => warn!(
+                "{}: episode id {:?} has a control character; not trained",
+                p.display(),
+                ep.manifest.episode_id
+            ),
             Ok(ep) => out.push(ep),
             Err(e) => warn!("{}: not an episode ({e}); not trained", p.display()),
         }

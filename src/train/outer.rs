@@ -16,9 +16,10 @@
 //! the momentum and the parameters stay the last outer step's; [`OuterStep::refused`]),
 //! and the mean delta's global L2 norm is clipped to [`OuterConfig::max_norm`], by
 //! default to what honest inner steps can move: AdamW moves a coordinate by at most about
-//! 3.2 lr per step (β = 0.9, 0.999), so `H` inner steps move the parameters by at most
-//! `4 lr H sqrt(N) + lr wd H |θ|` (`N` values, the inner peak learning rate and weight
-//! decay). A member that sends a huge finite delta then moves the group no further than an
+//! 3.2 lr per update (β = 0.9, 0.999), so `H` inner steps of `U` updates each (PPO
+//! epochs x mini-batches) move the parameters by at most `4 lr H U sqrt(N) + lr wd H U |θ|`
+//! (`N` values, the inner peak learning rate and weight decay). Members with other inner
+//! settings clip at other norms; the hash round then finds them apart and re-syncs them. A member that sends a huge finite delta then moves the group no further than an
 //! honest member could.
 //!
 //! DiLoCo's defaults: lr 0.7, μ 0.9. Every member computes the same float32 operations on
@@ -125,7 +126,8 @@ impl Outer {
                 .sum::<f64>()
                 .sqrt()
         });
-        let h = self.cfg.every.max(1) as f64;
+        // AdamW updates between two outer steps: H steps of (PPO epochs x mini-batches).
+        let h = (self.cfg.every.max(1) * t.updates_per_step().max(1) as u64) as f64;
         4.0 * o.lr * h * (n as f64).sqrt() + o.lr * o.weight_decay * h * theta
     }
 

@@ -321,3 +321,36 @@ fn diloco_outer_step_refuses_non_finite_deltas_and_clips_huge_ones() {
     let o = outer.step(&mut t, &honest, 1).unwrap();
     assert!(o.clipped_to.is_none() && !o.refused, "{o:?}, bound {bound}");
 }
+
+/// A group's summed gradient holding one NaN (or an infinity) is refused by `apply`:
+/// the weights and version stay, the step counts, the metrics say so; the next good sum
+/// trains as usual.
+#[test]
+fn a_non_finite_group_gradient_is_refused_and_changes_no_weight() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut t = trainer(tiny(dir.path()), Normalization::Token);
+    let before = params(&t);
+    for bad in [f32::NAN, f32::INFINITY] {
+        let (g, r) = groups_of(&[1, 2]);
+        let p = t.prepare(&g, &r).unwrap();
+        let mut local = t.gradient(&p).unwrap();
+        let at = local.grad.len() / 3;
+        local.grad[at] = bad;
+        let steps = t.steps();
+        let m = t.apply(p, &local.grad, &local.stats).unwrap();
+        assert!(!m.trained && m.nonfinite_updates == 1, "{bad}: {m:?}");
+        assert!(
+            m.line().contains("REFUSED 1 non-finite update"),
+            "{}",
+            m.line()
+        );
+        assert_eq!(params(&t), before, "{bad}: the weights moved");
+        assert_eq!((t.steps(), t.version()), (steps + 1, 0));
+    }
+    let (g, r) = groups_of(&[3, 4]);
+    let p = t.prepare(&g, &r).unwrap();
+    let local = t.gradient(&p).unwrap();
+    let m = t.apply(p, &local.grad, &local.stats).unwrap();
+    assert!(m.trained && m.nonfinite_updates == 0 && m.grad_norm.is_finite());
+    assert_ne!(params(&t), before);
+}

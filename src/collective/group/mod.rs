@@ -645,7 +645,10 @@ impl GroupNode {
                     // Alive: it promised another ballot (or stops). Not suspected; the
                     // next ballot goes above what it promised.
                     let mut g = lock(&self.shared.inner);
-                    if promised.epoch > g.promised.epoch && promised.epoch < proto::MAX_EPOCH {
+                    if promised.epoch > g.promised.epoch
+                        && promised.epoch < proto::MAX_EPOCH
+                        && promised.epoch <= g.promised.epoch.saturating_add(proto::MAX_EPOCH_STEP)
+                    {
                         g.promised.epoch = promised.epoch;
                     }
                     drop(g);

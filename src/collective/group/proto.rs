@@ -31,6 +31,11 @@ pub(super) const LIMIT: usize = 64 << 10;
 /// + 1` never overflows (a group forming an epoch a millisecond would take 8,900 years).
 pub const MAX_EPOCH: u64 = 1 << 48;
 
+/// How far above the ballot it promised a member accepts a new ballot's epoch (honest
+/// proposers go one above what they saw): a peer cannot drive the epochs to the bound in
+/// one message and so stop the group.
+pub const MAX_EPOCH_STEP: u64 = 1 << 20;
+
 /// The most members (or excluded candidates) one Start may name.
 pub const MAX_MEMBERS: usize = 1024;
 
@@ -226,6 +231,17 @@ impl Shared {
                     drop(g);
                     return self.refuse(STOPPING);
                 }
+                if ballot.epoch > g.promised.epoch.saturating_add(MAX_EPOCH_STEP) {
+                    let promised = g.promised.epoch;
+                    drop(g);
+                    return self.reject(
+                        from,
+                        format!(
+                            "epoch {} jumps more than {MAX_EPOCH_STEP} above the promised {promised}",
+                            ballot.epoch
+                        ),
+                    );
+                }
                 if ballot <= g.promised {
                     drop(g);
                     return self.refuse("promised an equal or higher ballot");
@@ -333,7 +349,13 @@ pub(super) fn start_fault(
         return Err("a start that leaves out its proposer".into());
     }
     let Some(i) = start.members.iter().position(|p| p == me) else {
-        return Ok(());
+        // Left out: the proposer must say so (a member of another shape is excluded, and
+        // ends its loop), not merely omit it.
+        return if start.excluded.iter().any(|p| p == me) {
+            Ok(())
+        } else {
+            Err("a start that neither lists nor excludes this member".into())
+        };
     };
     let Some(st) = state else {
         return Err("a start for a member in a round".into());
@@ -558,6 +580,16 @@ mod tests {
         )));
         assert!(refused(prepare(
             rogue,
+            ballot(MAX_EPOCH - 1, rogue),
+            id.clone()
+        )));
+        assert!(refused(prepare(
+            rogue,
+            ballot(MAX_EPOCH_STEP + 1, rogue),
+            id.clone()
+        )));
+        assert!(refused(prepare(
+            rogue,
             ballot(9, rogue),
             vec![rogue.clone()]
         )));
@@ -642,12 +674,29 @@ mod tests {
                 }),
             ),
             (
-                "a one-member start at a wrong step",
+                "a two-member start at a wrong step",
                 a,
                 Box::new(|s: &mut Start| {
                     s.members = vec![s.members[0].clone(), s.members[1].clone()];
                     s.actions = vec![Action::Ready; 2];
                     s.steps = 7;
+                }),
+            ),
+            (
+                "a one-member start of this member alone at a wrong step",
+                a,
+                Box::new(|s: &mut Start| {
+                    s.members = vec![s.members[1].clone()];
+                    s.actions = vec![Action::Ready];
+                    s.steps = 7;
+                }),
+            ),
+            (
+                "a start that leaves this member out without excluding it",
+                a,
+                Box::new(|s: &mut Start| {
+                    s.members = vec![s.members[0].clone()];
+                    s.actions = vec![Action::Ready];
                 }),
             ),
             (

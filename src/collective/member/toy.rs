@@ -396,3 +396,45 @@ impl Learner for ToyLearner {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A state is installed only at the group's step and hash with finite values; any
+    /// other leaves the learner as it was.
+    #[test]
+    fn a_state_that_is_not_the_groups_changes_nothing() {
+        let cfg = ToyConfig {
+            values: 8,
+            ..ToyConfig::default()
+        };
+        let mut group = ToyLearner::new(cfg.clone(), ToyHooks::default(), Stop::new());
+        group.params[0] = 0.25;
+        group.anchor = group.params.clone();
+        group.steps = 3;
+        group.version = 3;
+        group.rehash();
+        let good = group.export().unwrap();
+        let mut joiner = ToyLearner::new(cfg, ToyHooks::default(), Stop::new());
+        let before = (joiner.hash(), joiner.steps);
+        let mut flipped = good.clone();
+        flipped[20] ^= 1;
+        let mut nan = good.clone();
+        nan[17..21].copy_from_slice(&f32::NAN.to_le_bytes());
+        for (what, bytes, steps) in [
+            ("a wrong step", &good, 4),
+            ("a flipped bit", &flipped, 3),
+            ("a NaN", &nan, 3),
+            ("a short state", &good[..40].to_vec(), 3),
+        ] {
+            assert!(
+                joiner.import(bytes, steps, &group.hash()).is_err(),
+                "{what}"
+            );
+            assert_eq!((joiner.hash(), joiner.steps), before, "{what}: changed");
+        }
+        joiner.import(&good, 3, &group.hash()).unwrap();
+        assert_eq!((joiner.hash(), joiner.steps), (group.hash(), 3));
+    }
+}
