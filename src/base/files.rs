@@ -36,33 +36,17 @@ pub fn safe_file_name(name: &str) -> String {
 /// disk when this returns: a sibling temporary file of its own (no two writers share one)
 /// is written and synced, renamed over `path`, and the directory is synced.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    static SEQ: AtomicU64 = AtomicU64::new(0);
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy())
-        .unwrap_or_default();
-    let tmp = path.with_file_name(format!(
-        ".{name}.{}.{}.tmp",
-        std::process::id(),
-        SEQ.fetch_add(1, Ordering::Relaxed)
-    ));
-    let written = (|| {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)
-    })();
-    if written.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    written?;
-    sync_parent(path)
+    replace(path, bytes, false)
 }
 
 /// [`write_atomic`] for a secret (a key): the file is created readable and writable by
 /// its owner only (0600 on Unix) before a byte is written, so no other user can ever read
 /// it, not even for a moment.
 pub fn write_secret(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    replace(path, bytes, true)
+}
+
+fn replace(path: &Path, bytes: &[u8], secret: bool) -> std::io::Result<()> {
     static SEQ: AtomicU64 = AtomicU64::new(0);
     let name = path
         .file_name()
@@ -73,11 +57,18 @@ pub fn write_secret(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
         std::process::id(),
         SEQ.fetch_add(1, Ordering::Relaxed)
     ));
+    // A file of this name is a leftover of a killed process that had this pid (no live
+    // process makes this name but this one): stale.
+    let _ = std::fs::remove_file(&tmp);
     let written = (|| {
         let mut o = std::fs::OpenOptions::new();
         o.write(true).create_new(true);
         #[cfg(unix)]
-        std::os::unix::fs::OpenOptionsExt::mode(&mut o, 0o600);
+        if secret {
+            std::os::unix::fs::OpenOptionsExt::mode(&mut o, 0o600);
+        }
+        #[cfg(not(unix))]
+        let _ = secret;
         let mut f = o.open(&tmp)?;
         f.write_all(bytes)?;
         f.sync_all()?;
