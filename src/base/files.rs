@@ -114,6 +114,12 @@ pub fn append_durable(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     Ok(())
 }
 
+/// The whole lines of the text of a file of lines: all up to its last newline. What
+/// follows it is a torn last line (a kill mid-append), which readers ignore.
+pub fn whole_lines(text: &str) -> &str {
+    &text[..text.rfind('\n').map_or(0, |i| i + 1)]
+}
+
 /// Syncs a directory, so that the entries created, renamed or removed in it survive a
 /// power cut.
 pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
@@ -176,6 +182,8 @@ mod tests {
         drop(f);
         append_durable(&dir.path().join("log"), b"c\n").unwrap();
         assert_eq!(std::fs::read(dir.path().join("log")).unwrap(), b"a\nb\nc\n");
+        assert_eq!(whole_lines("a\nb\ntor"), "a\nb\n");
+        assert_eq!(whole_lines("tor"), "");
         let names: Vec<_> = std::fs::read_dir(dir.path())
             .unwrap()
             .map(|e| e.unwrap().file_name().into_string().unwrap())

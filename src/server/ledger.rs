@@ -27,7 +27,7 @@ pub(super) fn consumed_upto(run_dir: &Path, step: u64) -> Result<HashSet<String>
     let mut kept = String::new();
     let mut ids = HashSet::new();
     // A torn last line (a kill mid-append; no newline) may hold a cut-off id: dropped.
-    let whole = &text[..text.rfind('\n').map_or(0, |i| i + 1)];
+    let whole = crate::base::files::whole_lines(&text);
     let mut cut = whole.len() < text.len();
     for line in whole.lines() {
         // A torn last line (a kill mid-append) has no tab or no valid step: dropped.

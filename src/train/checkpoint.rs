@@ -84,11 +84,7 @@ impl RunDir {
         };
         // A last line with no newline is torn (a kill mid-append): its step is lost with
         // the kill, as if never taken.
-        let whole = match text.rfind('\n') {
-            Some(i) => &text[..=i],
-            None => "",
-        };
-        whole
+        crate::base::files::whole_lines(&text)
             .lines()
             .enumerate()
             .filter(|(_, l)| !l.trim().is_empty())
