@@ -283,8 +283,17 @@ impl SwarmBackend {
                     .await
                     .map(|l| l.providers)
                     .unwrap_or_default();
+                let all = found.len();
+                let found = trusted_providers(&swarm, model, found);
                 router.set_providers(model, found.clone());
-                let mut last_err = None;
+                let mut last_err = (all > found.len()).then(|| {
+                    format!(
+                        "{} provider(s) found, {} of them not trusted ({})",
+                        all,
+                        all - found.len(),
+                        swarm.trust().describe()
+                    )
+                });
                 for p in found {
                     match fetch_card(&swarm, p, model, data_dir).await {
                         Ok(c) => {
@@ -292,7 +301,7 @@ impl SwarmBackend {
                             insert_card(&mut cards, model, c);
                             break;
                         }
-                        Err(e) => last_err = Some(e),
+                        Err(e) => last_err = Some(e.to_string()),
                     }
                 }
                 if let Some((c, _)) = cards.get(model) {
@@ -302,7 +311,7 @@ impl SwarmBackend {
                     return Err(ClientError::NoProvider {
                         model: model.clone(),
                         waited: wait,
-                        last_error: last_err.map(|e| e.to_string()),
+                        last_error: last_err,
                     });
                 }
                 tokio::select! {
@@ -326,6 +335,7 @@ impl SwarmBackend {
                 }
                 for m in &ms {
                     if let Ok(p) = s.providers(m).await {
+                        let p = trusted_providers(&s, m, p);
                         if !p.is_empty() {
                             r.set_providers(m, p);
                         }
@@ -360,6 +370,22 @@ impl SwarmBackend {
             })
             .collect()
     }
+}
+
+/// The providers a client may send calls of `model` to (trusting a run: its certified
+/// servers of the model, as the view shows them; otherwise all).
+fn trusted_providers(swarm: &SwarmHandle, model: &str, peers: Vec<PeerId>) -> Vec<PeerId> {
+    if !matches!(swarm.trust(), crate::swarm::Trust::Run(_)) {
+        return peers;
+    }
+    let view = swarm.view();
+    peers
+        .into_iter()
+        .filter(|p| {
+            view.iter()
+                .any(|e| e.peer == *p && swarm.may_route_to(e, model))
+        })
+        .collect()
 }
 
 fn insert_card(cards: &mut HashMap<String, (Arc<ModelCard>, usize)>, model: &str, c: ModelCard) {

@@ -133,10 +133,31 @@ pub fn serve_links(
     listener: Arc<LinkListener>,
     book: Arc<OfferBook>,
 ) -> Result<(), SwarmError> {
+    serve_links_to(swarm, listener, book, Arc::new(|_: &PeerId| true))
+}
+
+/// Who may ask for a link (trusting a run: the group's certified members).
+pub type LinkAdmit = Arc<dyn Fn(&PeerId) -> bool + Send + Sync>;
+
+/// [`serve_links`] for the peers `admit` lets in only; the others are refused (and
+/// logged with their ids) before anything is put in the book.
+pub fn serve_links_to(
+    swarm: &SwarmHandle,
+    listener: Arc<LinkListener>,
+    book: Arc<OfferBook>,
+    admit: LinkAdmit,
+) -> Result<(), SwarmError> {
     swarm.serve(COLLECTIVE, move |peer, mut s| {
-        let (listener, book) = (listener.clone(), book.clone());
+        let (listener, book, admit) = (listener.clone(), book.clone(), admit.clone());
         async move {
             let ask: LinkAsk = read_frame(&mut s, 4096).await?;
+            if !admit(&peer) {
+                tracing::warn!(%peer, "refused a link ask from a peer not trusted to train in this group");
+                let no = LinkAnswer::Refused("not trusted to train in this group".into());
+                write_frame(&mut s, &no, 4096).await?;
+                let _ = futures::io::AsyncWriteExt::close(&mut s).await;
+                return Ok(());
+            }
             let offer = listener.offer();
             book.put(peer, ask, offer.clone());
             write_frame(&mut s, &LinkAnswer::Offer(offer), 4096).await?;

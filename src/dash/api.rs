@@ -92,6 +92,19 @@ fn peer_json(e: &crate::swarm::ViewEntry) -> Value {
     v["peer"] = json!(e.peer.to_string());
     v["self"] = json!(e.is_self);
     v["age_s"] = json!(e.age.as_secs_f64());
+    // Whether the peer is certified by the run this peer trusts (see `swarm::trust`):
+    // what its certificate grants, or why it is not certified (null: no run trusted).
+    v["certified"] = match &e.cert {
+        Some(c) => json!({
+            "model": c.grant.model,
+            "group": c.grant.group,
+            "serve": c.grant.serve,
+            "train": c.grant.train,
+            "until_unix": c.not_after_unix,
+        }),
+        None => Value::Null,
+    };
+    v["cert_problem"] = json!(e.cert_problem);
     v
 }
 
@@ -99,6 +112,7 @@ fn live_json(st: &DashState) -> Value {
     json!({
         "role": st.role,
         "peer": st.swarm.peer_id.to_string(),
+        "trust": st.swarm.trust().describe(),
         "view": st.swarm.view().iter().map(peer_json).collect::<Vec<_>>(),
         "live": st.source.live(),
         "runs": st.source.runs(),

@@ -19,6 +19,8 @@ pub enum ServerError {
     },
     #[error("starting the engine: {0}")]
     Engine(#[source] ModelError),
+    #[error("trust: {0}")]
+    Trust(String),
     #[error(transparent)]
     Swarm(#[from] SwarmError),
     #[error(transparent)]

@@ -127,6 +127,37 @@ pub async fn run(cfg: ServerConfig, stop: &Stop) -> Result<Server, ServerError> 
     started
 }
 
+/// Trusting a run, a server must be certified to serve its model: no other server of
+/// the run would train on its calls, and no client would route to it.
+fn check_trust(cfg: &ServerConfig) -> Result<(), ServerError> {
+    let Some(run) = &cfg.swarm.run else {
+        return Ok(());
+    };
+    let name = cfg.served_model_name.clone().unwrap_or(cfg.model.clone());
+    let me = cfg.swarm.keypair.public().to_peer_id();
+    let Some(cert) = &cfg.swarm.cert else {
+        return Err(ServerError::Trust(format!(
+            "trusting run {run}, this server ({me}) needs a certificate to serve {name:?}: \
+             --cert FILE (`agentjet-peer certify`) or --run-key FILE"
+        )));
+    };
+    let c = cert
+        .verify(run, &me)
+        .map_err(|e| ServerError::Trust(format!("--cert: {e}")))?;
+    if !c.serves(&name) {
+        return Err(ServerError::Trust(format!(
+            "the certificate allows serving {:?}{}, not {name:?}",
+            c.grant.model,
+            if c.grant.serve {
+                ""
+            } else {
+                " (not at all: train only)"
+            }
+        )));
+    }
+    Ok(())
+}
+
 async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Server, ServerError> {
     let events = Events::new(cfg.events_file.as_deref())
         .map_err(|e| ServerError::io(cfg.events_file.as_deref().unwrap_or(Path::new("")), e))?;
@@ -135,6 +166,7 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
             spec: cfg.model.clone(),
             source: e,
         })?;
+    check_trust(&cfg)?;
     let spec = cfg.model.clone();
     let train = cfg.train.is_some();
     // Loading takes seconds: off the async threads.
@@ -166,6 +198,7 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
     let swarm = spawn_node(cfg.swarm.clone()).await?;
     let listen_addrs = swarm.listen_addrs().await;
     println!("{}", swarm.introduction(&listen_addrs));
+    println!("trust: {}", swarm.trust().describe());
     events.emit(ServerEvent::Started {
         peer_id: swarm.peer_id.to_string(),
         listen: listen_addrs.iter().map(ToString::to_string).collect(),

@@ -21,7 +21,7 @@ use crate::engine::{EngineHandle, TokenBytes};
 use crate::model::ModelCard;
 use crate::rpc::{CardBlob, CardReply, CardRequest, CARD, INFER, SUBMIT};
 use crate::swarm::frame::{read_frame, write_frame, FrameError};
-use crate::swarm::{CacheSummary, GroupStatus, ModelStatus, PeerId, Role, Stream, SwarmHandle};
+use crate::swarm::{CacheSummary, GroupStatus, ModelStatus, PeerId, Stream, SwarmHandle};
 use crate::timeline::fragment::{Fragment, FragmentHash};
 
 /// Bounds on what a caller may ask.
@@ -68,8 +68,8 @@ pub struct ServedModel {
     pub episodes_stored: AtomicU64,
     /// The server's events (see [`ServerEvent`]).
     pub events: Events<ServerEvent>,
-    /// Servers of this model ever seen in the swarm view (their signatures are accepted).
-    servers: Mutex<HashSet<PeerId>>,
+    /// Servers whose signatures counted, with their certificate's expiry (Unix s).
+    servers: Mutex<HashMap<PeerId, Option<u64>>>,
     /// Where stored episodes go to be trained on (none: serving only, or stopped).
     trainer: Mutex<Option<std::sync::mpsc::Sender<TrainerInput>>>,
     /// The trainer's step count, gossiped with the status.
@@ -152,7 +152,7 @@ impl ServedModel {
             cache: Mutex::new(FragmentCache::default()),
             episodes_dir,
             episodes_stored: AtomicU64::new(stored),
-            servers: Mutex::new(HashSet::new()),
+            servers: Mutex::new(HashMap::new()),
             trainer: Mutex::new(None),
             train_step: AtomicU64::new(0),
             group: Mutex::new(None),
@@ -290,17 +290,24 @@ impl ServedModel {
         write_frame(&mut s, &reply, self.limit()).await
     }
 
-    /// The peers whose signatures count for this model: this server and every server the
-    /// swarm view has shown serving it.
+    /// The peers whose signatures count for this model, by the swarm's trust (see
+    /// `swarm::trust`): trusting a run, its certified servers of the model; with only a
+    /// swarm key, every key holder the view has shown serving it; in an open swarm, this
+    /// server alone. A server once seen stays counted (its calls may arrive after it
+    /// left) until its certificate expires.
     pub(super) fn known_servers(&self) -> HashSet<PeerId> {
-        let mut set = lock(&self.servers);
+        let mut seen = lock(&self.servers);
         for e in self.swarm.view() {
-            if e.status.role == Role::Server && e.status.models.iter().any(|m| m.name == self.name)
-            {
-                set.insert(e.peer);
+            if self.swarm.may_sign(&e, &self.name) {
+                seen.insert(e.peer, e.cert.as_ref().map(|c| c.not_after_unix));
             }
         }
-        set.insert(self.swarm.peer_id);
-        set.clone()
+        if self.swarm.may_sign_self(&self.name) {
+            let until = self.swarm.own_cert().map(|c| c.not_after_unix);
+            seen.insert(self.swarm.peer_id, until);
+        }
+        let now = crate::swarm::trust::unix_now();
+        seen.retain(|_, until| until.is_none_or(|u| now <= u));
+        seen.keys().copied().collect()
     }
 }

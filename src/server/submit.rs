@@ -43,7 +43,11 @@ pub enum SubmitError {
         #[source]
         source: SignatureError,
     },
-    #[error("call {call} is signed by {signer}, which is not a server of {model:?}")]
+    #[error(
+        "call {call} is signed by {signer}, which this server does not trust to serve \
+         {model:?} (trusting a run: not certified for it; with a swarm key only: not a key \
+         holder serving it; in an open swarm: not this server)"
+    )]
     NotAServer {
         call: u32,
         signer: PeerId,

@@ -32,6 +32,7 @@ use crate::base::StopMode;
 use crate::collective::group::{self, GroupNode};
 use crate::collective::member::{EventSink, MemberError, MemberLoop};
 use crate::model::llama::Llama;
+use crate::swarm::{SwarmHandle, Trust};
 use crate::train::checkpoint::RunDir;
 use crate::train::groups::{GroupBuffer, GroupConfig};
 use crate::train::loss::LossConfig;
@@ -103,6 +104,18 @@ pub fn start_training(
             trainer.updates_per_step()
         );
     }
+    let group_name = settings
+        .collective
+        .group
+        .clone()
+        .unwrap_or_else(|| served.name.clone());
+    let mode = match untrusted_group(&served.swarm, &served.name, &group_name) {
+        Some(why) if !mode.starts_with("alone/") => {
+            println!("training: this server trains alone: {why}");
+            format!("alone/{}", served.swarm.peer_id)
+        }
+        _ => mode,
+    };
     let resumed = run_dir.resume(&mut trainer)?;
     served.events.emit(ServerEvent::Training {
         model: served.name.clone(),
@@ -154,11 +167,7 @@ pub fn start_training(
         served.swarm.clone(),
         rt,
         group::GroupConfig {
-            name: settings
-                .collective
-                .group
-                .clone()
-                .unwrap_or_else(|| served.name.clone()),
+            name: group_name,
             model: served.name.clone(),
             mode,
             timeout: settings.collective.timeout,
@@ -199,4 +208,22 @@ pub fn start_training(
         })
         .map_err(TrainingError::Thread)?;
     Ok(TrainingHandle { tx, thread })
+}
+
+/// Why this server may not train `model` in `group` with other servers (see
+/// `swarm::trust`), if it may not.
+fn untrusted_group(swarm: &SwarmHandle, model: &str, group: &str) -> Option<String> {
+    match swarm.trust() {
+        Trust::Open => Some(
+            "an open swarm (neither --run nor --swarm-key): no other server can be checked, \
+             so none is trusted with this model's weights"
+                .into(),
+        ),
+        Trust::Run(id) if !swarm.own_cert().is_some_and(|c| c.trains(model, group)) => {
+            Some(format!(
+                "its certificate of run {id} does not allow training {model:?} in group {group:?}"
+            ))
+        }
+        Trust::Run(_) | Trust::SwarmKey => None,
+    }
 }

@@ -9,6 +9,7 @@ use libp2p::{Multiaddr, PeerId};
 
 use super::auth::SwarmKey;
 use super::protocol::Role;
+use super::trust::{Certificate, RunId, Trust};
 
 /// Everything the node needs; every bound and timeout is here.
 #[derive(Debug, Clone)]
@@ -18,6 +19,11 @@ pub struct SwarmConfig {
     pub listen: Vec<Multiaddr>,
     pub bootstrap: Vec<Multiaddr>,
     pub swarm_key: Option<SwarmKey>,
+    /// The run this peer trusts (see the `swarm::trust` module): only peers its key
+    /// certified serve and train. None: the swarm key decides, or nobody (open swarm).
+    pub run: Option<RunId>,
+    /// This peer's own certificate, presented in its status.
+    pub cert: Option<Certificate>,
     /// Lifetime of a provider record (re-provided every half of it).
     pub provider_ttl: Duration,
     pub status_interval: Duration,
@@ -81,6 +87,8 @@ impl SwarmConfig {
             listen: Vec::new(),
             bootstrap: Vec::new(),
             swarm_key: None,
+            run: None,
+            cert: None,
             provider_ttl: Duration::from_secs(30),
             status_interval: Duration::from_secs(2),
             rebootstrap_interval: Duration::from_secs(30),
@@ -100,6 +108,18 @@ impl SwarmConfig {
             request_burst: 1000.0,
             kad_server: true,
             other_transport: None,
+        }
+    }
+}
+
+impl SwarmConfig {
+    /// Whom this peer trusts: the run's certified peers, the swarm key's holders, or
+    /// nobody but itself.
+    pub fn trust(&self) -> Trust {
+        match (&self.run, &self.swarm_key) {
+            (Some(r), _) => Trust::Run(*r),
+            (None, Some(_)) => Trust::SwarmKey,
+            (None, None) => Trust::Open,
         }
     }
 }

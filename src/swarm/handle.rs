@@ -17,8 +17,9 @@ use super::admission::{retry_pause, OPEN_ATTEMPTS};
 use super::auth::AuthTable;
 use super::config::SwarmConfig;
 use super::frame::{read_frame, FrameError};
-use super::protocol::{Admission, ModelStatus, PeerStatus};
+use super::protocol::{Admission, ModelStatus, PeerStatus, Role};
 use super::shared::{Command, ProviderLookup, Shared, ViewEntry};
+use super::trust::{Certified, Trust};
 use super::usage::PeerStream;
 use super::SwarmError;
 use crate::base::lock;
@@ -145,10 +146,86 @@ impl SwarmHandle {
                 is_self: *p == self.peer_id,
                 published_unix_ms: s.published_unix_ms,
                 received_unix_ms: s.received_unix_ms,
+                cert: match &s.cert {
+                    Some(Ok(c)) if !c.expired() => Some(c.clone()),
+                    _ => None,
+                },
+                cert_problem: match &s.cert {
+                    Some(Ok(c)) if c.expired() => Some("the certificate expired".into()),
+                    Some(Err(e)) => Some(e.to_string()),
+                    _ => None,
+                },
             })
             .collect();
         out.sort_by_cached_key(|e| e.peer.to_string());
         out
+    }
+
+    /// Whom this peer trusts (see the `swarm::trust` module).
+    pub fn trust(&self) -> Trust {
+        self.cfg.trust()
+    }
+
+    /// This peer's own certificate, verified against the run it trusts (None: it has
+    /// none, or it trusts no run, or the certificate is not for it or this run).
+    pub fn own_cert(&self) -> Option<Certified> {
+        let run = self.cfg.run.as_ref()?;
+        self.cfg.cert.as_ref()?.verify(run, &self.peer_id).ok()
+    }
+
+    /// Whether calls of `model` signed by the peer of `e` count (are trained on): a
+    /// certified server of it (trusting a run), a key holder serving it (a closed swarm
+    /// without a run), or this peer itself (open swarm).
+    pub fn may_sign(&self, e: &ViewEntry, model: &str) -> bool {
+        match self.trust() {
+            Trust::Run(_) => e.cert.as_ref().is_some_and(|c| c.serves(model)),
+            Trust::SwarmKey => {
+                e.is_self
+                    || (e.status.role == Role::Server
+                        && e.status.models.iter().any(|m| m.name == model))
+            }
+            Trust::Open => e.is_self,
+        }
+    }
+
+    /// Whether this peer's own calls of `model` count (see [`SwarmHandle::may_sign`]).
+    pub fn may_sign_self(&self, model: &str) -> bool {
+        match self.trust() {
+            Trust::Run(_) => self.own_cert().is_some_and(|c| c.serves(model)),
+            Trust::SwarmKey | Trust::Open => true,
+        }
+    }
+
+    /// Whether a client sends calls of `model` to the peer of `e`: trusting a run, only
+    /// to its certified servers; otherwise to any (the server it submits to checks).
+    pub fn may_route_to(&self, e: &ViewEntry, model: &str) -> bool {
+        match self.trust() {
+            Trust::Run(_) => e.cert.as_ref().is_some_and(|c| c.serves(model)),
+            Trust::SwarmKey | Trust::Open => true,
+        }
+    }
+
+    /// Whether the peer of `e` may train `model` in `group` with this one (be a group
+    /// candidate, propose, send starts and state): certified for it (trusting a run), any
+    /// key holder (a closed swarm without a run), nobody else (open swarm).
+    pub fn may_train_with(&self, e: &ViewEntry, model: &str, group: &str) -> bool {
+        match self.trust() {
+            Trust::Run(_) => e.cert.as_ref().is_some_and(|c| c.trains(model, group)),
+            Trust::SwarmKey => true,
+            Trust::Open => e.is_self,
+        }
+    }
+
+    /// [`SwarmHandle::may_train_with`] for a peer id (false if it is not in the view).
+    pub fn may_train_with_peer(&self, peer: &PeerId, model: &str, group: &str) -> bool {
+        match self.trust() {
+            Trust::SwarmKey => true,
+            Trust::Open => *peer == self.peer_id,
+            Trust::Run(_) => self
+                .view()
+                .iter()
+                .any(|e| e.peer == *peer && self.may_train_with(e, model, group)),
+        }
     }
 
     /// Signs a digest with this peer's key.

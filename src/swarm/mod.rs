@@ -1,6 +1,7 @@
 //! The swarm: one libp2p node per peer (QUIC, with TCP + noise + yamux as a fallback),
 //! identify, ping, a gossipsub status mesh, Kademlia for model discovery, and AgentJet's
-//! own stream protocols (see [`protocol`]), all behind the swarm key (see [`auth`]).
+//! own stream protocols (see [`protocol`]), all behind the swarm key (see [`auth`]), and who is trusted to serve and train (see
+//! [`trust`]).
 //!
 //! Owns: moving bytes and typed messages between peers, discovery, membership, access
 //! control and the per-peer bounds. Knows nothing of models or tensors (the server and
@@ -17,6 +18,7 @@ pub mod node;
 pub mod protocol;
 mod shared;
 pub mod sign;
+pub mod trust;
 mod usage;
 
 pub use auth::{KeyError, SwarmKey};
@@ -28,6 +30,7 @@ pub use limits::Refusal;
 pub use node::spawn_node;
 pub use protocol::{CacheSummary, GroupStatus, ModelStatus, PeerStatus, Role};
 pub use shared::{ProviderLookup, ViewEntry};
+pub use trust::{Certificate, Certified, Grant, RunId, RunKey, Trust, TrustError};
 pub use usage::PeerStream;
 
 use std::path::{Path, PathBuf};

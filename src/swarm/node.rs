@@ -50,7 +50,8 @@ use super::config::SwarmConfig;
 use super::handle::SwarmHandle;
 use super::limits::Limits;
 use super::protocol::{PeerStatus, StatusEnvelope, IDENTIFY, KAD, STATUS_TOPIC};
-use super::shared::{Command, ProviderLookup, ProvidersReply, Shared, ViewSlot};
+use super::shared::{check_cert, Command, ProviderLookup, ProvidersReply, Shared, ViewSlot};
+use super::trust::CERT_FIELD;
 use super::usage::{self, Candidate, Marks, UseTable};
 use super::SwarmError;
 use crate::base::lock;
@@ -226,7 +227,11 @@ pub async fn spawn_node(cfg: SwarmConfig) -> Result<SwarmHandle, SwarmError> {
             free_kv_positions: 0,
             episodes: 0,
             version: env!("CARGO_PKG_VERSION").to_string(),
-            extra: Default::default(),
+            extra: cfg
+                .cert
+                .iter()
+                .map(|c| (CERT_FIELD.to_string(), c.encode()))
+                .collect(),
         }),
         limits: Mutex::new(Limits::default()),
         usage: Arc::new(UseTable::default()),
@@ -452,9 +457,11 @@ impl EventLoop {
         if let Some(k) = self.shared.auth.key() {
             env.mac = Some(k.mac(&env.mac_payload()));
         }
+        let cert = check_cert(&self.shared.cfg, &self.shared.peer_id, &status);
         lock(&self.shared.view).insert(
             self.shared.peer_id,
             ViewSlot {
+                cert,
                 status,
                 addrs: self.listen_addrs.clone(),
                 seq: self.seq,
@@ -813,6 +820,8 @@ impl EventLoop {
             .filter_map(|a| Multiaddr::try_from(a.clone()).ok())
             .collect();
         self.learn(author, addrs.clone());
+        // Checked before the view's lock is taken (a signature check per status).
+        let cert = check_cert(&self.shared.cfg, &author, &env.status);
         let mut v = lock(&self.shared.view);
         let newer = v
             .get(&author)
@@ -821,6 +830,7 @@ impl EventLoop {
             v.insert(
                 author,
                 ViewSlot {
+                    cert,
                     status: env.status,
                     addrs,
                     seq: env.seq,

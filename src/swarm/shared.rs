@@ -14,6 +14,7 @@ use super::auth::{AuthTable, PeerAuth};
 use super::config::SwarmConfig;
 use super::limits::Limits;
 use super::protocol::PeerStatus;
+use super::trust::{Certificate, Certified, TrustError, CERT_FIELD};
 use super::usage::UseTable;
 use super::SwarmError;
 use crate::base::stop::{CancellationToken, TaskTracker};
@@ -42,6 +43,11 @@ pub struct ViewEntry {
     /// it (Unix milliseconds; peers in one process, as in netsim, share the clock).
     pub published_unix_ms: u64,
     pub received_unix_ms: u64,
+    /// What the peer's certificate allows, when this peer trusts a run and the
+    /// certificate verified (expiry: see [`Certified`]'s checks).
+    pub cert: Option<Certified>,
+    /// Why it is not certified (trusting a run): no certificate, or what was wrong.
+    pub cert_problem: Option<String>,
 }
 
 pub(super) struct ViewSlot {
@@ -51,6 +57,8 @@ pub(super) struct ViewSlot {
     pub(super) at: Instant,
     pub(super) published_unix_ms: u64,
     pub(super) received_unix_ms: u64,
+    /// The certificate's verdict when the status arrived (None: this peer trusts no run).
+    pub(super) cert: Option<Result<Certified, TrustError>>,
 }
 
 pub(super) type ProvidersReply = oneshot::Sender<ProviderLookup>;
@@ -94,4 +102,18 @@ pub(super) struct Shared {
     pub(super) ended: CancellationToken,
     /// Every task of the node, the event loop included.
     pub(super) tasks: TaskTracker,
+}
+
+/// The verdict on the certificate in `status`, presented by `peer`, for a peer that
+/// trusts `cfg.run` (None when it trusts no run).
+pub(super) fn check_cert(
+    cfg: &SwarmConfig,
+    peer: &PeerId,
+    status: &PeerStatus,
+) -> Option<Result<Certified, TrustError>> {
+    let run = cfg.run.as_ref()?;
+    Some(match status.extra.get(CERT_FIELD) {
+        None => Err(TrustError::Malformed("no certificate".into())),
+        Some(text) => Certificate::decode(text).and_then(|c| c.verify(run, peer)),
+    })
 }

@@ -13,6 +13,24 @@ pub fn heavy() -> std::sync::MutexGuard<'static, ()> {
     HEAVY.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// A run key for the servers of a test (`dir/run.key`, made on first use) and the file
+/// holding its run id (`dir/run.id`) for the clients: servers started with `--run-key`
+/// certify themselves; clients started with `--run` trust only them (see
+/// `agentjet::swarm::trust`).
+pub fn run_key(dir: &Path) -> (String, String) {
+    let key = dir.join("run.key");
+    let id = dir.join("run.id");
+    if !key.exists() {
+        let k = agentjet::swarm::RunKey::generate();
+        k.save(&key).unwrap();
+        std::fs::write(&id, format!("{}\n", k.id())).unwrap();
+    }
+    (
+        key.to_str().unwrap().to_string(),
+        id.to_str().unwrap().to_string(),
+    )
+}
+
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};

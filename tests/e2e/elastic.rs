@@ -60,6 +60,12 @@ fn server(dir: &Path, model: &Path, name: &str, boot: Option<&str>, extra: &[&st
         args.extend(["--collective-timeout", "10"]);
     }
     args.extend(extra);
+    // Servers of one group must trust each other: a run key, which each certifies itself
+    // with (an open swarm's servers train alone).
+    let (key, _) = common::run_key(dir);
+    if !extra.contains(&"--swarm-key") {
+        args.extend(["--run-key", &key]);
+    }
     Peer::start(name, dir, &args)
 }
 
@@ -127,6 +133,8 @@ fn client_with(dir: &Path, boot: &str, groups: usize, run: &str, script: &str) -
             "8",
             "--run-dir",
             run_dir.to_str().unwrap(),
+            "--run",
+            &common::run_key(dir).1,
         ],
     )
 }
@@ -763,6 +771,7 @@ fn servers_of_one_model_in_two_runs_train_as_two_groups() {
     );
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_agentjet-peer"))
         .args(["status", "--bootstrap", &boot, "--wait", "3"])
+        .args(["--run", &common::run_key(d).1])
         .output()
         .unwrap();
     let table = String::from_utf8_lossy(&out.stdout).to_string();
@@ -787,4 +796,16 @@ fn servers_of_one_model_in_two_runs_train_as_two_groups() {
         ],
         "{table}"
     );
+    // Each server is certified by the run (its own --run-key) for its group.
+    for (s, group) in [(&mut a, "run-1"), (&mut b, "run-2"), (&mut c, "run-1")] {
+        let id = s.peer_id();
+        let line = table
+            .lines()
+            .find(|l| l.starts_with(&id))
+            .unwrap_or_else(|| panic!("{id} not in the table:\n{table}"));
+        assert!(
+            line.ends_with(&format!("yes: tiny serve train in {group}")),
+            "{line}"
+        );
+    }
 }

@@ -31,7 +31,7 @@ done
 echo '{"reward": 1.0}'
 "#;
 
-fn server<'a>(model: &'a str, boot: &'a str) -> Vec<&'a str> {
+fn server<'a>(model: &'a str, boot: &'a str, key: &'a str) -> Vec<&'a str> {
     vec![
         "--role",
         "server",
@@ -45,6 +45,10 @@ fn server<'a>(model: &'a str, boot: &'a str) -> Vec<&'a str> {
         boot,
         "--http",
         "127.0.0.1:0",
+        // Both servers certified by one run: an episode's calls may run on either and
+        // be submitted to the other (see `swarm::trust`).
+        "--run-key",
+        key,
     ]
 }
 
@@ -71,9 +75,10 @@ fn an_episodes_calls_stay_on_one_server_and_fail_over_when_it_is_killed() {
     let model = model.to_str().unwrap();
     let mut plain = Peer::start("plain", dir.path(), &["--role", "peer"]);
     let boot = plain.addr();
+    let (key, run) = common::run_key(dir.path());
     let mut servers = [
-        Peer::start("server1", dir.path(), &server(model, &boot)),
-        Peer::start("server2", dir.path(), &server(model, &boot)),
+        Peer::start("server1", dir.path(), &server(model, &boot, &key)),
+        Peer::start("server2", dir.path(), &server(model, &boot, &key)),
     ];
     let http: Vec<String> = servers
         .iter_mut()
@@ -107,6 +112,8 @@ fn an_episodes_calls_stay_on_one_server_and_fail_over_when_it_is_killed() {
             run_dir.to_str().unwrap(),
             "--wait",
             "60",
+            "--run",
+            &run,
         ],
         &[("MARK_DIR", marks.to_str().unwrap())],
     );

@@ -99,6 +99,15 @@ pub struct SwarmArgs {
     /// The swarm key file (a closed swarm: peers without the key get no service).
     #[arg(long)]
     pub swarm_key: Option<PathBuf>,
+    /// The run this peer trusts: its id (64 hex digits, printed by `agentjet-peer
+    /// run-key`) or a file holding it. Only servers the run key certified then count:
+    /// their calls are trained on, clients route to them, groups train with them. Implied
+    /// by --cert and by a server's --run-key.
+    #[arg(long, value_name = "ID|FILE")]
+    pub run: Option<String>,
+    /// This peer's certificate (`agentjet-peer certify`), presented to the swarm.
+    #[arg(long, value_name = "FILE")]
+    pub cert: Option<PathBuf>,
     /// Provider record lifetime in seconds (a dead server disappears within two).
     #[arg(long, default_value_t = 30.0)]
     pub provider_ttl: f64,
@@ -177,6 +186,10 @@ pub struct ServerCli {
     pub events: Option<std::path::PathBuf>,
     #[command(flatten)]
     pub engine: EngineArgs,
+    /// The run key (`agentjet-peer run-key`): this server trusts the run and certifies
+    /// itself to serve its model and train it in its group, for 30 days (implies --run).
+    #[arg(long, value_name = "FILE", conflicts_with = "cert")]
+    pub run_key: Option<PathBuf>,
     /// Serve only, do not train on submitted episodes.
     #[arg(long)]
     pub no_train: bool,
@@ -468,6 +481,9 @@ pub enum Command {
         /// The swarm key file, for a closed swarm.
         #[arg(long)]
         swarm_key: Option<PathBuf>,
+        /// The run whose certificates are checked (id or file): the CERTIFIED column.
+        #[arg(long, value_name = "ID|FILE")]
+        run: Option<String>,
         /// Seconds to listen for status gossip.
         #[arg(long, default_value_t = 6.0)]
         wait: f64,
@@ -476,6 +492,47 @@ pub enum Command {
     SwarmKey {
         #[arg(long)]
         out: PathBuf,
+    },
+    /// Write a new run key to a file (mode 0600) and print the run's id: the key's holder
+    /// decides which servers serve and train in the run (`certify`, or a server's
+    /// `--run-key`); every other peer is told the id (`--run`).
+    RunKey {
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Certify a peer with a run key: it may serve a model (its signed calls are trained
+    /// on) and train it in a group, until the expiry.
+    Certify {
+        /// The run key file.
+        #[arg(long)]
+        run_key: PathBuf,
+        /// The peer id to certify (`agentjet-peer id --data-dir DIR` prints a data
+        /// directory's; a server also prints its own at start).
+        #[arg(long)]
+        peer: String,
+        /// The model's name as the swarm knows it (a server's --served-model-name).
+        #[arg(long)]
+        model: String,
+        /// The training group (a server's --train-group; default the model's name).
+        #[arg(long)]
+        group: Option<String>,
+        /// Serve only: its calls count, but it does not train in the group.
+        #[arg(long, conflicts_with = "train_only")]
+        serve_only: bool,
+        /// Train only: it trains in the group, but its calls do not count.
+        #[arg(long)]
+        train_only: bool,
+        /// Days until the certificate expires.
+        #[arg(long, default_value_t = 30.0)]
+        days: f64,
+        /// Where to write it.
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Print the peer id of a data directory's identity (created on first use).
+    Id {
+        #[arg(long)]
+        data_dir: PathBuf,
     },
     /// List the runs in data directories (training runs and client jobs) with their
     /// last figures.
@@ -503,6 +560,20 @@ pub fn secs(name: &str, v: f64) -> Result<Duration> {
 pub fn load_key(path: Option<&Path>) -> Result<Option<SwarmKey>> {
     path.map(|p| SwarmKey::load(p).map_err(|e| anyhow!(e)))
         .transpose()
+}
+
+/// `--run`: a run id, or a file holding one.
+pub fn run_id(arg: Option<&str>) -> Result<Option<swarm::RunId>> {
+    let Some(a) = arg else { return Ok(None) };
+    if let Ok(id) = swarm::RunId::parse(a) {
+        return Ok(Some(id));
+    }
+    let text = std::fs::read_to_string(a).map_err(|e| {
+        anyhow!("--run {a:?} is neither a run id (64 hex digits) nor a readable file: {e}")
+    })?;
+    swarm::RunId::parse(&text)
+        .map(Some)
+        .map_err(|e| anyhow!("--run {a}: {e}"))
 }
 
 pub fn parse_addrs(flag: &str, addrs: &[String]) -> Result<Vec<Multiaddr>> {
@@ -553,6 +624,31 @@ impl SwarmArgs {
         }
         cfg.bootstrap = boot;
         cfg.swarm_key = load_key(self.swarm_key.as_deref())?;
+        cfg.cert = self
+            .cert
+            .as_deref()
+            .map(swarm::Certificate::load)
+            .transpose()
+            .map_err(|e| anyhow!("--cert {e}"))?;
+        cfg.run = run_id(self.run.as_deref())?;
+        if let Some(c) = &cfg.cert {
+            match cfg.run {
+                None => cfg.run = Some(c.run()),
+                Some(r) if r != c.run() => bail!(
+                    "--cert is a certificate of run {}, but --run names run {r}",
+                    c.run()
+                ),
+                Some(_) => {}
+            }
+            if c.peer() != Some(cfg.keypair.public().to_peer_id()) {
+                bail!(
+                    "--cert certifies peer {}, but this peer (identity in {}) is {}",
+                    c.peer().map_or_else(|| "?".into(), |p| p.to_string()),
+                    dir.display(),
+                    cfg.keypair.public().to_peer_id()
+                );
+            }
+        }
         cfg.provider_ttl = secs("provider-ttl", self.provider_ttl)?;
         cfg.status_interval = secs("status-interval", self.status_interval)?;
         cfg.quic_idle_timeout = secs("idle-timeout", self.idle_timeout)?;

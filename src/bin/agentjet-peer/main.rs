@@ -180,8 +180,39 @@ fn run_tool(cli: Cli) -> Result<()> {
         Some(Command::Status {
             bootstrap,
             swarm_key,
+            run,
             wait,
-        }) => runtime()?.block_on(tools::status(&bootstrap, swarm_key.as_deref(), wait)),
+        }) => runtime()?.block_on(tools::status(
+            &bootstrap,
+            swarm_key.as_deref(),
+            run.as_deref(),
+            wait,
+        )),
+        Some(Command::RunKey { out }) => tools::run_key(&out),
+        Some(Command::Certify {
+            run_key,
+            peer,
+            model,
+            group,
+            serve_only,
+            train_only,
+            days,
+            out,
+        }) => tools::certify(tools::CertifyArgs {
+            run_key: &run_key,
+            peer: &peer,
+            group: group.unwrap_or(model.clone()),
+            model,
+            serve: !train_only,
+            train: !serve_only,
+            days,
+            out: &out,
+        }),
+        Some(Command::Id { data_dir }) => {
+            let key = agentjet::swarm::load_or_create_identity(&data_dir.join("identity.key"))?;
+            println!("{}", key.public().to_peer_id());
+            Ok(())
+        }
         Some(Command::SwarmKey { out }) => {
             if out.exists() {
                 bail!("{} exists; not overwriting a swarm key", out.display());

@@ -46,7 +46,10 @@ mod torch {
     impl ServerCli {
         pub fn config(&self) -> Result<ServerConfig> {
             let data_dir = self.common.swarm.data_dir("server");
-            let swarm = self.common.swarm.config(WireRole::Server, &data_dir)?;
+            let mut swarm = self.common.swarm.config(WireRole::Server, &data_dir)?;
+            if let Some(path) = &self.run_key {
+                self.certify_self(&mut swarm, path)?;
+            }
             let advantage: AdvantageKind = self
                 .advantage
                 .parse()
@@ -121,6 +124,36 @@ mod torch {
                 drain_timeout: secs("drain-timeout", self.common.swarm.drain_timeout)?,
                 events_file: self.events.clone(),
             })
+        }
+    }
+
+    impl ServerCli {
+        /// `--run-key`: trusts the run and certifies this server to serve its model and
+        /// train it in its group, for 30 days.
+        fn certify_self(
+            &self,
+            swarm: &mut swarm::SwarmConfig,
+            path: &std::path::Path,
+        ) -> Result<()> {
+            let key = swarm::RunKey::load(path).map_err(|e| anyhow::anyhow!("--run-key {e}"))?;
+            if let Some(r) = swarm.run.filter(|r| *r != key.id()) {
+                anyhow::bail!(
+                    "--run names run {r}, but --run-key is the key of run {}",
+                    key.id()
+                );
+            }
+            let model = self.served_model_name.clone().unwrap_or(self.model.clone());
+            let grant = swarm::Grant {
+                group: self.train_group.clone().unwrap_or(model.clone()),
+                model,
+                serve: true,
+                train: true,
+            };
+            let peer = swarm.keypair.public().to_peer_id();
+            let until = swarm::trust::unix_now() + 30 * 24 * 3600;
+            swarm.cert = Some(key.certify(&peer, grant, until));
+            swarm.run = Some(key.id());
+            Ok(())
         }
     }
 

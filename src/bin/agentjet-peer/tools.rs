@@ -111,11 +111,71 @@ pub fn runs(data_dirs: &[std::path::PathBuf]) -> Result<()> {
     Ok(())
 }
 
-pub async fn status(bootstrap: &[String], key: Option<&Path>, wait: f64) -> Result<()> {
+/// `run-key --out FILE`.
+pub fn run_key(out: &Path) -> Result<()> {
+    if out.exists() {
+        bail!("{} exists; not overwriting a run key", out.display());
+    }
+    let key = swarm::RunKey::generate();
+    key.save(out).map_err(|e| anyhow::anyhow!(e))?;
+    println!("wrote a new run key to {} (keep it secret)", out.display());
+    println!("run id: {}", key.id());
+    Ok(())
+}
+
+pub struct CertifyArgs<'a> {
+    pub run_key: &'a Path,
+    pub peer: &'a str,
+    pub model: String,
+    pub group: String,
+    pub serve: bool,
+    pub train: bool,
+    pub days: f64,
+    pub out: &'a Path,
+}
+
+/// `certify`: a certificate for one peer, written to a file.
+pub fn certify(a: CertifyArgs) -> Result<()> {
+    let key = swarm::RunKey::load(a.run_key).map_err(|e| anyhow::anyhow!("--run-key {e}"))?;
+    let peer: swarm::PeerId = a
+        .peer
+        .parse()
+        .map_err(|e| anyhow::anyhow!("--peer {:?} is not a peer id: {e}", a.peer))?;
+    if !(a.days.is_finite() && a.days > 0.0 && a.days <= 3650.0) {
+        bail!("--days must be in (0, 3650], got {}", a.days);
+    }
+    if a.model.is_empty() || a.model.len() > 256 || a.group.is_empty() || a.group.len() > 256 {
+        bail!("--model and --group must be 1-256 bytes");
+    }
+    let until = swarm::trust::unix_now() + (a.days * 86400.0) as u64;
+    let grant = swarm::Grant {
+        model: a.model,
+        group: a.group,
+        serve: a.serve,
+        train: a.train,
+    };
+    let cert = key.certify(&peer, grant, until);
+    if a.out.exists() {
+        bail!("{} exists; not overwriting a certificate", a.out.display());
+    }
+    agentjet::base::files::write_atomic(a.out, cert.to_file_text().as_bytes())
+        .with_context(|| format!("writing {}", a.out.display()))?;
+    print!("{}", cert.to_file_text().lines().next().unwrap_or_default());
+    println!("\nwrote {}", a.out.display());
+    Ok(())
+}
+
+pub async fn status(
+    bootstrap: &[String],
+    key: Option<&Path>,
+    run: Option<&str>,
+    wait: f64,
+) -> Result<()> {
     let mut cfg = SwarmConfig::new(WireRole::Client, swarm::Keypair::generate_ed25519());
     cfg.listen = vec!["/ip4/0.0.0.0/udp/0/quic-v1".parse()?];
     cfg.bootstrap = parse_addrs("bootstrap", bootstrap)?;
     cfg.swarm_key = load_key(key)?;
+    cfg.run = super::args::run_id(run)?;
     let wait = secs("wait", wait)?;
     let h = swarm::spawn_node(cfg).await?;
     tokio::time::sleep(wait).await;
@@ -127,8 +187,9 @@ pub async fn status(bootstrap: &[String], key: Option<&Path>, wait: f64) -> Resu
         );
     }
     let view: Vec<_> = h.view().into_iter().filter(|e| !e.is_self).collect();
+    println!("trust: {}", h.trust().describe());
     println!(
-        "{:<54} {:<7} {:<28} {:>5} {:>6} {:>9} {:>13} {:>8} {:>6}",
+        "{:<54} {:<7} {:<28} {:>5} {:>6} {:>9} {:>13} {:>8} {:>6}  CERTIFIED",
         "PEER",
         "ROLE",
         "MODELS (VERSION)",
@@ -150,8 +211,22 @@ pub async fn status(bootstrap: &[String], key: Option<&Path>, wait: f64) -> Resu
             (swarm::Role::Server, Some(m)) => m.cache.brief(),
             _ => "-".to_string(),
         };
+        let certified = match (&e.cert, &e.cert_problem) {
+            (Some(c), _) => format!(
+                "yes: {}{}{}",
+                c.grant.model,
+                if c.grant.serve { " serve" } else { "" },
+                if c.grant.train {
+                    format!(" train in {}", c.grant.group)
+                } else {
+                    String::new()
+                }
+            ),
+            (None, Some(why)) => format!("NO ({why})"),
+            (None, None) => "- (no --run)".into(),
+        };
         println!(
-            "{:<54} {:<7} {:<28} {:>5.2} {:>6} {:>9} {:>13} {:>8} {:>5.1}s",
+            "{:<54} {:<7} {:<28} {:>5.2} {:>6} {:>9} {:>13} {:>8} {:>5.1}s  {certified}",
             e.peer.to_string(),
             e.status.role.as_str(),
             if models.is_empty() {

@@ -83,7 +83,7 @@ pub use proto::{
 };
 
 use super::link::{self, LinkError, LinkListener, LinkNet, TcpLinks};
-use super::rendezvous::{ask_link, serve_links, LinkAsk, OfferBook, RendezvousError};
+use super::rendezvous::{ask_link, serve_links_to, LinkAdmit, LinkAsk, OfferBook, RendezvousError};
 use super::ring::{Ring, RingError, RoundStats, Wire};
 use crate::base::lock;
 use crate::swarm::{PeerId, SwarmError, SwarmHandle};
@@ -206,12 +206,18 @@ impl GroupNode {
     ) -> Result<GroupNode, GroupError> {
         let listener = Arc::new(LinkListener::on(&*links, ip)?);
         let book = Arc::new(OfferBook::default());
-        serve_links(&swarm, listener.clone(), book.clone())?;
+        let (sw, model, name) = (swarm.clone(), cfg.model.clone(), cfg.name.clone());
+        let admit: LinkAdmit = Arc::new(move |p: &PeerId| sw.may_train_with_peer(p, &model, &name));
+        serve_links_to(&swarm, listener.clone(), book.clone(), admit)?;
         let shared = Arc::new(Shared::new(cfg.name.clone(), swarm.peer_id.to_bytes()));
         let sh = shared.clone();
         // Under the asker's timeout, so a member still in a round answers "refused".
         let wait = cfg.timeout.mul_f64(0.9);
-        swarm.serve(GROUP, move |peer, s| serve_one(sh.clone(), peer, s, wait))?;
+        let (sw, model, name) = (swarm.clone(), cfg.model.clone(), cfg.name.clone());
+        swarm.serve(GROUP, move |peer, s| {
+            let trusted = sw.may_train_with_peer(&peer, &model, &name);
+            serve_one(sh.clone(), peer, s, wait, trusted)
+        })?;
         Ok(GroupNode {
             me: swarm.peer_id,
             cfg,
@@ -249,6 +255,12 @@ impl GroupNode {
                             .as_ref()
                             .is_some_and(|g| g.name == self.cfg.name && g.mode == self.cfg.mode)
                 })
+            })
+            // Trusting a run: certified to train this model in this group (see
+            // `swarm::trust`); a closed swarm: any key holder; an open one: nobody.
+            .filter(|e| {
+                self.swarm
+                    .may_train_with(e, &self.cfg.model, &self.cfg.name)
             })
             .filter(|e| match self.suspected.get(&e.peer) {
                 // Gossiped since it was left out: a candidate again.

@@ -116,6 +116,18 @@ pub enum Request {
     },
 }
 
+impl Request {
+    /// Its name, for logs.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Request::Prepare { .. } => "prepare",
+            Request::Start(_) => "start",
+            Request::Manifest { .. } => "manifest",
+            Request::Chunk { .. } => "chunk",
+        }
+    }
+}
+
 /// A member's state as content-addressed chunks: a joiner fetches them from several
 /// members at once and checks each against its blake3.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -388,6 +400,7 @@ pub(super) async fn serve_one(
     peer: PeerId,
     mut s: Stream,
     wait: Duration,
+    trusted: bool,
 ) -> Result<(), FrameError> {
     let req: Request = match read_frame(&mut s, LIMIT).await {
         Ok(r) => r,
@@ -396,6 +409,23 @@ pub(super) async fn serve_one(
             return Err(e);
         }
     };
+    if !trusted {
+        // Not a peer this member may train with (see `swarm::trust`): nothing it sends
+        // is looked at.
+        warn!(
+            group = shared.group,
+            %peer,
+            request = req.kind(),
+            "refused a group request from a peer not trusted to train in this group"
+        );
+        let reply = Reply::Refused {
+            reason: "not trusted to train in this group (no certificate of this run for it)".into(),
+            promised: Ballot::default(),
+        };
+        write_frame(&mut s, &reply, LIMIT).await?;
+        let _ = futures::io::AsyncWriteExt::close(&mut s).await;
+        return Ok(());
+    }
     let sh = shared.clone();
     let from = peer.to_bytes();
     let reply = tokio::task::spawn_blocking(move || sh.answer(&from, req, wait))

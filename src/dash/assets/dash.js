@@ -23,6 +23,17 @@ function num(v, digits) {
 function short(peer) { return peer.length > 14 ? "…" + peer.slice(-10) : peer; }
 function $(id) { return document.getElementById(id); }
 
+// What the peer's certificate of the trusted run grants (see swarm::trust), or why it has none.
+function certified(p) {
+  const c = p.certified;
+  if (c) {
+    const what = [c.serve ? "serve" : "", c.train ? `train in ${esc(c.group)}` : ""].filter(x => x).join(", ");
+    return `<span class="cert yes" title="until ${esc(new Date(1000 * c.until_unix).toISOString())}">yes: ${esc(c.model)} (${what})</span>`;
+  }
+  if (p.cert_problem) return `<span class="cert no" title="${esc(p.cert_problem)}">no</span>`;
+  return '<span class="muted">– (no run)</span>';
+}
+
 function renderSwarm(st) {
   const rows = st.view.map(p => {
     const models = (p.models || []).map(m =>
@@ -35,10 +46,10 @@ function renderSwarm(st) {
       <td>${esc(p.role)}</td><td>${models || '<span class="muted">–</span>'}</td>
       <td>${p.role === "server" ? num(100 * p.load, 0) + "%" : "–"}</td>
       <td>${p.role === "server" ? esc(p.queue_depth) : "–"}</td><td>${cache || "–"}</td>
-      <td>${esc(p.episodes)}</td><td>${num(p.age_s, 1)} s ago</td></tr>`;
+      <td>${esc(p.episodes)}</td><td>${num(p.age_s, 1)} s ago</td><td>${certified(p)}</td></tr>`;
   });
   $("swarm").tBodies[0].innerHTML = rows.join("");
-  $("swarm-count").textContent = `${st.view.length} peers`;
+  $("swarm-count").textContent = `${st.view.length} peers · trusts ${st.trust || "?"}`;
 }
 
 function renderGroups(st) {
