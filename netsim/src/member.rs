@@ -46,6 +46,8 @@ pub struct MemberConfig {
     pub lr: f32,
     /// Tests only: hold every value round this long mid-way.
     pub midway_pause: Option<Duration>,
+    /// Tests only: from this group step on, the member sends NaN values (a rogue).
+    pub send_nan_from: Option<u64>,
 }
 
 impl MemberConfig {
@@ -56,6 +58,7 @@ impl MemberConfig {
             wire: self.wire,
             hash_every: self.hash_every,
             midway_pause: self.midway_pause,
+            send_nan_from: self.send_nan_from,
         }
     }
 

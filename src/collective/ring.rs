@@ -47,6 +47,11 @@ pub enum RingError {
     Framing { got: usize, want: usize },
     #[error("the sending thread panicked")]
     Panicked,
+    /// The left neighbour sent values that are not finite (or that overflowed when added
+    /// in). Every member checks what it receives before it adds or forwards anything, so
+    /// an honest member never passes a NaN on: the first to see one names its sender.
+    #[error("non-finite values arrived from the left neighbour")]
+    NonFinite,
 }
 
 /// A member's place in a ring: its rank, the ring's size, and its links.
@@ -273,16 +278,21 @@ fn recv_segment(
             // The wire bytes are the values: opened straight into the data.
             rx.recv_into(bytemuck::cast_slice_mut(part))
                 .map_err(RingError::Recv)?;
-            continue;
+        } else {
+            let bytes = rx.recv().map_err(RingError::Recv)?;
+            if bytes.len() != part.len() * w {
+                return Err(RingError::Framing {
+                    got: bytes.len(),
+                    want: part.len() * w,
+                });
+            }
+            decode(bytes, wire, part, store);
         }
-        let bytes = rx.recv().map_err(RingError::Recv)?;
-        if bytes.len() != part.len() * w {
-            return Err(RingError::Framing {
-                got: bytes.len(),
-                want: part.len() * w,
-            });
+        // This member's own values are finite (the member loop zeroes its own NaN), so a
+        // non-finite result came from the left.
+        if !part.iter().all(|x| x.is_finite()) {
+            return Err(RingError::NonFinite);
         }
-        decode(bytes, wire, part, store);
     }
     Ok(())
 }

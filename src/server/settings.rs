@@ -74,6 +74,9 @@ pub struct CollectiveSettings {
     /// Tests only: after applying this group step, this member's parameters silently
     /// drift (one value moved by 1e-3), as a corrupted member's would.
     pub perturb_at: Option<u64>,
+    /// Tests only: from this group step on, this member sends NaN values (see
+    /// `LoopConfig::send_nan_from`).
+    pub send_nan_from: Option<u64>,
 }
 
 impl Default for CollectiveSettings {
@@ -86,6 +89,7 @@ impl Default for CollectiveSettings {
             group: None,
             hash_every: 10,
             perturb_at: None,
+            send_nan_from: None,
         }
     }
 }
@@ -141,6 +145,7 @@ impl TrainSettings {
             wire: self.collective.wire,
             hash_every: self.collective.hash_every,
             midway_pause: self.collective.midway_pause,
+            send_nan_from: self.collective.send_nan_from,
         }
     }
 }

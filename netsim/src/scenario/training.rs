@@ -145,6 +145,7 @@ pub async fn run_mode(env: &Env, a: &Args, mode: Mode) -> anyhow::Result<Outcome
         timeout: a.timeout,
         lr: 1e-2,
         midway_pause: None,
+        send_nan_from: None,
     };
     let lag = LagProbe::start(Duration::from_millis(100));
     super::start_many(&c, Role::Plain, a.peers).await?;

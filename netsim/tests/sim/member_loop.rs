@@ -37,6 +37,7 @@ fn config(mode: Mode) -> MemberConfig {
         timeout: Duration::from_secs(2),
         lr: 0.1,
         midway_pause: None,
+        send_nan_from: None,
     }
 }
 
@@ -637,5 +638,83 @@ async fn a_member_of_another_shape_is_left_out_and_says_why() {
         m.applied(2);
     }
     stop_all_identical(ms);
+    sim.c.shutdown().await;
+}
+
+/// A member that sends NaN values (a rogue, or a broken one that skips its own check):
+/// the member right of it in the ring sees them first, fails the round, names it, and no
+/// longer trains with it; the others go on as a group of three, and no NaN reaches any
+/// honest member's parameters.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_that_sends_nan_is_named_and_the_others_train_on_without_it() {
+    let _one = one_at_a_time().await;
+    let sim = Sim::new(31, Mode::Sync).await;
+    let cfg = config(Mode::Sync);
+    let peers = sim.peers(4).await;
+    let rogue_id = peers[3].peer_id;
+    let mut rogue_cfg = cfg.clone();
+    rogue_cfg.send_nan_from = Some(3);
+    let specs = vec![
+        (cfg.clone(), 1, ToyHooks::default(), None),
+        (cfg.clone(), 2, ToyHooks::default(), None),
+        (cfg.clone(), 3, ToyHooks::default(), None),
+        (rogue_cfg, 4, ToyHooks::default(), None),
+    ];
+    let mut ms = sim.start(peers, &[], specs).await;
+    let rogue = ms.pop().unwrap();
+    for m in &mut ms {
+        m.formed(4);
+        m.applied(2);
+    }
+    // The honest three form an epoch without it and keep stepping.
+    for m in &mut ms {
+        m.formed(3);
+    }
+    let at = ms
+        .iter()
+        .map(|m| m.applied_steps().last().map_or(0, |s| s.0))
+        .max()
+        .unwrap();
+    for m in &mut ms {
+        m.applied(at + 3);
+    }
+    let named: usize = ms
+        .iter()
+        .map(|m| {
+            m.count(|e| {
+                matches!(e, MemberEvent::RoundFailed { error, .. }
+                    if error.contains(&rogue_id.to_string()) && error.contains("non-finite"))
+            })
+        })
+        .sum();
+    assert!(named >= 1, "no honest member named the rogue {rogue_id}");
+    // No step from the rogue's first NaN on was taken with it.
+    for m in &ms {
+        for e in &m.seen {
+            if let MemberEvent::Applied { steps, members, .. } = e {
+                assert!(
+                    *steps < 3 || *members < 4,
+                    "step {steps} with {members} members"
+                );
+            }
+        }
+    }
+    same_hash_per_step(&ms.iter().collect::<Vec<_>>());
+    let _ = tokio::task::block_in_place(|| rogue.run.stop_and_join(StopMode::Abort));
+    // Every honest member ends with the same, finite parameters.
+    let mut params: Vec<Vec<f32>> = Vec::new();
+    for m in ms {
+        let l = tokio::task::block_in_place(|| m.run.stop_and_join(StopMode::Drain))
+            .expect("an honest member's loop failed");
+        assert!(
+            l.params().iter().all(|x| x.is_finite()),
+            "a NaN reached the parameters"
+        );
+        params.push(l.params().to_vec());
+    }
+    assert!(
+        params.windows(2).all(|w| w[0] == w[1]),
+        "members differ at the end"
+    );
     sim.c.shutdown().await;
 }

@@ -270,6 +270,10 @@ pub struct ServerCli {
     /// Tests only: after this step this member's parameters silently drift.
     #[arg(long, hide = true)]
     pub test_perturb_at_step: Option<u64>,
+    /// Tests only: from this group step on, send NaN values in every gradient round (a
+    /// rogue member; the others must refuse them and name this peer).
+    #[arg(long, hide = true)]
+    pub test_send_nan_from_step: Option<u64>,
     /// Tests only: hold every gradient all-reduce this many milliseconds between its
     /// reduce-scatter and its all-gather.
     #[arg(long, hide = true)]

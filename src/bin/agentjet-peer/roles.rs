@@ -84,6 +84,7 @@ mod torch {
                             hash_every: self.hash_every,
                             group: self.train_group.clone(),
                             perturb_at: self.test_perturb_at_step,
+                            send_nan_from: self.test_send_nan_from_step,
                             ..CollectiveSettings::default()
                         },
                         outer: (self.sync_every > 0)

@@ -117,6 +117,8 @@ pub enum GroupError {
     Link(#[from] LinkError),
     #[error(transparent)]
     Ring(#[from] RingError),
+    #[error("{0} sent non-finite values: it is not trained with")]
+    NonFinite(PeerId),
     #[error(transparent)]
     Rendezvous(#[from] RendezvousError),
     #[error("{peer}: {source}")]
@@ -173,6 +175,10 @@ pub struct GroupNode {
     links: Arc<dyn LinkNet>,
     /// Candidates left out, and when: they count again once they gossip after that.
     suspected: HashMap<PeerId, Instant>,
+    /// Candidates that declined a ring with a member that sent them non-finite values,
+    /// and when: left out for [`GroupNode::decline_for`], so the others form a ring
+    /// (where that member is found out too) instead of proposing to them again at once.
+    declined: HashMap<PeerId, Instant>,
 }
 
 fn peer_of(b: &[u8]) -> Result<PeerId, GroupError> {
@@ -207,15 +213,19 @@ impl GroupNode {
         let listener = Arc::new(LinkListener::on(&*links, ip)?);
         let book = Arc::new(OfferBook::default());
         let (sw, model, name) = (swarm.clone(), cfg.model.clone(), cfg.name.clone());
-        let admit: LinkAdmit = Arc::new(move |p: &PeerId| sw.may_train_with_peer(p, &model, &name));
-        serve_links_to(&swarm, listener.clone(), book.clone(), admit)?;
         let shared = Arc::new(Shared::new(cfg.name.clone(), swarm.peer_id.to_bytes()));
+        let sh = shared.clone();
+        let admit: LinkAdmit = Arc::new(move |p: &PeerId| {
+            sw.may_train_with_peer(p, &model, &name) && !sh.is_banned(&p.to_bytes())
+        });
+        serve_links_to(&swarm, listener.clone(), book.clone(), admit)?;
         let sh = shared.clone();
         // Under the asker's timeout, so a member still in a round answers "refused".
         let wait = cfg.timeout.mul_f64(0.9);
         let (sw, model, name) = (swarm.clone(), cfg.model.clone(), cfg.name.clone());
         swarm.serve(GROUP, move |peer, s| {
-            let trusted = sw.may_train_with_peer(&peer, &model, &name);
+            let trusted =
+                sw.may_train_with_peer(&peer, &model, &name) && !sh.is_banned(&peer.to_bytes());
             serve_one(sh.clone(), peer, s, wait, trusted)
         })?;
         Ok(GroupNode {
@@ -228,6 +238,7 @@ impl GroupNode {
             book,
             links,
             suspected: HashMap::new(),
+            declined: HashMap::new(),
         })
     }
 
@@ -237,6 +248,11 @@ impl GroupNode {
         self.cfg.timeout.max(Duration::from_secs(1))
     }
 
+    /// How long a candidate that declined a ring is left out (see `declined`).
+    fn decline_for(&self) -> Duration {
+        (self.control_timeout() * 3).max(Duration::from_secs(10))
+    }
+
     pub fn config(&self) -> &GroupConfig {
         &self.cfg
     }
@@ -244,7 +260,33 @@ impl GroupNode {
     /// The live candidates (this member included), in ring order.
     pub fn candidates(&self) -> Vec<PeerId> {
         let mut c: Vec<PeerId> = self
-            .swarm
+            .visible()
+            .into_iter()
+            .filter(|e| !self.shared.is_banned(&e.peer.to_bytes()))
+            .filter(|e| !self.is_declined(&e.peer))
+            .filter(|e| match self.suspected.get(&e.peer) {
+                // Gossiped since it was left out: a candidate again.
+                Some(at) => e.age < at.elapsed(),
+                None => true,
+            })
+            .map(|e| e.peer)
+            .collect();
+        c.push(self.me);
+        c.sort_by_key(|p| p.to_bytes());
+        c.dedup();
+        c
+    }
+
+    fn is_declined(&self, p: &PeerId) -> bool {
+        self.declined
+            .get(p)
+            .is_some_and(|at| at.elapsed() <= self.decline_for())
+    }
+
+    /// The peers the view shows training this model in this group, that this member may
+    /// train with by the swarm's trust (this member not included).
+    fn visible(&self) -> Vec<crate::swarm::ViewEntry> {
+        self.swarm
             .view()
             .into_iter()
             .filter(|e| !e.is_self)
@@ -262,17 +304,7 @@ impl GroupNode {
                 self.swarm
                     .may_train_with(e, &self.cfg.model, &self.cfg.name)
             })
-            .filter(|e| match self.suspected.get(&e.peer) {
-                // Gossiped since it was left out: a candidate again.
-                Some(at) => e.age < at.elapsed(),
-                None => true,
-            })
-            .map(|e| e.peer)
-            .collect();
-        c.push(self.me);
-        c.sort_by_key(|p| p.to_bytes());
-        c.dedup();
-        c
+            .collect()
     }
 
     /// Candidates visible that are not in `m` (the ring then dissolves to take them in).
@@ -304,7 +336,7 @@ impl GroupNode {
         let newcomer = !self.newcomers(m).is_empty();
         let reform = lock(&self.shared.inner).reform;
         let mut v = [ready as f32, (reform || newcomer || stop) as u8 as f32];
-        m.ring.all_reduce(&mut v, Wire::F32)?;
+        self.reduce(m, &mut v, Wire::F32)?;
         self.state_fetched();
         Ok(Beat {
             ready: v[0] as f64,
@@ -319,9 +351,37 @@ impl GroupNode {
         data: &mut [f32],
         wire: Wire,
     ) -> Result<RoundStats, GroupError> {
-        let r = m.ring.all_reduce(data, wire)?;
+        let r = self.reduce(m, data, wire)?;
         self.state_fetched();
         Ok(r)
+    }
+
+    /// One all-reduce on `m`'s ring. Non-finite values from the left neighbour name it:
+    /// logged with its peer id, and this member does not train with it for [`proto::BAN`]
+    /// (it is no candidate, its requests and link asks are refused, and a Prepare or
+    /// Start naming it is refused).
+    fn reduce(
+        &self,
+        m: &mut Membership,
+        data: &mut [f32],
+        wire: Wire,
+    ) -> Result<RoundStats, GroupError> {
+        match m.ring.all_reduce(data, wire) {
+            Err(RingError::NonFinite) => {
+                let n = m.size();
+                let left = m.members[(m.ring.rank + n - 1) % n];
+                warn!(
+                    group = self.cfg.name,
+                    peer = %left,
+                    epoch = m.epoch(),
+                    "non-finite values arrived from this member: the round fails, and it is not trained with for {} s",
+                    proto::BAN.as_secs()
+                );
+                self.shared.ban(left.to_bytes());
+                Err(GroupError::NonFinite(left))
+            }
+            r => Ok(r?),
+        }
     }
 
     /// A round of the ring completed, so every member built it: a member that fetched
@@ -341,7 +401,7 @@ impl GroupNode {
             g.promised == m.start.ballot && !g.reform && !g.stopping
         };
         let mut v = [stands as u8 as f32];
-        m.ring.all_reduce(&mut v, Wire::F32)?;
+        self.reduce(m, &mut v, Wire::F32)?;
         Ok(v[0] as usize == m.size())
     }
 
@@ -355,7 +415,7 @@ impl GroupNode {
             .map(|&b| b as f32)
             .chain(hash.iter().map(|&b| (b as f32) * (b as f32)))
             .collect();
-        m.ring.all_reduce(&mut v, Wire::F32)?;
+        self.reduce(m, &mut v, Wire::F32)?;
         let n = m.size() as f64;
         Ok(hash.iter().enumerate().all(|(i, &b)| {
             let (x, sum, sq) = (b as f64, v[i] as f64, v[32 + i] as f64);
@@ -412,6 +472,16 @@ impl GroupNode {
             for p in &start.excluded {
                 if let Ok(p) = peer_of(p) {
                     self.suspected.insert(p, Instant::now());
+                }
+            }
+            for p in &start.declined {
+                match peer_of(p) {
+                    // A Start re-stating a decline does not prolong it: it ends when the
+                    // first one does.
+                    Ok(p) if p != self.me && !self.is_declined(&p) => {
+                        self.declined.insert(p, Instant::now());
+                    }
+                    _ => {}
                 }
             }
             info!(
@@ -479,6 +549,16 @@ impl GroupNode {
             .zip(&start.actions)
             .filter(|(_, a)| **a == Action::Ready)
             .filter_map(|(p, _)| peer_of(p).ok())
+            // State only from members this one may train with (see `swarm::trust`).
+            .filter(|p| {
+                let ok = self
+                    .swarm
+                    .may_train_with_peer(p, &self.cfg.model, &self.cfg.name);
+                if !ok {
+                    warn!(group = self.cfg.name, peer = %p, "not fetching the state from a member not trusted to train in this group");
+                }
+                ok
+            })
             .collect();
         if sources.is_empty() {
             return Err(GroupError::Refused(
@@ -650,6 +730,7 @@ impl GroupNode {
         let mut states: Vec<(PeerId, MemberState)> = vec![(self.me, mine.clone())];
         let mut excluded = Vec::new();
         let mut refused = Vec::new();
+        let mut accusations: Vec<(PeerId, PeerId)> = Vec::new();
         for (p, r) in others.iter().zip(replies) {
             match r {
                 Ok(Reply::State(st)) => states.push((*p, st)),
@@ -667,6 +748,9 @@ impl GroupNode {
                     info!(group = self.cfg.name, peer = %p, "refused the ballot: {reason}");
                     if reason == proto::STOPPING {
                         excluded.push(*p);
+                    } else if let Some(accused) = declined_peer(&reason) {
+                        accusations.push((*p, accused));
+                        excluded.push(*p);
                     } else {
                         refused.push(*p);
                     }
@@ -679,6 +763,12 @@ impl GroupNode {
                     warn!(group = self.cfg.name, peer = %p, "no answer to the prepare: {e}");
                     excluded.push(*p);
                 }
+            }
+        }
+        if !accusations.is_empty() {
+            for p in left_out(self.me, &accusations) {
+                info!(group = self.cfg.name, peer = %p, "left out for a while: declined by other members, or declining this one");
+                self.declined.insert(p, Instant::now());
             }
         }
         if !excluded.is_empty() || !refused.is_empty() {
@@ -694,7 +784,15 @@ impl GroupNode {
                 refused.len()
             )));
         }
-        let start = decide(&self.cfg.name, ballot, states);
+        let mut start = decide(&self.cfg.name, ballot, states);
+        // Visible peers this proposer does not train with for a while: every member
+        // leaves them out as long (see `Start::declined`).
+        for e in self.visible() {
+            if self.shared.is_banned(&e.peer.to_bytes()) || self.is_declined(&e.peer) {
+                start.declined.push(e.peer.to_bytes());
+                start.excluded.push(e.peer.to_bytes());
+            }
+        }
         if lock(&self.shared.inner).promised != start.ballot {
             return Err(GroupError::Refused("a higher ballot came meanwhile".into()));
         }
@@ -851,6 +949,53 @@ fn manifest_fault(m: &StateManifest, max_len: u64) -> Option<String> {
 
 /// The proposer's decision from every candidate's state (its own included): who is in,
 /// at which step and parameters, and what each does first. See the module docs.
+/// The member a refusal declines a ring with (see [`proto::DECLINES`]), if it is one.
+fn declined_peer(reason: &str) -> Option<PeerId> {
+    let rest = reason.strip_prefix(proto::DECLINES)?.trim_start();
+    let id: String = rest
+        .chars()
+        .take_while(|c| c.is_ascii_alphanumeric())
+        .collect();
+    id.parse().ok()
+}
+
+/// Whom a proposer leaves out for a while, given who declined a ring with whom
+/// (accuser, accused): repeatedly, the candidates accused by the most of those still in
+/// (if that is the proposer itself, its accusers instead), until no accusation among
+/// those still in remains. A member that sent NaN is accused by every member that saw
+/// it and goes first; its own accusations then no longer count.
+pub fn left_out(me: PeerId, accusations: &[(PeerId, PeerId)]) -> Vec<PeerId> {
+    let mut out: Vec<PeerId> = Vec::new();
+    loop {
+        let live: Vec<&(PeerId, PeerId)> = accusations
+            .iter()
+            .filter(|(a, b)| a != b && !out.contains(a) && !out.contains(b))
+            .collect();
+        let mut count: HashMap<PeerId, usize> = HashMap::new();
+        for (_, b) in &live {
+            *count.entry(*b).or_default() += 1;
+        }
+        let Some(&most) = count.values().max() else {
+            return out;
+        };
+        let mut worst: Vec<PeerId> = count
+            .iter()
+            .filter(|(_, n)| **n == most)
+            .map(|(p, _)| *p)
+            .collect();
+        if worst.contains(&me) {
+            worst = live
+                .iter()
+                .filter(|(_, b)| *b == me)
+                .map(|(a, _)| *a)
+                .collect();
+        }
+        worst.sort_by_key(|p| p.to_bytes());
+        worst.dedup();
+        out.extend(worst);
+    }
+}
+
 pub fn decide(group: &str, ballot: Ballot, states: Vec<(PeerId, MemberState)>) -> Start {
     let values = states[0].1.values;
     let max_steps = states
@@ -914,6 +1059,7 @@ pub fn decide(group: &str, ballot: Ballot, states: Vec<(PeerId, MemberState)>) -
         hash,
         retry,
         excluded,
+        declined: Vec::new(),
     }
 }
 
@@ -930,6 +1076,35 @@ mod tests {
             pending,
             held,
         }
+    }
+
+    #[test]
+    fn the_member_most_declined_is_left_out_and_its_own_accusations_then_do_not_count() {
+        let id = || {
+            crate::swarm::Keypair::generate_ed25519()
+                .public()
+                .to_peer_id()
+        };
+        let (me, h1, h2, rogue) = (id(), id(), id(), id());
+        // Two members saw NaN from the rogue; the rogue declines the proposer.
+        let acc = [(h1, rogue), (h2, rogue), (rogue, me)];
+        assert_eq!(left_out(me, &acc), vec![rogue]);
+        // Only the proposer is accused: its accuser goes.
+        assert_eq!(left_out(me, &[(h1, me)]), vec![h1]);
+        // One against one: both go.
+        let mut both = left_out(me, &[(h1, h2), (h2, h1)]);
+        both.sort_by_key(|p| p.to_bytes());
+        let mut want = vec![h1, h2];
+        want.sort_by_key(|p| p.to_bytes());
+        assert_eq!(both, want);
+        assert!(left_out(me, &[]).is_empty());
+        // The refusal's text names the member declined.
+        let reason = format!(
+            "{} {rogue}, which sent this member non-finite values",
+            proto::DECLINES
+        );
+        assert_eq!(declined_peer(&reason), Some(rogue));
+        assert_eq!(declined_peer("promised an equal or higher ballot"), None);
     }
 
     #[test]

@@ -8,8 +8,9 @@
 //!
 //! The handler only records and answers; the member's training thread acts.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
@@ -95,6 +96,10 @@ pub struct Start {
     /// Candidates left out (no answer, or a state no member can reach): members do not
     /// count them as newcomers until they gossip again.
     pub excluded: Vec<Vec<u8>>,
+    /// Of those, the ones the proposer does not train with for a while (they declined a
+    /// ring, or sent it non-finite values): every member leaves them out as long, so no
+    /// member dissolves the ring to take them in.
+    pub declined: Vec<Vec<u8>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -114,6 +119,11 @@ pub enum Request {
         group: String,
         index: u32,
     },
+}
+
+/// A peer id's text from its bytes ("?" if they are not one).
+pub(super) fn peer_name(b: &[u8]) -> String {
+    PeerId::from_bytes(b).map_or_else(|_| "?".into(), |p| p.to_string())
 }
 
 impl Request {
@@ -168,7 +178,17 @@ pub(super) struct Shared {
     /// Signalled on every change of `inner` (the thread waits for a Start, handlers for
     /// the state).
     pub changed: Condvar,
+    /// Members that sent this one non-finite values, and when: for [`BAN`] it does not
+    /// train with them (no candidate, no ring, no request answered).
+    pub banned: Mutex<HashMap<Vec<u8>, Instant>>,
 }
+
+/// How a member's refusal starts when a Prepare or Start names a member it does not train
+/// with (the proposer then leaves the refuser out for a while, see `GroupNode`).
+pub const DECLINES: &str = "declines a ring with";
+
+/// How long a member that sent non-finite values is not trained with.
+pub const BAN: Duration = Duration::from_secs(600);
 
 #[derive(Default)]
 pub(super) struct Inner {
@@ -190,7 +210,27 @@ impl Shared {
             me,
             inner: Mutex::new(Inner::default()),
             changed: Condvar::new(),
+            banned: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Whether `peer` (id bytes) sent this member non-finite values within [`BAN`].
+    pub fn is_banned(&self, peer: &[u8]) -> bool {
+        let mut b = lock(&self.banned);
+        b.retain(|_, at| at.elapsed() < BAN);
+        b.contains_key(peer)
+    }
+
+    pub fn ban(&self, peer: Vec<u8>) {
+        lock(&self.banned).insert(peer, Instant::now());
+    }
+
+    /// The first of `members` this member does not train with, if any.
+    fn banned_among<'a>(&self, members: &'a [Vec<u8>]) -> Option<&'a [u8]> {
+        members
+            .iter()
+            .find(|m| self.is_banned(m))
+            .map(|m| m.as_slice())
     }
 
     fn refuse(&self, reason: impl Into<String>) -> Reply {
@@ -202,7 +242,7 @@ impl Shared {
 
     /// A refusal of a malformed or forged request, logged with the sender's id.
     fn reject(&self, from: &[u8], why: String) -> Reply {
-        let peer = PeerId::from_bytes(from).map_or_else(|_| "?".into(), |p| p.to_string());
+        let peer = peer_name(from);
         warn!(group = self.group, %peer, "refused a group message: {why}");
         self.refuse(why)
     }
@@ -237,6 +277,12 @@ impl Shared {
                             members.len()
                         ),
                     );
+                }
+                if let Some(b) = self.banned_among(&members) {
+                    return self.refuse(format!(
+                        "{DECLINES} {}, which sent this member non-finite values",
+                        peer_name(b)
+                    ));
                 }
                 let mut g = lock(&self.inner);
                 if g.stopping {
@@ -307,6 +353,12 @@ impl Shared {
                 if start.ballot.proposer != from {
                     return self.reject(from, "a start whose proposer is not its sender".into());
                 }
+                if let Some(b) = self.banned_among(&start.members) {
+                    return self.refuse(format!(
+                        "{DECLINES} {}, which sent this member non-finite values",
+                        peer_name(b)
+                    ));
+                }
                 let mut g = lock(&self.inner);
                 if start.group != self.group || start.ballot != g.promised || g.stopping {
                     drop(g);
@@ -334,7 +386,11 @@ pub(super) fn start_fault(
     state: Option<&MemberState>,
 ) -> Result<(), String> {
     let n = start.members.len();
-    if n == 0 || n > MAX_MEMBERS || start.excluded.len() > MAX_MEMBERS {
+    if n == 0
+        || n > MAX_MEMBERS
+        || start.excluded.len() > MAX_MEMBERS
+        || start.declined.len() > MAX_MEMBERS
+    {
         return Err(format!(
             "a start of {n} members and {} excluded",
             start.excluded.len()
@@ -418,8 +474,13 @@ pub(super) async fn serve_one(
             request = req.kind(),
             "refused a group request from a peer not trusted to train in this group"
         );
+        // In the form a proposer recognises: it leaves this member out for a while
+        // instead of proposing to it again at once.
         let reply = Reply::Refused {
-            reason: "not trusted to train in this group (no certificate of this run for it)".into(),
+            reason: format!(
+                "{DECLINES} {peer}: not trusted to train in this group (not certified for it, \
+                 or it sent this member non-finite values)"
+            ),
             promised: Ballot::default(),
         };
         write_frame(&mut s, &reply, LIMIT).await?;
@@ -560,6 +621,7 @@ mod tests {
             hash: [7; 32],
             retry: false,
             excluded: vec![],
+            declined: vec![],
         };
         assert!(matches!(
             sh.answer(a, Request::Start(start(ballot(2, a))), Duration::ZERO),
@@ -640,6 +702,7 @@ mod tests {
             hash: [7; 32],
             retry: false,
             excluded: vec![],
+            declined: vec![],
         };
         let start = |from: &[u8], f: &dyn Fn(&mut Start)| {
             let mut s = good.clone();

@@ -63,6 +63,9 @@ pub struct LoopConfig {
     /// Tests only: hold every value round this long between its reduce-scatter and its
     /// all-gather (to kill a member mid-round).
     pub midway_pause: Option<Duration>,
+    /// Tests only: from this group step on, this member sends NaN values in every value
+    /// round, past its own finiteness check (a rogue member, for the rogue-peer harness).
+    pub send_nan_from: Option<u64>,
 }
 
 impl Default for LoopConfig {
@@ -73,6 +76,7 @@ impl Default for LoopConfig {
             wire: Wire::F32,
             hash_every: 10,
             midway_pause: None,
+            send_nan_from: None,
         }
     }
 }

@@ -74,7 +74,9 @@ enum Ended<E: std::fmt::Display + std::fmt::Debug> {
 impl<E: std::fmt::Display + std::fmt::Debug> From<GroupError> for Ended<E> {
     fn from(e: GroupError) -> Self {
         match e {
-            GroupError::Ring(_) | GroupError::Link(_) => Ended::RoundFailed(e),
+            GroupError::Ring(_) | GroupError::Link(_) | GroupError::NonFinite(_) => {
+                Ended::RoundFailed(e)
+            }
             other => Ended::Fatal(MemberError::Group(other)),
         }
     }

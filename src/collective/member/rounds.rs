@@ -149,6 +149,17 @@ impl<L: Learner> MemberLoop<'_, L> {
         mut values: Vec<f32>,
     ) -> Result<(), Ended<L::Error>> {
         self.node.sum(m, &mut stats, Wire::F32)?;
+        if self
+            .cfg
+            .send_nan_from
+            .is_some_and(|s| self.group_steps() + 1 >= s)
+        {
+            warn!(
+                group = self.node.config().name,
+                "test hook: this member sends NaN values"
+            );
+            values.fill(f32::NAN);
+        }
         m.ring.midway_pause = self.cfg.midway_pause;
         let round = self.node.sum(m, &mut values, self.cfg.wire);
         m.ring.midway_pause = None;
