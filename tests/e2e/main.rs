@@ -14,6 +14,7 @@ mod crash;
 mod dashboard;
 mod elastic;
 mod openai_api;
+mod rogue;
 mod routing;
 mod stop;
 mod swarm;
