@@ -270,6 +270,10 @@ fn tcp_ports(pid: u32) -> Vec<u16> {
         .collect()
 }
 
+// The heavy-test guard is held across awaits on purpose: it only keeps other heavy
+// tests (other libtest threads) from running beside this one; nothing in this runtime
+// takes it.
+#[allow(clippy::await_holding_lock)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rogue_peers_change_no_honest_parameter_stop_no_training_and_are_named() {
     let _heavy = tokio::task::block_in_place(common::heavy);

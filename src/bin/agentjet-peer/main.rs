@@ -19,10 +19,11 @@ use tokio::signal::unix::{signal, Signal, SignalKind};
 
 use args::{Cli, ClientCli, Command, PeerCli, Role};
 
-/// A parsed command line: a role with its own flags, or a tool.
+/// A parsed command line: a role with its own flags, or a tool (the large flag sets
+/// boxed).
 enum Parsed {
-    Server(args::ServerCli),
-    Client(ClientCli),
+    Server(Box<args::ServerCli>),
+    Client(Box<ClientCli>),
     Peer(PeerCli),
     Tool(Cli),
 }
@@ -30,8 +31,8 @@ enum Parsed {
 fn main() {
     let argv: Vec<String> = std::env::args().collect();
     let parsed = match args::role_of(&argv) {
-        Some(Role::Server) => Parsed::Server(args::ServerCli::parse_from(&argv)),
-        Some(Role::Client) => Parsed::Client(ClientCli::parse_from(&argv)),
+        Some(Role::Server) => Parsed::Server(Box::new(args::ServerCli::parse_from(&argv))),
+        Some(Role::Client) => Parsed::Client(Box::new(ClientCli::parse_from(&argv))),
         Some(Role::Peer) => Parsed::Peer(PeerCli::parse_from(&argv)),
         None => Parsed::Tool(Cli::parse_from(&argv)),
     };
@@ -54,8 +55,8 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     let result = match parsed {
-        Parsed::Server(cli) => run_server(cli),
-        Parsed::Client(cli) => with_signals(|stop| roles::client(cli, stop)),
+        Parsed::Server(cli) => run_server(*cli),
+        Parsed::Client(cli) => with_signals(|stop| roles::client(*cli, stop)),
         Parsed::Peer(cli) => with_signals(|stop| roles::peer(cli, stop)),
         Parsed::Tool(cli) => run_tool(cli),
     };
