@@ -28,6 +28,7 @@ mod group_state;
 pub mod infer;
 mod learner;
 mod ledger;
+mod replay;
 pub mod served;
 mod settings;
 mod stored;

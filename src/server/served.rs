@@ -33,6 +33,8 @@ pub struct ServeLimits {
     pub fragment_cache_bytes: usize,
     /// Timelines, branches and fragment references one manifest may have at most.
     pub max_manifest_refs: usize,
+    /// Bytes of episodes one submitting peer may store on this server (since its start).
+    pub max_episode_bytes_per_peer: u64,
 }
 
 impl Default for ServeLimits {
@@ -42,6 +44,7 @@ impl Default for ServeLimits {
             max_top_logprobs: 20,
             fragment_cache_bytes: 512 << 20,
             max_manifest_refs: 1 << 20,
+            max_episode_bytes_per_peer: 8 << 30,
         }
     }
 }
@@ -70,6 +73,10 @@ pub struct ServedModel {
     pub events: Events<ServerEvent>,
     /// Servers whose signatures counted, with their certificate's expiry (Unix s).
     servers: Mutex<HashMap<PeerId, Option<u64>>>,
+    /// Which episode each stored call went into (replays are refused).
+    pub(super) calls: Mutex<super::replay::CallLedger>,
+    /// Bytes stored per submitting peer.
+    pub(super) quota: Mutex<super::replay::Quota>,
     /// Where stored episodes go to be trained on (none: serving only, or stopped).
     trainer: Mutex<Option<std::sync::mpsc::Sender<TrainerInput>>>,
     /// The trainer's step count, gossiped with the status.
@@ -139,6 +146,7 @@ impl ServedModel {
         let stored = std::fs::read_dir(&episodes_dir)
             .map(|d| d.count())
             .unwrap_or(0) as u64;
+        let max_episode_bytes = limits.max_episode_bytes_per_peer;
         Ok(Arc::new(ServedModel {
             name,
             card,
@@ -153,6 +161,8 @@ impl ServedModel {
             episodes_dir,
             episodes_stored: AtomicU64::new(stored),
             servers: Mutex::new(HashMap::new()),
+            calls: Mutex::new(Default::default()),
+            quota: Mutex::new(super::replay::Quota::new(max_episode_bytes)),
             trainer: Mutex::new(None),
             train_step: AtomicU64::new(0),
             group: Mutex::new(None),
@@ -214,7 +224,7 @@ impl ServedModel {
             let running = m.tasks.token();
             async move {
                 let _running = running;
-                m.submit(s)
+                m.submit(peer, s)
                     .instrument(tracing::info_span!("episode", %peer, id = tracing::field::Empty))
                     .await
             }

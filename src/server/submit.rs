@@ -55,6 +55,10 @@ pub enum SubmitError {
     },
     #[error("encoding the episode: {0}")]
     Encode(String),
+    #[error("call {call} was already stored in episode {other:?}: a signed call counts once")]
+    Replayed { call: u32, other: String },
+    #[error("over its quota: {0}")]
+    Quota(String),
     #[error("storing the episode at {}: {source}", path.display())]
     Store {
         path: PathBuf,
@@ -147,14 +151,14 @@ impl ServedModel {
         Ok(())
     }
 
-    pub(super) async fn submit(&self, mut s: Stream) -> Result<(), SubmitError> {
+    pub(super) async fn submit(&self, peer: PeerId, mut s: Stream) -> Result<(), SubmitError> {
         let limit = self.limit();
         let m: SubmitManifest = read_frame(&mut s, limit).await?;
         let episode = m.manifest.episode_id.clone();
         tracing::Span::current().record("id", episode.as_str());
         // Taken while draining too: an episode is acknowledged only once it is on disk,
         // and a restarted trainer trains what it stored (consumed.log).
-        match self.receive_episode(&mut s, m).await {
+        match self.receive_episode(peer, &mut s, m).await {
             Ok(reply) => {
                 write_frame(&mut s, &reply, limit).await?;
                 let _ = futures::io::AsyncWriteExt::close(&mut s).await;
@@ -174,6 +178,7 @@ impl ServedModel {
 
     async fn receive_episode(
         &self,
+        peer: PeerId,
         s: &mut Stream,
         m: SubmitManifest,
     ) -> Result<SubmitReply, SubmitError> {
@@ -227,6 +232,7 @@ impl ServedModel {
             .map(|t| t.timeline(&have))
             .collect::<Result<_, _>>()?;
         let servers = self.known_servers();
+        let mut digests = Vec::new();
         for (ti, t) in timelines.iter().enumerate() {
             for c in rebuilt_calls(t) {
                 let sig = match &m.signatures[ti][c.call as usize] {
@@ -260,9 +266,19 @@ impl ServedModel {
                         model: self.name.clone(),
                     });
                 }
+                digests.push(digest);
             }
         }
-        let stored = self.store_episode(&m.manifest, &timelines)?;
+        // A signed call counts once: in the episode it was first stored in.
+        let episode = &m.manifest.episode_id;
+        if let Some((i, other)) = lock(&self.calls).replayed(episode, &digests) {
+            return Err(SubmitError::Replayed {
+                call: i as u32,
+                other: other.to_string(),
+            });
+        }
+        let stored = self.store_episode(peer, &m.manifest, &timelines)?;
+        lock(&self.calls).record(episode, &digests);
         {
             let mut cache = lock(&self.cache);
             for (h, f, n) in received {
@@ -299,6 +315,7 @@ impl ServedModel {
     /// acknowledged. A resubmitted episode replaces the earlier copy.
     fn store_episode(
         &self,
+        peer: PeerId,
         m: &EpisodeManifest,
         timelines: &[Timeline],
     ) -> Result<StoredEpisode, SubmitError> {
@@ -310,6 +327,9 @@ impl ServedModel {
             timelines: timelines.to_vec(),
         };
         let bytes = stored.encode().map_err(SubmitError::Encode)?;
+        lock(&self.quota)
+            .take(peer, bytes.len() as u64)
+            .map_err(SubmitError::Quota)?;
         write_atomic(&path, &bytes).map_err(|source| SubmitError::Store { path, source })?;
         Ok(stored)
     }

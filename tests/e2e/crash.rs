@@ -60,18 +60,22 @@ async fn submit_until_error(
 ) {
     for k in 0.. {
         let group = format!("g{round}-{k}");
-        let Ok(call) = common::peer::signed_call(&h, server, vec![5, 6, 7, 8], 4, k).await else {
-            return;
-        };
-        for (j, reward) in [(0, 1.0), (1, 0.0)] {
+        for (j, reward) in [(0u32, 1.0), (1, 0.0)] {
+            // A call of its own per episode (a signed call counts once): a prompt no other
+            // episode of the run has.
+            let prompt = vec![
+                5,
+                6,
+                10 + round as u32 % 200,
+                10 + k % 200,
+                10 + k / 200 % 200,
+                10 + j,
+            ];
+            let Ok(call) = common::peer::signed_call(&h, server, prompt, 4, k as u64).await else {
+                return;
+            };
             let id = format!("{group}-{j}");
-            let ep = Episode::single_call(
-                id.clone(),
-                "task".into(),
-                group.clone(),
-                call.clone(),
-                reward,
-            );
+            let ep = Episode::single_call(id.clone(), "task".into(), group.clone(), call, reward);
             let (m, frags) = prepare(&ep, "tiny", 2).unwrap();
             match submit(&h, server, &m, &frags).await {
                 Ok(o) => match o.reply {
@@ -170,9 +174,11 @@ fn a_server_killed_at_random_moments_loses_no_acknowledged_episode_and_trains_no
             for e in read_stored_episodes(&episodes_dir).unwrap() {
                 *by_group.entry(e.manifest.group_id.clone()).or_default() += 1;
             }
-            for (g, _) in by_group.into_iter().filter(|(_, n)| *n == 1) {
+            let lone = by_group.into_iter().filter(|(_, n)| *n == 1);
+            for (i, (g, _)) in lone.enumerate() {
+                let prompt = vec![5, 6, 7, 10 + i as u32 % 200, 10 + i as u32 / 200 % 200];
                 let call = rt
-                    .block_on(common::peer::signed_call(h, id, vec![5, 6, 7], 4, 1))
+                    .block_on(common::peer::signed_call(h, id, prompt, 4, 1))
                     .unwrap();
                 let ep =
                     Episode::single_call(format!("{g}-late"), "task".into(), g.clone(), call, 0.5);

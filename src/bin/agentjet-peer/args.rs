@@ -190,6 +190,10 @@ pub struct ServerCli {
     /// itself to serve its model and train it in its group, for 30 days (implies --run).
     #[arg(long, value_name = "FILE", conflicts_with = "cert")]
     pub run_key: Option<PathBuf>,
+    /// Bytes of episodes one submitting peer may store on this server (counted since the
+    /// server started); past it its episodes are refused.
+    #[arg(long, default_value_t = 8 << 30)]
+    pub max_episode_bytes_per_peer: u64,
     /// Serve only, do not train on submitted episodes.
     #[arg(long)]
     pub no_train: bool,

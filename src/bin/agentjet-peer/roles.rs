@@ -121,7 +121,10 @@ mod torch {
                 dashboard: (!self.no_dashboard).then(|| self.dashboard.clone()),
                 config_json: serde_json::to_value(self).ok(),
                 train,
-                limits: ServeLimits::default(),
+                limits: ServeLimits {
+                    max_episode_bytes_per_peer: self.max_episode_bytes_per_peer,
+                    ..ServeLimits::default()
+                },
                 drain_timeout: secs("drain-timeout", self.common.swarm.drain_timeout)?,
                 events_file: self.events.clone(),
             })

@@ -66,7 +66,9 @@ use render::ChatRenderer;
 use responses::responses;
 use session::{finish_all, start_chat, stream_one, EventStream, Finished, OneStream, Started};
 pub use state::FacadeConfig;
-use state::{answer, body_or_error, episode_of, now, sse_json, AppState, Body, StoredResponse};
+use state::{
+    answer, body_or_error, caller_of, episode_of, now, sse_json, AppState, Body, StoredResponse,
+};
 
 /// What a tracking facade shares with its owner (the client's episode runner).
 #[derive(Clone)]

@@ -89,7 +89,26 @@ pub(super) struct AppState {
 #[derive(Clone)]
 pub(super) struct StoredResponse {
     pub(super) episode: Option<String>,
+    /// Who stored it (see [`caller_of`]): only the same caller finds it again.
+    pub(super) caller: Option<[u8; 32]>,
     pub(super) messages: Vec<Json_>,
+}
+
+/// The caller of a request, tracking or not: a hash of its credential (the bearer token,
+/// else `x-api-key`), None without one. Stored responses are found only by their caller.
+pub(super) fn caller_of(headers: &axum::http::HeaderMap) -> Option<[u8; 32]> {
+    let bearer = headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .map(|a| a.strip_prefix("Bearer ").unwrap_or(a).trim());
+    let key = headers
+        .get("x-api-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim);
+    bearer
+        .filter(|t| !t.is_empty())
+        .or(key.filter(|t| !t.is_empty()))
+        .map(|t| *blake3::hash(t.as_bytes()).as_bytes())
 }
 
 /// The episode a request belongs to, when tracking: its bearer token (OpenAI SDKs), else
@@ -148,4 +167,30 @@ pub(super) fn now() -> u64 {
 
 pub(super) fn sse_json(v: &Json_) -> Result<Event, Infallible> {
     Ok(Event::default().data(v.to_string()))
+}
+
+#[cfg(test)]
+mod caller_tests {
+    use super::caller_of;
+    use axum::http::HeaderMap;
+
+    fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.insert(*k, v.parse().unwrap());
+        }
+        h
+    }
+
+    #[test]
+    fn a_stored_response_belongs_to_the_credential_that_stored_it() {
+        let a = caller_of(&headers(&[("authorization", "Bearer key-a")]));
+        let b = caller_of(&headers(&[("authorization", "Bearer key-b")]));
+        assert!(a.is_some() && a != b);
+        // The same credential through Anthropic's header is the same caller.
+        assert_eq!(caller_of(&headers(&[("x-api-key", "key-a")])), a);
+        // No credential: no caller (such responses are found only without one).
+        assert_eq!(caller_of(&headers(&[])), None);
+        assert_eq!(caller_of(&headers(&[("authorization", "Bearer ")])), None);
+    }
 }

@@ -41,10 +41,11 @@ pub(super) async fn responses(
 ) -> Response {
     st.requests.fetch_add(1, Ordering::Relaxed);
     let episode = episode_of(&st, &headers);
+    let caller = caller_of(&headers);
     let result = match body_or_error(body, st.cfg.max_body_bytes) {
         Ok(body) => match external_of(&st, &body) {
             Some(m) => forward_external(&st, &m, "responses", &body, episode).await,
-            None => responses_inner(&st, body, episode).await,
+            None => responses_inner(&st, body, episode, caller).await,
         },
         Err(e) => Err(e),
     };
@@ -55,6 +56,7 @@ async fn responses_inner(
     st: &Arc<AppState>,
     body: Bytes,
     episode: Option<String>,
+    caller: Option<[u8; 32]>,
 ) -> Result<Response, ApiError> {
     let r = parse(&body)?;
     // The conversation so far: a previous response's, then this input.
@@ -62,12 +64,12 @@ async fn responses_inner(
         Some(prev) => st
             .responses
             .get(prev)
-            .filter(|s| s.episode == episode)
+            .filter(|s| s.episode == episode && s.caller == caller)
             .map(|s| s.messages)
             .ok_or_else(|| {
             ApiError::bad(
                 "previous_response_id",
-                format!("previous response '{prev}' is not found (not stored, forgotten, or of another episode)"),
+                format!("previous response '{prev}' is not found (not stored, forgotten, or of another episode or caller)"),
             )
         })?,
         None => Vec::new(),
@@ -100,7 +102,14 @@ async fn responses_inner(
         move |f: &Finished| {
             let mut messages = history;
             messages.push(assistant_message(f));
-            st.responses.put(id, StoredResponse { episode, messages })
+            st.responses.put(
+                id,
+                StoredResponse {
+                    episode,
+                    caller,
+                    messages,
+                },
+            )
         }
     });
     if r.stream {
