@@ -28,7 +28,7 @@ mod group_state;
 pub mod infer;
 mod learner;
 mod ledger;
-mod replay;
+mod quota;
 pub mod served;
 mod settings;
 mod stored;

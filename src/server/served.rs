@@ -73,10 +73,8 @@ pub struct ServedModel {
     pub events: Events<ServerEvent>,
     /// Servers whose signatures counted, with their certificate's expiry (Unix s).
     servers: Mutex<HashMap<PeerId, Option<u64>>>,
-    /// Which episode each stored call went into (replays are refused).
-    pub(super) calls: Mutex<super::replay::CallLedger>,
     /// Bytes stored per submitting peer.
-    pub(super) quota: Mutex<super::replay::Quota>,
+    pub(super) quota: Mutex<super::quota::Quota>,
     /// Where stored episodes go to be trained on (none: serving only, or stopped).
     trainer: Mutex<Option<std::sync::mpsc::Sender<TrainerInput>>>,
     /// The trainer's step count, gossiped with the status.
@@ -161,8 +159,7 @@ impl ServedModel {
             episodes_dir,
             episodes_stored: AtomicU64::new(stored),
             servers: Mutex::new(HashMap::new()),
-            calls: Mutex::new(Default::default()),
-            quota: Mutex::new(super::replay::Quota::new(max_episode_bytes)),
+            quota: Mutex::new(super::quota::Quota::new(max_episode_bytes)),
             trainer: Mutex::new(None),
             train_step: AtomicU64::new(0),
             group: Mutex::new(None),

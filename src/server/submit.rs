@@ -55,8 +55,6 @@ pub enum SubmitError {
     },
     #[error("encoding the episode: {0}")]
     Encode(String),
-    #[error("call {call} was already stored in episode {other:?}: a signed call counts once")]
-    Replayed { call: u32, other: String },
     #[error("over its quota: {0}")]
     Quota(String),
     #[error("storing the episode at {}: {source}", path.display())]
@@ -232,7 +230,6 @@ impl ServedModel {
             .map(|t| t.timeline(&have))
             .collect::<Result<_, _>>()?;
         let servers = self.known_servers();
-        let mut digests = Vec::new();
         for (ti, t) in timelines.iter().enumerate() {
             for c in rebuilt_calls(t) {
                 let sig = match &m.signatures[ti][c.call as usize] {
@@ -266,19 +263,9 @@ impl ServedModel {
                         model: self.name.clone(),
                     });
                 }
-                digests.push(digest);
             }
         }
-        // A signed call counts once: in the episode it was first stored in.
-        let episode = &m.manifest.episode_id;
-        if let Some((i, other)) = lock(&self.calls).replayed(episode, &digests) {
-            return Err(SubmitError::Replayed {
-                call: i as u32,
-                other: other.to_string(),
-            });
-        }
         let stored = self.store_episode(peer, &m.manifest, &timelines)?;
-        lock(&self.calls).record(episode, &digests);
         {
             let mut cache = lock(&self.cache);
             for (h, f, n) in received {

@@ -1143,6 +1143,13 @@ fn framework_agents_on_three_apis_run_unmodified_and_train() {
     let tasks = root.join("examples/tool_agent/tasks.jsonl");
     let mut all = Vec::new();
     let mut rewards: std::collections::BTreeMap<String, Vec<Option<f64>>> = Default::default();
+    // LangChain's episodes are graded by a grader that draws a random reward, so at least
+    // one group carries a signal and a training step must follow (an untrained model often
+    // scores a whole group alike, which would leave nothing to train).
+    let grader = format!(
+        "{} -c \"import json, random, sys; sys.stdin.read(); print(json.dumps({{'reward': random.random()}}))\"",
+        python.display()
+    );
     for agent in ["agents_sdk_agent", "langchain_agent", "anthropic_agent"] {
         let run = dir.path().join(format!("run-{agent}"));
         let cmd = format!(
@@ -1151,29 +1158,38 @@ fn framework_agents_on_three_apis_run_unmodified_and_train() {
             root.join(format!("examples/framework_agents/{agent}.py"))
                 .display()
         );
+        let graded: &[&str] = if agent == "langchain_agent" {
+            &["--grader", &grader]
+        } else {
+            &[]
+        };
         let mut c = Peer::start(
             agent,
             dir.path(),
             &[
-                "--role",
-                "client",
-                "--model",
-                "smollm2",
-                "--bootstrap",
-                &boot,
-                "--agent",
-                &cmd,
-                "--tasks",
-                tasks.to_str().unwrap(),
-                "--num-repeat",
-                "4",
-                "--groups",
-                "1",
-                "--concurrency",
-                "4",
-                "--run-dir",
-                run.to_str().unwrap(),
-            ],
+                &[
+                    "--role",
+                    "client",
+                    "--model",
+                    "smollm2",
+                    "--bootstrap",
+                    &boot,
+                    "--agent",
+                    &cmd,
+                    "--tasks",
+                    tasks.to_str().unwrap(),
+                    "--num-repeat",
+                    "4",
+                    "--groups",
+                    "1",
+                    "--concurrency",
+                    "4",
+                    "--run-dir",
+                    run.to_str().unwrap(),
+                ][..],
+                graded,
+            ]
+            .concat(),
         );
         assert!(c.child.wait().unwrap().success(), "{}", c.log_text());
         println!("{agent}:\n{}", c.stdout());
@@ -1222,6 +1238,10 @@ fn framework_agents_on_three_apis_run_unmodified_and_train() {
         .filter(|m| m["trained"] == true)
         .map(|m| m["groups"].as_u64().unwrap_or(0))
         .sum();
+    assert!(
+        with_signal >= 1,
+        "the graded group has no signal: {rewards:?}"
+    );
     assert_eq!(
         trained as usize, with_signal,
         "groups with a signal {with_signal} ({rewards:?}), groups trained {trained}: {metrics:?}"

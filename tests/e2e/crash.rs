@@ -61,8 +61,7 @@ async fn submit_until_error(
     for k in 0.. {
         let group = format!("g{round}-{k}");
         for (j, reward) in [(0u32, 1.0), (1, 0.0)] {
-            // A call of its own per episode (a signed call counts once): a prompt no other
-            // episode of the run has.
+            // A call of its own per episode: a prompt no other episode of the run has.
             let prompt = vec![
                 5,
                 6,
