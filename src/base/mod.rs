@@ -11,6 +11,7 @@ pub mod alloc;
 pub mod cores;
 pub mod events;
 pub mod files;
+pub mod hex;
 pub mod json;
 pub mod plot;
 pub mod prom;

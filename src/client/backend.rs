@@ -335,8 +335,11 @@ impl SwarmBackend {
                 }
                 for m in &ms {
                     if let Ok(p) = s.providers(m).await {
+                        // Trusting a run, a list the filter emptied is the truth (a
+                        // certificate expired): no call goes to the old providers.
+                        let run = matches!(s.trust(), crate::swarm::Trust::Run(_));
                         let p = trusted_providers(&s, m, p);
-                        if !p.is_empty() {
+                        if !p.is_empty() || run {
                             r.set_providers(m, p);
                         }
                     }
@@ -383,7 +386,7 @@ fn trusted_providers(swarm: &SwarmHandle, model: &str, peers: Vec<PeerId>) -> Ve
         .into_iter()
         .filter(|p| {
             view.iter()
-                .any(|e| e.peer == *p && swarm.may_route_to(e, model))
+                .any(|e| e.peer == *p && swarm.may_sign(e, model))
         })
         .collect()
 }

@@ -128,8 +128,9 @@ pub async fn run(cfg: ServerConfig, stop: &Stop) -> Result<Server, ServerError> 
     started
 }
 
-/// Trusting a run, a server must be certified to serve its model: no other server of
-/// the run would train on its calls, and no client would route to it.
+/// Trusting a run, a server must be certified for its model: to serve it (its calls are
+/// trained on, clients route to it), to train it in its group, or both. A train-only
+/// server trains on the other certified servers' calls; its own calls count nowhere.
 fn check_trust(cfg: &ServerConfig) -> Result<(), ServerError> {
     let Some(run) = &cfg.swarm.run else {
         return Ok(());
@@ -145,16 +146,23 @@ fn check_trust(cfg: &ServerConfig) -> Result<(), ServerError> {
     let c = cert
         .verify(run, &me)
         .map_err(|e| ServerError::Trust(format!("--cert: {e}")))?;
-    if !c.serves(&name) {
+    let group = cfg
+        .train
+        .as_ref()
+        .and_then(|t| t.collective.group.clone())
+        .unwrap_or(name.clone());
+    if !c.serves(&name) && !c.trains(&name, &group) {
         return Err(ServerError::Trust(format!(
-            "the certificate allows serving {:?}{}, not {name:?}",
-            c.grant.model,
-            if c.grant.serve {
-                ""
-            } else {
-                " (not at all: train only)"
-            }
+            "the certificate is for model {:?}, group {:?}: it allows neither serving {name:?} \
+             nor training it in group {group:?}",
+            c.grant.model, c.grant.group
         )));
+    }
+    if !c.serves(&name) {
+        println!(
+            "trust: the certificate does not allow serving {name:?}: the calls this server \
+             signs are trained on nowhere"
+        );
     }
     Ok(())
 }

@@ -1,5 +1,6 @@
-//! How many bytes of episodes each submitting peer has stored on this server (its
-//! quota), against a peer that fills the disk.
+//! How many bytes of episodes each submitting peer id has stored on this server (its
+//! quota), against one peer filling the disk (new peer ids cost nothing: this bounds a
+//! peer, not the disk).
 //!
 //! Owns: [`Quota`]. It lives in memory for the server's lifetime: a restarted server
 //! counts each peer's bytes from the restart.

@@ -99,14 +99,9 @@ impl SwarmKey {
             [KEY_HEADER, "/base16/", h] => *h,
             _ => return Err(KeyError::Format),
         };
-        if hex.len() != 64 || !hex.bytes().all(|c| c.is_ascii_hexdigit()) {
-            return Err(KeyError::Length(hex.len()));
-        }
-        let mut b = [0u8; 32];
-        for (i, byte) in b.iter_mut().enumerate() {
-            *byte = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16)
-                .map_err(|_| KeyError::Length(hex.len()))?;
-        }
+        let b: [u8; 32] = crate::base::hex::decode(hex)
+            .and_then(|b| b.try_into().ok())
+            .ok_or(KeyError::Length(hex.len()))?;
         Ok(SwarmKey(b))
     }
 
@@ -123,7 +118,7 @@ impl SwarmKey {
 
     /// The key file text (IPFS's format).
     pub fn to_file_text(&self) -> String {
-        let hex: String = self.0.iter().map(|b| format!("{b:02x}")).collect();
+        let hex = crate::base::hex::encode(&self.0);
         format!("{KEY_HEADER}\n/base16/\n{hex}\n")
     }
 

@@ -196,15 +196,6 @@ impl SwarmHandle {
         }
     }
 
-    /// Whether a client sends calls of `model` to the peer of `e`: trusting a run, only
-    /// to its certified servers; otherwise to any (the server it submits to checks).
-    pub fn may_route_to(&self, e: &ViewEntry, model: &str) -> bool {
-        match self.trust() {
-            Trust::Run(_) => e.cert.as_ref().is_some_and(|c| c.serves(model)),
-            Trust::SwarmKey | Trust::Open => true,
-        }
-    }
-
     /// Whether the peer of `e` may train `model` in `group` with this one (be a group
     /// candidate, propose, send starts and state): certified for it (trusting a run), any
     /// key holder (a closed swarm without a run), nobody else (open swarm).

@@ -35,6 +35,7 @@ use libp2p::PeerId;
 use serde::{Deserialize, Serialize};
 
 use crate::base::files::write_secret;
+use crate::base::hex::{decode as hex_decode, encode as hex};
 
 /// The status field that carries a peer's certificate (hex).
 pub const CERT_FIELD: &str = "cert";
@@ -358,19 +359,6 @@ fn file_error(path: &Path, e: std::io::Error) -> TrustError {
         path: path.display().to_string(),
         problem: e.to_string(),
     }
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-fn hex_decode(t: &str) -> Option<Vec<u8>> {
-    if t.len() % 2 != 0 || !t.bytes().all(|c| c.is_ascii_hexdigit()) {
-        return None;
-    }
-    (0..t.len() / 2)
-        .map(|i| u8::from_str_radix(&t[2 * i..2 * i + 2], 16).ok())
-        .collect()
 }
 
 #[cfg(test)]

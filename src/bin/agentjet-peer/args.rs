@@ -187,7 +187,8 @@ pub struct ServerCli {
     #[command(flatten)]
     pub engine: EngineArgs,
     /// The run key (`agentjet-peer run-key`): this server trusts the run and certifies
-    /// itself to serve its model and train it in its group, for 30 days (implies --run).
+    /// itself to serve its model and train it in its group, for a year from each start
+    /// (implies --run).
     #[arg(long, value_name = "FILE", conflicts_with = "cert")]
     pub run_key: Option<PathBuf>,
     /// Bytes of episodes one submitting peer may store on this server (counted since the

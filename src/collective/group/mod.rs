@@ -67,6 +67,7 @@
 //! dissolves at every member, and the next epoch's proposer sends the members whose hash
 //! is not the majority's to sync (logged by them with both hashes).
 
+mod decline;
 mod proto;
 
 use std::collections::HashMap;
@@ -76,6 +77,7 @@ use std::time::{Duration, Instant};
 
 use tracing::{debug, info, warn};
 
+use decline::{declined_peer, left_out};
 use proto::{ask, serve_one, Shared};
 pub use proto::{
     Action, AskError, Ballot, MemberState, Reply, Request, Snapshot, Start, StateManifest, GROUP,
@@ -749,8 +751,9 @@ impl GroupNode {
                     if reason == proto::STOPPING {
                         excluded.push(*p);
                     } else if let Some(accused) = declined_peer(&reason) {
+                        // Alive: only whom `left_out` names is left out.
                         accusations.push((*p, accused));
-                        excluded.push(*p);
+                        refused.push(*p);
                     } else {
                         refused.push(*p);
                     }
@@ -949,53 +952,6 @@ fn manifest_fault(m: &StateManifest, max_len: u64) -> Option<String> {
 
 /// The proposer's decision from every candidate's state (its own included): who is in,
 /// at which step and parameters, and what each does first. See the module docs.
-/// The member a refusal declines a ring with (see [`proto::DECLINES`]), if it is one.
-fn declined_peer(reason: &str) -> Option<PeerId> {
-    let rest = reason.strip_prefix(proto::DECLINES)?.trim_start();
-    let id: String = rest
-        .chars()
-        .take_while(|c| c.is_ascii_alphanumeric())
-        .collect();
-    id.parse().ok()
-}
-
-/// Whom a proposer leaves out for a while, given who declined a ring with whom
-/// (accuser, accused): repeatedly, the candidates accused by the most of those still in
-/// (if that is the proposer itself, its accusers instead), until no accusation among
-/// those still in remains. A member that sent NaN is accused by every member that saw
-/// it and goes first; its own accusations then no longer count.
-pub fn left_out(me: PeerId, accusations: &[(PeerId, PeerId)]) -> Vec<PeerId> {
-    let mut out: Vec<PeerId> = Vec::new();
-    loop {
-        let live: Vec<&(PeerId, PeerId)> = accusations
-            .iter()
-            .filter(|(a, b)| a != b && !out.contains(a) && !out.contains(b))
-            .collect();
-        let mut count: HashMap<PeerId, usize> = HashMap::new();
-        for (_, b) in &live {
-            *count.entry(*b).or_default() += 1;
-        }
-        let Some(&most) = count.values().max() else {
-            return out;
-        };
-        let mut worst: Vec<PeerId> = count
-            .iter()
-            .filter(|(_, n)| **n == most)
-            .map(|(p, _)| *p)
-            .collect();
-        if worst.contains(&me) {
-            worst = live
-                .iter()
-                .filter(|(_, b)| *b == me)
-                .map(|(a, _)| *a)
-                .collect();
-        }
-        worst.sort_by_key(|p| p.to_bytes());
-        worst.dedup();
-        out.extend(worst);
-    }
-}
-
 pub fn decide(group: &str, ballot: Ballot, states: Vec<(PeerId, MemberState)>) -> Start {
     let values = states[0].1.values;
     let max_steps = states
@@ -1076,35 +1032,6 @@ mod tests {
             pending,
             held,
         }
-    }
-
-    #[test]
-    fn the_member_most_declined_is_left_out_and_its_own_accusations_then_do_not_count() {
-        let id = || {
-            crate::swarm::Keypair::generate_ed25519()
-                .public()
-                .to_peer_id()
-        };
-        let (me, h1, h2, rogue) = (id(), id(), id(), id());
-        // Two members saw NaN from the rogue; the rogue declines the proposer.
-        let acc = [(h1, rogue), (h2, rogue), (rogue, me)];
-        assert_eq!(left_out(me, &acc), vec![rogue]);
-        // Only the proposer is accused: its accuser goes.
-        assert_eq!(left_out(me, &[(h1, me)]), vec![h1]);
-        // One against one: both go.
-        let mut both = left_out(me, &[(h1, h2), (h2, h1)]);
-        both.sort_by_key(|p| p.to_bytes());
-        let mut want = vec![h1, h2];
-        want.sort_by_key(|p| p.to_bytes());
-        assert_eq!(both, want);
-        assert!(left_out(me, &[]).is_empty());
-        // The refusal's text names the member declined.
-        let reason = format!(
-            "{} {rogue}, which sent this member non-finite values",
-            proto::DECLINES
-        );
-        assert_eq!(declined_peer(&reason), Some(rogue));
-        assert_eq!(declined_peer("promised an equal or higher ballot"), None);
     }
 
     #[test]

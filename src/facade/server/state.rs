@@ -97,24 +97,19 @@ pub(super) struct StoredResponse {
 /// The caller of a request, tracking or not: a hash of its credential (the bearer token,
 /// else `x-api-key`), None without one. Stored responses are found only by their caller.
 pub(super) fn caller_of(headers: &axum::http::HeaderMap) -> Option<[u8; 32]> {
-    let bearer = headers
-        .get(axum::http::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .map(|a| a.strip_prefix("Bearer ").unwrap_or(a).trim());
-    let key = headers
-        .get("x-api-key")
-        .and_then(|v| v.to_str().ok())
-        .map(str::trim);
-    bearer
-        .filter(|t| !t.is_empty())
-        .or(key.filter(|t| !t.is_empty()))
-        .map(|t| *blake3::hash(t.as_bytes()).as_bytes())
+    credential(headers).map(|t| *blake3::hash(t.as_bytes()).as_bytes())
 }
 
 /// The episode a request belongs to, when tracking: its bearer token (OpenAI SDKs), else
 /// its `x-api-key` (Anthropic SDKs).
 pub(super) fn episode_of(st: &AppState, headers: &axum::http::HeaderMap) -> Option<String> {
     st.tracker.as_ref()?;
+    credential(headers).map(str::to_string)
+}
+
+/// A request's credential: its bearer token (OpenAI SDKs), else its `x-api-key`
+/// (Anthropic SDKs); None when it has neither (or an empty one).
+fn credential(headers: &axum::http::HeaderMap) -> Option<&str> {
     let bearer = headers
         .get(axum::http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
@@ -126,7 +121,6 @@ pub(super) fn episode_of(st: &AppState, headers: &axum::http::HeaderMap) -> Opti
     bearer
         .filter(|t| !t.is_empty())
         .or(key.filter(|t| !t.is_empty()))
-        .map(str::to_string)
 }
 
 /// The body, or the reason it could not be read (too large: 413) in OpenAI's shape.
