@@ -446,12 +446,26 @@ async fn rogue_peers_change_no_honest_parameter_stop_no_training_and_are_named()
                     // boundary there (docs/ARCHITECTURE.md, "Trust"). Not counted.
                     continue;
                 }
-                if let (false, Request::Start(st)) = (gate, &mut req) {
-                    // A certified rogue first gets its ballot promised (a member may
-                    // propose), so that the Start itself is what is checked.
-                    st.ballot.epoch = promise(node, *to).await;
+                // A certified rogue first gets its ballot promised (a member may
+                // propose), so that the Start itself is what is checked. The group may
+                // form a newer epoch in between, or the member may not have its status
+                // (certificate) at that moment: then the attempt did not reach the check,
+                // and it is made again (at most 20 times).
+                let mut r = Err("not sent".to_string());
+                for _ in 0..20 {
+                    if let (false, Request::Start(st)) = (gate, &mut req) {
+                        st.ballot.epoch = promise(node, *to).await;
+                    }
+                    r = group_request(node, *to, &req).await;
+                    let missed = !gate
+                        && matches!(&r, Ok(Reply::Refused { reason, .. })
+                            if reason.contains("not the ballot promised")
+                                || reason.contains("not trusted"));
+                    if !missed {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(300)).await;
                 }
-                let r = group_request(node, *to, &req).await;
                 // Refused for the reason the kind names: at the door (uncertified), or by
                 // the check it targets (certified).
                 let want = if gate {
