@@ -452,12 +452,13 @@ async fn rogue_peers_change_no_honest_parameter_stop_no_training_and_are_named()
                 // (certificate) at that moment: then the attempt did not reach the check,
                 // and it is made again (at most 20 times).
                 let mut r = Err("not sent".to_string());
+                let mut missed = false;
                 for _ in 0..20 {
                     if let (false, Request::Start(st)) = (gate, &mut req) {
                         st.ballot.epoch = promise(node, *to).await;
                     }
                     r = group_request(node, *to, &req).await;
-                    let missed = !gate
+                    missed = !gate
                         && matches!(&r, Ok(Reply::Refused { reason, .. })
                             if reason.contains("not the ballot promised")
                                 || reason.contains("not trusted"));
@@ -465,6 +466,15 @@ async fn rogue_peers_change_no_honest_parameter_stop_no_training_and_are_named()
                         break;
                     }
                     tokio::time::sleep(Duration::from_millis(300)).await;
+                }
+                if missed {
+                    // Twenty times the group moved on first: this attempt never reached
+                    // the check (counted apart; every kind must reach it at least once).
+                    println!(
+                        "ROGUE {kind} ({who}): did not reach the check: {}",
+                        reply_text(&r)
+                    );
+                    continue;
                 }
                 // Refused for the reason the kind names: at the door (uncertified), or by
                 // the check it targets (certified).
@@ -587,6 +597,16 @@ async fn rogue_peers_change_no_honest_parameter_stop_no_training_and_are_named()
     }
     for (kind, (n, refused, _)) in &counts {
         assert_eq!(n, refused, "{kind}: {refused} of {n} refused");
+    }
+    // Every kind reached its check at least once (a certified rogue's attempt that the
+    // group's own epochs overtook twenty times is not counted above).
+    for k in ["high ballot", "u64::MAX", "empty action", "wrong step"] {
+        for who in ["(certified)", "(uncertified)"] {
+            assert!(
+                counts.keys().any(|c| c.contains(k) && c.ends_with(who)),
+                "no {k} attempt {who} reached its check"
+            );
+        }
     }
 
     // Honest parameters: equal at every step both took, and finite figures throughout.
