@@ -23,7 +23,7 @@ fn tiny_model(dir: &Path) -> PathBuf {
 /// One chat call (8 tokens, temperature 1); reward 1 when the reply has an even number of
 /// characters (a coin flip for a random model: groups have signal). It thinks for 0.3 s
 /// first, so episodes arrive over several heartbeats (several steps).
-const AGENT: &str = r#"#!/bin/sh
+pub(crate) const AGENT: &str = r#"#!/bin/sh
 set -eu
 sleep 0.3
 reply=$(curl -sS --fail-with-body "$OPENAI_BASE_URL/chat/completions" \
@@ -139,7 +139,7 @@ fn client_with(dir: &Path, boot: &str, groups: usize, run: &str, script: &str) -
     )
 }
 
-fn metrics_lines(dir: &Path, name: &str) -> Vec<Value> {
+pub(crate) fn metrics_lines(dir: &Path, name: &str) -> Vec<Value> {
     std::fs::read_to_string(dir.join(name).join("runs/tiny/metrics.jsonl"))
         .unwrap_or_default()
         .lines()

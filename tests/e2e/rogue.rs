@@ -18,6 +18,7 @@
 //! what each got back are printed (`ROGUE ...` lines).
 
 use crate::common;
+use crate::elastic::{metrics_lines, AGENT};
 use crate::swarm::library;
 
 use std::collections::BTreeMap;
@@ -31,18 +32,6 @@ use agentjet::server::ServerEvent;
 use agentjet::swarm::frame::{read_frame, write_frame};
 use agentjet::swarm::{PeerId, SwarmHandle};
 use common::peer::{metric, wait_until, Peer};
-use serde_json::Value;
-
-/// One chat call; reward 1 when the reply's length is even (groups have signal).
-const AGENT: &str = r#"#!/bin/sh
-set -eu
-sleep 0.2
-reply=$(curl -sS --fail-with-body "$OPENAI_BASE_URL/chat/completions" \
-  -H "Authorization: Bearer $OPENAI_API_KEY" -H "Content-Type: application/json" \
-  -d '{"model": "tiny", "max_tokens": 8, "temperature": 1.0, "messages": [{"role": "user", "content": "hello"}]}')
-content=$(printf '%s' "$reply" | jq -r '.choices[0].message.content')
-if [ $(( ${#content} % 2 )) -eq 0 ]; then echo '{"reward": 1.0}'; else echo '{"reward": 0.0}'; fi
-"#;
 
 fn server(dir: &Path, model: &Path, name: &str, boot: Option<&str>, extra: &[&str]) -> Peer {
     let mut args = vec![
@@ -72,17 +61,9 @@ fn server(dir: &Path, model: &Path, name: &str, boot: Option<&str>, extra: &[&st
     Peer::start(name, dir, &args)
 }
 
-fn metrics(dir: &Path, name: &str) -> Vec<Value> {
-    std::fs::read_to_string(dir.join(name).join("runs/tiny/metrics.jsonl"))
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect()
-}
-
 /// Parameter hash by step, of the steps taken in a group of `members`.
 fn hashes(dir: &Path, name: &str) -> BTreeMap<u64, String> {
-    metrics(dir, name)
+    metrics_lines(dir, name)
         .iter()
         .filter_map(|m| Some((m["step"].as_u64()?, m["param_hash"].as_str()?.to_string())))
         .collect()
@@ -556,7 +537,7 @@ async fn rogue_peers_change_no_honest_parameter_stop_no_training_and_are_named()
         Duration::from_secs(240),
         || {
             ["a", "b"].iter().zip(&steps_then).all(|(n, s0)| {
-                metrics(d, n).iter().any(|m| {
+                metrics_lines(d, n).iter().any(|m| {
                     m["step"].as_u64().unwrap_or(0) >= s0 + 2 && m["members"].as_u64() == Some(2)
                 })
             })
@@ -617,7 +598,7 @@ async fn rogue_peers_change_no_honest_parameter_stop_no_training_and_are_named()
         assert_eq!(ha[s], hb[s], "the honest members differ after step {s}");
     }
     for n in ["a", "b"] {
-        for m in metrics(d, n) {
+        for m in metrics_lines(d, n) {
             assert_eq!(m["nonfinite_updates"].as_u64().unwrap_or(0), 0, "{m}");
             assert!(m["loss"].as_f64().is_some_and(f64::is_finite), "{m}");
         }
