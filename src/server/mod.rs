@@ -21,6 +21,7 @@
 //! its step and saves its checkpoint; then the swarm node stops. Past the drain timeout,
 //! or on an abort, what still runs is cancelled.
 
+mod calls;
 mod dash;
 mod error;
 pub mod events;

@@ -2,13 +2,9 @@
 //! quota), against one peer filling the disk (new peer ids cost nothing: this bounds a
 //! peer, not the disk).
 //!
-//! Owns: [`Quota`]. It lives in memory for the server's lifetime: a restarted server
-//! counts each peer's bytes from the restart.
-//!
-//! Not done here: binding a signed call to its episode. Two episodes may legitimately
-//! hold the same call (same prompt, tokens, logprobs and version: greedy sampling, or a
-//! short likely answer), so a call's digest cannot tell a replay from a coincidence; the
-//! server would have to sign a per-call nonce.
+//! Owns: [`Quota`]. A restarted server counts again what each peer stored before (stored
+//! episodes name their submitter; files of earlier layouts count for nobody). A
+//! resubmitted episode that replaces its earlier file counts again.
 
 use std::collections::HashMap;
 
@@ -40,6 +36,12 @@ impl Quota {
         *used += bytes;
         Ok(())
     }
+
+    /// Counts bytes `peer` stored before (at start, from the stored episodes).
+    pub fn add_stored(&mut self, peer: PeerId, bytes: u64) {
+        let used = self.used.entry(peer).or_default();
+        *used = used.saturating_add(bytes);
+    }
 }
 
 #[cfg(test)]
@@ -59,5 +61,10 @@ mod tests {
         assert!(q.take(p, 41).unwrap_err().contains("60 of its 100"));
         q.take(p, 40).unwrap();
         q.take(o, 100).unwrap();
+        // What a peer stored before a restart counts.
+        let mut q = Quota::new(100);
+        q.add_stored(p, 90);
+        assert!(q.take(p, 11).unwrap_err().contains("90 of its 100"));
+        q.take(p, 10).unwrap();
     }
 }

@@ -33,7 +33,7 @@ pub struct ServeLimits {
     pub fragment_cache_bytes: usize,
     /// Timelines, branches and fragment references one manifest may have at most.
     pub max_manifest_refs: usize,
-    /// Bytes of episodes one submitting peer may store on this server (since its start).
+    /// Bytes of episodes one submitting peer may store on this server.
     pub max_episode_bytes_per_peer: u64,
 }
 
@@ -75,6 +75,8 @@ pub struct ServedModel {
     servers: Mutex<HashMap<PeerId, Option<u64>>>,
     /// Bytes stored per submitting peer.
     pub(super) quota: Mutex<super::quota::Quota>,
+    /// The signed calls stored, by nonce (a call counts in one episode).
+    pub(super) calls: Mutex<super::calls::CallLedger>,
     /// Where stored episodes go to be trained on (none: serving only, or stopped).
     trainer: Mutex<Option<std::sync::mpsc::Sender<TrainerInput>>>,
     /// The trainer's step count, gossiped with the status.
@@ -141,10 +143,18 @@ impl ServedModel {
         let vocab = Arc::new(card.tokenizer.token_bytes(card.config.vocab_size));
         let episodes_dir = data_dir.join("episodes").join(safe_file_name(&name));
         std::fs::create_dir_all(&episodes_dir).map_err(|e| ServerError::io(&episodes_dir, e))?;
-        let stored = std::fs::read_dir(&episodes_dir)
-            .map(|d| d.count())
-            .unwrap_or(0) as u64;
-        let max_episode_bytes = limits.max_episode_bytes_per_peer;
+        // What is on disk: the calls already stored (replays are refused) and each
+        // submitter's bytes (its quota).
+        let mut stored = 0u64;
+        let mut calls = super::calls::CallLedger::default();
+        let mut quota = super::quota::Quota::new(limits.max_episode_bytes_per_peer);
+        super::stored::for_each_stored(&episodes_dir, |e, size| {
+            stored += 1;
+            calls.add_stored(&e.manifest.episode_id, &e.nonces);
+            if let Ok(peer) = PeerId::from_bytes(&e.submitter) {
+                quota.add_stored(peer, size);
+            }
+        })?;
         Ok(Arc::new(ServedModel {
             name,
             card,
@@ -159,7 +169,8 @@ impl ServedModel {
             episodes_dir,
             episodes_stored: AtomicU64::new(stored),
             servers: Mutex::new(HashMap::new()),
-            quota: Mutex::new(super::quota::Quota::new(max_episode_bytes)),
+            quota: Mutex::new(quota),
+            calls: Mutex::new(calls),
             trainer: Mutex::new(None),
             train_step: AtomicU64::new(0),
             group: Mutex::new(None),

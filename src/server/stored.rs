@@ -1,11 +1,14 @@
 //! Episodes on a server's disk: the manifest and the rebuilt timelines, one file each.
 //!
 //! The file is a format tag (`STORED_TAG`) and the postcard encoding of
-//! [`StoredEpisode`]. Files written before the sampling transform travelled with calls
-//! have no tag; they are read with the earlier segment layout and their calls taken as
-//! drawn from the model's own distribution ([`SamplingTransform::RAW`]).
+//! [`StoredEpisode`]: the manifest, the rebuilt timelines, the nonces of its signed calls
+//! (the server's replay ledger is rebuilt from them at start) and who submitted it (its
+//! quota likewise). Files of the layout before nonces (tag `\x02`) load with neither.
+//! Files written before the sampling transform travelled with calls have no tag; they
+//! are read with the earlier segment layout and their calls taken as drawn from the
+//! model's own distribution ([`SamplingTransform::RAW`]).
 //!
-//! Owns: the stored episode's byte layout and its earlier version. Never verifies
+//! Owns: the stored episode's byte layout and its earlier versions. Never verifies
 //! signatures (that happened before the episode was stored).
 
 use std::path::Path;
@@ -13,19 +16,34 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use super::error::ServerError;
+use crate::swarm::sign::Nonce;
 use crate::timeline::digest::rebuilt_calls;
 use crate::timeline::fragment::EpisodeManifest;
 use crate::timeline::{Branch, Call, Episode, SamplingTransform, Segment, Timeline};
 
 /// The first bytes of a stored episode in the current layout. An untagged file starts
 /// with the varint length of its episode id; 0xff would need an id of more than 16 KB.
-const STORED_TAG: &[u8] = b"\xffAJEP\x02";
+const STORED_TAG: &[u8] = b"\xffAJEP\x03";
+
+/// The layout before nonces and the submitter were stored.
+const STORED_TAG_2: &[u8] = b"\xffAJEP\x02";
 
 /// An episode as a server stores it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct StoredEpisode {
     pub manifest: EpisodeManifest,
     pub timelines: Vec<Timeline>,
+    /// The nonces of its signed calls (empty in files of earlier layouts).
+    pub nonces: Vec<Nonce>,
+    /// The submitting peer's id (its bytes; empty in files of earlier layouts).
+    pub submitter: Vec<u8>,
+}
+
+/// The layout with the sampling transform, before nonces (tag `\x02`).
+#[derive(Deserialize)]
+struct StoredEpisode2 {
+    manifest: EpisodeManifest,
+    timelines: Vec<Timeline>,
 }
 
 impl StoredEpisode {
@@ -38,8 +56,18 @@ impl StoredEpisode {
 
     /// Reads a file's bytes, in the current layout or the untagged earlier one.
     pub fn decode(bytes: &[u8]) -> Result<StoredEpisode, String> {
-        match bytes.strip_prefix(STORED_TAG) {
-            Some(rest) => postcard::from_bytes(rest).map_err(|e| e.to_string()),
+        if let Some(rest) = bytes.strip_prefix(STORED_TAG) {
+            return postcard::from_bytes(rest).map_err(|e| e.to_string());
+        }
+        match bytes.strip_prefix(STORED_TAG_2) {
+            Some(rest) => postcard::from_bytes::<StoredEpisode2>(rest)
+                .map(|e| StoredEpisode {
+                    manifest: e.manifest,
+                    timelines: e.timelines,
+                    nonces: Vec::new(),
+                    submitter: Vec::new(),
+                })
+                .map_err(|e| e.to_string()),
             None => postcard::from_bytes::<legacy::StoredEpisode>(bytes)
                 .map(legacy::StoredEpisode::upgrade)
                 .map_err(|e| format!("{e} (neither the current nor the earlier layout)")),
@@ -74,20 +102,29 @@ impl StoredEpisode {
 /// Reads every episode stored for a model (in no particular order).
 pub fn read_stored_episodes(dir: &Path) -> Result<Vec<StoredEpisode>, ServerError> {
     let mut out = Vec::new();
+    for_each_stored(dir, |e, _| out.push(e))?;
+    Ok(out)
+}
+
+/// Calls `f` with every episode stored for a model and its file's size, one at a time.
+pub fn for_each_stored(
+    dir: &Path,
+    mut f: impl FnMut(StoredEpisode, u64),
+) -> Result<(), ServerError> {
     let rd = std::fs::read_dir(dir).map_err(|e| ServerError::io(dir, e))?;
     for e in rd.flatten() {
         let p = e.path();
         if p.extension().is_some_and(|x| x == "episode") {
             let b = std::fs::read(&p).map_err(|e| ServerError::io(&p, e))?;
-            out.push(
-                StoredEpisode::decode(&b).map_err(|problem| ServerError::Corrupt {
-                    path: p.clone(),
-                    problem,
-                })?,
-            );
+            let size = b.len() as u64;
+            let episode = StoredEpisode::decode(&b).map_err(|problem| ServerError::Corrupt {
+                path: p.clone(),
+                problem,
+            })?;
+            f(episode, size);
         }
     }
-    Ok(out)
+    Ok(())
 }
 
 /// The layout before calls carried their sampling transform.
@@ -148,6 +185,8 @@ mod legacy {
             super::StoredEpisode {
                 manifest: self.manifest,
                 timelines,
+                nonces: Vec::new(),
+                submitter: Vec::new(),
             }
         }
     }
@@ -212,8 +251,19 @@ mod tests {
         now.timelines[0].branches[0].segments[1]
             .sampling
             .temperature = 0.7;
+        now.nonces = vec![[7; 16]];
+        now.submitter = vec![1, 2, 3];
         let again = StoredEpisode::decode(&now.encode().unwrap()).unwrap();
         assert_eq!(again.episode().calls[0].sampling.temperature, 0.7);
+        assert_eq!(again.nonces, vec![[7; 16]]);
+        assert_eq!(again.submitter, vec![1, 2, 3]);
+        // The layout before nonces (tag 2) loads with none.
+        let mut two = STORED_TAG_2.to_vec();
+        two.extend(postcard::to_allocvec(&(&now.manifest, &now.timelines)).unwrap());
+        let two = StoredEpisode::decode(&two).unwrap();
+        assert!(two.nonces.is_empty() && two.submitter.is_empty());
+        assert_eq!(two.episode().calls[0].sampling.temperature, 0.7);
         assert!(StoredEpisode::decode(b"\xffAJEP\x02garbage").is_err());
+        assert!(StoredEpisode::decode(b"\xffAJEP\x03garbage").is_err());
     }
 }

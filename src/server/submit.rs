@@ -1,9 +1,11 @@
 //! `/agentjet/submit/2` on the server: an episode arrives as a manifest of content-
 //! addressed fragments; the server answers which fragments it lacks (its cache holds
 //! recent ones), takes only those, checks each against its hash and every sampled call
-//! against a signature by a server of this model, and acknowledges the episode only once
-//! it is written and synced under `<data-dir>/episodes/<model>/`. Then it goes to the
-//! training loop.
+//! against a signature by a server of this model (each signature's nonce used in no other
+//! episode: [`super::calls`]), and acknowledges the episode only once it is written and
+//! synced under `<data-dir>/episodes/<model>/`. Then it goes to the training loop. The
+//! same episode submitted again with the same calls (its acknowledgement was lost) is
+//! acknowledged again, neither stored nor trained twice.
 //!
 //! Owns: receiving, verifying and storing episodes. Never trains.
 
@@ -13,13 +15,14 @@ use std::sync::atomic::Ordering;
 
 use tracing::info;
 
+use super::calls::Claim;
 use super::served::ServedModel;
 pub use super::stored::{read_stored_episodes, StoredEpisode};
 use crate::base::files::write_atomic;
 use crate::base::lock;
 use crate::rpc::{FragmentBatch, SubmitManifest, SubmitReply};
 use crate::swarm::frame::{read_frame, write_frame, FrameError};
-use crate::swarm::sign::{join, verify, SignatureError, MAX_SIGNATURE_BYTES};
+use crate::swarm::sign::{join, verify, Nonce, SignatureError, MAX_SIGNATURE_BYTES};
 use crate::swarm::{PeerId, Stream};
 use crate::timeline::digest::{call_digest, rebuilt_calls};
 use crate::timeline::fragment::{EpisodeManifest, Fragment, FragmentError, FragmentHash};
@@ -57,6 +60,9 @@ pub enum SubmitError {
     Encode(String),
     #[error("over its quota: {0}")]
     Quota(String),
+    /// A signed call already counted in another episode, or twice in this one.
+    #[error("replayed call: {0}")]
+    Replay(String),
     #[error("storing the episode at {}: {source}", path.display())]
     Store {
         path: PathBuf,
@@ -230,6 +236,7 @@ impl ServedModel {
             .map(|t| t.timeline(&have))
             .collect::<Result<_, _>>()?;
         let servers = self.known_servers();
+        let mut nonces = Vec::new();
         for (ti, t) in timelines.iter().enumerate() {
             for c in rebuilt_calls(t) {
                 let sig = match &m.signatures[ti][c.call as usize] {
@@ -252,10 +259,12 @@ impl ServedModel {
                     c.version,
                     &c.sampling,
                 );
-                let signer = verify(&sig, &digest).map_err(|e| SubmitError::Signature {
+                let signed = verify(&sig, &digest).map_err(|e| SubmitError::Signature {
                     call: c.call,
                     source: e,
                 })?;
+                let signer = signed.signer;
+                nonces.push((c.call, signed.nonce));
                 if !servers.contains(&signer) {
                     return Err(SubmitError::NotAServer {
                         call: c.call,
@@ -265,7 +274,22 @@ impl ServedModel {
                 }
             }
         }
-        let stored = self.store_episode(peer, &m.manifest, &timelines)?;
+        let id = &m.manifest.episode_id;
+        let claim = lock(&self.calls)
+            .claim(id, &nonces)
+            .map_err(SubmitError::Replay)?;
+        let claimed = match claim {
+            Claim::New(claimed) => claimed,
+            Claim::Again => return self.acknowledge_again(id, all.len()),
+        };
+        let nonces: Vec<Nonce> = nonces.into_iter().map(|(_, n)| n).collect();
+        let stored = match self.store_episode(peer, &m.manifest, &timelines, nonces) {
+            Ok(s) => s,
+            Err(e) => {
+                lock(&self.calls).release(&claimed);
+                return Err(e);
+            }
+        };
         {
             let mut cache = lock(&self.cache);
             for (h, f, n) in received {
@@ -292,6 +316,22 @@ impl ServedModel {
         })
     }
 
+    /// The answer to an episode whose every call is already stored in it: acknowledged
+    /// once its file is there (a submission of it still being stored is asked to retry).
+    fn acknowledge_again(&self, id: &str, fragments: usize) -> Result<SubmitReply, SubmitError> {
+        if !self.episodes_dir.join(Self::episode_file_name(id)).exists() {
+            return Err(SubmitError::Replay(format!(
+                "episode {id:?} is being stored by another submission of it; retry"
+            )));
+        }
+        info!("episode already stored: acknowledged again, not stored or trained twice");
+        Ok(SubmitReply::Stored {
+            episode_id: id.to_string(),
+            fragments_received: 0,
+            fragments_known: fragments as u32,
+        })
+    }
+
     /// The file an episode is stored in (named by a hash of its id).
     pub fn episode_file_name(episode_id: &str) -> String {
         let name = blake3::hash(episode_id.as_bytes()).to_hex();
@@ -305,6 +345,7 @@ impl ServedModel {
         peer: PeerId,
         m: &EpisodeManifest,
         timelines: &[Timeline],
+        nonces: Vec<Nonce>,
     ) -> Result<StoredEpisode, SubmitError> {
         let path = self
             .episodes_dir
@@ -312,6 +353,8 @@ impl ServedModel {
         let stored = StoredEpisode {
             manifest: m.clone(),
             timelines: timelines.to_vec(),
+            nonces,
+            submitter: peer.to_bytes(),
         };
         let bytes = stored.encode().map_err(SubmitError::Encode)?;
         lock(&self.quota)

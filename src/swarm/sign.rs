@@ -1,10 +1,15 @@
 //! Signatures with the peer's libp2p key: a server signs every call it serves, so a client
 //! cannot forge what the model produced. What is signed is a 32-byte digest the caller
-//! computes (for calls: `timeline::digest`); this module only signs, encodes and verifies,
-//! and says who signed.
+//! computes (for calls: `timeline::digest`) and a nonce this module draws for each
+//! signature, so two identical calls carry different signatures and a server can tell a
+//! call submitted twice from two calls that happen to be equal. This module only signs,
+//! encodes and verifies, and says who signed and with which nonce.
 //!
-//! Owns: the signature encoding ([`CallSignature`], postcard) and its bound
-//! ([`MAX_SIGNATURE_BYTES`]). Never knows what the digest covers.
+//! Owns: the signature encoding ([`CallSignature`], postcard), the nonce ([`Nonce`]) and
+//! the bound ([`MAX_SIGNATURE_BYTES`]). Never knows what the digest covers.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
 
 use libp2p::identity::{Keypair, PublicKey};
 use libp2p::PeerId;
@@ -15,8 +20,22 @@ use serde::{Deserialize, Serialize};
 pub struct CallSignature {
     /// The signer's public key (protobuf encoding); its peer id is derived from it.
     pub public_key: Vec<u8>,
+    /// The signature's [`Nonce`] (16 bytes), then the key's signature over
+    /// [`CALL_DOMAIN`], the digest and the nonce.
     pub signature: Vec<u8>,
 }
+
+/// What makes one signature unique: 8 bytes drawn at random once per process, then a
+/// counter. Never repeats within a process; across processes it repeats with
+/// probability about 2^-64 per pair of processes.
+pub type Nonce = [u8; 16];
+
+/// Bytes of [`Nonce`] at the start of a signature.
+pub const NONCE_BYTES: usize = 16;
+
+/// Prefixed to what is signed, so a call signature is never valid as anything else the
+/// peer's key signs (or the reverse).
+pub const CALL_DOMAIN: &[u8] = b"agentjet-call-2";
 
 /// Bytes a signature may take at most on the wire.
 pub const MAX_SIGNATURE_BYTES: usize = 256;
@@ -32,16 +51,44 @@ pub enum SignatureError {
     Malformed(String),
     #[error("malformed signer key: {0}")]
     MalformedKey(String),
+    #[error(
+        "signature of {0} bytes has no nonce (signed by a server older than this one: \
+         resubmit calls it made after it is updated)"
+    )]
+    NoNonce(usize),
     #[error("the signature by {0} does not verify (the call was altered or forged)")]
     Invalid(PeerId),
 }
 
-/// Signs a digest; the encoded [`CallSignature`].
+/// A signature's nonce: unique in this process.
+fn next_nonce() -> Nonce {
+    static PREFIX: OnceLock<[u8; 8]> = OnceLock::new();
+    static COUNT: AtomicU64 = AtomicU64::new(0);
+    let prefix = PREFIX.get_or_init(|| {
+        let mut p = [0u8; 8];
+        getrandom_02::getrandom(&mut p).expect("the OS gives random bytes");
+        p
+    });
+    let mut n = [0u8; NONCE_BYTES];
+    n[..8].copy_from_slice(prefix);
+    n[8..].copy_from_slice(&COUNT.fetch_add(1, Ordering::Relaxed).to_le_bytes());
+    n
+}
+
+/// What the key signs for a digest and a nonce.
+fn message(digest: &[u8; 32], nonce: &Nonce) -> Vec<u8> {
+    [CALL_DOMAIN, digest.as_slice(), nonce.as_slice()].concat()
+}
+
+/// Signs a digest with a fresh nonce; the encoded [`CallSignature`].
 pub fn sign(key: &Keypair, digest: &[u8; 32]) -> Vec<u8> {
-    let signature = key.sign(digest).expect("ed25519 signing does not fail");
+    let nonce = next_nonce();
+    let sig = key
+        .sign(&message(digest, &nonce))
+        .expect("ed25519 signing does not fail");
     postcard::to_allocvec(&CallSignature {
         public_key: key.public().encode_protobuf(),
-        signature,
+        signature: [nonce.as_slice(), &sig].concat(),
     })
     .expect("a signature encodes")
 }
@@ -65,18 +112,35 @@ pub fn join(public_key: &[u8], signature: &[u8]) -> Vec<u8> {
     .expect("a signature encodes")
 }
 
-/// Checks an encoded signature over `digest`; the signer's peer id.
-pub fn verify(encoded: &[u8], digest: &[u8; 32]) -> Result<PeerId, SignatureError> {
+/// Who signed, and the signature's nonce.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Signed {
+    pub signer: PeerId,
+    pub nonce: Nonce,
+}
+
+/// Checks an encoded signature over `digest`: who signed it, with which nonce.
+pub fn verify(encoded: &[u8], digest: &[u8; 32]) -> Result<Signed, SignatureError> {
     if encoded.is_empty() {
         return Err(SignatureError::Missing);
     }
     let (public_key, signature) = split(encoded)?;
     let pk = PublicKey::try_decode_protobuf(&public_key)
         .map_err(|e| SignatureError::MalformedKey(e.to_string()))?;
-    if !pk.verify(digest, &signature) {
+    // An ed25519 signature is 64 bytes: 64 alone is an older server's, without a nonce.
+    let ed25519 = pk.clone().try_into_ed25519().is_ok();
+    if signature.len() <= NONCE_BYTES || (ed25519 && signature.len() != NONCE_BYTES + 64) {
+        return Err(SignatureError::NoNonce(signature.len()));
+    }
+    let (nonce, sig) = signature.split_at(NONCE_BYTES);
+    let nonce: Nonce = nonce.try_into().expect("split at NONCE_BYTES");
+    if !pk.verify(&message(digest, &nonce), sig) {
         return Err(SignatureError::Invalid(pk.to_peer_id()));
     }
-    Ok(pk.to_peer_id())
+    Ok(Signed {
+        signer: pk.to_peer_id(),
+        nonce,
+    })
 }
 
 #[cfg(test)]
@@ -88,7 +152,26 @@ mod tests {
         let key = Keypair::generate_ed25519();
         let d = *blake3::hash(b"a call").as_bytes();
         let s = sign(&key, &d);
-        assert_eq!(verify(&s, &d).unwrap(), key.public().to_peer_id());
+        assert_eq!(verify(&s, &d).unwrap().signer, key.public().to_peer_id());
+        // The same digest signed again: another nonce, another signature, both valid.
+        let s2 = sign(&key, &d);
+        assert_ne!(s, s2);
+        assert_ne!(
+            verify(&s, &d).unwrap().nonce,
+            verify(&s2, &d).unwrap().nonce
+        );
+        // A nonce swapped for another breaks the signature.
+        let (pk, mut sig) = split(&s).unwrap();
+        sig[..NONCE_BYTES].copy_from_slice(&verify(&s2, &d).unwrap().nonce);
+        assert_eq!(
+            verify(&join(&pk, &sig), &d).unwrap_err(),
+            SignatureError::Invalid(key.public().to_peer_id())
+        );
+        // A signature without a nonce (an older server's) is named as such.
+        let old = join(&pk, &key.sign(&d).unwrap());
+        assert_eq!(verify(&old, &d).unwrap_err(), SignatureError::NoNonce(64));
+        let old = join(&pk, &sig[..NONCE_BYTES]);
+        assert_eq!(verify(&old, &d).unwrap_err(), SignatureError::NoNonce(16));
         let other = *blake3::hash(b"another call").as_bytes();
         assert_eq!(
             verify(&s, &other).unwrap_err(),

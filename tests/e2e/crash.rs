@@ -5,7 +5,10 @@
 //! - an acknowledged episode missing from the server's disk after the kill (lost);
 //! - an episode id twice in the run's `consumed.log` (trained twice into the weights);
 //! - a checkpoint that does not load (the restart fails or does not resume);
-//! - an acknowledged episode never trained once the server runs on.
+//! - an acknowledged episode never trained once the server runs on;
+//! - after the restarts, an episode acknowledged in the first run submitted again is
+//!   acknowledged but not trained twice, and its signed call in another episode is refused
+//!   (the replay ledger is rebuilt from the disk).
 //!
 //! SIGKILL leaves the kernel's page cache alone, so this shows the order of writes,
 //! acknowledgements and ledger lines, not the fsyncs (only a power cut or a crashed
@@ -51,12 +54,14 @@ fn tiny_model(dir: &Path) -> String {
 }
 
 /// Submits groups of two episodes (rewards 1 and 0) until a call or a submission fails;
-/// every id the server acknowledged goes into `acked` (with its group).
+/// every id the server acknowledged goes into `acked` (with its group), and the first
+/// acknowledged episode into `first`.
 async fn submit_until_error(
     h: SwarmHandle,
     server: PeerId,
     round: usize,
     acked: Arc<Mutex<Vec<(String, String)>>>,
+    first: Arc<Mutex<Option<Episode>>>,
 ) {
     for k in 0.. {
         let group = format!("g{round}-{k}");
@@ -78,7 +83,10 @@ async fn submit_until_error(
             let (m, frags) = prepare(&ep, "tiny", 2).unwrap();
             match submit(&h, server, &m, &frags).await {
                 Ok(o) => match o.reply {
-                    SubmitReply::Stored { .. } => acked.lock().unwrap().push((id, group.clone())),
+                    SubmitReply::Stored { .. } => {
+                        first.lock().unwrap().get_or_insert(ep.clone());
+                        acked.lock().unwrap().push((id, group.clone()))
+                    }
                     other => panic!("episode {id}: {other:?}"),
                 },
                 Err(_) => return,
@@ -129,6 +137,7 @@ fn a_server_killed_at_random_moments_loses_no_acknowledged_episode_and_trains_no
     let (episodes_dir, run_dir) = (data.join("episodes/tiny"), data.join("runs/tiny"));
     let rt = tokio::runtime::Runtime::new().unwrap();
     let acked: Arc<Mutex<Vec<(String, String)>>> = Arc::default();
+    let first: Arc<Mutex<Option<Episode>>> = Arc::default();
     let mut rng = agentjet::base::Rng::seeded(33);
     let (mut client, mut server_id) = (None::<SwarmHandle>, None::<PeerId>);
     let (mut steps_seen, mut resumed) = (Vec::new(), 0);
@@ -190,6 +199,31 @@ fn a_server_killed_at_random_moments_loses_no_acknowledged_episode_and_trains_no
                 );
                 acked.lock().unwrap().push((format!("{g}-late"), g));
             }
+            // The first acknowledged episode, from the first run: submitted again, it is
+            // acknowledged (and, checked below, not trained twice); its signed call in
+            // another episode is refused as a replay.
+            let ep = first
+                .lock()
+                .unwrap()
+                .clone()
+                .expect("an episode was acknowledged");
+            let (m, frags) = prepare(&ep, "tiny", 2).unwrap();
+            let r = rt.block_on(submit(h, id, &m, &frags)).unwrap();
+            assert!(
+                matches!(&r.reply, SubmitReply::Stored { episode_id, .. } if *episode_id == ep.id),
+                "{:?}",
+                r.reply
+            );
+            let mut replay = ep.clone();
+            replay.id = format!("{}-replayed", ep.id);
+            let (m, frags) = prepare(&replay, "tiny", 2).unwrap();
+            let r = rt.block_on(submit(h, id, &m, &frags)).unwrap();
+            assert!(
+                matches!(&r.reply, SubmitReply::Rejected(why)
+                    if why.contains(&format!("already submitted in episode {:?}", ep.id))),
+                "{:?}",
+                r.reply
+            );
             let want: Vec<String> = acked
                 .lock()
                 .unwrap()
@@ -217,7 +251,13 @@ fn a_server_killed_at_random_moments_loses_no_acknowledged_episode_and_trains_no
         }
         // Submissions run while the server trains and checkpoints; the kill falls at a
         // random moment among them.
-        let task = rt.spawn(submit_until_error(h.clone(), id, round, acked.clone()));
+        let task = rt.spawn(submit_until_error(
+            h.clone(),
+            id,
+            round,
+            acked.clone(),
+            first.clone(),
+        ));
         let wait = 0.3 + 2.7 * rng.next_f64();
         std::thread::sleep(Duration::from_secs_f64(wait));
         server.kill9();

@@ -321,8 +321,25 @@ async fn the_swarm_key_signed_calls_and_bad_messages() {
         } => assert!(fragments_received >= 2),
         other => panic!("{other:?}"),
     }
-    // The same fragments again: nothing is re-sent.
-    let again = library::episode("ep-2", c1.clone());
+    // The same call submitted in another episode: a replay, refused. The same episode
+    // again (its acknowledgement lost): acknowledged, not stored twice.
+    let replay = library::episode("ep-2", c1.clone());
+    let reply = library::submit_episode(&member, server_id, &replay, false).await;
+    assert!(
+        matches!(&reply, SubmitReply::Rejected(r)
+            if r.contains("call 0 was already submitted in episode \"ep-1\"")),
+        "{reply:?}"
+    );
+    match library::submit_episode(&member, server_id, &ep, false).await {
+        SubmitReply::Stored { episode_id, .. } => assert_eq!(episode_id, "ep-1"),
+        other => panic!("{other:?}"),
+    }
+    // The same prompt called again gives an equal call (greedy) with its own signature:
+    // stored, and its fragments are not re-sent.
+    let c1b = library::call(&member, server_id, vec![5, 6, 7, 8]).await;
+    assert_eq!(c1b.completion_ids, c1.completion_ids);
+    assert_ne!(c1b.signature, c1.signature);
+    let again = library::episode("ep-2", c1b);
     match library::submit_episode(&member, server_id, &again, false).await {
         SubmitReply::Stored {
             fragments_received,

@@ -191,8 +191,8 @@ pub struct ServerCli {
     /// (implies --run).
     #[arg(long, value_name = "FILE", conflicts_with = "cert")]
     pub run_key: Option<PathBuf>,
-    /// Bytes of episodes one submitting peer may store on this server (counted since the
-    /// server started); past it its episodes are refused.
+    /// Bytes of episodes one submitting peer may store on this server (counting what it
+    /// stored before a restart); past it its episodes are refused.
     #[arg(long, default_value_t = 8 << 30)]
     pub max_episode_bytes_per_peer: u64,
     /// Serve only, do not train on submitted episodes.
