@@ -2,10 +2,12 @@
 //! processes on 127.0.0.1, one run key) trains on a client's episodes while rogues attack
 //! it:
 //! - (a) a real server process that claims the model without a certificate signs calls,
-//!   which a rogue submits to the honest servers;
+//!   which a rogue submits to the honest servers; the rogue also submits a call an honest
+//!   server signed in a second episode (a replay);
 //! - (b) a rogue node (in this process, a real libp2p peer on loopback) sends forged
 //!   Prepare and Start messages: a high ballot, epoch u64::MAX, an empty action list, a
-//!   wrong step; and asks for the links a commit round runs on;
+//!   wrong step, a Start that excludes the member as of another shape; and asks for the
+//!   links a commit round runs on;
 //! - (c) it offers itself as the state source of a Start, with a poisoned hash;
 //! - (d) a certified member (a real server process with the run's certificate) sends NaN
 //!   in every gradient round;
@@ -113,6 +115,7 @@ fn forged_requests(me: PeerId, to: PeerId) -> Vec<(&'static str, Request)> {
                 actions: vec![],
                 steps: 0,
                 hash: [0; 32],
+                values: 0,
                 retry: false,
                 excluded: vec![],
                 declined: vec![],
@@ -130,8 +133,28 @@ fn forged_requests(me: PeerId, to: PeerId) -> Vec<(&'static str, Request)> {
                 actions: vec![Action::Ready, Action::Ready],
                 steps: 1_000_000,
                 hash: [7; 32],
+                values: 0,
                 retry: false,
                 excluded: vec![],
+                declined: vec![],
+            }),
+        ),
+        (
+            // (Its parameter count is set to the member's own once the member states it.)
+            "b: start excluding the member as of another shape",
+            Request::Start(Start {
+                group: "tiny".into(),
+                ballot: Ballot {
+                    epoch: 1 << 40,
+                    proposer: me.clone(),
+                },
+                members: vec![me.clone()],
+                actions: vec![Action::Ready],
+                steps: 0,
+                hash: [0; 32],
+                values: 0,
+                retry: false,
+                excluded: vec![to.to_bytes()],
                 declined: vec![],
             }),
         ),
@@ -158,6 +181,7 @@ fn forged_requests(me: PeerId, to: PeerId) -> Vec<(&'static str, Request)> {
                 },
                 steps: 1,
                 hash: [9; 32],
+                values: 0,
                 retry: false,
                 excluded: vec![],
                 declined: vec![],
@@ -179,13 +203,14 @@ fn checked_by(kind: &str) -> &'static str {
         k if k.contains("u64::MAX") => "is above the bound",
         k if k.contains("empty action") => "0 actions for 2 members",
         k if k.contains("wrong step") => "ready at step 1000000",
+        k if k.contains("another shape") => "parameter values are the group's",
         other => panic!("no expected refusal for {other}"),
     }
 }
 
 /// Has `to` promise a ballot of `node` (the next epoch above what it promised); the
-/// epoch promised.
-async fn promise(node: &SwarmHandle, to: PeerId) -> u64 {
+/// epoch promised and the parameter count `to` stated.
+async fn promise(node: &SwarmHandle, to: PeerId) -> (u64, u64) {
     let me = node.peer_id.to_bytes();
     let mut members = vec![me.clone(), to.to_bytes()];
     members.sort();
@@ -210,8 +235,8 @@ async fn promise(node: &SwarmHandle, to: PeerId) -> u64 {
             }
         };
         let r = group_request(node, to, &prepare(promised + 1)).await;
-        if matches!(r, Ok(Reply::State(_))) {
-            return promised + 1;
+        if let Ok(Reply::State(st)) = &r {
+            return (promised + 1, st.values);
         }
         last = Some(r);
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -373,6 +398,25 @@ async fn rogue_peers_change_no_honest_parameter_stop_no_training_and_are_named()
         );
     }
 
+    // (a) A call an honest server signed, stored in one episode, then submitted again in
+    // another (a replay, to count it twice).
+    for i in 0..3u32 {
+        let to = honest[0];
+        let call = library::call(&rogue, to, vec![5, 6, 20 + i]).await;
+        let first = library::episode(&format!("replay-source-{i}"), call.clone());
+        let reply = library::submit_episode(&rogue, to, &first, false).await;
+        assert!(matches!(reply, SubmitReply::Stored { .. }), "{reply:?}");
+        let replay = library::episode(&format!("rogue-replay-{i}"), call);
+        let reply = library::submit_episode(&rogue, to, &replay, false).await;
+        let refused = matches!(&reply, SubmitReply::Rejected(r)
+            if r.contains(&format!("already submitted in episode \"replay-source-{i}\"")));
+        tally(
+            "a: a signed call replayed in another episode",
+            refused,
+            format!("{reply:?}"),
+        );
+    }
+
     // (b) Forged group messages to each honest member: from the uncertified rogue (refused
     // at the door), and from a rogue that holds a certificate of the run (checked one by
     // one: bounds, sender, lists, step).
@@ -436,7 +480,11 @@ async fn rogue_peers_change_no_honest_parameter_stop_no_training_and_are_named()
                 let mut missed = false;
                 for _ in 0..20 {
                     if let (false, Request::Start(st)) = (gate, &mut req) {
-                        st.ballot.epoch = promise(node, *to).await;
+                        let (epoch, values) = promise(node, *to).await;
+                        st.ballot.epoch = epoch;
+                        if kind.contains("another shape") {
+                            st.values = values;
+                        }
                     }
                     r = group_request(node, *to, &req).await;
                     missed = !gate
@@ -581,7 +629,13 @@ async fn rogue_peers_change_no_honest_parameter_stop_no_training_and_are_named()
     }
     // Every kind reached its check at least once (a certified rogue's attempt that the
     // group's own epochs overtook twenty times is not counted above).
-    for k in ["high ballot", "u64::MAX", "empty action", "wrong step"] {
+    for k in [
+        "high ballot",
+        "u64::MAX",
+        "empty action",
+        "wrong step",
+        "another shape",
+    ] {
         for who in ["(certified)", "(uncertified)"] {
             assert!(
                 counts.keys().any(|c| c.contains(k) && c.ends_with(who)),

@@ -630,7 +630,10 @@ async fn a_member_of_another_shape_is_left_out_and_says_why() {
     let e = odd.wait("being left out", |e| {
         matches!(e, MemberEvent::LeftOut { .. })
     });
-    assert!(format!("{e:?}").contains("another shape"), "{e:?}");
+    assert!(
+        format!("{e:?}").contains("another shape (10 parameter values"),
+        "{e:?}"
+    );
     let (r, _) = odd.stop(StopMode::Drain);
     assert!(r.unwrap_err().contains("another shape"));
     for m in &mut ms {

@@ -494,10 +494,24 @@ impl GroupNode {
                 action = ?self.action_in(&start),
                 "agreed"
             );
-            if !start.members.contains(&self.me.to_bytes()) {
+            let me = self.me.to_bytes();
+            if !start.members.contains(&me) {
+                if start.declined.contains(&me) {
+                    // Declined (this member sent non-finite values, or refused a ring):
+                    // left out for a while, then it asks again.
+                    warn!(
+                        group = self.cfg.name,
+                        epoch = start.ballot.epoch,
+                        proposer = %proto::peer_name(&start.ballot.proposer),
+                        "left out of the group for a while: declined"
+                    );
+                    std::thread::sleep(Duration::from_secs(1));
+                    continue;
+                }
                 return Err(GroupError::Refused(format!(
-                    "left out of group {:?} epoch {}: its model has another shape than the group's",
-                    self.cfg.name, start.ballot.epoch
+                    "left out of group {:?} epoch {}: its model has another shape ({} \
+                     parameter values, the group's {})",
+                    self.cfg.name, start.ballot.epoch, state.values, start.values
                 )));
             }
             return Ok(start);
@@ -1013,6 +1027,7 @@ pub fn decide(group: &str, ballot: Ballot, states: Vec<(PeerId, MemberState)>) -
         actions,
         steps: max_steps,
         hash,
+        values,
         retry,
         excluded,
         declined: Vec::new(),

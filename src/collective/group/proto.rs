@@ -1,4 +1,4 @@
-//! The group's control wire, `/agentjet/group/1`: one request and one reply per stream.
+//! The group's control wire, `/agentjet/group/2`: one request and one reply per stream.
 //!
 //! - [`Request::Prepare`]: a proposer asks a candidate to promise a ballot; the candidate
 //!   answers with its [`MemberState`] once it is out of any ring (it leaves its ring at
@@ -20,7 +20,7 @@ use crate::base::lock;
 use crate::swarm::frame::{read_frame, write_frame, FrameError};
 use crate::swarm::{PeerId, Stream, StreamProtocol};
 
-pub const GROUP: StreamProtocol = StreamProtocol::new("/agentjet/group/1");
+pub const GROUP: StreamProtocol = StreamProtocol::new("/agentjet/group/2");
 
 /// The refusal of a member that is leaving (the proposer leaves it out at once).
 pub const STOPPING: &str = "stopping";
@@ -90,6 +90,9 @@ pub struct Start {
     /// The group's step count and parameter hash once the actions are done.
     pub steps: u64,
     pub hash: [u8; 32],
+    /// How many parameter values the group's model has: a candidate with another count
+    /// is excluded (another shape); one with this count is excluded only if declined.
+    pub values: u64,
     /// Every member enters a step round at once, from the gradients held (zeros where
     /// none): the step that failed is retried.
     pub retry: bool,
@@ -396,6 +399,9 @@ pub(super) fn start_fault(
             start.excluded.len()
         ));
     }
+    if let Some(d) = start.declined.iter().find(|d| !start.excluded.contains(d)) {
+        return Err(format!("{} declined but not excluded", peer_name(d)));
+    }
     if start.actions.len() != n {
         return Err(format!("{} actions for {n} members", start.actions.len()));
     }
@@ -417,12 +423,20 @@ pub(super) fn start_fault(
         return Err("a start that leaves out its proposer".into());
     }
     let Some(i) = start.members.iter().position(|p| p == me) else {
-        // Left out: the proposer must say so (a member of another shape is excluded, and
-        // ends its loop), not merely omit it.
-        return if start.excluded.iter().any(|p| p == me) {
-            Ok(())
-        } else {
-            Err("a start that neither lists nor excludes this member".into())
+        // Left out: the proposer must say so, and why: declined (for a while), or of
+        // another shape (which ends this member's loop: checked against its own count).
+        if !start.excluded.iter().any(|p| p == me) {
+            return Err("a start that neither lists nor excludes this member".into());
+        }
+        return match state {
+            Some(st) if st.values == start.values && !start.declined.iter().any(|p| p == me) => {
+                Err(format!(
+                    "a start that excludes this member as of another shape, but its {} \
+                     parameter values are the group's",
+                    st.values
+                ))
+            }
+            _ => Ok(()),
         };
     };
     let Some(st) = state else {
@@ -619,6 +633,7 @@ mod tests {
             actions: vec![Action::Ready; 3],
             steps: 2,
             hash: [7; 32],
+            values: 10,
             retry: false,
             excluded: vec![],
             declined: vec![],
@@ -700,6 +715,7 @@ mod tests {
             actions: vec![Action::Ready; 3],
             steps: 5,
             hash: [7; 32],
+            values: 10,
             retry: false,
             excluded: vec![],
             declined: vec![],
@@ -793,6 +809,20 @@ mod tests {
                 }),
             ),
             (
+                "excluded as of another shape, with the group's shape",
+                a,
+                Box::new(|s: &mut Start| {
+                    s.excluded = vec![s.members[1].clone()];
+                    s.members = vec![s.members[0].clone(), s.members[2].clone()];
+                    s.actions = vec![Action::Ready; 2];
+                }),
+            ),
+            (
+                "declined without being excluded",
+                a,
+                Box::new(|s: &mut Start| s.declined = vec![s.members[2].clone()]),
+            ),
+            (
                 "too many excluded",
                 a,
                 Box::new(|s: &mut Start| s.excluded = vec![s.members[0].clone(); MAX_MEMBERS + 1]),
@@ -804,6 +834,19 @@ mod tests {
             assert!(lock(&sh.inner).start.is_none(), "{what}: recorded");
         }
         assert_eq!(lock(&sh.inner).promised, ballot(4, a));
+        // Left out and declined (for a while), or left out with another shape: well-formed.
+        let mut out = good.clone();
+        out.excluded = vec![me.clone()];
+        out.members = vec![id[0].clone(), id[2].clone()];
+        out.actions = vec![Action::Ready; 2];
+        let mut declined = out.clone();
+        declined.declined = vec![me.clone()];
+        let st = state(5, false);
+        assert_eq!(start_fault(&declined, me, Some(&st)), Ok(()));
+        let mut other_shape = out.clone();
+        other_shape.values = 11;
+        assert_eq!(start_fault(&other_shape, me, Some(&st)), Ok(()));
+        assert!(start_fault(&out, me, Some(&st)).is_err());
         assert_eq!(start(a, &|_| {}), Reply::Started);
     }
 }
