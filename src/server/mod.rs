@@ -30,6 +30,7 @@ pub mod infer;
 mod learner;
 mod ledger;
 mod quota;
+mod renew;
 pub mod served;
 mod settings;
 mod stored;
@@ -45,6 +46,7 @@ pub use error::ServerError;
 pub use error::TrainingError;
 pub use events::ServerEvent;
 pub use infer::{BadCall, InferError};
+pub use renew::CertRenewal;
 pub use served::{card_blob, ServeLimits, ServedModel};
 pub use settings::TrainSettings;
 pub use submit::{read_stored_episodes, StoredEpisode, SubmitError};
@@ -59,7 +61,7 @@ use crate::facade::server::{router, FacadeConfig};
 use crate::facade::LocalBackend;
 use crate::model::checkpoint::{load_model, parse_placement};
 use crate::model::ModelSource;
-use crate::swarm::{spawn_node, Multiaddr, PeerId, SwarmConfig, SwarmHandle};
+use crate::swarm::{spawn_node, Certified, Multiaddr, PeerId, SwarmConfig, SwarmHandle};
 
 /// Everything `--role server` is configured by (the binary builds it from its flags).
 #[derive(Debug, Clone)]
@@ -89,6 +91,8 @@ pub struct ServerConfig {
     pub drain_timeout: Duration,
     /// Also write the server's events ([`ServerEvent`]) to this file, as JSON lines.
     pub events_file: Option<PathBuf>,
+    /// Where its certificate is renewed from while it runs (trusting a run).
+    pub renew: Option<CertRenewal>,
 }
 
 /// A running server.
@@ -147,18 +151,7 @@ fn check_trust(cfg: &ServerConfig) -> Result<(), ServerError> {
     let c = cert
         .verify(run, &me)
         .map_err(|e| ServerError::Trust(format!("--cert: {e}")))?;
-    let group = cfg
-        .train
-        .as_ref()
-        .and_then(|t| t.collective.group.clone())
-        .unwrap_or(name.clone());
-    if !c.serves(&name) && !c.trains(&name, &group) {
-        return Err(ServerError::Trust(format!(
-            "the certificate is for model {:?}, group {:?}: it allows neither serving {name:?} \
-             nor training it in group {group:?}",
-            c.grant.model, c.grant.group
-        )));
-    }
+    cert_allows(cfg)(&c).map_err(ServerError::Trust)?;
     if !c.serves(&name) {
         println!(
             "trust: the certificate does not allow serving {name:?}: the calls this server \
@@ -166,6 +159,27 @@ fn check_trust(cfg: &ServerConfig) -> Result<(), ServerError> {
         );
     }
     Ok(())
+}
+
+/// Whether a certificate allows this server what it runs for: serving its model, or
+/// training it in its group (or both).
+fn cert_allows(cfg: &ServerConfig) -> impl Fn(&Certified) -> Result<(), String> {
+    let name = cfg.served_model_name.clone().unwrap_or(cfg.model.clone());
+    let group = cfg
+        .train
+        .as_ref()
+        .and_then(|t| t.collective.group.clone())
+        .unwrap_or(name.clone());
+    move |c: &Certified| {
+        if c.serves(&name) || c.trains(&name, &group) {
+            return Ok(());
+        }
+        Err(format!(
+            "the certificate is for model {:?}, group {:?}: it allows neither serving {name:?} \
+             nor training it in group {group:?}",
+            c.grant.model, c.grant.group
+        ))
+    }
 }
 
 async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Server, ServerError> {
@@ -255,6 +269,9 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
         _ => None,
     };
     served.start().await?;
+    if let Some(r) = cfg.renew.clone() {
+        renew::spawn(r, swarm.clone(), cert_allows(&cfg), stop.clone(), &tasks);
+    }
     println!("serving model {name:?} to the swarm");
     events.emit(ServerEvent::Serving {
         model: name.clone(),

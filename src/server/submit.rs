@@ -2,7 +2,7 @@
 //! addressed fragments; the server answers which fragments it lacks (its cache holds
 //! recent ones), takes only those, checks each against its hash and every sampled call
 //! against a signature by a server of this model (each signature's nonce used in no other
-//! episode: [`super::calls`]), and acknowledges the episode only once it is written and
+//! episode: `server::calls`), and acknowledges the episode only once it is written and
 //! synced under `<data-dir>/episodes/<model>/`. Then it goes to the training loop. The
 //! same episode submitted again with the same calls (its acknowledgement was lost) is
 //! acknowledged again, neither stored nor trained twice.

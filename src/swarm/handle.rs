@@ -19,7 +19,7 @@ use super::config::SwarmConfig;
 use super::frame::{read_frame, FrameError};
 use super::protocol::{Admission, ModelStatus, PeerStatus, Role};
 use super::shared::{Command, ProviderLookup, Shared, ViewEntry};
-use super::trust::{Certified, Trust};
+use super::trust::{Certificate, Certified, Trust, TrustError, CERT_FIELD};
 use super::usage::PeerStream;
 use super::SwarmError;
 use crate::base::lock;
@@ -170,7 +170,27 @@ impl SwarmHandle {
     /// none, or it trusts no run, or the certificate is not for it or this run).
     pub fn own_cert(&self) -> Option<Certified> {
         let run = self.cfg.run.as_ref()?;
-        self.cfg.cert.as_ref()?.verify(run, &self.peer_id).ok()
+        lock(&self.shared.cert)
+            .as_ref()?
+            .verify(run, &self.peer_id)
+            .ok()
+    }
+
+    /// Replaces this peer's certificate (a renewed one), once it verifies against the run
+    /// it trusts and this peer; the next status gossips it. On an error the current one
+    /// stays.
+    pub fn renew_cert(&self, cert: Certificate) -> Result<Certified, TrustError> {
+        let Some(run) = self.cfg.run.as_ref() else {
+            return Err(TrustError::Malformed(
+                "this peer trusts no run: a certificate means nothing to it".into(),
+            ));
+        };
+        let c = cert.verify(run, &self.peer_id)?;
+        lock(&self.shared.status)
+            .extra
+            .insert(CERT_FIELD.to_string(), cert.encode());
+        *lock(&self.shared.cert) = Some(cert);
+        Ok(c)
     }
 
     /// Whether calls of `model` signed by the peer of `e` count (are trained on): a

@@ -233,6 +233,7 @@ pub async fn spawn_node(cfg: SwarmConfig) -> Result<SwarmHandle, SwarmError> {
                 .map(|c| (CERT_FIELD.to_string(), c.encode()))
                 .collect(),
         }),
+        cert: Mutex::new(cfg.cert.clone()),
         limits: Mutex::new(Limits::default()),
         usage: Arc::new(UseTable::default()),
         ended: CancellationToken::new(),

@@ -95,6 +95,9 @@ pub(super) struct Shared {
     pub(super) auth: Arc<AuthTable>,
     pub(super) view: Mutex<HashMap<PeerId, ViewSlot>>,
     pub(super) status: Mutex<PeerStatus>,
+    /// This peer's certificate (`cfg.cert` at start; [`super::SwarmHandle::renew_cert`]
+    /// replaces it). Its encoding rides in `status`.
+    pub(super) cert: Mutex<Option<Certificate>>,
     pub(super) limits: Mutex<Limits>,
     /// Streams open per peer, and their last use (what the trimmer spares).
     pub(super) usage: Arc<UseTable>,

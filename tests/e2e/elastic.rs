@@ -63,7 +63,7 @@ fn server(dir: &Path, model: &Path, name: &str, boot: Option<&str>, extra: &[&st
     // Servers of one group must trust each other: a run key, which each certifies itself
     // with (an open swarm's servers train alone).
     let (key, _) = common::run_key(dir);
-    if !extra.contains(&"--swarm-key") {
+    if !extra.contains(&"--swarm-key") && !extra.contains(&"--cert") {
         args.extend(["--run-key", &key]);
     }
     Peer::start(name, dir, &args)
@@ -808,4 +808,66 @@ fn servers_of_one_model_in_two_runs_train_as_two_groups() {
             "{line}"
         );
     }
+}
+
+/// A server whose certificate is about to expire takes the renewed one written over its
+/// `--cert` file, without a restart: other peers of the run still see it certified after
+/// the first certificate expired. A file that is no certificate is not taken.
+#[test]
+fn a_renewed_certificate_file_is_taken_without_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = tiny_model(d);
+    let (key, run) = common::run_key(d);
+    let run_key = agentjet::swarm::RunKey::load(Path::new(&key)).unwrap();
+    let bin = env!("CARGO_BIN_EXE_agentjet-peer");
+    let out = std::process::Command::new(bin)
+        .args(["id", "--data-dir"])
+        .arg(d.join("s"))
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let peer: agentjet::swarm::PeerId =
+        String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
+    let grant = agentjet::swarm::Grant {
+        model: "tiny".into(),
+        group: "tiny".into(),
+        serve: true,
+        train: true,
+    };
+    let now = agentjet::swarm::trust::unix_now();
+    let first_until = now + 15;
+    let cert = d.join("s.cert");
+    std::fs::write(
+        &cert,
+        run_key.certify(&peer, grant.clone(), first_until).encode(),
+    )
+    .unwrap();
+    let mut s = server(d, &model, "s", None, &["--cert", cert.to_str().unwrap()]);
+    s.wait_serving(Duration::from_secs(60));
+    assert_eq!(s.peer_id(), peer.to_string());
+    // Not a certificate: not taken (the current one stays).
+    std::fs::write(&cert, "not a certificate\n").unwrap();
+    common::peer::wait_until("the bad file refused", Duration::from_secs(20), || {
+        s.log_text().contains("changed but is not used")
+    });
+    // The renewed certificate: taken.
+    std::fs::write(&cert, run_key.certify(&peer, grant, now + 3600).encode()).unwrap();
+    s.wait_line_containing("trust: certificate renewed from", Duration::from_secs(20));
+    // Past the first certificate's expiry, the swarm sees the renewed one.
+    while agentjet::swarm::trust::unix_now() <= first_until + 1 {
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let boot = s.addr();
+    let out = std::process::Command::new(bin)
+        .args(["status", "--bootstrap", &boot, "--wait", "3", "--run", &run])
+        .output()
+        .unwrap();
+    let table = String::from_utf8_lossy(&out.stdout).to_string();
+    let line = table
+        .lines()
+        .find(|l| l.starts_with(&peer.to_string()))
+        .unwrap_or_else(|| panic!("{peer} not in the table:\n{table}"));
+    assert!(line.ends_with("yes: tiny serve train in tiny"), "{line}");
+    assert!(!s.log_text().contains("has expired"), "{}", s.log_text());
 }

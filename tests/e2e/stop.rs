@@ -249,6 +249,7 @@ async fn roles_run_in_process_and_a_stop_releases_them() {
             limits: Default::default(),
             drain_timeout: Duration::from_secs(30),
             events_file: None,
+            renew: None,
         },
         &stop,
     )

@@ -105,7 +105,8 @@ pub struct SwarmArgs {
     /// by --cert and by a server's --run-key.
     #[arg(long, value_name = "ID|FILE")]
     pub run: Option<String>,
-    /// This peer's certificate (`agentjet-peer certify`), presented to the swarm.
+    /// This peer's certificate (`agentjet-peer certify`), presented to the swarm. A server
+    /// reads the file again when it changes (a renewed certificate needs no restart).
     #[arg(long, value_name = "FILE")]
     pub cert: Option<PathBuf>,
     /// Provider record lifetime in seconds (a dead server disappears within two).

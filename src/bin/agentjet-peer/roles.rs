@@ -38,7 +38,7 @@ mod torch {
     use crate::args::{secs, ServerCli};
     use agentjet::collective::Wire;
     use agentjet::server::train::CollectiveSettings;
-    use agentjet::server::{ServeLimits, ServerConfig, TrainSettings};
+    use agentjet::server::{CertRenewal, ServeLimits, ServerConfig, TrainSettings};
     use agentjet::train::groups::AdvantageKind;
     use agentjet::train::outer::OuterConfig;
     use std::time::Duration;
@@ -127,13 +127,19 @@ mod torch {
                 },
                 drain_timeout: secs("drain-timeout", self.common.swarm.drain_timeout)?,
                 events_file: self.events.clone(),
+                renew: match (&self.run_key, &self.common.swarm.cert) {
+                    (Some(k), _) => Some(CertRenewal::RunKey(k.clone())),
+                    (None, Some(f)) => Some(CertRenewal::File(f.clone())),
+                    (None, None) => None,
+                },
             })
         }
     }
 
     impl ServerCli {
         /// `--run-key`: trusts the run and certifies this server to serve its model and
-        /// train it in its group, for a year (renewed at each start).
+        /// train it in its group, for a year (renewed at each start, and while it runs once
+        /// half a year is left).
         fn certify_self(
             &self,
             swarm: &mut swarm::SwarmConfig,
