@@ -172,8 +172,8 @@ pub async fn submit(
 
 /// Submits `episode`'s calls of `model` to one of the model's providers: the provider
 /// chosen by rendezvous hashing on the group id (so a group's episodes meet on one server),
-/// then the others if it fails. A server's verdict (stored or rejected) is final; only
-/// transport failures move on to the next provider. Waits up to `wait` for a provider.
+/// asked twice, then the others if it fails. A server's verdict (stored or rejected) is
+/// final; only transport failures move on. Waits up to `wait` for a provider.
 pub async fn submit_to_model(
     swarm: &SwarmHandle,
     providers: impl Fn() -> Vec<PeerId>,
@@ -193,12 +193,20 @@ pub async fn submit_to_model(
             h.update(&p.to_bytes());
             std::cmp::Reverse(*h.finalize().as_bytes())
         });
-        for p in ps {
-            match submit(swarm, p, &manifest, &frags).await {
-                Ok(out) => return Ok((p, out)),
-                Err(e) => {
-                    tracing::warn!(peer = %p, episode = episode.id, "submission failed: {e}");
-                    errors.push(format!("{p}: {e}"));
+        for (i, p) in ps.into_iter().enumerate() {
+            // The chosen provider is asked twice: a submission whose acknowledgement was
+            // lost is then acknowledged by the server that stored it, not stored again
+            // elsewhere (a server recognises the same episode; another would not).
+            for attempt in 0..if i == 0 { 2 } else { 1 } {
+                if attempt > 0 {
+                    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+                }
+                match submit(swarm, p, &manifest, &frags).await {
+                    Ok(out) => return Ok((p, out)),
+                    Err(e) => {
+                        tracing::warn!(peer = %p, episode = episode.id, "submission failed: {e}");
+                        errors.push(format!("{p}: {e}"));
+                    }
                 }
             }
         }

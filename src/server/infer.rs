@@ -20,6 +20,7 @@ use crate::engine::{
 use crate::facade::track::transform_of;
 use crate::rpc::{InferFrame, InferRequest};
 use crate::swarm::frame::{read_frame, write_frame, FrameError};
+use crate::swarm::sign::{new_nonce, Nonce};
 use crate::swarm::Stream;
 use crate::timeline::digest::CallHasher;
 
@@ -145,8 +146,10 @@ impl ServedModel {
                 return Ok(());
             }
         };
-        // One hasher per choice, started on the first token's policy version.
+        // One hasher per choice, started on the first token's policy version, and one
+        // nonce per choice: every prefix's signature is of the same call.
         let mut hashers: Vec<Option<CallHasher>> = vec![None; n];
+        let nonces: Vec<Nonce> = (0..n).map(|_| new_nonce()).collect();
         let version_now = || self.engine.stats.policy_version.load(Ordering::Relaxed);
         let mut events = futures::stream::select_all(
             rxs.into_iter()
@@ -172,7 +175,7 @@ impl ServedModel {
                         behaviour,
                         top,
                         policy_version: h.version(),
-                        signature: self.swarm.sign(&h.digest()),
+                        signature: self.swarm.sign(&h.digest(), &nonces[i]),
                     }
                 }
                 EngineEvent::Finished {

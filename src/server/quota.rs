@@ -3,8 +3,8 @@
 //! peer, not the disk).
 //!
 //! Owns: [`Quota`]. A restarted server counts again what each peer stored before (stored
-//! episodes name their submitter; files of earlier layouts count for nobody). A
-//! resubmitted episode that replaces its earlier file counts again.
+//! episodes name their submitter; files of earlier layouts count for nobody). An
+//! episode that is not written after all (a failed write) still counts until a restart.
 
 use std::collections::HashMap;
 

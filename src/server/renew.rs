@@ -14,7 +14,7 @@ use tracing::warn;
 
 use crate::base::stop::{Stop, TaskTracker};
 use crate::swarm::trust::{unix_now, Certified};
-use crate::swarm::{Certificate, RunKey, SwarmHandle};
+use crate::swarm::{Certificate, Grant, RunKey, SwarmHandle};
 
 /// Where a server's certificate is renewed from while it runs.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -44,13 +44,17 @@ pub(super) fn spawn(
     tasks: &TaskTracker,
 ) {
     tasks.spawn(async move {
+        // What a self-certificate grants: what the one made at start granted.
+        let grant = swarm.cfg.cert.as_ref().map(|c| c.grant().clone());
         let mut r = Renewer {
             renewal,
             swarm,
             check: Box::new(check),
+            grant,
             last: None,
             warned_soon: false,
             warned_expired: false,
+            warned_key: false,
         };
         // The file as it was at start is the certificate in use.
         if let CertRenewal::File(p) = &r.renewal {
@@ -73,10 +77,12 @@ struct Renewer {
     renewal: CertRenewal,
     swarm: SwarmHandle,
     check: Allows,
+    grant: Option<Grant>,
     /// The file's bytes last looked at.
     last: Option<Vec<u8>>,
     warned_soon: bool,
     warned_expired: bool,
+    warned_key: bool,
 }
 
 impl Renewer {
@@ -99,14 +105,18 @@ impl Renewer {
                 }
             }
             CertRenewal::RunKey(path) => {
-                if let Some(c) = current.filter(|c| c.not_after_unix < now + SELF_RENEW_S) {
+                let due = current.is_none_or(|c| c.not_after_unix < now + SELF_RENEW_S);
+                if let (true, Some(grant)) = (due, self.grant.clone()) {
                     match RunKey::load(path) {
                         Ok(key) => {
-                            let cert =
-                                key.certify(&self.swarm.peer_id, c.grant, now + SELF_VALID_S);
+                            let cert = key.certify(&self.swarm.peer_id, grant, now + SELF_VALID_S);
                             self.install(cert, "the run key");
                         }
-                        Err(e) => warn!("trust: renewing the certificate: --run-key {e}"),
+                        Err(e) if !self.warned_key => {
+                            self.warned_key = true;
+                            warn!("trust: renewing the certificate: --run-key {e}");
+                        }
+                        Err(_) => {}
                     }
                 }
             }
@@ -139,18 +149,24 @@ impl Renewer {
                 );
                 self.warned_soon = false;
                 self.warned_expired = false;
+                self.warned_key = false;
             }
             Err(e) => warn!("trust: a new certificate from {source} is not used: {e}"),
         }
     }
 
     fn announce_expiry(&mut self, now: u64) {
+        let how = match &self.renewal {
+            CertRenewal::File(p) => {
+                format!("renew it (`agentjet-peer certify`) into {}", p.display())
+            }
+            CertRenewal::RunKey(p) => format!("check the run key {}", p.display()),
+        };
         match self.swarm.own_cert() {
             Some(c) if c.not_after_unix < now + WARN_S && !self.warned_soon => {
                 self.warned_soon = true;
                 warn!(
-                    "trust: this server's certificate expires in {} s: renew it \
-                     (`agentjet-peer certify`) into its --cert file",
+                    "trust: this server's certificate expires in {} s: {how}",
                     c.not_after_unix.saturating_sub(now)
                 );
             }
@@ -158,8 +174,7 @@ impl Renewer {
                 self.warned_expired = true;
                 warn!(
                     "trust: this server's certificate has expired: the calls it signs count \
-                     nowhere and clients do not route to it; renew it (`agentjet-peer \
-                     certify`) into its --cert file"
+                     nowhere and clients do not route to it; {how}"
                 );
             }
             _ => {}

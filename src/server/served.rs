@@ -150,7 +150,8 @@ impl ServedModel {
         let mut quota = super::quota::Quota::new(limits.max_episode_bytes_per_peer);
         super::stored::for_each_stored(&episodes_dir, |e, size| {
             stored += 1;
-            calls.add_stored(&e.manifest.episode_id, &e.nonces);
+            let digest = super::calls::content_digest(&e.manifest, &e.nonces);
+            calls.add_stored(&e.manifest.episode_id, digest, &e.nonces);
             if let Ok(peer) = PeerId::from_bytes(&e.submitter) {
                 quota.add_stored(peer, size);
             }

@@ -4,8 +4,9 @@
 //! against a signature by a server of this model (each signature's nonce used in no other
 //! episode: `server::calls`), and acknowledges the episode only once it is written and
 //! synced under `<data-dir>/episodes/<model>/`. Then it goes to the training loop. The
-//! same episode submitted again with the same calls (its acknowledgement was lost) is
-//! acknowledged again, neither stored nor trained twice.
+//! same episode submitted again with the same content (its acknowledgement was lost) is
+//! acknowledged again, neither stored nor trained twice; other content under a stored id
+//! is refused.
 //!
 //! Owns: receiving, verifying and storing episodes. Never trains.
 
@@ -15,7 +16,7 @@ use std::sync::atomic::Ordering;
 
 use tracing::info;
 
-use super::calls::Claim;
+use super::calls::{content_digest, Claim};
 use super::served::ServedModel;
 pub use super::stored::{read_stored_episodes, StoredEpisode};
 use crate::base::files::write_atomic;
@@ -27,6 +28,9 @@ use crate::swarm::{PeerId, Stream};
 use crate::timeline::digest::{call_digest, rebuilt_calls};
 use crate::timeline::fragment::{EpisodeManifest, Fragment, FragmentError, FragmentHash};
 use crate::timeline::{EpisodeStatus, Timeline};
+
+/// How long a submission waits for another submission of the same episode to be stored.
+const STORING_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Why an episode was not stored.
 #[derive(Debug, thiserror::Error)]
@@ -236,7 +240,7 @@ impl ServedModel {
             .map(|t| t.timeline(&have))
             .collect::<Result<_, _>>()?;
         let servers = self.known_servers();
-        let mut nonces = Vec::new();
+        let mut calls = Vec::new();
         for (ti, t) in timelines.iter().enumerate() {
             for c in rebuilt_calls(t) {
                 let sig = match &m.signatures[ti][c.call as usize] {
@@ -264,7 +268,7 @@ impl ServedModel {
                     source: e,
                 })?;
                 let signer = signed.signer;
-                nonces.push((c.call, signed.nonce));
+                calls.push((c.call, signed.nonce));
                 if !servers.contains(&signer) {
                     return Err(SubmitError::NotAServer {
                         call: c.call,
@@ -275,18 +279,42 @@ impl ServedModel {
             }
         }
         let id = &m.manifest.episode_id;
-        let claim = lock(&self.calls)
-            .claim(id, &nonces)
-            .map_err(SubmitError::Replay)?;
-        let claimed = match claim {
-            Claim::New(claimed) => claimed,
-            Claim::Again => return self.acknowledge_again(id, all.len()),
-        };
-        let nonces: Vec<Nonce> = nonces.into_iter().map(|(_, n)| n).collect();
-        let stored = match self.store_episode(peer, &m.manifest, &timelines, nonces) {
+        let nonces: Vec<Nonce> = calls.iter().map(|(_, n)| *n).collect();
+        let digest = content_digest(&m.manifest, &nonces);
+        // The same episode being stored by another submission: wait for it (it is then
+        // acknowledged again), or for its failure (then this one stores it).
+        let t0 = std::time::Instant::now();
+        loop {
+            let claim = lock(&self.calls)
+                .claim(id, digest, &calls)
+                .map_err(SubmitError::Replay)?;
+            match claim {
+                Claim::New => break,
+                Claim::Again if self.episodes_dir.join(Self::episode_file_name(id)).exists() => {
+                    info!(
+                        "episode already stored: acknowledged again, not stored or trained twice"
+                    );
+                    return Ok(SubmitReply::Stored {
+                        episode_id: id.clone(),
+                        fragments_received: 0,
+                        fragments_known: all.len() as u32,
+                    });
+                }
+                Claim::Again if t0.elapsed() < STORING_WAIT => {
+                    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                }
+                Claim::Again => {
+                    return Err(SubmitError::Replay(format!(
+                        "episode {id:?} is still being stored by another submission after {} s",
+                        STORING_WAIT.as_secs()
+                    )))
+                }
+            }
+        }
+        let stored = match self.store_episode(peer, &m.manifest, &timelines, nonces.clone()) {
             Ok(s) => s,
             Err(e) => {
-                lock(&self.calls).release(&claimed);
+                lock(&self.calls).release(id, &nonces);
                 return Err(e);
             }
         };
@@ -316,22 +344,6 @@ impl ServedModel {
         })
     }
 
-    /// The answer to an episode whose every call is already stored in it: acknowledged
-    /// once its file is there (a submission of it still being stored is asked to retry).
-    fn acknowledge_again(&self, id: &str, fragments: usize) -> Result<SubmitReply, SubmitError> {
-        if !self.episodes_dir.join(Self::episode_file_name(id)).exists() {
-            return Err(SubmitError::Replay(format!(
-                "episode {id:?} is being stored by another submission of it; retry"
-            )));
-        }
-        info!("episode already stored: acknowledged again, not stored or trained twice");
-        Ok(SubmitReply::Stored {
-            episode_id: id.to_string(),
-            fragments_received: 0,
-            fragments_known: fragments as u32,
-        })
-    }
-
     /// The file an episode is stored in (named by a hash of its id).
     pub fn episode_file_name(episode_id: &str) -> String {
         let name = blake3::hash(episode_id.as_bytes()).to_hex();
@@ -339,7 +351,7 @@ impl ServedModel {
     }
 
     /// Writes the episode (manifest + rebuilt timelines) and syncs it before it is
-    /// acknowledged. A resubmitted episode replaces the earlier copy.
+    /// acknowledged. (An id is stored once: see `server::calls`.)
     fn store_episode(
         &self,
         peer: PeerId,

@@ -239,9 +239,9 @@ impl SwarmHandle {
         }
     }
 
-    /// Signs a digest with this peer's key.
-    pub fn sign(&self, digest: &[u8; 32]) -> Vec<u8> {
-        super::sign::sign(&self.shared.keypair, digest)
+    /// Signs a digest with this peer's key and a generation's nonce.
+    pub fn sign(&self, digest: &[u8; 32], nonce: &super::sign::Nonce) -> Vec<u8> {
+        super::sign::sign(&self.shared.keypair, digest, nonce)
     }
 
     /// Opens a stream to `peer` and reads its [`Admission`].

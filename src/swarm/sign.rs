@@ -1,15 +1,13 @@
 //! Signatures with the peer's libp2p key: a server signs every call it serves, so a client
 //! cannot forge what the model produced. What is signed is a 32-byte digest the caller
-//! computes (for calls: `timeline::digest`) and a nonce this module draws for each
-//! signature, so two identical calls carry different signatures and a server can tell a
-//! call submitted twice from two calls that happen to be equal. This module only signs,
+//! computes (for calls: `timeline::digest`) and a random nonce drawn once per generation
+//! (the signatures of its prefixes share it), so two identical calls carry different
+//! signatures and a server can tell a call submitted twice (or a prefix of it submitted
+//! again) from two calls that happen to be equal. This module only signs,
 //! encodes and verifies, and says who signed and with which nonce.
 //!
 //! Owns: the signature encoding ([`CallSignature`], postcard), the nonce ([`Nonce`]) and
 //! the bound ([`MAX_SIGNATURE_BYTES`]). Never knows what the digest covers.
-
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::OnceLock;
 
 use libp2p::identity::{Keypair, PublicKey};
 use libp2p::PeerId;
@@ -25,9 +23,9 @@ pub struct CallSignature {
     pub signature: Vec<u8>,
 }
 
-/// What makes one signature unique: 8 bytes drawn at random once per process, then a
-/// counter. Never repeats within a process; across processes it repeats with
-/// probability about 2^-64 per pair of processes.
+/// What makes one generation's signatures unique: 16 random bytes, drawn once per
+/// generation (one choice of one call) and shared by the signatures of its prefixes, so
+/// that every prefix of one generation is the same call to a replay ledger.
 pub type Nonce = [u8; 16];
 
 /// Bytes of [`Nonce`] at the start of a signature.
@@ -60,18 +58,10 @@ pub enum SignatureError {
     Invalid(PeerId),
 }
 
-/// A signature's nonce: unique in this process.
-fn next_nonce() -> Nonce {
-    static PREFIX: OnceLock<[u8; 8]> = OnceLock::new();
-    static COUNT: AtomicU64 = AtomicU64::new(0);
-    let prefix = PREFIX.get_or_init(|| {
-        let mut p = [0u8; 8];
-        getrandom_02::getrandom(&mut p).expect("the OS gives random bytes");
-        p
-    });
+/// A fresh nonce (random).
+pub fn new_nonce() -> Nonce {
     let mut n = [0u8; NONCE_BYTES];
-    n[..8].copy_from_slice(prefix);
-    n[8..].copy_from_slice(&COUNT.fetch_add(1, Ordering::Relaxed).to_le_bytes());
+    getrandom_02::getrandom(&mut n).expect("the OS gives random bytes");
     n
 }
 
@@ -80,11 +70,11 @@ fn message(digest: &[u8; 32], nonce: &Nonce) -> Vec<u8> {
     [CALL_DOMAIN, digest.as_slice(), nonce.as_slice()].concat()
 }
 
-/// Signs a digest with a fresh nonce; the encoded [`CallSignature`].
-pub fn sign(key: &Keypair, digest: &[u8; 32]) -> Vec<u8> {
-    let nonce = next_nonce();
+/// Signs a digest with a nonce (one per generation: [`new_nonce`]); the encoded
+/// [`CallSignature`].
+pub fn sign(key: &Keypair, digest: &[u8; 32], nonce: &Nonce) -> Vec<u8> {
     let sig = key
-        .sign(&message(digest, &nonce))
+        .sign(&message(digest, nonce))
         .expect("ed25519 signing does not fail");
     postcard::to_allocvec(&CallSignature {
         public_key: key.public().encode_protobuf(),
@@ -151,10 +141,10 @@ mod tests {
     fn signatures_verify_and_any_change_breaks_them() {
         let key = Keypair::generate_ed25519();
         let d = *blake3::hash(b"a call").as_bytes();
-        let s = sign(&key, &d);
+        let s = sign(&key, &d, &new_nonce());
         assert_eq!(verify(&s, &d).unwrap().signer, key.public().to_peer_id());
         // The same digest signed again: another nonce, another signature, both valid.
-        let s2 = sign(&key, &d);
+        let s2 = sign(&key, &d, &new_nonce());
         assert_ne!(s, s2);
         assert_ne!(
             verify(&s, &d).unwrap().nonce,

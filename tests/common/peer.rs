@@ -403,6 +403,21 @@ pub async fn signed_call(
     max_tokens: u32,
     seed: u64,
 ) -> Result<agentjet::timeline::Call, String> {
+    let mut prefixes = signed_call_prefixes(h, server, prompt, max_tokens, seed).await?;
+    prefixes
+        .pop()
+        .ok_or_else(|| "the server streamed no token".to_string())
+}
+
+/// Every prefix of one signed call as the server streamed it (the call up to each token,
+/// with the signature that came with that token).
+pub async fn signed_call_prefixes(
+    h: &agentjet::swarm::SwarmHandle,
+    server: agentjet::swarm::PeerId,
+    prompt: Vec<u32>,
+    max_tokens: u32,
+    seed: u64,
+) -> Result<Vec<agentjet::timeline::Call>, String> {
     use agentjet::rpc::{InferFrame, InferRequest, INFER};
     use agentjet::swarm::frame::{read_frame, write_frame};
     let mut s = h.open(server, INFER).await.map_err(|e| e.to_string())?;
@@ -429,6 +444,7 @@ pub async fn signed_call(
     let sampling = agentjet::facade::track::transform_of(&req.sampling, false);
     let mut c =
         agentjet::timeline::Call::new("tiny", prompt, vec![], vec![], 0).with_sampling(sampling);
+    let mut prefixes = Vec::new();
     loop {
         match read_frame::<_, InferFrame>(&mut s, limit)
             .await
@@ -445,8 +461,9 @@ pub async fn signed_call(
                 c.logprobs.push(behaviour as f32);
                 c.policy_version = policy_version;
                 c.signature = signature;
+                prefixes.push(c.clone());
             }
-            InferFrame::Finished { .. } => return Ok(c),
+            InferFrame::Finished { .. } => return Ok(prefixes),
             other => return Err(format!("the server answered {other:?}")),
         }
     }

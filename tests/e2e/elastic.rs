@@ -836,7 +836,8 @@ fn a_renewed_certificate_file_is_taken_without_a_restart() {
         train: true,
     };
     let now = agentjet::swarm::trust::unix_now();
-    let first_until = now + 15;
+    // Long enough for a loaded machine to start the server and look at the file twice.
+    let first_until = now + 30;
     let cert = d.join("s.cert");
     std::fs::write(
         &cert,

@@ -334,6 +334,23 @@ async fn the_swarm_key_signed_calls_and_bad_messages() {
         SubmitReply::Stored { episode_id, .. } => assert_eq!(episode_id, "ep-1"),
         other => panic!("{other:?}"),
     }
+    let t0 = Instant::now();
+    while !server.log_text().contains("acknowledged again") {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "{}",
+            server.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // The same id with other content (another reward): refused, not trained twice.
+    let mut richer = ep.clone();
+    richer.reward = Some(5.0);
+    let reply = library::submit_episode(&member, server_id, &richer, false).await;
+    assert!(
+        matches!(&reply, SubmitReply::Rejected(r) if r.contains("already stored with other content")),
+        "{reply:?}"
+    );
     // The same prompt called again gives an equal call (greedy) with its own signature:
     // stored, and its fragments are not re-sent.
     let c1b = library::call(&member, server_id, vec![5, 6, 7, 8]).await;
@@ -406,14 +423,17 @@ async fn the_swarm_key_signed_calls_and_bad_messages() {
         "{reply:?}"
     );
     let mut self_signed = c2.clone();
-    self_signed.signature = member.sign(&agentjet::timeline::digest::call_digest(
-        "tiny",
-        &c2.prompt_ids,
-        &c2.completion_ids,
-        &c2.logprobs,
-        c2.policy_version,
-        &c2.sampling,
-    ));
+    self_signed.signature = member.sign(
+        &agentjet::timeline::digest::call_digest(
+            "tiny",
+            &c2.prompt_ids,
+            &c2.completion_ids,
+            &c2.logprobs,
+            c2.policy_version,
+            &c2.sampling,
+        ),
+        &agentjet::swarm::sign::new_nonce(),
+    );
     let reply = library::submit_episode(
         &member,
         server_id,

@@ -505,7 +505,10 @@ impl GroupNode {
                         proposer = %proto::peer_name(&start.ballot.proposer),
                         "left out of the group for a while: declined"
                     );
-                    std::thread::sleep(Duration::from_secs(1));
+                    let until = Instant::now() + self.decline_for();
+                    while Instant::now() < until && !stopped() {
+                        std::thread::sleep(Duration::from_millis(100));
+                    }
                     continue;
                 }
                 return Err(GroupError::Refused(format!(
