@@ -230,7 +230,7 @@ async fn promise(node: &SwarmHandle, to: PeerId) -> (u64, u64) {
             Ok(Reply::Refused { promised, .. }) => promised.epoch,
             other => {
                 last = Some(other);
-                tokio::time::sleep(Duration::from_millis(200)).await;
+                tokio::time::sleep(Duration::from_millis(50)).await;
                 continue;
             }
         };
@@ -239,7 +239,7 @@ async fn promise(node: &SwarmHandle, to: PeerId) -> (u64, u64) {
             return (promised + 1, st.values);
         }
         last = Some(r);
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
     panic!("no promise: {last:?}");
 }
@@ -298,6 +298,13 @@ fn tcp_ports(pid: u32) -> Vec<u16> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rogue_peers_change_no_honest_parameter_stop_no_training_and_are_named() {
     let _heavy = tokio::task::block_in_place(common::heavy);
+    let t_start = Instant::now();
+    let phase = |what: &str| {
+        println!(
+            "ROGUE time: {what} done at {:.1} s",
+            t_start.elapsed().as_secs_f64()
+        )
+    };
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let model = common::Tiny {
@@ -383,6 +390,7 @@ async fn rogue_peers_change_no_honest_parameter_stop_no_training_and_are_named()
         e.2 = got;
     };
 
+    phase("setup");
     // (a) Calls signed by the uncertified server, submitted to the honest ones.
     for i in 0..6u32 {
         let call = library::call(&rogue, rogue_server_id, vec![5, 6, 7 + i]).await;
@@ -430,6 +438,7 @@ async fn rogue_peers_change_no_honest_parameter_stop_no_training_and_are_named()
         );
     }
 
+    phase("a");
     // (b) Forged group messages to each honest member: from the uncertified rogue (refused
     // at the door), and from a rogue that holds a certificate of the run (checked one by
     // one: bounds, sender, lists, step).
@@ -472,6 +481,7 @@ async fn rogue_peers_change_no_honest_parameter_stop_no_training_and_are_named()
             }
         }
     }
+    let mut tries = 0;
     for (who, node, gate) in [
         ("uncertified", &rogue, true),
         ("certified", &certified, false),
@@ -500,6 +510,7 @@ async fn rogue_peers_change_no_honest_parameter_stop_no_training_and_are_named()
                         }
                     }
                     r = group_request(node, *to, &req).await;
+                    tries += 1;
                     missed = !gate
                         && matches!(&r, Ok(Reply::Refused { reason, .. })
                             if reason.contains("not the ballot promised")
@@ -507,7 +518,7 @@ async fn rogue_peers_change_no_honest_parameter_stop_no_training_and_are_named()
                     if !missed {
                         break;
                     }
-                    tokio::time::sleep(Duration::from_millis(300)).await;
+                    tokio::time::sleep(Duration::from_millis(50)).await;
                 }
                 if missed {
                     // Twenty times the group moved on first: this attempt never reached
@@ -533,6 +544,8 @@ async fn rogue_peers_change_no_honest_parameter_stop_no_training_and_are_named()
         }
     }
 
+    println!("ROGUE b, c: {tries} requests sent for the attempts counted below");
+    phase("b and c");
     // (e) A flood of link asks (what a commit round's links start with), and silent TCP
     // connections to every TCP port the honest servers listen on.
     for i in 0..200u32 {
@@ -567,6 +580,7 @@ async fn rogue_peers_change_no_honest_parameter_stop_no_training_and_are_named()
         "each server listens on HTTP, dashboard and link ports"
     );
 
+    phase("e");
     // (d) A certified member that sends NaN in every gradient round.
     let mut nan = server(
         d,
@@ -588,6 +602,7 @@ async fn rogue_peers_change_no_honest_parameter_stop_no_training_and_are_named()
         Duration::from_secs(240),
         || named(&a) || named(&b),
     );
+    phase("d: naming");
     let steps_then: Vec<u64> = ["a", "b"]
         .iter()
         .map(|n| hashes(d, n).keys().max().copied().unwrap_or(0))
@@ -617,6 +632,7 @@ async fn rogue_peers_change_no_honest_parameter_stop_no_training_and_are_named()
         !nan_named_by.is_empty(),
         format!("named by {nan_named_by:?}, left out"),
     );
+    phase("d: steps after");
     drop(silent);
     nan.kill9();
 
