@@ -90,8 +90,20 @@ client_only() {
 
 run_tests() {
   # Libraries' unit tests and the integration tests (no examples: clippy checked that
-  # they build; no doc tests: there are none).
-  cargo test --release --workspace --lib --tests "$@" 2>&1 | tee "$results"
+  # they build; no doc tests: there are none). The e2e binary last, with more libtest
+  # threads than the two lanes its tests hold (tests/common/mod.rs, `light` and `heavy`):
+  # a test queued for the heavy lane then waits without taking a thread a light one could
+  # run on.
+  local others
+  others=$(cargo metadata --format-version 1 --no-deps | python3 -c '
+import json, sys
+print(" ".join("--test " + t["name"] for p in json.load(sys.stdin)["packages"]
+               for t in p["targets"] if "test" in t["kind"] and t["name"] != "e2e"))')
+  # shellcheck disable=SC2086
+  {
+    cargo test --release --workspace --lib $others "$@" &&
+      RUST_TEST_THREADS=16 cargo test --release -p agentjet --test e2e "$@"
+  } 2>&1 | tee "$results"
   return "${PIPESTATUS[0]}"
 }
 

@@ -223,6 +223,7 @@ fn run(args: Vec<String>) -> anyhow::Result<()> {
                     )?,
                     compute: Duration::from_secs_f64(one("--step-s", get("--step-s"), 1.0)?),
                     crashes: one("--crashes", get("--crashes"), 1)?,
+                    crash_every_steps: None,
                     wire: match get("--wire").as_deref() {
                         None | Some("f32") => Wire::F32,
                         Some("bf16") => Wire::Bf16,

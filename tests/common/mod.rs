@@ -4,13 +4,71 @@
 
 pub mod peer;
 
-/// Held by the tests that load the CPU most (a SmolLM2 server that trains or serves many
-/// streams, three or more training servers, Chromium beside a trainer): no two of them
-/// run at once, so none starves another past its timeouts. Light tests still run beside
-/// them (libtest runs two at a time).
-pub fn heavy() -> std::sync::MutexGuard<'static, ()> {
+/// The e2e tests run in two lanes (`bootstrap/test.sh` gives the binary more threads
+/// than lanes): every test holds a lane while it runs, and the tests that load the CPU
+/// most (a SmolLM2 server that trains or serves many streams, three or more training
+/// servers, Chromium beside a trainer) take [`heavy`], so no two of them run at once and
+/// none starves another past its timeouts. A thread waiting here costs nothing, so a
+/// heavy test queued behind another no longer idles one of libtest's two threads (with two
+/// threads, the run of seven heavy elastic tests left the light ones one thread).
+/// A waiting heavy test gets the next free lane before any light one.
+pub struct Lane {
+    _heavy: Option<std::sync::MutexGuard<'static, ()>>,
+}
+
+const LANES: usize = 2;
+
+struct Lanes {
+    in_use: usize,
+    heavy_waiting: bool,
+}
+
+static LANES_STATE: std::sync::Mutex<Lanes> = std::sync::Mutex::new(Lanes {
+    in_use: 0,
+    heavy_waiting: false,
+});
+static LANE_FREED: std::sync::Condvar = std::sync::Condvar::new();
+
+fn take_lane(heavy: bool) {
+    let mut s = LANES_STATE.lock().unwrap_or_else(|p| p.into_inner());
+    loop {
+        let reserved = usize::from(!heavy && s.heavy_waiting);
+        if s.in_use + reserved < LANES {
+            break;
+        }
+        if heavy {
+            s.heavy_waiting = true;
+        }
+        s = LANE_FREED.wait(s).unwrap_or_else(|p| p.into_inner());
+    }
+    if heavy {
+        s.heavy_waiting = false;
+    }
+    s.in_use += 1;
+}
+
+impl Drop for Lane {
+    fn drop(&mut self) {
+        let mut s = LANES_STATE.lock().unwrap_or_else(|p| p.into_inner());
+        s.in_use -= 1;
+        LANE_FREED.notify_all();
+    }
+}
+
+/// A lane for a test that loads the CPU lightly (tiny models, a few processes).
+pub fn light() -> Lane {
+    take_lane(false);
+    Lane { _heavy: None }
+}
+
+/// A lane for a test that loads the CPU most; no two such tests run at once.
+pub fn heavy() -> Lane {
     static HEAVY: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    HEAVY.lock().unwrap_or_else(|p| p.into_inner())
+    let guard = HEAVY.lock().unwrap_or_else(|p| p.into_inner());
+    take_lane(true);
+    Lane {
+        _heavy: Some(guard),
+    }
 }
 
 /// A run key for the servers of a test (`dir/run.key`, made on first use) and the file

@@ -5,8 +5,11 @@
 use std::path::Path;
 use std::process::Command;
 
+use crate::common;
+
 #[test]
 fn second_setup_run_changes_nothing() {
+    let _lane = common::light();
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let cache = std::env::var("AGENTJET_CACHE")
         .expect("AGENTJET_CACHE (set by setup in .cargo/config.toml)");

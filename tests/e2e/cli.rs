@@ -11,6 +11,7 @@ fn peer() -> Command {
 
 #[test]
 fn generate_streams_an_answer_and_reports_speed() {
+    let _lane = common::light();
     common::smollm2_path();
     let out = peer()
         .args([
@@ -33,6 +34,7 @@ fn generate_streams_an_answer_and_reports_speed() {
 
 #[test]
 fn seeded_sampling_is_reproducible_and_differs_across_seeds() {
+    let _lane = common::light();
     common::smollm2_path();
     let run = |seed: &str| {
         common::generate_ok(
@@ -58,6 +60,7 @@ fn seeded_sampling_is_reproducible_and_differs_across_seeds() {
 
 #[test]
 fn exported_checkpoint_generates_the_same_text() {
+    let _lane = common::light();
     common::smollm2_path();
     let dir = tempfile::tempdir().unwrap();
     let out_dir = dir.path().join("smollm2-hf");
@@ -86,6 +89,7 @@ fn exported_checkpoint_generates_the_same_text() {
 
 #[test]
 fn help_has_examples_and_bad_role_options_say_what_is_wrong() {
+    let _lane = common::light();
     let out = peer().arg("--help").output().unwrap();
     let help = String::from_utf8_lossy(&out.stdout);
     assert!(help.contains("--role") && help.contains("generate") && help.contains("Examples:"));

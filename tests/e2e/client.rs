@@ -125,6 +125,7 @@ fn assert_trained_and_served(
 
 #[test]
 fn a_shell_agent_trains_the_server_and_bad_agents_are_aborted() {
+    let _lane = common::light();
     let dir = tempfile::tempdir().unwrap();
     let (model, agent_cmd, tasks) = setup(dir.path(), AGENT, 6);
     let model = model.as_str();
@@ -292,6 +293,7 @@ fn named_server(dir: &Path, model: &str, name: &str, boot: Option<&str>, extra: 
 
 #[test]
 fn two_models_train_in_one_run_each_with_its_own_reward() {
+    let _lane = common::light();
     let dir = tempfile::tempdir().unwrap();
     let (model, cmd, tasks) = setup(dir.path(), TWO_MODEL_AGENT, 5);
     let model = model.as_str();
@@ -393,6 +395,7 @@ if [ $(( ${#content} % 2 )) -eq 0 ]; then echo '{"reward": 1.0}'; else echo '{"r
 
 #[test]
 fn killed_clients_leave_no_partial_episode_and_mixed_sources_keep_their_ratio() {
+    let _lane = common::light();
     let dir = tempfile::tempdir().unwrap();
     let model = tiny_model(dir.path());
     let model = model.to_str().unwrap();
@@ -706,6 +709,7 @@ fn example_a_trains_smollm2_through_a_client_only_binary() {
 
 #[test]
 fn ctrl_c_finishes_running_episodes_and_submits_them_a_second_aborts() {
+    let _lane = common::light();
     let dir = tempfile::tempdir().unwrap();
     let done = dir.path().join("agents-done.txt");
     let script = SLOW_AGENT.replace("@DONE@", done.to_str().unwrap());
@@ -782,6 +786,7 @@ const EXTERNAL_GRADER: &str = r#"jq -e '([.transcript[] | select(.external == tr
 
 #[test]
 fn external_models_are_forwarded_and_recorded_never_trained() {
+    let _lane = common::light();
     let dir = tempfile::tempdir().unwrap();
     let (model, agent_cmd, tasks) = setup(dir.path(), EXTERNAL_AGENT, 2);
     let model = model.as_str();
@@ -922,6 +927,7 @@ esac
 
 #[test]
 fn a_restarted_server_trains_the_episodes_it_stored_but_had_not_trained() {
+    let _lane = common::light();
     let dir = tempfile::tempdir().unwrap();
     let (model, agent_cmd, tasks) = setup(dir.path(), HALF_AGENT, 2);
     let server = |per_step: &str| {
@@ -1017,6 +1023,7 @@ fn a_restarted_server_trains_the_episodes_it_stored_but_had_not_trained() {
 /// that model's own reward.
 #[test]
 fn examples_c_and_d_run_unchanged() {
+    let _lane = common::light();
     let dir = tempfile::tempdir().unwrap();
     let model = tiny_model(dir.path());
     let model = model.to_str().unwrap();

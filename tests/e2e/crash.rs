@@ -105,6 +105,7 @@ fn consumed(run_dir: &Path) -> Vec<String> {
 
 #[test]
 fn a_server_killed_at_random_moments_loses_no_acknowledged_episode_and_trains_none_twice() {
+    let _lane = common::light();
     let rounds: usize = std::env::var("AGENTJET_CRASH_ROUNDS")
         .ok()
         .and_then(|v| v.parse().ok())

@@ -533,6 +533,7 @@ echo '{"reward": 1.0}'
 
 #[test]
 fn groups_without_signal_reach_the_ledger_with_no_step_to_carry_them() {
+    let _lane = common::light();
     // A group whose rewards are all equal is skipped, not trained: no step follows it
     // here, and its episodes must still be recorded as consumed (not held back forever,
     // nor fed to the trainer again after a restart).
@@ -750,6 +751,7 @@ fn a_diloco_joiner_fetches_the_outer_state_and_matches_from_the_next_outer_step(
 
 #[test]
 fn servers_of_one_model_in_two_runs_train_as_two_groups() {
+    let _lane = common::light();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let model = tiny_model(d);
@@ -815,6 +817,7 @@ fn servers_of_one_model_in_two_runs_train_as_two_groups() {
 /// the first certificate expired. A file that is no certificate is not taken.
 #[test]
 fn a_renewed_certificate_file_is_taken_without_a_restart() {
+    let _lane = common::light();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let model = tiny_model(d);

@@ -387,7 +387,14 @@ async fn rogue_peers_change_no_honest_parameter_stop_no_training_and_are_named()
         let e = counts.entry(kind).or_insert((0, 0, String::new()));
         e.0 += 1;
         e.1 += refused as usize;
-        e.2 = got;
+        // The last reply, unless an earlier one was not a refusal (that one shows why).
+        if !e.2.starts_with("NOT REFUSED") {
+            e.2 = if refused {
+                got
+            } else {
+                format!("NOT REFUSED: {got}")
+            };
+        }
     };
 
     phase("setup");

@@ -66,6 +66,7 @@ fn reused(http: &str) -> f64 {
 
 #[test]
 fn an_episodes_calls_stay_on_one_server_and_fail_over_when_it_is_killed() {
+    let _lane = common::light();
     let dir = tempfile::tempdir().unwrap();
     let model = common::Tiny {
         max_pos: 4096,

@@ -83,6 +83,7 @@ fn start_stream(base: &str, tokens: usize) -> std::thread::JoinHandle<(String, O
 
 #[test]
 fn sigterm_mid_step_and_mid_stream_drains_checkpoints_and_exits_0() {
+    let _lane = common::light();
     let dir = tempfile::tempdir().unwrap();
     let model = slow_model(dir.path());
     let mut s = Peer::start(
@@ -219,6 +220,7 @@ fn sigterm_mid_step_and_mid_stream_drains_checkpoints_and_exits_0() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn roles_run_in_process_and_a_stop_releases_them() {
+    let _lane = tokio::task::block_in_place(common::light);
     let dir = tempfile::tempdir().unwrap();
     let model = common::Tiny {
         max_pos: 1024,
@@ -331,6 +333,7 @@ async fn roles_run_in_process_and_a_stop_releases_them() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_swarm_node_ends_when_its_last_handle_is_dropped() {
+    let _lane = tokio::task::block_in_place(common::light);
     let mut cfg = SwarmConfig::new(Role::Plain, Keypair::generate_ed25519());
     cfg.listen = vec!["/ip4/127.0.0.1/udp/0/quic-v1".parse().unwrap()];
     let h = agentjet::swarm::spawn_node(cfg).await.unwrap();
@@ -394,6 +397,7 @@ fn line_starting(rx: &std::sync::mpsc::Receiver<String>, prefix: &str) -> String
 
 #[test]
 fn serve_drains_a_stream_on_sigterm_and_generate_stops_its_answer() {
+    let _lane = common::light();
     let dir = tempfile::tempdir().unwrap();
     let model = slow_model(dir.path());
     let model = model.to_str().unwrap();

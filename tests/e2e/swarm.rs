@@ -57,6 +57,7 @@ fn server_args<'a>(model: &'a str, boot: &'a str) -> Vec<&'a str> {
 
 #[test]
 fn clients_find_servers_through_the_dht_and_survive_a_killed_server() {
+    let _lane = common::light();
     let dir = tempfile::tempdir().unwrap();
     let model = tiny_model(dir.path());
     let model = model.to_str().unwrap();
@@ -226,6 +227,7 @@ pub(crate) mod library {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_swarm_key_signed_calls_and_bad_messages() {
+    let _lane = tokio::task::block_in_place(common::light);
     use agentjet::rpc::{SubmitReply, INFER};
     use agentjet::swarm::SwarmKey;
     let dir = tempfile::tempdir().unwrap();

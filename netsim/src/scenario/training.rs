@@ -5,8 +5,8 @@
 //! `GroupNode` and ring over the simulated links, driven as the server drives it). The
 //! members start their loops once they see each other in the swarm's view. Time runs from
 //! the first epoch that holds every member, for `duration`; `crashes` members
-//! crash at evenly spaced times, each replaced at once by a new server (a new identity,
-//! which joins by fetching the group's state). At the end every member stops at the same
+//! crash at evenly spaced times (or every so many group steps), each replaced at once by
+//! a new server (a new identity, which joins by fetching the group's state). At the end every member stops at the same
 //! heartbeat and the table says whether their parameters are bit-identical.
 //!
 //! Scale: the full model (`model_values`, SmolLM2-135M's by default) does not fit dozens
@@ -55,6 +55,10 @@ pub struct Args {
     /// One step's gradient computation (a GPU's time; slept).
     pub compute: Duration,
     pub crashes: usize,
+    /// Crash once the group made this many steps since the last crash (or the start),
+    /// instead of at evenly spaced times; and end once it made as many after the last
+    /// crash, instead of at `duration` (which then only bounds the run).
+    pub crash_every_steps: Option<u64>,
     pub wire: Wire,
     /// A round's bound (the server's `--collective-timeout`).
     pub timeout: Duration,
@@ -218,6 +222,11 @@ pub async fn run_mode(env: &Env, a: &Args, mode: Mode) -> anyhow::Result<Outcome
             .unwrap_or(0)
     };
     while start.elapsed() < a.duration {
+        if let Some(k) = a.crash_every_steps {
+            if crashed == a.crashes && gsteps_now(&ms).saturating_sub(at_last_crash) >= k {
+                break;
+            }
+        }
         tokio::time::sleep(Duration::from_millis(500)).await;
         // The curve: a point every 5 s (group steps take tens of seconds).
         let t = start.elapsed().as_secs_f64();
@@ -227,7 +236,11 @@ pub async fn run_mode(env: &Env, a: &Args, mode: Mode) -> anyhow::Result<Outcome
         {
             curve.push((t, gsteps_now(&ms).saturating_sub(gsteps0) as f64));
         }
-        if crashed < crash_at.len() && start.elapsed() >= crash_at[crashed] {
+        let due = match a.crash_every_steps {
+            Some(k) => gsteps_now(&ms).saturating_sub(at_last_crash) >= k,
+            None => crashed < crash_at.len() && start.elapsed() >= crash_at[crashed],
+        };
+        if crashed < a.crashes && due {
             // A member (not the first, by index: the seed picks which) dies without a
             // goodbye; a new server takes its place at once.
             at_last_crash = gsteps_now(&ms);

@@ -93,14 +93,16 @@ async fn a_four_member_group_trains_through_a_crash_and_ends_bit_identical() {
         members: 4,
         peers: 45,
         modes: vec![],
-        // The crash falls at half of it; the group then needs a round's timeout, a ballot,
-        // the joiner's state fetch and new links (20-26 s here on a busy process) before
-        // its next step.
-        duration: Duration::from_secs(90),
+        // A bound: a member crashes after the group's third outer step, and the run ends
+        // three outer steps after the crash. The group then needs a round's timeout, a
+        // ballot, the joiner's state fetch and new links (20-26 s here on a busy process)
+        // before its next step.
+        duration: Duration::from_secs(150),
         values: 50_000,
         model_values: 50_000,
         compute: Duration::from_millis(100),
         crashes: 1,
+        crash_every_steps: Some(3),
         wire: Wire::F32,
         timeout: Duration::from_secs(10),
         form_limit: Duration::from_secs(120),

@@ -127,6 +127,10 @@ pub enum GroupError {
     Ask { peer: PeerId, source: Box<AskError> },
     #[error("{0}")]
     Refused(String),
+    /// Left out of an epoch as of another shape: the member waits `retry_in` and asks
+    /// again (one proposer's word does not end its loop).
+    #[error("{reason}")]
+    LeftOut { reason: String, retry_in: Duration },
     #[error("the group is stopping")]
     Stopped,
 }
@@ -181,6 +185,9 @@ pub struct GroupNode {
     /// and when: left out for [`GroupNode::decline_for`], so the others form a ring
     /// (where that member is found out too) instead of proposing to them again at once.
     declined: HashMap<PeerId, Instant>,
+    /// Starts in a row that left this member out as of another shape: each doubles the
+    /// wait before it asks again (up to [`proto::BAN`]).
+    left_out: u32,
 }
 
 fn peer_of(b: &[u8]) -> Result<PeerId, GroupError> {
@@ -240,6 +247,7 @@ impl GroupNode {
             book,
             links,
             suspected: HashMap::new(),
+            left_out: 0,
             declined: HashMap::new(),
         })
     }
@@ -511,12 +519,29 @@ impl GroupNode {
                     }
                     continue;
                 }
-                return Err(GroupError::Refused(format!(
-                    "left out of group {:?} epoch {}: its model has another shape ({} \
-                     parameter values, the group's {})",
-                    self.cfg.name, start.ballot.epoch, state.values, start.values
-                )));
+                // Left out as of another shape. The proposer's word is no proof (a
+                // certified rogue could say it of anyone), so this does not end the loop:
+                // the member asks again later, each time in a row twice as late.
+                self.left_out = self.left_out.saturating_add(1);
+                let retry_in = self
+                    .decline_for()
+                    .saturating_mul(1 << (self.left_out - 1).min(16))
+                    .min(proto::BAN);
+                return Err(GroupError::LeftOut {
+                    reason: format!(
+                        "left out of group {:?} epoch {} by {}: its model has another shape \
+                         ({} parameter values, the group's {}); asking again in {} s",
+                        self.cfg.name,
+                        start.ballot.epoch,
+                        proto::peer_name(&start.ballot.proposer),
+                        state.values,
+                        start.values,
+                        retry_in.as_secs()
+                    ),
+                    retry_in,
+                });
             }
+            self.left_out = 0;
             return Ok(start);
         }
     }

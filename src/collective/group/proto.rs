@@ -424,19 +424,25 @@ pub(super) fn start_fault(
     }
     let Some(i) = start.members.iter().position(|p| p == me) else {
         // Left out: the proposer must say so, and why: declined (for a while), or of
-        // another shape (which ends this member's loop: checked against its own count).
+        // another shape (checked against its own count; the member asks again later).
         if !start.excluded.iter().any(|p| p == me) {
             return Err("a start that neither lists nor excludes this member".into());
         }
+        if start.declined.iter().any(|p| p == me) {
+            return Ok(());
+        }
         return match state {
-            Some(st) if st.values == start.values && !start.declined.iter().any(|p| p == me) => {
-                Err(format!(
-                    "a start that excludes this member as of another shape, but its {} \
-                     parameter values are the group's",
-                    st.values
-                ))
-            }
-            _ => Ok(()),
+            Some(st) if st.values == start.values => Err(format!(
+                "a start that excludes this member as of another shape, but its {} \
+                 parameter values are the group's",
+                st.values
+            )),
+            Some(_) => Ok(()),
+            None => Err(
+                "a start that excludes this member as of another shape while it \
+                 reported no state"
+                    .into(),
+            ),
         };
     };
     let Some(st) = state else {
@@ -847,6 +853,9 @@ mod tests {
         other_shape.values = 11;
         assert_eq!(start_fault(&other_shape, me, Some(&st)), Ok(()));
         assert!(start_fault(&out, me, Some(&st)).is_err());
+        // Another shape said of a member that reported no state: no proof of either.
+        assert!(start_fault(&other_shape, me, None).is_err());
+        assert_eq!(start_fault(&declined, me, None), Ok(()));
         assert_eq!(start(a, &|_| {}), Reply::Started);
     }
 }

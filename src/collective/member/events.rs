@@ -124,7 +124,8 @@ pub enum MemberEvent {
         epoch: u64,
         error: String,
     },
-    /// Left out of the group (another shape).
+    /// Left out of an epoch as of another shape: the member asks again later (the error
+    /// says when), its loop goes on.
     LeftOut {
         error: String,
     },

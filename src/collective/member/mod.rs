@@ -43,7 +43,7 @@ use crate::swarm::GroupStatus;
 /// Why a member loop ended other than at a stop.
 #[derive(Debug, thiserror::Error)]
 pub enum MemberError<E: std::fmt::Display + std::fmt::Debug> {
-    /// Left out of the group (another shape), or a group failure that is not a round's.
+    /// A group failure that is not a round's.
     #[error(transparent)]
     Group(GroupError),
     #[error("{0}")]
@@ -177,11 +177,14 @@ impl<'a, L: Learner> MemberLoop<'a, L> {
             let start = match agreed {
                 Ok(s) => s,
                 Err(GroupError::Stopped) => continue,
-                Err(e @ GroupError::Refused(_)) if self.learner.stop().is_none() => {
-                    self.emit(MemberEvent::LeftOut {
-                        error: e.to_string(),
-                    });
-                    return self.fail(MemberError::Group(e));
+                Err(GroupError::LeftOut { reason, retry_in }) => {
+                    self.emit(MemberEvent::LeftOut { error: reason });
+                    let until = Instant::now() + retry_in;
+                    while Instant::now() < until && self.learner.stop().is_none() {
+                        self.learner.feed(Duration::ZERO, Wait::Full);
+                        std::thread::sleep(Duration::from_millis(100));
+                    }
+                    continue;
                 }
                 Err(e) => {
                     warn!(group = self.node.config().name, "forming an epoch: {e}");

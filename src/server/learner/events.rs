@@ -2,7 +2,7 @@
 //! lines a person watching the server reads (epochs, joins, hash mismatches, failed
 //! rounds).
 
-use tracing::error;
+use tracing::warn;
 
 use crate::base::lock;
 use crate::collective::member::{hex8, MemberEvent, SyncReason};
@@ -55,7 +55,7 @@ pub fn on_event(served: &ServedModel, e: &MemberEvent) {
             println!("group {name:?}: a round of epoch {epoch} failed ({error}); forming the next")
         }
         MemberEvent::LeftOut { error } => {
-            error!(model = name, "{error}");
+            warn!(model = name, "{error}");
             eprintln!("training of {name:?}: {error}");
         }
         MemberEvent::Failed { .. } | MemberEvent::Stopped { .. } => *lock(&served.group) = None,
