@@ -4,7 +4,7 @@
 //!
 //! Owns: [`Quota`]. A restarted server counts again what each peer stored before (stored
 //! episodes name their submitter; files of earlier layouts count for nobody). An
-//! episode that is not written after all (a failed write) still counts until a restart.
+//! episode that is not written after all (a failed write) is given back.
 
 use std::collections::HashMap;
 
@@ -37,6 +37,13 @@ impl Quota {
         Ok(())
     }
 
+    /// Gives back bytes taken for an episode that was not stored after all.
+    pub fn give_back(&mut self, peer: PeerId, bytes: u64) {
+        if let Some(used) = self.used.get_mut(&peer) {
+            *used = used.saturating_sub(bytes);
+        }
+    }
+
     /// Counts bytes `peer` stored before (at start, from the stored episodes).
     pub fn add_stored(&mut self, peer: PeerId, bytes: u64) {
         let used = self.used.entry(peer).or_default();
@@ -66,5 +73,9 @@ mod tests {
         q.add_stored(p, 90);
         assert!(q.take(p, 11).unwrap_err().contains("90 of its 100"));
         q.take(p, 10).unwrap();
+        // A failed write gives its bytes back.
+        q.give_back(p, 30);
+        q.take(p, 30).unwrap();
+        assert!(q.take(p, 1).is_err());
     }
 }

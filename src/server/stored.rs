@@ -14,6 +14,7 @@
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
+use tracing::warn;
 
 use super::error::ServerError;
 use crate::swarm::sign::Nonce;
@@ -107,6 +108,12 @@ pub fn read_stored_episodes(dir: &Path) -> Result<Vec<StoredEpisode>, ServerErro
 }
 
 /// Calls `f` with every episode stored for a model and its file's size, one at a time.
+///
+/// A file that does not decode (damaged on disk: episodes are written whole and synced
+/// before they are acknowledged) is set aside as `NAME.episode.corrupt`, with a warning
+/// that names it, and skipped: its episode was never trained (the trainer cannot read it
+/// either), so its submitter may store it again. A file that cannot be read at all stops
+/// the start (the disk itself is failing).
 pub fn for_each_stored(
     dir: &Path,
     mut f: impl FnMut(StoredEpisode, u64),
@@ -117,11 +124,18 @@ pub fn for_each_stored(
         if p.extension().is_some_and(|x| x == "episode") {
             let b = std::fs::read(&p).map_err(|e| ServerError::io(&p, e))?;
             let size = b.len() as u64;
-            let episode = StoredEpisode::decode(&b).map_err(|problem| ServerError::Corrupt {
-                path: p.clone(),
-                problem,
-            })?;
-            f(episode, size);
+            match StoredEpisode::decode(&b) {
+                Ok(episode) => f(episode, size),
+                Err(problem) => {
+                    let aside = p.with_extension("episode.corrupt");
+                    warn!(
+                        "{}: not a stored episode ({problem}); set aside as {}",
+                        p.display(),
+                        aside.display()
+                    );
+                    std::fs::rename(&p, &aside).map_err(|e| ServerError::io(&p, e))?;
+                }
+            }
         }
     }
     Ok(())
@@ -265,5 +279,15 @@ mod tests {
         assert_eq!(two.episode().calls[0].sampling.temperature, 0.7);
         assert!(StoredEpisode::decode(b"\xffAJEP\x02garbage").is_err());
         assert!(StoredEpisode::decode(b"\xffAJEP\x03garbage").is_err());
+
+        // A damaged file is set aside, the others are read.
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("a.episode"), now.encode().unwrap()).unwrap();
+        std::fs::write(dir.path().join("b.episode"), b"\xffAJEP\x03garbage").unwrap();
+        let mut read = Vec::new();
+        for_each_stored(dir.path(), |e, _| read.push(e.manifest.episode_id)).unwrap();
+        assert_eq!(read, vec!["ep".to_string()]);
+        assert!(!dir.path().join("b.episode").exists());
+        assert!(dir.path().join("b.episode.corrupt").exists());
     }
 }

@@ -369,10 +369,14 @@ impl ServedModel {
             submitter: peer.to_bytes(),
         };
         let bytes = stored.encode().map_err(SubmitError::Encode)?;
+        let size = bytes.len() as u64;
         lock(&self.quota)
-            .take(peer, bytes.len() as u64)
+            .take(peer, size)
             .map_err(SubmitError::Quota)?;
-        write_atomic(&path, &bytes).map_err(|source| SubmitError::Store { path, source })?;
+        if let Err(source) = write_atomic(&path, &bytes) {
+            lock(&self.quota).give_back(peer, size);
+            return Err(SubmitError::Store { path, source });
+        }
         Ok(stored)
     }
 }

@@ -5,6 +5,35 @@
 use super::proto;
 use crate::swarm::PeerId;
 use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+/// A decline: when, and how many in a row.
+#[derive(Clone, Copy)]
+pub(super) struct Decline {
+    pub at: Instant,
+    pub times: u32,
+}
+
+/// How long the `times`-th decline in a row lasts: `base`, doubled each time, at most
+/// [`proto::BAN`].
+pub(super) fn decline_len(base: Duration, times: u32) -> Duration {
+    base.saturating_mul(1 << times.saturating_sub(1).min(16))
+        .min(proto::BAN)
+}
+
+/// The next decline of a peer whose last one was `last`: one more in a row if it comes
+/// within [`proto::BAN`] of the last one's end, else the first again.
+pub(super) fn next_decline(base: Duration, last: Option<Decline>, now: Instant) -> Decline {
+    let times = match last {
+        Some(d)
+            if now.saturating_duration_since(d.at) <= decline_len(base, d.times) + proto::BAN =>
+        {
+            d.times.saturating_add(1)
+        }
+        _ => 1,
+    };
+    Decline { at: now, times }
+}
 
 /// The member a refusal declines a ring with (see [`proto::DECLINES`]), if it is one.
 pub(super) fn declined_peer(reason: &str) -> Option<PeerId> {
@@ -65,6 +94,24 @@ pub(super) fn left_out(me: PeerId, accusations: &[(PeerId, PeerId)]) -> Vec<Peer
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_decline_soon_after_the_last_lasts_twice_as_long_up_to_the_ban() {
+        let base = Duration::from_secs(10);
+        let t0 = Instant::now();
+        let first = next_decline(base, None, t0);
+        assert_eq!(decline_len(base, first.times), base);
+        let second = next_decline(base, Some(first), t0 + Duration::from_secs(11));
+        assert_eq!(decline_len(base, second.times), Duration::from_secs(20));
+        let mut d = second;
+        for _ in 0..10 {
+            d = next_decline(base, Some(d), d.at + decline_len(base, d.times));
+        }
+        assert_eq!(decline_len(base, d.times), proto::BAN);
+        // Long after the last one ended: the first again.
+        let later = d.at + decline_len(base, d.times) + proto::BAN + Duration::from_secs(1);
+        assert_eq!(next_decline(base, Some(d), later).times, 1);
+    }
 
     #[test]
     fn the_member_most_declined_is_left_out_and_its_own_accusations_then_do_not_count() {

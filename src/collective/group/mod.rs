@@ -77,7 +77,7 @@ use std::time::{Duration, Instant};
 
 use tracing::{debug, info, warn};
 
-use decline::{declined_peer, left_out};
+use decline::{declined_peer, left_out, Decline};
 use proto::{ask, serve_one, Shared};
 pub use proto::{
     Action, AskError, Ballot, MemberState, Reply, Request, Snapshot, Start, StateManifest, GROUP,
@@ -182,9 +182,12 @@ pub struct GroupNode {
     /// Candidates left out, and when: they count again once they gossip after that.
     suspected: HashMap<PeerId, Instant>,
     /// Candidates that declined a ring with a member that sent them non-finite values,
-    /// and when: left out for [`GroupNode::decline_for`], so the others form a ring
-    /// (where that member is found out too) instead of proposing to them again at once.
-    declined: HashMap<PeerId, Instant>,
+    /// or were declined: left out for [`GroupNode::decline_for`], so the others form a
+    /// ring (where that member is found out too) instead of proposing to them again at
+    /// once; twice as long at each decline that follows the last one's end within
+    /// [`proto::BAN`] (so a member that keeps sending NaN costs the group a failed round
+    /// less and less often). This member's own entry times its wait when declined.
+    declined: HashMap<PeerId, Decline>,
     /// Starts in a row that left this member out as of another shape: each doubles the
     /// wait before it asks again (up to [`proto::BAN`]).
     left_out: u32,
@@ -263,6 +266,22 @@ impl GroupNode {
         (self.control_timeout() * 3).max(Duration::from_secs(10))
     }
 
+    /// How long the `times`-th decline in a row lasts (see `declined`).
+    fn decline_len(&self, times: u32) -> Duration {
+        decline::decline_len(self.decline_for(), times)
+    }
+
+    /// Declines `p` from now (see `declined`); returns how long.
+    fn decline(&mut self, p: PeerId) -> Duration {
+        let d = decline::next_decline(
+            self.decline_for(),
+            self.declined.get(&p).copied(),
+            Instant::now(),
+        );
+        self.declined.insert(p, d);
+        self.decline_len(d.times)
+    }
+
     pub fn config(&self) -> &GroupConfig {
         &self.cfg
     }
@@ -290,7 +309,7 @@ impl GroupNode {
     fn is_declined(&self, p: &PeerId) -> bool {
         self.declined
             .get(p)
-            .is_some_and(|at| at.elapsed() <= self.decline_for())
+            .is_some_and(|d| d.at.elapsed() <= self.decline_len(d.times))
     }
 
     /// The peers the view shows training this model in this group, that this member may
@@ -489,7 +508,7 @@ impl GroupNode {
                     // A Start re-stating a decline does not prolong it: it ends when the
                     // first one does.
                     Ok(p) if p != self.me && !self.is_declined(&p) => {
-                        self.declined.insert(p, Instant::now());
+                        self.decline(p);
                     }
                     _ => {}
                 }
@@ -506,14 +525,17 @@ impl GroupNode {
             if !start.members.contains(&me) {
                 if start.declined.contains(&me) {
                     // Declined (this member sent non-finite values, or refused a ring):
-                    // left out for a while, then it asks again.
+                    // left out for a while (as long as the others leave it out), then it
+                    // asks again.
+                    let wait = self.decline(self.me);
                     warn!(
                         group = self.cfg.name,
                         epoch = start.ballot.epoch,
                         proposer = %proto::peer_name(&start.ballot.proposer),
+                        wait_s = wait.as_secs(),
                         "left out of the group for a while: declined"
                     );
-                    let until = Instant::now() + self.decline_for();
+                    let until = Instant::now() + wait;
                     while Instant::now() < until && !stopped() {
                         std::thread::sleep(Duration::from_millis(100));
                     }
@@ -523,10 +545,7 @@ impl GroupNode {
                 // certified rogue could say it of anyone), so this does not end the loop:
                 // the member asks again later, each time in a row twice as late.
                 self.left_out = self.left_out.saturating_add(1);
-                let retry_in = self
-                    .decline_for()
-                    .saturating_mul(1 << (self.left_out - 1).min(16))
-                    .min(proto::BAN);
+                let retry_in = self.decline_len(self.left_out);
                 return Err(GroupError::LeftOut {
                     reason: format!(
                         "left out of group {:?} epoch {} by {}: its model has another shape \
@@ -813,7 +832,7 @@ impl GroupNode {
         if !accusations.is_empty() {
             for p in left_out(self.me, &accusations) {
                 info!(group = self.cfg.name, peer = %p, "left out for a while: declined by other members, or declining this one");
-                self.declined.insert(p, Instant::now());
+                self.decline(p);
             }
         }
         if !excluded.is_empty() || !refused.is_empty() {
