@@ -93,6 +93,21 @@ pub enum ServerEvent {
     TrainingFailed {
         error: String,
     },
+    /// A Start left it out of its group's epoch as of another shape; it asks again
+    /// later (the error says when).
+    LeftOut {
+        error: String,
+    },
+    /// A new certificate (from `source`: its file, or the run key) is in use.
+    CertRenewed {
+        source: String,
+        not_after_unix: u64,
+    },
+    /// A new certificate from `source` is not used (the current one stays).
+    CertNotUsed {
+        source: String,
+        error: String,
+    },
     CheckpointSaved {
         step: u64,
         on_stop: bool,
@@ -150,6 +165,9 @@ impl ServerEvent {
                 error: error.clone(),
             },
             MemberEvent::Failed { error } => ServerEvent::TrainingFailed {
+                error: error.clone(),
+            },
+            MemberEvent::LeftOut { error } => ServerEvent::LeftOut {
                 error: error.clone(),
             },
             _ => return None,

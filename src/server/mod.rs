@@ -270,7 +270,14 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
     };
     served.start().await?;
     if let Some(r) = cfg.renew.clone() {
-        renew::spawn(r, swarm.clone(), cert_allows(&cfg), stop.clone(), &tasks);
+        renew::spawn(
+            r,
+            swarm.clone(),
+            cert_allows(&cfg),
+            stop.clone(),
+            &tasks,
+            events.clone(),
+        );
     }
     println!("serving model {name:?} to the swarm");
     events.emit(ServerEvent::Serving {

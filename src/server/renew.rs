@@ -12,6 +12,8 @@ use std::time::Duration;
 
 use tracing::warn;
 
+use super::events::ServerEvent;
+use crate::base::events::Events;
 use crate::base::stop::{Stop, TaskTracker};
 use crate::swarm::trust::{unix_now, Certified};
 use crate::swarm::{Certificate, Grant, RunKey, SwarmHandle};
@@ -42,6 +44,7 @@ pub(super) fn spawn(
     check: impl Fn(&Certified) -> Result<(), String> + Send + 'static,
     stop: Stop,
     tasks: &TaskTracker,
+    events: Events<ServerEvent>,
 ) {
     tasks.spawn(async move {
         // What a self-certificate grants: what the one made at start granted.
@@ -55,6 +58,7 @@ pub(super) fn spawn(
             warned_soon: false,
             warned_expired: false,
             warned_key: false,
+            events,
         };
         // The file as it was at start is the certificate in use.
         if let CertRenewal::File(p) = &r.renewal {
@@ -83,6 +87,7 @@ struct Renewer {
     warned_soon: bool,
     warned_expired: bool,
     warned_key: bool,
+    events: Events<ServerEvent>,
 }
 
 impl Renewer {
@@ -97,10 +102,14 @@ impl Renewer {
                     let source = path.display().to_string();
                     match Certificate::load(path).map_err(|e| e.to_string()) {
                         Ok(c) => self.install(c, &source),
-                        Err(e) => warn!(
-                            "trust: {source} changed but is not used: {e}; the current \
-                             certificate stays"
-                        ),
+                        Err(e) => {
+                            warn!(
+                                "trust: {source} changed but is not used: {e}; the current \
+                                 certificate stays"
+                            );
+                            self.events
+                                .emit(ServerEvent::CertNotUsed { source, error: e });
+                        }
                     }
                 }
             }
@@ -150,8 +159,18 @@ impl Renewer {
                 self.warned_soon = false;
                 self.warned_expired = false;
                 self.warned_key = false;
+                self.events.emit(ServerEvent::CertRenewed {
+                    source: source.to_string(),
+                    not_after_unix: c.not_after_unix,
+                });
             }
-            Err(e) => warn!("trust: a new certificate from {source} is not used: {e}"),
+            Err(e) => {
+                warn!("trust: a new certificate from {source} is not used: {e}");
+                self.events.emit(ServerEvent::CertNotUsed {
+                    source: source.to_string(),
+                    error: e,
+                });
+            }
         }
     }
 

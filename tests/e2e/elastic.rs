@@ -852,12 +852,16 @@ fn a_renewed_certificate_file_is_taken_without_a_restart() {
     assert_eq!(s.peer_id(), peer.to_string());
     // Not a certificate: not taken (the current one stays).
     std::fs::write(&cert, "not a certificate\n").unwrap();
-    common::peer::wait_until("the bad file refused", Duration::from_secs(20), || {
-        s.log_text().contains("changed but is not used")
-    });
+    s.wait_event(
+        "the bad file refused",
+        Duration::from_secs(20),
+        |e| matches!(e, ServerEvent::CertNotUsed { source, .. } if source.ends_with("s.cert")),
+    );
     // The renewed certificate: taken.
     std::fs::write(&cert, run_key.certify(&peer, grant, now + 3600).encode()).unwrap();
-    s.wait_line_containing("trust: certificate renewed from", Duration::from_secs(20));
+    s.wait_event("the renewed certificate taken", Duration::from_secs(20), |e| {
+        matches!(e, ServerEvent::CertRenewed { not_after_unix, .. } if *not_after_unix == now + 3600)
+    });
     // Past the first certificate's expiry, the swarm sees the renewed one.
     while agentjet::swarm::trust::unix_now() <= first_until + 1 {
         std::thread::sleep(Duration::from_millis(500));
