@@ -98,7 +98,7 @@ run_tests() {
   others=$(cargo metadata --format-version 1 --no-deps | python3 -c '
 import json, sys
 print(" ".join("--test " + t["name"] for p in json.load(sys.stdin)["packages"]
-               for t in p["targets"] if "test" in t["kind"] and t["name"] != "e2e"))')
+               for t in p["targets"] if "test" in t["kind"] and t["name"] != "e2e"))') || return 1
   # shellcheck disable=SC2086
   {
     cargo test --release --workspace --lib $others "$@" &&

@@ -31,6 +31,8 @@ pub enum ServerError {
         #[source]
         source: std::io::Error,
     },
+    #[error("{}: not an episode file ({problem})", path.display())]
+    Corrupt { path: PathBuf, problem: String },
     #[error(transparent)]
     Card(#[from] ModelError),
     #[error("encoding the model card: {0}")]

@@ -148,7 +148,7 @@ impl ServedModel {
         let mut stored = 0u64;
         let mut calls = super::calls::CallLedger::default();
         let mut quota = super::quota::Quota::new(limits.max_episode_bytes_per_peer);
-        super::stored::for_each_stored(&episodes_dir, |e, size| {
+        super::stored::for_each_stored(&episodes_dir, true, |e, size| {
             stored += 1;
             let digest = super::calls::content_digest(&e.manifest, &e.nonces);
             calls.add_stored(&e.manifest.episode_id, digest, &e.nonces);

@@ -26,6 +26,9 @@ use crate::timeline::{Branch, Call, Episode, SamplingTransform, Segment, Timelin
 /// with the varint length of its episode id; 0xff would need an id of more than 16 KB.
 const STORED_TAG: &[u8] = b"\xffAJEP\x03";
 
+/// What [`StoredEpisode::decode`] says of a file of a later layout than this version's.
+const NEWER: &str = "written by a newer version of agentjet";
+
 /// The layout before nonces and the submitter were stored.
 const STORED_TAG_2: &[u8] = b"\xffAJEP\x02";
 
@@ -59,6 +62,17 @@ impl StoredEpisode {
     pub fn decode(bytes: &[u8]) -> Result<StoredEpisode, String> {
         if let Some(rest) = bytes.strip_prefix(STORED_TAG) {
             return postcard::from_bytes(rest).map_err(|e| e.to_string());
+        }
+        if let Some(&version) = bytes
+            .strip_prefix(&STORED_TAG[..STORED_TAG.len() - 1])
+            .and_then(|r| r.first())
+        {
+            if version > STORED_TAG[STORED_TAG.len() - 1] {
+                return Err(format!(
+                    "{NEWER} (layout {version}; this version reads up to {})",
+                    STORED_TAG[STORED_TAG.len() - 1]
+                ));
+            }
         }
         match bytes.strip_prefix(STORED_TAG_2) {
             Some(rest) => postcard::from_bytes::<StoredEpisode2>(rest)
@@ -100,22 +114,25 @@ impl StoredEpisode {
     }
 }
 
-/// Reads every episode stored for a model (in no particular order).
+/// Reads every episode stored for a model (in no particular order); a file that does not
+/// decode is an error.
 pub fn read_stored_episodes(dir: &Path) -> Result<Vec<StoredEpisode>, ServerError> {
     let mut out = Vec::new();
-    for_each_stored(dir, |e, _| out.push(e))?;
+    for_each_stored(dir, false, |e, _| out.push(e))?;
     Ok(out)
 }
 
 /// Calls `f` with every episode stored for a model and its file's size, one at a time.
 ///
-/// A file that does not decode (damaged on disk: episodes are written whole and synced
-/// before they are acknowledged) is set aside as `NAME.episode.corrupt`, with a warning
-/// that names it, and skipped: its episode was never trained (the trainer cannot read it
-/// either), so its submitter may store it again. A file that cannot be read at all stops
-/// the start (the disk itself is failing).
+/// With `set_aside` (a server's start), a file that does not decode (damaged on disk:
+/// episodes are written whole and synced before they are acknowledged) is renamed
+/// `NAME.episode.corrupt`, with a warning that names it, and skipped: its submitter may
+/// store the episode again (if it was trained before the damage, it may then be trained
+/// again). Without, or for a file of a newer layout, or one that cannot be read at all,
+/// it is an error.
 pub fn for_each_stored(
     dir: &Path,
+    set_aside: bool,
     mut f: impl FnMut(StoredEpisode, u64),
 ) -> Result<(), ServerError> {
     let rd = std::fs::read_dir(dir).map_err(|e| ServerError::io(dir, e))?;
@@ -126,7 +143,7 @@ pub fn for_each_stored(
             let size = b.len() as u64;
             match StoredEpisode::decode(&b) {
                 Ok(episode) => f(episode, size),
-                Err(problem) => {
+                Err(problem) if set_aside && !problem.starts_with(NEWER) => {
                     let aside = p.with_extension("episode.corrupt");
                     warn!(
                         "{}: not a stored episode ({problem}); set aside as {}",
@@ -135,6 +152,7 @@ pub fn for_each_stored(
                     );
                     std::fs::rename(&p, &aside).map_err(|e| ServerError::io(&p, e))?;
                 }
+                Err(problem) => return Err(ServerError::Corrupt { path: p, problem }),
             }
         }
     }
@@ -285,9 +303,15 @@ mod tests {
         std::fs::write(dir.path().join("a.episode"), now.encode().unwrap()).unwrap();
         std::fs::write(dir.path().join("b.episode"), b"\xffAJEP\x03garbage").unwrap();
         let mut read = Vec::new();
-        for_each_stored(dir.path(), |e, _| read.push(e.manifest.episode_id)).unwrap();
+        assert!(for_each_stored(dir.path(), false, |_, _| {}).is_err());
+        for_each_stored(dir.path(), true, |e, _| read.push(e.manifest.episode_id)).unwrap();
         assert_eq!(read, vec!["ep".to_string()]);
         assert!(!dir.path().join("b.episode").exists());
         assert!(dir.path().join("b.episode.corrupt").exists());
+        // A newer layout is not set aside: it is an error, and the file stays.
+        std::fs::write(dir.path().join("c.episode"), b"\xffAJEP\x04later").unwrap();
+        let e = for_each_stored(dir.path(), true, |_, _| {}).unwrap_err();
+        assert!(e.to_string().contains("newer version"), "{e}");
+        assert!(dir.path().join("c.episode").exists());
     }
 }

@@ -374,7 +374,11 @@ impl ServedModel {
             .take(peer, size)
             .map_err(SubmitError::Quota)?;
         if let Err(source) = write_atomic(&path, &bytes) {
-            lock(&self.quota).give_back(peer, size);
+            // (A failure after the rename, syncing the folder, leaves the file in place:
+            // it counts.)
+            if !path.exists() {
+                lock(&self.quota).give_back(peer, size);
+            }
             return Err(SubmitError::Store { path, source });
         }
         Ok(stored)

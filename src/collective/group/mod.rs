@@ -345,6 +345,12 @@ impl GroupNode {
     }
 
     /// Says the member is stopping: control requests are refused from now on.
+    /// The ballot this member promised last: a wait that sees it change ends (a
+    /// proposer wants this member in its next epoch).
+    pub fn promised(&self) -> Ballot {
+        lock(&self.shared.inner).promised.clone()
+    }
+
     pub fn leave(&self) {
         lock(&self.shared.inner).stopping = true;
         self.shared.changed.notify_all();
@@ -503,7 +509,13 @@ impl GroupNode {
                     self.suspected.insert(p, Instant::now());
                 }
             }
-            for p in &start.declined {
+            // (A Start of another shape says nothing of whom this member's group may
+            // train with: its declines are not taken.)
+            for p in start
+                .declined
+                .iter()
+                .filter(|_| start.values == state.values)
+            {
                 match peer_of(p) {
                     // A Start re-stating a decline does not prolong it: it ends when the
                     // first one does.
@@ -523,7 +535,7 @@ impl GroupNode {
             );
             let me = self.me.to_bytes();
             if !start.members.contains(&me) {
-                if start.declined.contains(&me) {
+                if start.declined.contains(&me) && start.values == state.values {
                     // Declined (this member sent non-finite values, or refused a ring):
                     // left out for a while (as long as the others leave it out), then it
                     // asks again.
@@ -535,8 +547,11 @@ impl GroupNode {
                         wait_s = wait.as_secs(),
                         "left out of the group for a while: declined"
                     );
+                    // A new promise ends the wait: a proposer (one that did not see the
+                    // decline) wants this member, and its ring would wait for it.
                     let until = Instant::now() + wait;
-                    while Instant::now() < until && !stopped() {
+                    let at = self.promised();
+                    while Instant::now() < until && !stopped() && self.promised() == at {
                         std::thread::sleep(Duration::from_millis(100));
                     }
                     continue;
@@ -849,12 +864,28 @@ impl GroupNode {
             )));
         }
         let mut start = decide(&self.cfg.name, ballot, states);
+        // Members of another shape are declined too (every member leaves them out for a
+        // decline period, doubled each time in a row): else each of their gossips would
+        // make them a newcomer again and dissolve the ring.
+        for p in start.excluded.clone() {
+            match peer_of(&p) {
+                Ok(peer) if peer != self.me && !self.is_declined(&peer) => {
+                    self.decline(peer);
+                }
+                _ => {}
+            }
+        }
         // Visible peers this proposer does not train with for a while: every member
         // leaves them out as long (see `Start::declined`).
         for e in self.visible() {
-            if self.shared.is_banned(&e.peer.to_bytes()) || self.is_declined(&e.peer) {
-                start.declined.push(e.peer.to_bytes());
-                start.excluded.push(e.peer.to_bytes());
+            let b = e.peer.to_bytes();
+            if self.shared.is_banned(&b) || self.is_declined(&e.peer) {
+                if !start.declined.contains(&b) {
+                    start.declined.push(b.clone());
+                }
+                if !start.excluded.contains(&b) {
+                    start.excluded.push(b);
+                }
             }
         }
         if lock(&self.shared.inner).promised != start.ballot {

@@ -179,8 +179,14 @@ impl<'a, L: Learner> MemberLoop<'a, L> {
                 Err(GroupError::Stopped) => continue,
                 Err(GroupError::LeftOut { reason, retry_in }) => {
                     self.emit(MemberEvent::LeftOut { error: reason });
+                    // A new promise ends the wait: a proposer wants this member in its
+                    // next epoch (its ring would wait for it otherwise).
                     let until = Instant::now() + retry_in;
-                    while Instant::now() < until && self.learner.stop().is_none() {
+                    let at = self.node.promised();
+                    while Instant::now() < until
+                        && self.learner.stop().is_none()
+                        && self.node.promised() == at
+                    {
                         self.learner.feed(Duration::ZERO, Wait::Full);
                         std::thread::sleep(Duration::from_millis(100));
                     }
