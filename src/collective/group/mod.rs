@@ -190,7 +190,7 @@ pub struct GroupNode {
     declined: HashMap<PeerId, Decline>,
     /// Starts in a row that left this member out as of another shape: each doubles the
     /// wait before it asks again (up to [`proto::BAN`]).
-    left_out: u32,
+    shape_exclusions: u32,
 }
 
 fn peer_of(b: &[u8]) -> Result<PeerId, GroupError> {
@@ -250,7 +250,7 @@ impl GroupNode {
             book,
             links,
             suspected: HashMap::new(),
-            left_out: 0,
+            shape_exclusions: 0,
             declined: HashMap::new(),
         })
     }
@@ -559,8 +559,8 @@ impl GroupNode {
                 // Left out as of another shape. The proposer's word is no proof (a
                 // certified rogue could say it of anyone), so this does not end the loop:
                 // the member asks again later, each time in a row twice as late.
-                self.left_out = self.left_out.saturating_add(1);
-                let retry_in = self.decline_len(self.left_out);
+                self.shape_exclusions = self.shape_exclusions.saturating_add(1);
+                let retry_in = self.decline_len(self.shape_exclusions);
                 return Err(GroupError::LeftOut {
                     reason: format!(
                         "left out of group {:?} epoch {} by {}: its model has another shape \
@@ -575,7 +575,7 @@ impl GroupNode {
                     retry_in,
                 });
             }
-            self.left_out = 0;
+            self.shape_exclusions = 0;
             return Ok(start);
         }
     }
