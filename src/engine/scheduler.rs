@@ -153,6 +153,7 @@ impl EngineLoop {
     fn run(mut self) {
         let _guard = tch::no_grad_guard();
         self.model.prepare_thread();
+        self.model.serve_stacked_adapter();
         if self.model.serve_on_kernel_pool() {
             tracing::debug!("engine: matrix products on the kernel pool");
         }
@@ -238,6 +239,7 @@ impl EngineLoop {
             }
             Ok(())
         })();
+        self.model.parameters_changed();
         copied.map_err(|e| {
             EngineError::WeightsRejected(format!("copying the new weights failed: {e}"))
         })

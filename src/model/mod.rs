@@ -17,6 +17,8 @@ pub mod checkpoint;
 #[cfg(feature = "torch")]
 pub mod llama;
 #[cfg(feature = "torch")]
+pub mod peft;
+#[cfg(feature = "torch")]
 pub mod weights;
 
 use std::path::{Path, PathBuf};

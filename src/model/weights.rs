@@ -253,6 +253,16 @@ pub fn unpermute_qk(t: &Tensor, n_head: i64) -> Result<Tensor, ModelError> {
     Ok(t.f_reshape(&split)?.f_transpose(1, 2)?.f_reshape(&shape)?)
 }
 
+/// llama.cpp's Q/K row order, where the two halves HF rotates together are adjacent:
+/// row (head, half, i) moves to (head, i, half).
+pub fn to_interleaved(t: &Tensor, n_head: i64) -> Result<Tensor, ModelError> {
+    let shape = t.size();
+    let half = shape[0] / n_head / 2;
+    let mut split = vec![n_head, 2, half];
+    split.extend_from_slice(&shape[1..]);
+    Ok(t.f_reshape(&split)?.f_transpose(1, 2)?.f_reshape(&shape)?)
+}
+
 impl WeightSource for GgufSource {
     fn load(&mut self, hf_name: &str) -> Result<Option<Tensor>, ModelError> {
         let Some(name) = GgufSource::gguf_name(hf_name) else {

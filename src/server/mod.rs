@@ -193,6 +193,7 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
     check_trust(&cfg)?;
     let spec = cfg.model.clone();
     let train = cfg.train.is_some();
+    let lora = cfg.train.as_ref().and_then(|t| t.lora.clone());
     // Loading takes seconds: off the async threads.
     let (loaded, train_model) = tokio::task::spawn_blocking(move || {
         let model_err = |source| ServerError::Model {
@@ -200,14 +201,27 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
             source,
         };
         let source = ModelSource::resolve(&spec).map_err(model_err)?;
-        let loaded = load_model(&source, device, dtype).map_err(model_err)?;
-        // The trainer's own float32 copy (the engine serves from the other).
+        let mut loaded = load_model(&source, device, dtype).map_err(model_err)?;
+        // The trainer's own copy (the engine serves from the other): float32 master
+        // weights, or with an adapter the frozen base in the serving dtype.
         let train_model = match train {
-            true => Some(
-                load_model(&source, device, crate::model::llama::DType::F32)
-                    .map_err(model_err)?
-                    .model,
-            ),
+            true => {
+                let d = if lora.is_some() {
+                    dtype
+                } else {
+                    crate::model::llama::DType::F32
+                };
+                let mut m = load_model(&source, device, d).map_err(model_err)?.model;
+                if let Some(c) = &lora {
+                    // Seed 0 everywhere: every member of a group starts from one adapter.
+                    m.attach_adapter(c.clone(), 0).map_err(model_err)?;
+                    loaded
+                        .model
+                        .attach_adapter(c.clone(), 0)
+                        .map_err(model_err)?;
+                }
+                Some(m)
+            }
             false => None,
         };
         Ok::<_, ServerError>((loaded, train_model))

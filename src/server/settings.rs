@@ -7,6 +7,7 @@ use super::stored::StoredEpisode;
 use crate::base::StopMode;
 use crate::collective::member::{LoopConfig, Mode};
 use crate::collective::Wire;
+use crate::model::llama::lora::LoraConfig;
 use crate::swarm::PeerId;
 use crate::train::groups::AdvantageKind;
 use crate::train::outer::OuterConfig;
@@ -51,6 +52,9 @@ pub struct TrainSettings {
     pub mini_batches: usize,
     /// Weight of the entropy bonus.
     pub entropy_coef: f64,
+    /// Train a LoRA adapter on the frozen base (kept in the serving dtype) instead of
+    /// every weight.
+    pub lora: Option<LoraConfig>,
 }
 
 /// The training group's settings (see [`crate::collective::group`]).
@@ -113,21 +117,43 @@ impl Default for TrainSettings {
             ppo_epochs: 1,
             mini_batches: 1,
             entropy_coef: 0.0,
+            lora: None,
         }
     }
 }
 
-/// The training mode as the group gossips it: `sync`, `diloco/H`, or `alone/<peer>`.
+/// The training mode as the group gossips it: `sync`, `diloco/H`, or `alone/<peer>`,
+/// followed by `+lora/<rank>/<alpha>/<targets>[/rs]` for an adapter.
 ///
 /// A synchronous group all-reduces one gradient per step, so a member that takes several
 /// updates per step (PPO epochs, mini-batches) trains alone: its mode names it, and no
 /// other member matches. In DiLoCo mode those updates are inner steps, which each member
-/// takes on its own anyway.
-pub fn mode_name(outer: Option<&OuterConfig>, updates_per_step: usize, me: &PeerId) -> String {
-    match outer {
+/// takes on its own anyway. Members train together only with an adapter of the same
+/// shape and scale (or none).
+pub fn mode_name(
+    outer: Option<&OuterConfig>,
+    updates_per_step: usize,
+    lora: Option<&LoraConfig>,
+    me: &PeerId,
+) -> String {
+    let base = match outer {
         Some(o) => format!("diloco/{}", o.every),
         None if updates_per_step > 1 => format!("alone/{me}"),
         None => "sync".into(),
+    };
+    match lora {
+        None => base,
+        Some(c) => format!(
+            "{base}+lora/{}/{}/{}{}",
+            c.rank,
+            c.alpha,
+            c.targets
+                .iter()
+                .map(|t| t.name().trim_end_matches("_proj"))
+                .collect::<Vec<_>>()
+                .join(","),
+            if c.rslora { "/rs" } else { "" }
+        ),
     }
 }
 

@@ -94,8 +94,10 @@ pub fn start_training(
     let mode = mode_name(
         settings.outer.as_ref(),
         trainer.updates_per_step(),
+        settings.lora.as_ref(),
         &served.swarm.peer_id,
     );
+    println!("training: trainer memory {}", trainer.memory());
     if mode.starts_with("alone/") {
         println!(
             "training: {} updates per step (--ppo-epochs x --mini-batches): this server trains alone \

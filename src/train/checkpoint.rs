@@ -24,7 +24,11 @@ use super::trainer::{StepMetrics, Trainer};
 use super::TrainError;
 use crate::model::checkpoint::{load_model, save_checkpoint};
 use crate::model::llama::DType;
+use crate::model::peft::{read_adapter, read_config, write_adapter};
 use crate::model::{ModelCard, ModelSource};
+
+/// The adapter (PEFT's format) inside the checkpoint of a trainer with a LoRA adapter.
+pub const ADAPTER_DIR: &str = "adapter";
 
 /// The file of [`RunDir::save_with`]'s tensors inside a checkpoint.
 const EXTRA_TENSORS: &str = "extra.safetensors";
@@ -119,7 +123,12 @@ impl RunDir {
             std::fs::remove_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
         }
         std::fs::create_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
-        save_checkpoint(&tmp.join("model"), card, &trainer.model, DType::F32)?;
+        if trainer.model.adapter().is_some() {
+            // The base is frozen and known: only the adapter, in PEFT's format.
+            write_adapter(&tmp.join(ADAPTER_DIR), &trainer.model, &card.name)?;
+        } else {
+            save_checkpoint(&tmp.join("model"), card, &trainer.model, DType::F32)?;
+        }
         let (m, v) = trainer.opt.moments();
         let named: Vec<(String, Tensor)> = m
             .iter()
@@ -193,6 +202,46 @@ impl RunDir {
             .map_err(|e| io(&path, e))
     }
 
+    /// The trained parameters a checkpoint holds, in [`crate::model::llama::Llama::parameters`]'s order: its
+    /// adapter's for a trainer with an adapter (of the same shape), its model's otherwise.
+    fn saved_parameters(&self, ck: &Path, trainer: &Trainer) -> Result<Vec<Tensor>, TrainError> {
+        let adapter_dir = ck.join(ADAPTER_DIR);
+        match (trainer.model.adapter(), adapter_dir.is_dir()) {
+            (Some(a), true) => {
+                let saved = read_config(&adapter_dir)?;
+                if saved != a.cfg {
+                    return Err(io(
+                        &adapter_dir,
+                        format!(
+                            "the checkpoint's adapter is {saved:?}, the trainer's {:?}",
+                            a.cfg
+                        ),
+                    ));
+                }
+                let copy =
+                    read_adapter(&adapter_dir, &trainer.model.config, trainer.model.device())?;
+                Ok(copy.tensors())
+            }
+            (None, false) => Ok(load_model(
+                &ModelSource::HfDir(ck.join("model")),
+                trainer.model.device(),
+                DType::F32,
+            )?
+            .model
+            .parameters()),
+            (Some(_), false) => Err(io(
+                ck,
+                "holds a whole model, and this trainer trains a LoRA adapter: resume it \
+                 without --lora-rank, or start a new run directory",
+            )),
+            (None, true) => Err(io(
+                ck,
+                "holds a LoRA adapter, and this trainer trains the whole model: resume it \
+                 with the adapter's --lora-rank, or start a new run directory",
+            )),
+        }
+    }
+
     /// The checkpoint to resume from: `checkpoint/`, or `checkpoint.old/` when a kill came
     /// between the two renames of [`RunDir::save`].
     fn latest(&self) -> Option<PathBuf> {
@@ -212,13 +261,8 @@ impl RunDir {
         let state: SavedState =
             serde_json::from_slice(&std::fs::read(&state_path).map_err(|e| io(&state_path, e))?)
                 .map_err(|e| io(&state_path, e))?;
-        let loaded = load_model(
-            &ModelSource::HfDir(ck.join("model")),
-            trainer.model.device(),
-            DType::F32,
-        )?
-        .model;
-        let (mine, theirs) = (trainer.model.parameters(), loaded.parameters());
+        let theirs = self.saved_parameters(&ck, trainer)?;
+        let mine = trainer.model.parameters();
         if mine.len() != theirs.len() {
             return Err(io(
                 &ck,

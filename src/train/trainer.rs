@@ -260,9 +260,51 @@ impl Stat {
     pub const COUNT: usize = 16;
 }
 
+/// The trainer's tensors by role (gradients come on top: as many bytes as the trained
+/// parameters).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TrainerMemory {
+    pub base_bytes: usize,
+    /// Whether the base is what is trained (no adapter).
+    pub base_trained: bool,
+    pub trained_values: usize,
+    pub trained_bytes: usize,
+    pub moment_bytes: usize,
+}
+
+impl std::fmt::Display for TrainerMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mb = |b: usize| b as f64 / (1 << 20) as f64;
+        let total = self.moment_bytes
+            + 2 * self.trained_bytes
+            + if self.base_trained {
+                0
+            } else {
+                self.base_bytes
+            };
+        write!(
+            f,
+            "{:.1} MiB: base {:.1} MiB ({}), trained {} values ({:.2} MiB, the same again for \
+             gradients), AdamW moments {:.2} MiB",
+            mb(total),
+            mb(self.base_bytes),
+            if self.base_trained {
+                "trained"
+            } else {
+                "frozen"
+            },
+            self.trained_values,
+            mb(self.trained_bytes),
+            mb(self.moment_bytes)
+        )
+    }
+}
+
 pub struct Trainer {
     pub model: Llama,
-    /// The frozen reference for the KL term (needed when `loss.kl_coef` is not 0).
+    /// The frozen reference for the KL term (needed when `loss.kl_coef` is not 0, unless
+    /// the model has a LoRA adapter: then its base, the adapter switched off, is the
+    /// reference, with no second model).
     pub reference: Option<Llama>,
     pub opt: AdamW,
     pub cfg: TrainerConfig,
@@ -277,9 +319,11 @@ impl Trainer {
         reference: Option<Llama>,
         cfg: TrainerConfig,
     ) -> Result<Trainer, TrainError> {
-        if cfg.loss.kl_coef != 0.0 && reference.is_none() {
+        if cfg.loss.kl_coef != 0.0 && reference.is_none() && model.adapter().is_none() {
             return Err(TrainError::Invalid(
-                "kl_coef is set: a reference model is needed".into(),
+                "kl_coef is set: a reference model is needed (or a LoRA adapter, whose base \
+                 is the reference)"
+                    .into(),
             ));
         }
         model.set_trainable(true);
@@ -299,6 +343,30 @@ impl Trainer {
 
     pub fn version(&self) -> u64 {
         self.version
+    }
+
+    /// What the trainer holds: the base, the trained parameters, and AdamW's moments.
+    pub fn memory(&self) -> TrainerMemory {
+        let bytes = |ts: &[Tensor]| -> usize {
+            ts.iter()
+                .map(|t| t.numel() * t.kind().elt_size_in_bytes())
+                .sum()
+        };
+        let (m, v) = self.opt.moments();
+        let trained = self.model.parameters();
+        TrainerMemory {
+            base_bytes: bytes(&self.model.base_parameters()),
+            base_trained: self.model.adapter().is_none(),
+            trained_values: trained.iter().map(Tensor::numel).sum(),
+            trained_bytes: bytes(&trained),
+            moment_bytes: bytes(&m) + bytes(&v),
+        }
+    }
+
+    /// Whether steps score a KL reference: a reference model, or a LoRA adapter's base
+    /// when the KL term is on.
+    fn has_reference(&self) -> bool {
+        self.reference.is_some() || (self.model.adapter().is_some() && self.cfg.loss.kl_coef != 0.0)
     }
 
     pub fn steps(&self) -> u64 {
@@ -605,7 +673,7 @@ impl Trainer {
         m.step = self.step;
         m.version = self.version;
         m.entropy = st(Stat::Entropy) / tokens;
-        m.kl = self.reference.as_ref().map(|_| st(Stat::Kl) / tokens);
+        m.kl = self.has_reference().then(|| st(Stat::Kl) / tokens);
         m.clip_frac = st(Stat::Clipped) / tokens;
         m.is_weight_mean = st(Stat::IsWeight) / tokens;
         m.is_capped_frac = st(Stat::IsCapped) / tokens;
@@ -645,7 +713,7 @@ impl Trainer {
         let tr = row_transform(row, dev);
         Ok(agentjet_kernels::logprobs::token_logprobs(
             &h,
-            self.model.output_weight(),
+            &head_weight(&self.model, &h)?,
             &tok,
             self.cfg.logprob_chunk,
             false,
@@ -762,7 +830,7 @@ impl Trainer {
             m.loss = loss / u;
             m.grad_norm = gnorm / u;
             m.entropy = sums.entropy / tokens;
-            m.kl = self.reference.as_ref().map(|_| sums.kl / tokens);
+            m.kl = self.has_reference().then(|| sums.kl / tokens);
             m.clip_frac = sums.clipped / tokens;
             m.is_weight_mean = sums.is_weight / tokens;
             m.is_capped_frac = sums.is_capped / tokens;
@@ -829,21 +897,26 @@ impl Trainer {
         let h = self
             .model
             .forward_row_hidden(&ids, &pos, &row.parent, Some(&from))?;
-        let w = self.model.output_weight();
+        let w = head_weight(&self.model, &h)?;
         let hd = h.detach();
         let wd = w.detach();
         let chunk = self.cfg.logprob_chunk;
         let tr = row_transform(row, dev);
         let out =
             agentjet_kernels::logprobs::token_logprobs(&hd, &wd, &tok, chunk, true, tr.as_ref())?;
-        let reference = match &self.reference {
-            Some(r) => {
+        let reference = match (&self.reference, self.has_reference()) {
+            (_, false) => None,
+            (r, true) => {
                 let _g = tch::no_grad_guard();
-                let rh = r.forward_row_hidden(&ids, &pos, &row.parent, Some(&from))?;
+                // A separate reference model, or this model's base (adapter off).
+                let r = r.as_ref().unwrap_or(&self.model);
+                let rh = r.without_adapter(|| {
+                    r.forward_row_hidden(&ids, &pos, &row.parent, Some(&from))
+                })?;
                 Some(
                     agentjet_kernels::logprobs::token_logprobs(
                         &rh,
-                        r.output_weight(),
+                        &head_weight(r, &rh)?,
                         &tok,
                         chunk,
                         false,
@@ -852,7 +925,6 @@ impl Trainer {
                     .logprobs,
                 )
             }
-            _ => None,
         };
         let lp_leaf = out.logprobs.detach().set_requires_grad(true);
         let ent_leaf = out
@@ -900,10 +972,21 @@ impl Trainer {
         )?;
         // One backward through the model: ∂L/∂h into the layers, ∂L/∂W_out into the head
         // (the embedding too when tied).
-        let surrogate = (&h * gh).sum(Kind::Float) + (w * gw).sum(Kind::Float);
+        let surrogate = (&h * gh).sum(Kind::Float) + (&w * gw).sum(Kind::Float);
         surrogate.backward();
         Ok((loss.double_value(&[]), sums))
     }
+}
+
+/// The output layer's weight in the kind of the hidden states `h`: a frozen bfloat16
+/// base under a LoRA adapter computes its hidden states in float32.
+fn head_weight(model: &Llama, h: &Tensor) -> Result<Tensor, TrainError> {
+    let w = model.output_weight();
+    Ok(if w.kind() == h.kind() {
+        w.shallow_clone()
+    } else {
+        w.f_to_kind(h.kind())?
+    })
 }
 
 /// The transform of `row`'s targets for the log-probability kernel: none when every

@@ -879,3 +879,116 @@ fn a_renewed_certificate_file_is_taken_without_a_restart() {
     assert!(line.ends_with("yes: tiny serve train in tiny"), "{line}");
     assert!(!s.log_text().contains("has expired"), "{}", s.log_text());
 }
+
+/// Two servers training a LoRA adapter (`--lora-rank`) form one group: every step
+/// all-reduces the adapter's gradient only, both stay bit-identical and serve each new
+/// version, the checkpoints hold the adapter in PEFT's format (not the frozen base), a
+/// restart resumes from it, and `export --adapter --merge` writes a merged model.
+#[test]
+fn lora_servers_train_one_adapter_as_a_group_and_export_it_merged() {
+    let _heavy = common::heavy();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = tiny_model(d);
+    let extra = [
+        "--groups-per-step",
+        "1",
+        "--checkpoint-every",
+        "1",
+        "--lora-rank",
+        "4",
+        "--lora-targets",
+        "q,v,down",
+    ];
+    let (mut a, mut b, boot) = two_servers(d, &model, &extra);
+    let mode = a.wait_line("training: trainer memory", Duration::from_secs(5));
+    assert!(mode.contains("frozen"), "{mode}");
+    let http = a.http_url(Duration::from_secs(1));
+    let mut cl = client(d, &boot, 16, "run1");
+    assert!(cl.child.wait().unwrap().success(), "{}", cl.log_text());
+    wait_all_consumed(d, &["a", "b"], &[&a, &b]);
+    let (la, lb) = (metrics_lines(d, "a"), metrics_lines(d, "b"));
+    let (ha, hb) = (hashes(&la), hashes(&lb));
+    assert!(ha.len() >= 4, "only {} steps trained", ha.len());
+    assert_eq!(ha, hb, "the members' adapters differ");
+    assert!(la
+        .iter()
+        .filter(|l| l["trained"] == true)
+        .all(|l| l["members"] == 2));
+    let version = metric(&http, "agentjet_policy_version{model=\"tiny\"}").unwrap();
+    assert!(version >= 4.0, "served version {version}");
+    let ck = d.join("a/runs/tiny/checkpoint");
+    let cfg: Value = serde_json::from_str(
+        &std::fs::read_to_string(ck.join("adapter/adapter_config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(cfg["r"], 4);
+    assert_eq!(cfg["lora_alpha"], 8.0);
+    assert_eq!(
+        cfg["target_modules"],
+        serde_json::json!(["q_proj", "v_proj", "down_proj"])
+    );
+    assert!(
+        !ck.join("model").exists(),
+        "the frozen base was checkpointed"
+    );
+    for p in [&a, &b] {
+        unsafe { libc::kill(p.child.id() as i32, libc::SIGTERM) };
+    }
+    for p in [&mut a, &mut b] {
+        assert!(p.child.wait().unwrap().success());
+    }
+    let last = la.last().unwrap()["step"].as_u64().unwrap();
+    // A restart resumes the adapter; one with another adapter shape refuses the run.
+    let mut a = server(d, &model, "a", None, &extra);
+    let resumed = a.wait_line("training: resumed", Duration::from_secs(60));
+    assert!(resumed.contains(&format!("at step {last}")), "{resumed}");
+    unsafe { libc::kill(a.child.id() as i32, libc::SIGTERM) };
+    assert!(a.child.wait().unwrap().success());
+    let mut wrong = extra.to_vec();
+    wrong[5] = "8";
+    let mut w = server(d, &model, "a", None, &wrong);
+    assert!(!w.child.wait().unwrap().success());
+    assert!(w.log_text().contains("rank: 4"), "{}", w.log_text());
+
+    let merged = d.join("merged");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_agentjet-peer"))
+        .args(["export", "--device", "cpu", "--model"])
+        .arg(&model)
+        .arg("--adapter")
+        .arg(ck.join("adapter"))
+        .args(["--merge", "--out"])
+        .arg(&merged)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let load = |p: &Path| {
+        agentjet::model::checkpoint::load_model(
+            &agentjet::model::ModelSource::HfDir(p.to_path_buf()),
+            tch::Device::Cpu,
+            agentjet::model::llama::DType::F32,
+        )
+        .unwrap()
+        .model
+    };
+    let (base, m) = (load(&model), load(&merged));
+    let moved = base
+        .hf_tensors()
+        .unwrap()
+        .iter()
+        .zip(m.hf_tensors().unwrap())
+        .filter(|((n, x), (_, y))| {
+            let changed = common::max_abs_diff(x, y) > 0.0;
+            let targeted = ["q_proj", "v_proj", "down_proj"]
+                .iter()
+                .any(|t| n.contains(t));
+            assert!(changed == targeted || !changed, "{n} changed, not a target");
+            changed
+        })
+        .count();
+    assert_eq!(moved, 3 * 2, "q, v and down of 2 layers merged");
+}

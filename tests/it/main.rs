@@ -10,6 +10,7 @@ mod engine;
 mod gguf_files;
 mod group;
 mod hf_dir_errors;
+mod lora;
 mod model_tiny;
 mod on_policy;
 mod prefix_cache;

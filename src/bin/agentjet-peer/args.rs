@@ -236,6 +236,20 @@ pub struct ServerCli {
     /// Weight of the entropy bonus (of the distribution each token was sampled from).
     #[arg(long, default_value_t = 0.0)]
     pub entropy_coef: f64,
+    /// Train a LoRA adapter of this rank on the frozen base (which stays in --dtype)
+    /// instead of every weight: the optimizer, all-reduces and checkpoints hold only the
+    /// adapter (checkpoints in PEFT's format).
+    #[arg(long)]
+    pub lora_rank: Option<usize>,
+    /// The adapter's alpha (scale alpha / rank). Default: 2 x rank.
+    #[arg(long, requires = "lora_rank")]
+    pub lora_alpha: Option<f64>,
+    /// The linear layers the adapter targets: `all`, or some of q,k,v,o,gate,up,down.
+    #[arg(long, default_value = "all", requires = "lora_rank")]
+    pub lora_targets: String,
+    /// rsLoRA: scale alpha / sqrt(rank).
+    #[arg(long, requires = "lora_rank")]
+    pub rslora: bool,
     /// Save a checkpoint every N steps (outer steps with --sync-every) and when stopped.
     #[arg(long, default_value_t = 20)]
     pub checkpoint_every: u64,
@@ -475,10 +489,19 @@ pub enum Command {
         #[arg(long, default_value_t = 120.0)]
         drain_timeout: f64,
     },
-    /// Save a model as an HF-compatible checkpoint directory.
+    /// Save a model as an HF-compatible checkpoint directory (with --adapter DIR --merge:
+    /// the base with a LoRA adapter merged into its weights).
     Export {
         #[command(flatten)]
         model: ModelArgs,
+        /// A LoRA adapter directory in PEFT's format (adapter_config.json and
+        /// adapter_model.safetensors: a training checkpoint's `adapter/`, or what
+        /// peft's save_pretrained writes), merged into the base.
+        #[arg(long, requires = "merge")]
+        adapter: Option<PathBuf>,
+        /// Merge --adapter into the base's weights (W + scale * B * A).
+        #[arg(long, requires = "adapter")]
+        merge: bool,
         /// Output directory (must not exist, or be empty).
         #[arg(long)]
         out: PathBuf,

@@ -263,10 +263,17 @@ fn run_tool(cli: Cli) -> Result<()> {
             tools::torch_cmds::generate(&model, ask, &stop)
         }),
         #[cfg(feature = "torch")]
-        Some(Command::Export { model, out }) => {
+        Some(Command::Export {
+            model,
+            adapter,
+            merge: _,
+            out,
+        }) => {
             // A drain lets the checkpoint be written to its end (it is renamed into place
             // only when whole); an abort leaves no checkpoint.
-            blocking_with_signals(move |_| tools::torch_cmds::export(&model, &out))
+            blocking_with_signals(move |_| {
+                tools::torch_cmds::export(&model, adapter.as_deref(), &out)
+            })
         }
         #[cfg(feature = "torch")]
         Some(Command::Serve {

@@ -37,6 +37,7 @@ mod torch {
     use super::*;
     use crate::args::{secs, ServerCli};
     use agentjet::collective::Wire;
+    use agentjet::model::llama::lora::{LoraConfig, Target};
     use agentjet::server::train::CollectiveSettings;
     use agentjet::server::{CertRenewal, ServeLimits, ServerConfig, TrainSettings};
     use agentjet::train::groups::AdvantageKind;
@@ -54,6 +55,11 @@ mod torch {
                 .advantage
                 .parse()
                 .map_err(|e| anyhow::anyhow!("--advantage: {e}"))?;
+            if self.no_train && self.lora_rank.is_some() {
+                anyhow::bail!(
+                    "--lora-rank trains an adapter, and --no-train turns training off: drop one"
+                );
+            }
             let train = (!self.no_train)
                 .then(|| -> Result<TrainSettings> {
                     Ok(TrainSettings {
@@ -106,6 +112,20 @@ mod torch {
                         ppo_epochs: self.ppo_epochs.max(1),
                         mini_batches: self.mini_batches.max(1),
                         entropy_coef: self.entropy_coef,
+                        lora: self
+                            .lora_rank
+                            .map(|rank| -> Result<LoraConfig> {
+                                let c = LoraConfig {
+                                    rank,
+                                    alpha: self.lora_alpha.unwrap_or(2.0 * rank as f64),
+                                    targets: Target::parse_list(&self.lora_targets)
+                                        .map_err(|e| anyhow::anyhow!("--lora-targets: {e}"))?,
+                                    rslora: self.rslora,
+                                };
+                                c.validate().map_err(|e| anyhow::anyhow!("--lora-rank: {e}"))?;
+                                Ok(c)
+                            })
+                            .transpose()?,
                     })
                 })
                 .transpose()?;

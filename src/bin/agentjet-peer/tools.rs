@@ -475,8 +475,17 @@ pub mod torch_cmds {
         Ok(())
     }
 
-    pub fn export(args: &ModelArgs, out: &std::path::Path) -> Result<()> {
-        let loaded = load(args)?;
+    pub fn export(
+        args: &ModelArgs,
+        adapter: Option<&std::path::Path>,
+        out: &std::path::Path,
+    ) -> Result<()> {
+        let mut loaded = load(args)?;
+        if let Some(dir) = adapter {
+            agentjet::model::peft::load_adapter(dir, &mut loaded.model)
+                .with_context(|| format!("loading the adapter in {}", dir.display()))?;
+            println!("merging the adapter in {} into the base", dir.display());
+        }
         let dtype = loaded.model.dtype();
         save_checkpoint(out, &loaded.card, &loaded.model, dtype)
             .with_context(|| format!("saving checkpoint to {}", out.display()))?;

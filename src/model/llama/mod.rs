@@ -31,7 +31,7 @@ const KERNEL_ROWS: usize = if MAX_ROWS < 2 { MAX_ROWS } else { 2 };
 use tch::{Device, Kind, Tensor};
 
 use super::config::LlamaConfig;
-use super::weights::{load_checked, unpermute_qk, WeightSource};
+use super::weights::{load_checked, to_interleaved, unpermute_qk, WeightSource};
 use super::ModelError;
 use crate::base::lock;
 
@@ -106,6 +106,8 @@ pub struct Llama {
     /// Matrix products split across the kernel pool (this thread and the pool's workers
     /// run one OpenMP thread each); see [`Llama::serve_on_kernel_pool`].
     pooled: bool,
+    /// A LoRA adapter over the frozen base (see [`lora`]).
+    adapter: Option<lora::Adapter>,
 }
 
 impl std::fmt::Debug for Llama {
@@ -118,7 +120,9 @@ impl std::fmt::Debug for Llama {
     }
 }
 
+mod adapted;
 mod kv;
+pub mod lora;
 mod parts;
 mod paths;
 
@@ -240,6 +244,7 @@ impl Llama {
             rope,
             compute: None,
             pooled: false,
+            adapter: None,
         })
     }
 
@@ -322,9 +327,19 @@ impl Llama {
         self.rope.size()[0] as usize
     }
 
-    /// Every parameter tensor (fused as stored: qkv and gate/up are one matrix each; a
-    /// tied head is not repeated), for training.
+    /// The trained parameters: the adapter's tensors when one is attached (the base is
+    /// then frozen), otherwise [`Llama::base_parameters`]. The optimizer, all-reduces,
+    /// DiLoCo, checkpoints' moments and weight updates to an engine all work on these.
     pub fn parameters(&self) -> Vec<Tensor> {
+        match &self.adapter {
+            Some(a) => a.tensors(),
+            None => self.base_parameters(),
+        }
+    }
+
+    /// Every tensor of the base (fused as stored: qkv and gate/up are one matrix each; a
+    /// tied head is not repeated).
+    pub fn base_parameters(&self) -> Vec<Tensor> {
         let mut p = vec![self.embed_tokens.shallow_clone()];
         for l in &self.layers {
             p.push(l.input_layernorm.shallow_clone());
@@ -344,7 +359,7 @@ impl Llama {
         p
     }
 
-    /// Makes every parameter require gradients (or not).
+    /// Makes every trained parameter ([`Llama::parameters`]) require gradients (or not).
     pub fn set_trainable(&mut self, on: bool) {
         for mut t in self.parameters() {
             let _ = t.requires_grad_(on);
@@ -357,7 +372,8 @@ impl Llama {
     }
 
     /// The parameters under HF's names and shapes (fused matrices split back), on the
-    /// model's device and dtype. Tied heads are not repeated.
+    /// model's device and dtype. Tied heads are not repeated. With an adapter (switched
+    /// on), each targeted weight is merged: `W + s·B·A`.
     pub fn hf_tensors(&self) -> Result<Vec<(String, Tensor)>, ModelError> {
         let c = &self.config;
         let (nh, nkv, hd, inter) = (
@@ -418,6 +434,25 @@ impl Llama {
         if let Some(head) = &self.lm_head {
             out.push(("lm_head.weight".to_string(), head.shallow_clone()));
         }
+        if let Some(a) = self.adapter.as_ref().filter(|a| a.enabled()) {
+            // Merged: each targeted weight becomes W + s·B·A (computed in float32).
+            for (name, w) in out.iter_mut() {
+                let Some((l, t)) = lora::Target::ALL.iter().find_map(|&t| {
+                    let rest = name.strip_prefix("model.layers.")?;
+                    let (l, tail) = rest.split_once('.')?;
+                    (tail == format!("{}.weight", t.module())).then(|| (l.parse().ok(), t))
+                }) else {
+                    continue;
+                };
+                let Some(l) = l else { continue };
+                if let Some(d) = a.delta_weight(l, t, c)? {
+                    *w = w
+                        .f_to_kind(Kind::Float)?
+                        .f_add(&d.f_to_device(w.device())?)?
+                        .f_to_kind(w.kind())?;
+                }
+            }
+        }
         Ok(out)
     }
 }
@@ -471,16 +506,6 @@ fn split_gemm(x: &Tensor, w: &Tensor) -> Result<Tensor, ModelError> {
 /// One LibTorch (OpenMP) thread on the calling thread and on every kernel-pool worker.
 fn one_torch_thread_per_worker() {
     agentjet_kernels::pool().run(&|_| tch::set_num_threads(1));
-}
-
-/// llama.cpp's Q/K row order, where the two halves HF rotates together are adjacent:
-/// row (head, half, i) moves to (head, i, half).
-fn to_interleaved(t: &Tensor, n_head: i64) -> Result<Tensor, ModelError> {
-    let shape = t.size();
-    let half = shape[0] / n_head / 2;
-    let mut split = vec![n_head, 2, half];
-    split.extend_from_slice(&shape[1..]);
-    Ok(t.f_reshape(&split)?.f_transpose(1, 2)?.f_reshape(&shape)?)
 }
 
 /// Rotations as HF computes their angles: float32 `position * inv_freq`, then

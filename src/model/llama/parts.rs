@@ -6,6 +6,7 @@
 use agentjet_kernels::matmul_bf16;
 use tch::{Device, Kind, Tensor};
 
+use super::lora::Target;
 use super::{split_gemm, DecoderLayer, Llama, KERNEL_ROWS};
 use crate::model::ModelError;
 
@@ -36,7 +37,7 @@ impl Llama {
                 .f_to_kind(x.kind())?);
         }
         if w.kind() == x.kind() {
-            if self.pooled && x.numel() > 0 {
+            if self.pooled && !x.requires_grad() && x.numel() > 0 {
                 let y = split_gemm(x, w)?;
                 return Ok(match bias {
                     Some(b) => y.f_add(b)?,
@@ -44,6 +45,18 @@ impl Llama {
                 });
             }
             return Ok(x.f_linear(w, bias)?);
+        }
+        if x.requires_grad() {
+            // Training over a frozen bfloat16 base (a LoRA adapter): LibTorch's own
+            // product on this thread, which autograd sees.
+            let y = x
+                .f_to_kind(w.kind())?
+                .f_linear(w, None::<&Tensor>)?
+                .f_to_kind(x.kind())?;
+            return Ok(match bias {
+                Some(b) => y.f_add(b)?,
+                None => y,
+            });
         }
         // bfloat16 weights, float32 activations (CPU).
         let size = x.size();
@@ -113,6 +126,7 @@ impl Llama {
     /// `[lead.., 1, head_dim / 2]` complex). The same for every path.
     fn attention_inputs(
         &self,
+        l: usize,
         layer: &DecoderLayer,
         x: &Tensor,
         rope: &Tensor,
@@ -126,7 +140,10 @@ impl Llama {
         );
         let shape = |tail: &[i64]| -> Vec<i64> { lead.iter().chain(tail).copied().collect() };
         let hn = self.rms_norm(x, &layer.input_layernorm)?;
-        let qkv = self.linear(&hn, &layer.qkv_proj, layer.qkv_bias.as_ref())?;
+        let mut qkv = self.linear(&hn, &layer.qkv_proj, layer.qkv_bias.as_ref())?;
+        if let Some(d) = self.lora(l, &[Target::Q, Target::K, Target::V], &hn)? {
+            qkv = qkv.f_add(&d)?;
+        }
         // q and k rotate together: their rows are stored with rotary pairs adjacent, so the
         // rotation is one complex multiply.
         let qk = qkv
@@ -156,9 +173,9 @@ impl Llama {
         mut attend: impl FnMut(usize, Qkv) -> Result<Tensor, ModelError>,
     ) -> Result<Tensor, ModelError> {
         for (l, layer) in self.layers.iter().enumerate() {
-            let qkv = self.attention_inputs(layer, &x, rope, lead)?;
+            let qkv = self.attention_inputs(l, layer, &x, rope, lead)?;
             let attn = attend(l, qkv)?;
-            x = self.finish_layer(layer, &x, &attn)?;
+            x = self.finish_layer(l, layer, &x, &attn)?;
         }
         Ok(x)
     }
@@ -167,19 +184,35 @@ impl Llama {
     /// then the SwiGLU MLP and residual. `x` and `attn` are [rows, ..] alike.
     fn finish_layer(
         &self,
+        l: usize,
         layer: &DecoderLayer,
         x: &Tensor,
         attn: &Tensor,
     ) -> Result<Tensor, ModelError> {
         let inter = self.config.intermediate_size as i64;
-        let x = x.f_add(&self.linear(attn, &layer.o_proj, None)?)?;
+        let with_lora =
+            |y: Tensor, targets: &[Target], input: &Tensor| match self.lora(l, targets, input)? {
+                Some(d) => Ok::<_, ModelError>(y.f_add(&d)?),
+                None => Ok(y),
+            };
+        let o = with_lora(self.linear(attn, &layer.o_proj, None)?, &[Target::O], attn)?;
+        let x = x.f_add(&o)?;
         let hn = self.rms_norm(&x, &layer.post_attention_layernorm)?;
-        let gu = self.linear(&hn, &layer.gate_up_proj, None)?;
+        let gu = with_lora(
+            self.linear(&hn, &layer.gate_up_proj, None)?,
+            &[Target::Gate, Target::Up],
+            &hn,
+        )?;
         let act = gu
             .f_narrow(-1, 0, inter)?
             .f_silu()?
             .f_mul(&gu.f_narrow(-1, inter, inter)?)?;
-        Ok(x.f_add(&self.linear(&act, &layer.down_proj, None)?)?)
+        let down = with_lora(
+            self.linear(&act, &layer.down_proj, None)?,
+            &[Target::Down],
+            &act,
+        )?;
+        Ok(x.f_add(&down)?)
     }
 
     /// Final norm and LM head: float32 logits.

@@ -1,0 +1,497 @@
+//! LoRA adapters on a frozen base: `W x + s · B (A x)` on any of the seven linear layers of
+//! a decoder layer (q, k, v, o, gate, up, down), rank r, scale `s = alpha / r` (rsLoRA:
+//! `alpha / √r`). A is [r, in], B is [out, r], both float32 whatever the base's dtype (the
+//! base may stay in its serving dtype). A starts as PEFT's (Kaiming-uniform, bound
+//! `1/√in`), B at zero, so a new adapter leaves every output unchanged.
+//!
+//! Owns: the adapter's tensors, their HF/PEFT names and layouts, and the low-rank terms
+//! added after the base's fused products. Paths without an adapter run no extra work.
+//! The q and k rows of B are kept in the decoder's rotary-pair order (as the fused q/k/v
+//! matrix is) and converted at the PEFT boundary.
+
+use std::cell::{Cell, RefCell};
+
+use serde::{Deserialize, Serialize};
+use tch::{Device, Kind, Tensor};
+
+use crate::base::rng::Rng;
+use crate::model::config::LlamaConfig;
+use crate::model::weights::{to_interleaved, unpermute_qk};
+use crate::model::ModelError;
+
+/// A linear layer an adapter may target, in the order of a decoder layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum Target {
+    #[serde(rename = "q_proj")]
+    Q,
+    #[serde(rename = "k_proj")]
+    K,
+    #[serde(rename = "v_proj")]
+    V,
+    #[serde(rename = "o_proj")]
+    O,
+    #[serde(rename = "gate_proj")]
+    Gate,
+    #[serde(rename = "up_proj")]
+    Up,
+    #[serde(rename = "down_proj")]
+    Down,
+}
+
+impl Target {
+    pub const ALL: [Target; 7] = [
+        Target::Q,
+        Target::K,
+        Target::V,
+        Target::O,
+        Target::Gate,
+        Target::Up,
+        Target::Down,
+    ];
+
+    /// HF's module name (PEFT's `target_modules`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Target::Q => "q_proj",
+            Target::K => "k_proj",
+            Target::V => "v_proj",
+            Target::O => "o_proj",
+            Target::Gate => "gate_proj",
+            Target::Up => "up_proj",
+            Target::Down => "down_proj",
+        }
+    }
+
+    /// The module's path inside a decoder layer.
+    pub fn module(self) -> &'static str {
+        match self {
+            Target::Q => "self_attn.q_proj",
+            Target::K => "self_attn.k_proj",
+            Target::V => "self_attn.v_proj",
+            Target::O => "self_attn.o_proj",
+            Target::Gate => "mlp.gate_proj",
+            Target::Up => "mlp.up_proj",
+            Target::Down => "mlp.down_proj",
+        }
+    }
+
+    /// `q`, `q_proj` or `self_attn.q_proj` (and so on).
+    pub fn parse(s: &str) -> Option<Target> {
+        let s = s.trim();
+        Target::ALL
+            .into_iter()
+            .find(|t| s == t.name() || s == t.module() || Some(s) == t.name().strip_suffix("_proj"))
+    }
+
+    /// A comma-separated list (`all` for every target); duplicates are merged.
+    pub fn parse_list(s: &str) -> Result<Vec<Target>, String> {
+        if s.trim() == "all" {
+            return Ok(Target::ALL.to_vec());
+        }
+        let mut out = Vec::new();
+        for part in s.split(',').filter(|p| !p.trim().is_empty()) {
+            let t = Target::parse(part).ok_or_else(|| {
+                format!(
+                    "unknown LoRA target {part:?}: expected some of q, k, v, o, gate, up, down \
+                     (or all)"
+                )
+            })?;
+            if !out.contains(&t) {
+                out.push(t);
+            }
+        }
+        if out.is_empty() {
+            return Err("no LoRA target given".into());
+        }
+        out.sort();
+        Ok(out)
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+
+    /// `(in, out)` features of this layer in `c`.
+    pub fn dims(self, c: &LlamaConfig) -> (i64, i64) {
+        let (h, i, hd) = (
+            c.hidden_size as i64,
+            c.intermediate_size as i64,
+            c.head_dim as i64,
+        );
+        let (nh, nkv) = (c.num_attention_heads as i64, c.num_key_value_heads as i64);
+        match self {
+            Target::Q => (h, nh * hd),
+            Target::K | Target::V => (h, nkv * hd),
+            Target::O => (nh * hd, h),
+            Target::Gate | Target::Up => (h, i),
+            Target::Down => (i, h),
+        }
+    }
+}
+
+/// An adapter's shape and scale.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LoraConfig {
+    pub rank: usize,
+    pub alpha: f64,
+    pub targets: Vec<Target>,
+    /// rsLoRA: scale `alpha / √rank` instead of `alpha / rank`.
+    pub rslora: bool,
+}
+
+impl LoraConfig {
+    /// Rank `rank` on every target, alpha 2 x rank.
+    pub fn new(rank: usize) -> LoraConfig {
+        LoraConfig {
+            rank,
+            alpha: 2.0 * rank as f64,
+            targets: Target::ALL.to_vec(),
+            rslora: false,
+        }
+    }
+
+    pub fn scale(&self) -> f64 {
+        if self.rslora {
+            self.alpha / (self.rank as f64).sqrt()
+        } else {
+            self.alpha / self.rank as f64
+        }
+    }
+
+    pub fn validate(&self) -> Result<(), ModelError> {
+        let bad = |m: String| Err(ModelError::Invalid(m));
+        if self.rank == 0 || self.rank > 4096 {
+            return bad(format!("LoRA rank {} is not in 1..=4096", self.rank));
+        }
+        if !self.alpha.is_finite() || self.alpha <= 0.0 {
+            return bad(format!(
+                "LoRA alpha {} is not a positive number",
+                self.alpha
+            ));
+        }
+        if self.targets.is_empty() {
+            return bad("a LoRA adapter needs at least one target".into());
+        }
+        Ok(())
+    }
+}
+
+/// One layer's adapter: `(A, B)` per target, by [`Target::index`].
+pub(super) struct LayerAdapter {
+    parts: [Option<(Tensor, Tensor)>; 7],
+}
+
+/// The fused products of which a decoder layer runs four: q/k/v, o, gate/up and down.
+const PRODUCTS: [&[Target]; 4] = [
+    &[Target::Q, Target::K, Target::V],
+    &[Target::O],
+    &[Target::Gate, Target::Up],
+    &[Target::Down],
+];
+
+/// One fused product's adapter for serving: the targets' A stacked `[n·r, in]` and their
+/// B as one block-diagonal matrix `[out, n·r]` with the scale folded in, so the low-rank
+/// term is two matrix products whatever the number of targets.
+struct Stacked {
+    a: Tensor,
+    b: Tensor,
+}
+
+/// A LoRA adapter over every decoder layer of one model.
+pub struct Adapter {
+    pub cfg: LoraConfig,
+    scale: f64,
+    layers: Vec<LayerAdapter>,
+    /// Off: the base alone (the KL reference), without a second model.
+    enabled: Cell<bool>,
+    /// Serving mode ([`super::Llama::serve_stacked_adapter`]): the low-rank terms come from
+    /// [`Stacked`] copies, built per layer and product at the first forward after the
+    /// values last changed ([`Adapter::changed`]), in the activations' kind.
+    serving: Cell<bool>,
+    stacked: RefCell<Option<(Kind, Vec<LayerStacked>)>>,
+}
+
+/// One layer's [`Stacked`] products, by [`PRODUCTS`] index.
+type LayerStacked = [Option<Stacked>; 4];
+
+impl Adapter {
+    /// A new adapter for a model of config `c` on `device`: A drawn as PEFT does from
+    /// `seed` (the same seed gives the same adapter everywhere), B zero.
+    pub fn new(
+        c: &LlamaConfig,
+        cfg: LoraConfig,
+        seed: u64,
+        device: Device,
+    ) -> Result<Adapter, ModelError> {
+        cfg.validate()?;
+        let r = cfg.rank as i64;
+        let mut rng = Rng::seeded(seed ^ 0x4c6f_5241);
+        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        for _ in 0..c.num_hidden_layers {
+            let mut parts: [Option<(Tensor, Tensor)>; 7] = Default::default();
+            for &t in &cfg.targets {
+                let (fan_in, out) = t.dims(c);
+                let bound = 1.0 / (fan_in as f64).sqrt();
+                let a: Vec<f32> = (0..r * fan_in)
+                    .map(|_| ((rng.next_f64() * 2.0 - 1.0) * bound) as f32)
+                    .collect();
+                let a = Tensor::f_from_slice(&a)?
+                    .f_view([r, fan_in])?
+                    .f_to_device(device)?;
+                let b = Tensor::f_zeros([out, r], (Kind::Float, device))?;
+                parts[t.index()] = Some((a, b));
+            }
+            layers.push(LayerAdapter { parts });
+        }
+        Ok(Adapter {
+            scale: cfg.scale(),
+            cfg,
+            layers,
+            enabled: Cell::new(true),
+            serving: Cell::new(false),
+            stacked: RefCell::new(None),
+        })
+    }
+
+    /// The trainable tensors, layer by layer, target by target, A then B.
+    pub fn tensors(&self) -> Vec<Tensor> {
+        let mut out = Vec::new();
+        for l in &self.layers {
+            for (a, b) in l.parts.iter().flatten() {
+                out.push(a.shallow_clone());
+                out.push(b.shallow_clone());
+            }
+        }
+        out
+    }
+
+    /// The number of trainable values.
+    pub fn numel(&self) -> usize {
+        self.tensors().iter().map(Tensor::numel).sum()
+    }
+
+    /// The tensors under PEFT's names (`base_model.model.model.layers.L.<module>.lora_A.weight`)
+    /// in HF's row order, on the CPU.
+    pub fn peft_tensors(&self, c: &LlamaConfig) -> Result<Vec<(String, Tensor)>, ModelError> {
+        let mut out = Vec::new();
+        for (l, layer) in self.layers.iter().enumerate() {
+            for t in Target::ALL {
+                let Some((a, b)) = &layer.parts[t.index()] else {
+                    continue;
+                };
+                let b = hf_rows(t, b, c)?;
+                let p = format!("base_model.model.model.layers.{l}.{}", t.module());
+                out.push((
+                    format!("{p}.lora_A.weight"),
+                    a.f_detach()?.f_to_device(Device::Cpu)?,
+                ));
+                out.push((
+                    format!("{p}.lora_B.weight"),
+                    b.f_detach()?.f_to_device(Device::Cpu)?,
+                ));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Sets this adapter's values from PEFT-named tensors (HF row order), checking that
+    /// every tensor it has is there with its shape and nothing else is.
+    pub fn load_peft(
+        &self,
+        c: &LlamaConfig,
+        mut get: impl FnMut(&str) -> Option<Tensor>,
+        file: &str,
+    ) -> Result<(), ModelError> {
+        let _g = tch::no_grad_guard();
+        for (l, layer) in self.layers.iter().enumerate() {
+            for t in Target::ALL {
+                let Some((a, b)) = &layer.parts[t.index()] else {
+                    continue;
+                };
+                let p = format!("base_model.model.model.layers.{l}.{}", t.module());
+                for (which, dst) in [("lora_A", a), ("lora_B", b)] {
+                    let name = format!("{p}.{which}.weight");
+                    let src = get(&name).ok_or_else(|| ModelError::MissingTensor {
+                        file: file.to_string(),
+                        name: name.clone(),
+                    })?;
+                    if src.size() != dst.size() {
+                        return Err(ModelError::ShapeMismatch {
+                            file: file.to_string(),
+                            name,
+                            expected: dst.size(),
+                            found: src.size(),
+                        });
+                    }
+                    let src = src.f_to_kind(Kind::Float)?;
+                    let src = if which == "lora_B" {
+                        decoder_rows(t, &src, c)?
+                    } else {
+                        src
+                    };
+                    dst.shallow_clone().f_copy_(&src)?;
+                }
+            }
+        }
+        self.changed();
+        Ok(())
+    }
+
+    /// `s · B A` of target `t` in layer `l` ([out, in], float32, HF row order), if it has one.
+    pub(super) fn delta_weight(
+        &self,
+        l: usize,
+        t: Target,
+        c: &LlamaConfig,
+    ) -> Result<Option<Tensor>, ModelError> {
+        let Some((a, b)) = &self.layers[l].parts[t.index()] else {
+            return Ok(None);
+        };
+        let d = b.f_matmul(a)?.f_mul_scalar(self.scale)?;
+        Ok(Some(hf_rows(t, &d, c)?))
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.enabled.get()
+    }
+
+    /// Switches the adapter on or off; returns what it was.
+    pub(super) fn set_enabled(&self, on: bool) -> bool {
+        self.enabled.replace(on)
+    }
+
+    /// Serving mode: see [`super::Llama::serve_stacked_adapter`].
+    pub(super) fn set_serving(&self) {
+        self.serving.set(true);
+        self.changed();
+    }
+
+    /// Call after the adapter's values were changed in place (a weight update): the
+    /// serving path's stacked copies are rebuilt at the next forward.
+    pub fn changed(&self) {
+        self.stacked.replace(None);
+    }
+
+    /// Builds [`Stacked`] for every layer and product, in `kind`.
+    fn stack(&self, kind: Kind, c: &LlamaConfig) -> Result<Vec<LayerStacked>, ModelError> {
+        let _g = tch::no_grad_guard();
+        let r = self.cfg.rank as i64;
+        let mut out = Vec::with_capacity(self.layers.len());
+        for layer in &self.layers {
+            let mut per: LayerStacked = Default::default();
+            for (p, targets) in PRODUCTS.iter().enumerate() {
+                let present: Vec<(Target, &(Tensor, Tensor))> = targets
+                    .iter()
+                    .filter_map(|&t| layer.parts[t.index()].as_ref().map(|ab| (t, ab)))
+                    .collect();
+                if present.is_empty() {
+                    continue;
+                }
+                let rows: i64 = targets.iter().map(|t| t.dims(c).1).sum();
+                let n = present.len() as i64;
+                let a = Tensor::f_cat(&present.iter().map(|(_, (a, _))| a).collect::<Vec<_>>(), 0)?;
+                let dev = a.device();
+                let b = Tensor::f_zeros([rows, n * r], (Kind::Float, dev))?;
+                let mut row = 0;
+                let mut col = 0;
+                for &t in targets.iter() {
+                    let out_t = t.dims(c).1;
+                    if let Some((_, (_, bt))) = present.iter().find(|(x, _)| *x == t) {
+                        b.f_narrow(0, row, out_t)?
+                            .f_narrow(1, col, r)?
+                            .f_copy_(&bt.f_mul_scalar(self.scale)?)?;
+                        col += r;
+                    }
+                    row += out_t;
+                }
+                per[p] = Some(Stacked {
+                    a: a.f_to_kind(kind)?.f_contiguous()?,
+                    b: b.f_to_kind(kind)?.f_contiguous()?,
+                });
+            }
+            out.push(per);
+        }
+        Ok(out)
+    }
+
+    /// The low-rank term of `targets` (whose outputs are concatenated in this order, as in
+    /// a fused product) for input `x` [.., in], or `None` when no target has one (or the
+    /// adapter is switched off).
+    pub(super) fn delta(
+        &self,
+        l: usize,
+        targets: &[Target],
+        x: &Tensor,
+        c: &LlamaConfig,
+    ) -> Result<Option<Tensor>, ModelError> {
+        if !self.enabled.get() {
+            return Ok(None);
+        }
+        let parts = &self.layers[l].parts;
+        if targets.iter().all(|t| parts[t.index()].is_none()) {
+            return Ok(None);
+        }
+        let kind = x.kind();
+        let serving = self.serving.get();
+        if let (true, Some(p)) = (serving, PRODUCTS.iter().position(|&t| t == targets)) {
+            // Serving: two products per fused layer from the stacked copies.
+            let mut st = self.stacked.borrow_mut();
+            if st.as_ref().is_none_or(|(k, _)| *k != kind) {
+                *st = Some((kind, self.stack(kind, c)?));
+            }
+            let s = st.as_ref().and_then(|(_, v)| v[l][p].as_ref());
+            let s = s.expect("a stacked product for a present target");
+            return Ok(Some(
+                x.f_linear(&s.a, None::<&Tensor>)?
+                    .f_linear(&s.b, None::<&Tensor>)?,
+            ));
+        }
+        let mut lead = x.size();
+        lead.pop();
+        let mut outs = Vec::with_capacity(targets.len());
+        for &t in targets {
+            match &parts[t.index()] {
+                Some((a, b)) => {
+                    let (a, b) = if kind == Kind::Float {
+                        (a.shallow_clone(), b.shallow_clone())
+                    } else {
+                        (a.f_to_kind(kind)?, b.f_to_kind(kind)?)
+                    };
+                    outs.push(
+                        x.f_linear(&a, None::<&Tensor>)?
+                            .f_linear(&b, None::<&Tensor>)?,
+                    );
+                }
+                None => {
+                    let mut shape = lead.clone();
+                    shape.push(t.dims(c).1);
+                    outs.push(Tensor::f_zeros(shape.as_slice(), (kind, x.device()))?);
+                }
+            }
+        }
+        let d = if outs.len() == 1 {
+            outs.pop().expect("one part")
+        } else {
+            Tensor::f_cat(&outs, -1)?
+        };
+        Ok(Some(d.f_mul_scalar(self.scale)?))
+    }
+}
+
+/// `b` (rows of target `t`'s output) from the decoder's rotary-pair order to HF's.
+fn hf_rows(t: Target, b: &Tensor, c: &LlamaConfig) -> Result<Tensor, ModelError> {
+    match t {
+        Target::Q => unpermute_qk(b, c.num_attention_heads as i64),
+        Target::K => unpermute_qk(b, c.num_key_value_heads as i64),
+        _ => Ok(b.shallow_clone()),
+    }
+}
+
+/// `b` from HF's row order to the decoder's.
+fn decoder_rows(t: Target, b: &Tensor, c: &LlamaConfig) -> Result<Tensor, ModelError> {
+    match t {
+        Target::Q => to_interleaved(b, c.num_attention_heads as i64),
+        Target::K => to_interleaved(b, c.num_key_value_heads as i64),
+        _ => Ok(b.shallow_clone()),
+    }
+}
