@@ -95,10 +95,14 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn peak_rss_bytes() -> u64 {
+    status_bytes("VmHWM:")
+}
+
+fn status_bytes(key: &str) -> u64 {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     status
         .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .find_map(|l| l.strip_prefix(key))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
         .map_or(0, |kb| kb * 1024)
 }
@@ -108,7 +112,22 @@ fn child(args: &[String], variant: &str) -> anyhow::Result<()> {
     let rank: usize = parse(args, "--rank", 16)?;
     let rounds: usize = parse(args, "--rounds", 3)?;
     let lora = (variant == "lora").then_some(rank);
+    // Blocks of 1 MiB and more are mapped on their own and unmapped when freed, so the
+    // resident size follows the live tensors (glibc's defaults keep freed blocks under
+    // 32 MiB in the heap, where fragmentation holds them: peaks then differ by the order
+    // of allocations, not by what a variant needs). Both variants alike.
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only sets glibc's malloc parameters.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
+    }
     let m = model(lora, DType::F32)?;
+    let mib = |b: u64| b as f64 / 1048576.0;
+    println!(
+        "  {variant}: after loading, RSS {:.0} MiB (peak {:.0} MiB)",
+        mib(status_bytes("VmRSS:")),
+        mib(peak_rss_bytes())
+    );
     let episodes = trace(&shape(args)?);
     let gs = shape(args)?.group_size;
     let groups: Vec<Group> = episodes
@@ -143,8 +162,10 @@ fn child(args: &[String], variant: &str) -> anyhow::Result<()> {
         anyhow::ensure!(s.trained, "the step trained nothing");
         let secs = t0.elapsed().as_secs_f64();
         println!(
-            "  {variant} step {i}: {secs:.2} s ({} tokens)",
-            s.tokens_computed
+            "  {variant} step {i}: {secs:.2} s ({} tokens), RSS {:.0} MiB, peak {:.0} MiB",
+            s.tokens_computed,
+            mib(status_bytes("VmRSS:")),
+            mib(peak_rss_bytes())
         );
         if i > 0 {
             times.push(secs); // the first step allocates the optimizer's moments
