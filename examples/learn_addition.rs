@@ -398,6 +398,15 @@ fn run() -> anyhow::Result<()> {
         Some(_) => args.engine_dtype,
         None => DType::F32,
     };
+    if args.lora.is_some()
+        && args.engine_dtype == DType::BF16
+        && std::env::args().any(|a| a == "--bf16")
+    {
+        anyhow::bail!(
+            "--bf16 runs products in bfloat16 over float32 master weights; a LoRA adapter over \
+             a bfloat16 base (--engine-dtype bf16) already does: drop --bf16"
+        );
+    }
     let mut loaded = load_model(&source, tch::Device::cuda_if_available(), trainer_dtype)?;
     if let Some(c) = &args.lora {
         loaded.model.attach_adapter(c.clone(), args.seed)?;
@@ -460,11 +469,16 @@ fn run() -> anyhow::Result<()> {
         }
     }
     println!("trainer memory: {}", trainer.memory());
-    let mut engine_model =
-        load_model(&source, tch::Device::cuda_if_available(), args.engine_dtype)?.model;
-    if let Some(c) = &args.lora {
-        engine_model.attach_adapter(c.clone(), args.seed)?;
-    }
+    let engine_model = match &args.lora {
+        None => load_model(&source, tch::Device::cuda_if_available(), args.engine_dtype)?.model,
+        // The engine reads the trainer's frozen base (one copy); its own adapter follows
+        // the trainer's through weight updates.
+        Some(c) => {
+            let mut m = trainer.model.frozen_twin()?;
+            m.attach_adapter(c.clone(), args.seed)?;
+            m
+        }
+    };
     let engine = spawn_engine(
         engine_model,
         EngineConfig {

@@ -203,6 +203,35 @@ pub fn token_logprobs_backward(
     chunk: i64,
     transform: Option<&Transform>,
 ) -> Result<(Tensor, Tensor), KernelError> {
+    let (gh, gw) = backward(h, w, targets, g_lp, g_entropy, chunk, transform, true)?;
+    Ok((gh, gw.unwrap_or_else(|| w.zeros_like())))
+}
+
+/// [`token_logprobs_backward`] for a frozen `w` (a LoRA adapter's base): only ∂L/∂h, with
+/// no [V, d] gradient allocated or computed.
+pub fn token_logprobs_backward_h(
+    h: &Tensor,
+    w: &Tensor,
+    targets: &Tensor,
+    g_lp: &Tensor,
+    g_entropy: Option<&Tensor>,
+    chunk: i64,
+    transform: Option<&Transform>,
+) -> Result<Tensor, KernelError> {
+    Ok(backward(h, w, targets, g_lp, g_entropy, chunk, transform, false)?.0)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn backward(
+    h: &Tensor,
+    w: &Tensor,
+    targets: &Tensor,
+    g_lp: &Tensor,
+    g_entropy: Option<&Tensor>,
+    chunk: i64,
+    transform: Option<&Transform>,
+    want_w: bool,
+) -> Result<(Tensor, Option<Tensor>), KernelError> {
     let (t, v) = check(h, w, targets, chunk)?;
     if let Some(tr) = transform {
         tr.check(t)?;
@@ -216,7 +245,9 @@ pub fn token_logprobs_backward(
     }
     let _guard = tch::no_grad_guard();
     let mut grad_h = Vec::new();
-    let mut grad_w = Tensor::zeros([v, w.size()[1]], (Kind::Float, w.device()));
+    let mut grad_w = want_w.then(|| Tensor::zeros([v, w.size()[1]], (Kind::Float, w.device())));
+    // The weight in float32 once (not per chunk): a bfloat16 weight is cast here.
+    let wf = w.to_kind(Kind::Float);
     let mut start = 0;
     while start < t {
         let len = chunk.min(t - start);
@@ -249,9 +280,10 @@ pub fn token_logprobs_backward(
             // ∂z'/∂z = 1 / T.
             let _ = dz.g_mul_(&tr.inv_temperature.narrow(0, start, len).unsqueeze(1));
         }
-        let hk = hc.to_kind(Kind::Float);
-        grad_h.push(dz.matmul(&w.to_kind(Kind::Float)).to_kind(h.kind()));
-        let _ = grad_w.addmm_(&dz.tr(), &hk);
+        grad_h.push(dz.matmul(&wf).to_kind(h.kind()));
+        if let Some(gw) = grad_w.as_mut() {
+            let _ = gw.addmm_(&dz.tr(), &hc.to_kind(Kind::Float));
+        }
         start += len;
     }
     let grad_h = if grad_h.is_empty() {
@@ -259,7 +291,7 @@ pub fn token_logprobs_backward(
     } else {
         Tensor::cat(&grad_h, 0)
     };
-    Ok((grad_h, grad_w.to_kind(w.kind())))
+    Ok((grad_h, grad_w.map(|g| g.to_kind(w.kind()))))
 }
 
 #[cfg(test)]

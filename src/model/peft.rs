@@ -124,32 +124,79 @@ fn parse_config(v: &Json) -> Result<LoraConfig, String> {
         }
         _ => return Err("\"target_modules\" is missing".into()),
     };
-    // Fields that change the computation: refused unless at their neutral values.
-    let neutral = |k: &str, ok: &dyn Fn(&Json) -> bool| -> Result<(), String> {
-        match field(k) {
-            Some(x) if !ok(x) => Err(format!(
-                "{k:?} is {x}: not supported (it changes what the adapter computes)"
-            )),
-            _ => Ok(()),
-        }
-    };
+    // Every other field: metadata, or something that changes the computation and is
+    // refused unless at its neutral value. A field this loader does not know is refused
+    // unless it is null, false or empty, so one a later PEFT adds cannot pass unread.
     let is_false = |x: &Json| x == &Json::Bool(false);
     let is_empty = |x: &Json| match x {
         Json::Object(m) => m.is_empty(),
         Json::Array(a) => a.is_empty(),
+        Json::Bool(b) => !b,
         _ => false,
     };
-    neutral("use_dora", &is_false)?;
-    neutral("fan_in_fan_out", &is_false)?;
-    neutral("bias", &|x| x.as_str() == Some("none"))?;
-    neutral("modules_to_save", &is_empty)?;
-    neutral("layers_to_transform", &is_empty)?;
-    neutral("layers_pattern", &is_empty)?;
-    neutral("rank_pattern", &is_empty)?;
-    neutral("alpha_pattern", &is_empty)?;
-    neutral("use_qalora", &is_false)?;
-    neutral("lora_bias", &is_false)?;
-    neutral("trainable_token_indices", &is_empty)?;
+    const METADATA: [&str; 16] = [
+        "peft_type",
+        "task_type",
+        "base_model_name_or_path",
+        "revision",
+        "inference_mode",
+        "auto_mapping",
+        "r",
+        "lora_alpha",
+        "use_rslora",
+        "target_modules",
+        "lora_dropout",
+        "peft_version",
+        "megatron_config",
+        "megatron_core",
+        "qalora_group_size",
+        "runtime_config",
+    ];
+    if let Json::Object(map) = v {
+        for (k, x) in map {
+            if x.is_null() || METADATA.contains(&k.as_str()) {
+                continue;
+            }
+            let neutral = match k.as_str() {
+                "bias" => x.as_str() == Some("none"),
+                // How a new adapter was drawn: the saved values replace it, unless the
+                // method also changed the base (PiSSA, OLoRA, CorDA, LoftQ).
+                "init_lora_weights" => {
+                    matches!(x, Json::Bool(_))
+                        || matches!(x.as_str(), Some("gaussian" | "eva" | "orthogonal"))
+                }
+                "eva_config" | "corda_config" => true,
+                "use_dora" | "fan_in_fan_out" | "use_qalora" | "lora_bias" => is_false(x),
+                "modules_to_save"
+                | "layers_to_transform"
+                | "layers_pattern"
+                | "rank_pattern"
+                | "alpha_pattern"
+                | "trainable_token_indices"
+                | "exclude_modules"
+                | "layer_replication"
+                | "target_parameters"
+                | "alora_invocation_tokens"
+                | "loftq_config"
+                | "arrow_config"
+                | "ensure_weight_tying" => is_empty(x),
+                _ => {
+                    if is_empty(x) {
+                        continue;
+                    }
+                    return Err(format!(
+                        "{k:?} is {x}: a field this loader does not know (it may change what \
+                         the adapter computes)"
+                    ));
+                }
+            };
+            if !neutral {
+                return Err(format!(
+                    "{k:?} is {x}: not supported (it changes what the adapter computes)"
+                ));
+            }
+        }
+    }
     let cfg = LoraConfig {
         rank,
         alpha,
@@ -240,6 +287,21 @@ mod tests {
             let e = parse_config(&bad).unwrap_err();
             assert!(e.contains(k), "{e}");
         }
+        for (k, v) in [
+            ("init_lora_weights", json!("pissa")),
+            ("exclude_modules", json!(["down_proj"])),
+            ("a_future_field", json!(3)),
+        ] {
+            let mut bad = base.clone();
+            bad[k] = v;
+            let e = parse_config(&bad).unwrap_err();
+            assert!(e.contains(k), "{e}");
+        }
+        let mut ok = base.clone();
+        ok["init_lora_weights"] = json!("gaussian");
+        ok["a_future_flag"] = json!(false);
+        ok["lora_dropout"] = json!(0.05);
+        parse_config(&ok).unwrap();
         let mut bad = base.clone();
         bad["target_modules"] = json!(["q_proj", "embed_tokens"]);
         assert!(parse_config(&bad).unwrap_err().contains("embed_tokens"));

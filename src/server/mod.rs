@@ -202,27 +202,27 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
         };
         let source = ModelSource::resolve(&spec).map_err(model_err)?;
         let mut loaded = load_model(&source, device, dtype).map_err(model_err)?;
-        // The trainer's own copy (the engine serves from the other): float32 master
-        // weights, or with an adapter the frozen base in the serving dtype.
-        let train_model = match train {
-            true => {
-                let d = if lora.is_some() {
-                    dtype
-                } else {
-                    crate::model::llama::DType::F32
-                };
-                let mut m = load_model(&source, device, d).map_err(model_err)?.model;
-                if let Some(c) = &lora {
-                    // Seed 0 everywhere: every member of a group starts from one adapter.
-                    m.attach_adapter(c.clone(), 0).map_err(model_err)?;
-                    loaded
-                        .model
-                        .attach_adapter(c.clone(), 0)
-                        .map_err(model_err)?;
-                }
+        // The trainer's own float32 copy (the engine serves from the other), or with an
+        // adapter the engine's frozen base, shared.
+        let train_model = match (train, &lora) {
+            (false, _) => None,
+            (true, None) => Some(
+                load_model(&source, device, crate::model::llama::DType::F32)
+                    .map_err(model_err)?
+                    .model,
+            ),
+            // The frozen base is shared with the engine (one copy in the process); each
+            // side has its own adapter. Seed 0 everywhere: every member of a group starts
+            // from one adapter.
+            (true, Some(c)) => {
+                loaded
+                    .model
+                    .attach_adapter(c.clone(), 0)
+                    .map_err(model_err)?;
+                let mut m = loaded.model.frozen_twin().map_err(model_err)?;
+                m.attach_adapter(c.clone(), 0).map_err(model_err)?;
                 Some(m)
             }
-            false => None,
         };
         Ok::<_, ServerError>((loaded, train_model))
     })

@@ -209,7 +209,12 @@ impl RunDir {
         match (trainer.model.adapter(), adapter_dir.is_dir()) {
             (Some(a), true) => {
                 let saved = read_config(&adapter_dir)?;
-                if saved != a.cfg {
+                // alpha went through JSON: equal within rounding.
+                let same = saved.rank == a.cfg.rank
+                    && saved.targets == a.cfg.targets
+                    && saved.rslora == a.cfg.rslora
+                    && (saved.alpha - a.cfg.alpha).abs() <= 1e-9 * a.cfg.alpha.abs();
+                if !same {
                     return Err(io(
                         &adapter_dir,
                         format!(

@@ -961,18 +961,32 @@ impl Trainer {
         } else {
             lp_leaf.zeros_like()
         };
-        let (gh, gw) = agentjet_kernels::logprobs::token_logprobs_backward(
-            &hd,
-            &wd,
-            &tok,
-            &g_lp,
-            g_ent,
-            chunk,
-            tr.as_ref(),
-        )?;
         // One backward through the model: ∂L/∂h into the layers, ∂L/∂W_out into the head
-        // (the embedding too when tied).
-        let surrogate = (&h * gh).sum(Kind::Float) + (&w * gw).sum(Kind::Float);
+        // (the embedding too when tied), unless the head is frozen (a LoRA adapter's
+        // base): then no [vocabulary x hidden] gradient is computed at all.
+        let surrogate = if w.requires_grad() {
+            let (gh, gw) = agentjet_kernels::logprobs::token_logprobs_backward(
+                &hd,
+                &wd,
+                &tok,
+                &g_lp,
+                g_ent,
+                chunk,
+                tr.as_ref(),
+            )?;
+            (&h * gh).sum(Kind::Float) + (&w * gw).sum(Kind::Float)
+        } else {
+            let gh = agentjet_kernels::logprobs::token_logprobs_backward_h(
+                &hd,
+                &wd,
+                &tok,
+                &g_lp,
+                g_ent,
+                chunk,
+                tr.as_ref(),
+            )?;
+            (&h * gh).sum(Kind::Float)
+        };
         surrogate.backward();
         Ok((loss.double_value(&[]), sums))
     }

@@ -932,13 +932,52 @@ fn lora_servers_train_one_adapter_as_a_group_and_export_it_merged() {
         !ck.join("model").exists(),
         "the frozen base was checkpointed"
     );
-    for p in [&a, &b] {
+
+    // A third LoRA server joins by fetching the adapter and its moments only (the base's
+    // float32 values alone would be about 324 KB); a full fine-tuning server beside them
+    // is another group.
+    let k = la.last().unwrap()["step"].as_u64().unwrap();
+    let mut full = server(d, &model, "full", Some(&boot), &["--groups-per-step", "1"]);
+    let mut c = server(d, &model, "c", Some(&boot), &extra);
+    let joined = c.wait_event("the join", Duration::from_secs(60), |e| {
+        matches!(e, ServerEvent::Joined { .. })
+    });
+    println!("{joined:?}");
+    match joined {
+        ServerEvent::Joined { steps, bytes, .. } => {
+            assert_eq!(steps, k);
+            assert!(bytes < 100_000, "the joiner fetched {bytes} bytes");
+        }
+        _ => unreachable!(),
+    }
+    for s in [&mut a, &mut b, &mut c] {
+        s.wait_epoch(3, Duration::from_secs(60));
+    }
+    full.wait_serving(Duration::from_secs(60));
+    let mut cl = client(d, &boot, 8, "run2");
+    assert!(cl.child.wait().unwrap().success(), "{}", cl.log_text());
+    wait_all_consumed(d, &["a", "b", "c"], &[&a, &b, &c]);
+    let (la, hc) = (metrics_lines(d, "a"), hashes(&metrics_lines(d, "c")));
+    let ha = hashes(&la);
+    assert!(!hc.is_empty(), "the joiner took no step");
+    for (step, h) in &hc {
+        assert!(*step > k);
+        assert_eq!(ha.get(step), Some(h), "step {step}");
+    }
+    // The full fine-tuning server trained alone (the client routes some groups to it).
+    assert!(metrics_lines(d, "full")
+        .iter()
+        .filter(|l| l["trained"] == true)
+        .all(|l| l["members"] == 1));
+    for p in [&a, &b, &c, &full] {
         unsafe { libc::kill(p.child.id() as i32, libc::SIGTERM) };
     }
-    for p in [&mut a, &mut b] {
+    for p in [&mut a, &mut b, &mut c, &mut full] {
         assert!(p.child.wait().unwrap().success());
     }
-    let last = la.last().unwrap()["step"].as_u64().unwrap();
+    let last = metrics_lines(d, "a").last().unwrap()["step"]
+        .as_u64()
+        .unwrap();
     // A restart resumes the adapter; one with another adapter shape refuses the run.
     let mut a = server(d, &model, "a", None, &extra);
     let resumed = a.wait_line("training: resumed", Duration::from_secs(60));

@@ -140,6 +140,18 @@ fn an_adapter_starts_neutral_applies_on_every_path_and_merges() {
     assert!(max_abs_diff(&want, &with) > 1e-3);
     assert!(max_abs_diff(&logits(&m), &want) < 1e-5);
 
+    // A twin over the same base (the trainer's beside the engine's): no tensor copied,
+    // and its own adapter. A model whose base is trained has no twin.
+    let mut twin = m.frozen_twin().unwrap();
+    for (a, b) in twin.base_parameters().iter().zip(m.base_parameters()) {
+        assert_eq!(a.data_ptr(), b.data_ptr(), "the twin copied the base");
+    }
+    assert_eq!(max_abs_diff(&logits(&twin), &base), 0.0);
+    twin.attach_adapter(LoraConfig::new(4), 3).unwrap();
+    assert_eq!(max_abs_diff(&logits(&twin), &base), 0.0);
+    let e = load(&src, DType::F32).frozen_twin().unwrap_err();
+    assert!(e.to_string().contains("adapter"), "{e}");
+
     // Only some targets, rsLoRA: still neutral at start, and a wrong shape is refused.
     let mut q_only = load(&src, DType::F32);
     q_only
@@ -369,9 +381,24 @@ p = get_peft_model(base, cfg).eval()
 with torch.no_grad():
     theirs = p(ids).logits[0]
 p.save_pretrained(sys.argv[3])
-print(json.dumps({{"ours": ours.flatten().tolist(), "theirs": theirs.flatten().tolist()}}))
+# Greedy ids and their log-probabilities from PEFT's model, for prompts of token ids.
+gen = []
+for prompt in {prompts:?}:
+    with torch.no_grad():
+        out = p.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+                         output_scores=True, return_dict_in_generate=True,
+                         pad_token_id=0, eos_token_id=None)
+    new = out.sequences[0, len(prompt):].tolist()
+    lps = [torch.log_softmax(sc[0].float(), -1)[t].item() for sc, t in zip(out.scores, new)]
+    gen.append({{"ids": new, "lps": lps}})
+print(json.dumps({{"ours": ours.flatten().tolist(), "theirs": theirs.flatten().tolist(),
+                  "gen": gen}}))
 "#,
-        ids = IDS.to_vec()
+        ids = IDS.to_vec(),
+        prompts = PROMPTS
+            .iter()
+            .map(|p| p.iter().map(|&t| t as i64).collect::<Vec<_>>())
+            .collect::<Vec<_>>()
     );
     let output = std::process::Command::new(python())
         .arg("-c")
@@ -407,4 +434,55 @@ print(json.dumps({{"ours": ours.flatten().tolist(), "theirs": theirs.flatten().t
     assert!(a.cfg.rslora);
     let d = max_abs_diff(&logits(&p), &t("theirs"));
     assert!(d < 1e-4, "we compute PEFT's adapter's logits {d} apart");
+
+    // Served by our engine (the stacked serving path, several requests in one batch):
+    // PEFT's greedy ids, and log-probabilities within 1e-4.
+    let engine =
+        agentjet::engine::spawn_engine(p, agentjet::engine::EngineConfig::default()).unwrap();
+    let rxs: Vec<_> = PROMPTS
+        .iter()
+        .map(|prompt| {
+            engine
+                .submit(agentjet::engine::GenerateRequest {
+                    prompt: prompt.to_vec(),
+                    max_tokens: 8,
+                    sampling: agentjet::engine::SamplingParams::greedy(),
+                    seed: None,
+                    stop_token_ids: vec![],
+                    top_logprobs: 0,
+                    constraint: None,
+                })
+                .unwrap()
+        })
+        .collect();
+    for (i, mut rx) in rxs.into_iter().enumerate() {
+        let (mut ids, mut lps) = (Vec::new(), Vec::new());
+        while let Some(ev) = rx.blocking_recv() {
+            match ev {
+                agentjet::engine::EngineEvent::Token { id, logprob, .. } => {
+                    ids.push(id as u64);
+                    lps.push(logprob);
+                }
+                _ => break,
+            }
+        }
+        let want = &v["gen"][i];
+        let want_ids: Vec<u64> = want["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap())
+            .collect();
+        assert_eq!(ids, want_ids, "prompt {i}: greedy ids differ from PEFT's");
+        for (a, b) in lps.iter().zip(want["lps"].as_array().unwrap()) {
+            let b = b.as_f64().unwrap();
+            assert!(
+                (a - b).abs() < 1e-4,
+                "prompt {i}: logprob {a} vs PEFT's {b}"
+            );
+        }
+    }
 }
+
+/// Token-id prompts for the greedy comparison.
+const PROMPTS: [&[u32]; 3] = [&[5, 17, 200, 3], &[99, 42, 42, 7, 250, 1, 64], &[128, 9]];

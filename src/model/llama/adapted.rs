@@ -25,6 +25,45 @@ impl Llama {
         Ok(())
     }
 
+    /// A second model over this one's base, sharing every base tensor (no copy), without
+    /// an adapter: for a trainer beside an engine when both only read the base (each
+    /// then attaches its own adapter, which freezes the base). Fails if this model's base
+    /// is trained (it would be written under the other's reads).
+    pub fn frozen_twin(&self) -> Result<Llama, ModelError> {
+        if self.adapter.is_none() || self.base_parameters().iter().any(Tensor::requires_grad) {
+            return Err(ModelError::Invalid(
+                "only a model with an adapter (a frozen base) shares its base".into(),
+            ));
+        }
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| super::DecoderLayer {
+                input_layernorm: l.input_layernorm.shallow_clone(),
+                post_attention_layernorm: l.post_attention_layernorm.shallow_clone(),
+                qkv_proj: l.qkv_proj.shallow_clone(),
+                qkv_bias: l.qkv_bias.as_ref().map(Tensor::shallow_clone),
+                o_proj: l.o_proj.shallow_clone(),
+                gate_up_proj: l.gate_up_proj.shallow_clone(),
+                down_proj: l.down_proj.shallow_clone(),
+            })
+            .collect();
+        Ok(Llama {
+            config: self.config.clone(),
+            device: self.device,
+            dtype: self.dtype,
+            act: self.act,
+            embed_tokens: self.embed_tokens.shallow_clone(),
+            layers,
+            norm: self.norm.shallow_clone(),
+            lm_head: self.lm_head.as_ref().map(Tensor::shallow_clone),
+            rope: self.rope.shallow_clone(),
+            compute: None,
+            pooled: false,
+            adapter: None,
+        })
+    }
+
     pub fn adapter(&self) -> Option<&Adapter> {
         self.adapter.as_ref()
     }
@@ -46,7 +85,11 @@ impl Llama {
     /// The per-target path (always current) is kept for every other model.
     pub fn serve_stacked_adapter(&self) {
         if let Some(a) = &self.adapter {
-            a.set_serving();
+            // A trained adapter is written in place by its optimizer: it keeps the
+            // per-target path, which is always current and which autograd sees.
+            if !a.tensors().iter().any(Tensor::requires_grad) {
+                a.set_serving();
+            }
         }
     }
 
