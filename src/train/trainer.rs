@@ -352,14 +352,16 @@ impl Trainer {
                 .map(|t| t.numel() * t.kind().elt_size_in_bytes())
                 .sum()
         };
-        let (m, v) = self.opt.moments();
         let trained = self.model.parameters();
+        let values: usize = trained.iter().map(Tensor::numel).sum();
         TrainerMemory {
             base_bytes: bytes(&self.model.base_parameters()),
             base_trained: self.model.adapter().is_none(),
-            trained_values: trained.iter().map(Tensor::numel).sum(),
+            trained_values: values,
             trained_bytes: bytes(&trained),
-            moment_bytes: bytes(&m) + bytes(&v),
+            // AdamW's two float32 moments per value (allocated at the first update; not
+            // asked of the optimizer, which would allocate them to answer).
+            moment_bytes: 2 * 4 * values,
         }
     }
 

@@ -261,7 +261,10 @@ fn training_moves_only_the_adapter_against_the_base_and_resumes_exactly() {
     assert!(m1.trained && m1.tokens_trained > 0 && m1.updates == 4);
     // AdamW's moments are the adapter's size, not the model's.
     let mem = t.memory();
-    assert_eq!(mem.moment_bytes, 2 * mem.trained_bytes);
+    let (m, v) = t.opt.moments();
+    let held: usize = m.iter().chain(&v).map(|x| x.numel() * 4).sum();
+    assert_eq!(held, mem.moment_bytes);
+    assert_eq!(held, 2 * mem.trained_bytes);
     assert!(mem.trained_bytes * 10 < mem.base_bytes);
     let run = RunDir::open(&dir.path().join("run")).unwrap();
     run.save(&t, &card, serde_json::json!({})).unwrap();
