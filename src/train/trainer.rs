@@ -966,7 +966,8 @@ impl Trainer {
         // One backward through the model: ∂L/∂h into the layers, ∂L/∂W_out into the head
         // (the embedding too when tied), unless the head is frozen (a LoRA adapter's
         // base): then no [vocabulary x hidden] gradient is computed at all.
-        let surrogate = if w.requires_grad() {
+        let lp = agentjet_kernels::logprobs::token_logprobs_backward_h;
+        let (gh, gw) = if w.requires_grad() {
             let (gh, gw) = agentjet_kernels::logprobs::token_logprobs_backward(
                 &hd,
                 &wd,
@@ -976,19 +977,14 @@ impl Trainer {
                 chunk,
                 tr.as_ref(),
             )?;
-            (&h * gh).sum(Kind::Float) + (&w * gw).sum(Kind::Float)
+            (gh, Some(gw))
         } else {
-            let gh = agentjet_kernels::logprobs::token_logprobs_backward_h(
-                &hd,
-                &wd,
-                &tok,
-                &g_lp,
-                g_ent,
-                chunk,
-                tr.as_ref(),
-            )?;
-            (&h * gh).sum(Kind::Float)
+            (lp(&hd, &wd, &tok, &g_lp, g_ent, chunk, tr.as_ref())?, None)
         };
+        let mut surrogate = (&h * gh).sum(Kind::Float);
+        if let Some(gw) = gw {
+            surrogate += (&w * gw).sum(Kind::Float);
+        }
         surrogate.backward();
         Ok((loss.double_value(&[]), sums))
     }
