@@ -112,6 +112,7 @@ fn ours(dtype: DType, prompt: &[u32]) -> anyhow::Result<Side> {
         stop_token_ids: vec![],
         top_logprobs: 0,
         constraint: None,
+        adapter: None,
     };
     generate(&loaded.model, &req, |_, _| true)?; // warm-up
     let mut runs = Vec::new();

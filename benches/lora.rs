@@ -356,6 +356,7 @@ fn decode_rate(m: &Llama, streams: usize, tokens: usize) -> anyhow::Result<f64> 
             stop_token_ids: Vec::new(),
             top_logprobs: 0,
             constraint: None,
+            adapter: None,
         })
         .collect();
     let _ = generate_batch(m, &reqs[..1])?; // warm-up

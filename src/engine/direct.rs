@@ -38,6 +38,12 @@ pub(crate) fn check_request(model: &Llama, req: &GenerateRequest) -> Result<(), 
     if let Some(&id) = req.prompt.iter().find(|&&t| t >= vocab) {
         return Err(RequestError::OutOfVocab { id, vocab });
     }
+    if let Some(asked) = req.adapter.filter(|&i| i >= model.served_adapters()) {
+        return Err(RequestError::UnknownAdapter {
+            asked,
+            served: model.served_adapters(),
+        });
+    }
     Ok(())
 }
 
@@ -56,10 +62,18 @@ fn no_constraint(req: &GenerateRequest) -> Result<(), ModelError> {
 pub fn generate(
     model: &Llama,
     req: &GenerateRequest,
-    mut on_token: impl FnMut(u32, f64) -> bool,
+    on_token: impl FnMut(u32, f64) -> bool,
 ) -> Result<Generation, ModelError> {
     check_request(model, req).map_err(|e| ModelError::Invalid(e.to_string()))?;
     no_constraint(req)?;
+    model.with_served_adapter(req.adapter, || generate_checked(model, req, on_token))
+}
+
+fn generate_checked(
+    model: &Llama,
+    req: &GenerateRequest,
+    mut on_token: impl FnMut(u32, f64) -> bool,
+) -> Result<Generation, ModelError> {
     let limit = model.max_positions();
     let _guard = tch::no_grad_guard();
     model.prepare_thread();
@@ -159,9 +173,14 @@ pub fn generate_batch(
     let logits = if seqs.is_empty() {
         None
     } else {
+        // Each packed token takes its request's adapter.
+        let rows: Vec<Option<usize>> = todo
+            .iter()
+            .flat_map(|&i| std::iter::repeat_n(reqs[i].adapter, reqs[i].prompt.len()))
+            .collect();
         Some(
             model
-                .prefill_slots(&seqs, &slots)?
+                .with_adapter_rows(&rows, || model.prefill_slots(&seqs, &slots))?
                 .f_to_device(tch::Device::Cpu)?
                 .f_contiguous()?,
         )
@@ -204,8 +223,9 @@ pub fn generate_batch(
         let ids: Vec<u32> = active.iter().map(|s| s.last).collect();
         let mut lens: Vec<usize> = active.iter().map(|s| s.len).collect();
         model.fit_threads(cores().available());
+        let rows: Vec<Option<usize>> = active.iter().map(|s| reqs[s.req].adapter).collect();
         let logits = model
-            .decode_slots(&ids, &mut lens, &slots)?
+            .with_adapter_rows(&rows, || model.decode_slots(&ids, &mut lens, &slots))?
             .f_to_device(tch::Device::Cpu)?
             .f_contiguous()?;
         let mut finished = Vec::new();

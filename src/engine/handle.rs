@@ -122,6 +122,9 @@ pub struct EngineStats {
     /// Packed prefill passes (each takes every prompt admitted at that moment).
     pub prefill_passes: AtomicU64,
     pub policy_version: AtomicU64,
+    /// The policy version of each served adapter of the bank, by index (see
+    /// [`super::GenerateRequest::adapter`]); `policy_version` is the model's own.
+    pub adapter_versions: Mutex<Vec<u64>>,
     /// KV memory held: the slots as allocated plus the prefix cache.
     pub kv_allocated_bytes: AtomicUsize,
     /// Requests admitted (each looks up its prompt in the prefix cache once).
@@ -163,6 +166,8 @@ impl Submission {
 /// the model code's own parameter list (the LibTorch loop knows its type; this side of
 /// the engine does not need to).
 pub struct PendingWeights {
+    /// Whose weights: the model's own (`None`) or the bank adapter's.
+    pub adapter: Option<usize>,
     pub params: Box<dyn Any + Send>,
     pub version: u64,
     pub done: std::sync::mpsc::Sender<Result<(), EngineError>>,

@@ -87,6 +87,8 @@ pub enum RequestError {
     },
     #[error(transparent)]
     Constraint(#[from] ConstraintError),
+    #[error("adapter {asked} is not served here ({served} adapters)")]
+    UnknownAdapter { asked: usize, served: usize },
 }
 
 /// Why generation ended.
@@ -112,6 +114,10 @@ pub struct GenerateRequest {
     /// A pattern the output must follow (JSON mode, forced tool calls); the output ends
     /// when the pattern is complete. Only the engine thread runs constraints.
     pub constraint: Option<Constraint>,
+    /// The served adapter to generate with, by index in the engine model's bank (`None`:
+    /// the model as loaded, with its own adapter if it has one). See
+    /// [`crate::model::llama::bank`].
+    pub adapter: Option<usize>,
 }
 
 #[derive(Debug, Clone)]

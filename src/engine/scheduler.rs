@@ -36,8 +36,21 @@ impl EngineHandle {
     /// returns once it has (requests in flight continue on the new weights). The caller
     /// must not change `params` until this returns.
     pub fn update_weights(&self, params: &[Tensor], version: u64) -> Result<(), EngineError> {
+        self.update_weights_of(None, params, version)
+    }
+
+    /// [`EngineHandle::update_weights`] for the weights of `adapter`: the model's own
+    /// (`None`) or bank adapter `Some(i)` (in [`crate::model::llama::lora::Adapter::tensors`]
+    /// order), whose policy version becomes `version`.
+    pub fn update_weights_of(
+        &self,
+        adapter: Option<usize>,
+        params: &[Tensor],
+        version: u64,
+    ) -> Result<(), EngineError> {
         let (done, wait) = std::sync::mpsc::channel();
         self.offer_weights(PendingWeights {
+            adapter,
             params: Box::new(
                 params
                     .iter()
@@ -64,6 +77,7 @@ pub fn spawn_engine(model: Llama, cfg: EngineConfig) -> Result<EngineHandle, Mod
     let bytes_per_position = slots.bytes_per_position();
     let mem = KvMemory::new(slots, cfg.max_kv_positions, cfg.prefix_cache_bytes, batch);
     let (handle, inbox) = EngineHandle::new(cfg.max_queue, batch, per_request);
+    *lock(&inbox.stats.adapter_versions) = vec![0; model.served_adapters()];
     tracing::info!(
         max_batch = batch,
         positions_per_request = per_request,
@@ -119,14 +133,25 @@ struct Running {
 }
 
 impl Running {
-    /// The tokens whose keys and values its slot holds.
+    /// The tokens whose keys and values its slot holds, as the prefix cache's key.
     fn computed(&self) -> Vec<u32> {
         let generated = self.len.saturating_sub(self.req.prompt.len());
         let mut t = Vec::with_capacity(self.len);
         t.extend_from_slice(&self.req.prompt);
         t.extend_from_slice(&self.tokens[..generated.min(self.tokens.len())]);
-        t
+        keyed(self.req.adapter, t)
     }
+}
+
+/// The prefix cache's key for `tokens` computed with `adapter`: a bank adapter's first
+/// token carries `adapter + 1` in its top 8 bits (token ids stay below
+/// [`crate::model::llama::bank::MAX_BANK_VOCAB`]), so keys of different adapters share no
+/// prefix. The base's (and the model's own adapter's) keys are the tokens.
+fn keyed(adapter: Option<usize>, mut tokens: Vec<u32>) -> Vec<u32> {
+    if let (Some(i), Some(first)) = (adapter, tokens.first_mut()) {
+        *first |= ((i + 1) as u32) << 24;
+    }
+    tokens
 }
 
 struct EngineLoop {
@@ -163,6 +188,11 @@ impl EngineLoop {
             if self.running.is_empty() && self.waiting.is_empty() {
                 if self.disconnected {
                     return;
+                }
+                // A weight update offered since `take_weights` looked: its wake-up may
+                // have been taken by `pull` (the slot is filled before the wake-up is sent).
+                if lock(&self.weights).is_some() {
+                    continue;
                 }
                 // Idle: block for the next request (or a weight update's wake-up).
                 match self.rx.recv() {
@@ -201,24 +231,49 @@ impl EngineLoop {
             return;
         };
         let result = match update.params.downcast::<Vec<Tensor>>() {
-            Ok(params) => self.copy_weights(&params),
+            Ok(params) => self.copy_weights(update.adapter, &params),
             Err(_) => Err(EngineError::WeightsRejected(
                 "the update is not a list of LibTorch tensors".into(),
             )),
         };
         if result.is_ok() {
+            // Every cached prefix goes, whichever adapter computed it (simple and safe;
+            // a new version's requests would miss the old keys anyway).
             self.mem.invalidate(&self.stats);
             self.mem.publish(&self.stats);
-            self.stats
-                .policy_version
-                .store(update.version, Ordering::Relaxed);
-            tracing::info!(version = update.version, "serving new weights");
+            match update.adapter {
+                None => self
+                    .stats
+                    .policy_version
+                    .store(update.version, Ordering::Relaxed),
+                Some(i) => {
+                    if let Some(v) = lock(&self.stats.adapter_versions).get_mut(i) {
+                        *v = update.version;
+                    }
+                }
+            }
+            tracing::info!(version = update.version, adapter = ?update.adapter, "serving new weights");
         }
         let _ = update.done.send(result);
     }
 
-    fn copy_weights(&mut self, params: &[Tensor]) -> Result<(), EngineError> {
-        let mine = self.model.parameters();
+    fn copy_weights(
+        &mut self,
+        adapter: Option<usize>,
+        params: &[Tensor],
+    ) -> Result<(), EngineError> {
+        let mine = match adapter {
+            None => self.model.parameters(),
+            Some(i) => match self.model.served_adapter(i) {
+                Some(a) => a.tensors(),
+                None => {
+                    return Err(EngineError::WeightsRejected(format!(
+                        "adapter {i} is not served ({} adapters)",
+                        self.model.served_adapters()
+                    )))
+                }
+            },
+        };
         if mine.len() != params.len() {
             return Err(EngineError::WeightsRejected(format!(
                 "weight update has {} tensors, the served model {}",
@@ -239,7 +294,10 @@ impl EngineLoop {
             }
             Ok(())
         })();
-        self.model.parameters_changed();
+        match adapter.and_then(|i| self.model.served_adapter(i)) {
+            Some(a) => a.changed(),
+            None => self.model.parameters_changed(),
+        }
         copied.map_err(|e| {
             EngineError::WeightsRejected(format!("copying the new weights failed: {e}"))
         })
@@ -296,11 +354,15 @@ impl EngineLoop {
                 let prompt = &front.req.prompt;
                 let shared = group
                     .iter()
+                    .filter(|g| g.req.adapter == front.req.adapter)
                     .map(|g| common_prefix(&g.req.prompt, prompt))
                     .max()
                     .unwrap_or(0)
                     .min(prompt.len().saturating_sub(1));
-                if shared >= MIN_REUSE && shared > self.mem.cached(prompt) + MIN_REUSE {
+                if shared >= MIN_REUSE
+                    && shared
+                        > self.mem.cached(&keyed(front.req.adapter, prompt.clone())) + MIN_REUSE
+                {
                     break;
                 }
             }
@@ -324,7 +386,7 @@ impl EngineLoop {
             }
             if sub.req.max_tokens == 0 {
                 for (_, events) in &sub.choices {
-                    let version = self.stats.policy_version.load(Ordering::Relaxed);
+                    let version = self.version(sub.req.adapter);
                     finish(
                         &self.stats,
                         events,
@@ -366,8 +428,12 @@ impl EngineLoop {
         self.mem.fit(next, longest + 1, &live)?;
         let t0 = std::time::Instant::now();
         let mut reused = Vec::with_capacity(group.len());
-        for (sub, &slot) in group.iter().zip(&base) {
-            reused.push(self.mem.reuse(slot, &sub.req.prompt)?);
+        let keys: Vec<Vec<u32>> = group
+            .iter()
+            .map(|sub| keyed(sub.req.adapter, sub.req.prompt.clone()))
+            .collect();
+        for (key, &slot) in keys.iter().zip(&base) {
+            reused.push(self.mem.reuse(slot, key)?);
         }
         let copy_in = t0.elapsed();
         let seqs: Vec<(usize, usize, &[u32])> = group
@@ -377,11 +443,23 @@ impl EngineLoop {
             .map(|((sub, &slot), &start)| (slot, start, &sub.req.prompt[start..]))
             .collect();
         let t1 = std::time::Instant::now();
-        let logits = Rows::new(&self.model.prefill_slots(&seqs, &self.mem.slots)?)?;
+        let logits = if group.iter().all(|sub| sub.req.adapter.is_none()) {
+            self.model.prefill_slots(&seqs, &self.mem.slots)?
+        } else {
+            // Each packed token takes its request's adapter.
+            let rows: Vec<Option<usize>> = group
+                .iter()
+                .zip(&seqs)
+                .flat_map(|(sub, s)| std::iter::repeat_n(sub.req.adapter, s.2.len()))
+                .collect();
+            self.model
+                .with_adapter_rows(&rows, || self.model.prefill_slots(&seqs, &self.mem.slots))?
+        };
+        let logits = Rows::new(&logits)?;
         let t2 = std::time::Instant::now();
         let epoch = self.mem.epoch;
-        for (sub, &slot) in group.iter().zip(&base) {
-            self.mem.remember(slot, &sub.req.prompt, epoch);
+        for (key, &slot) in keys.iter().zip(&base) {
+            self.mem.remember(slot, key, epoch);
         }
         let s = &self.stats;
         s.prefill_micros
@@ -428,7 +506,7 @@ impl EngineLoop {
                     tokens: Vec::new(),
                     last: 0,
                     cstate: sub.req.constraint.as_ref().map(|c| c.start()),
-                    version: self.stats.policy_version.load(Ordering::Relaxed),
+                    version: self.version(sub.req.adapter),
                     epoch,
                 };
                 match pick(row, log_z, &mut r, &mut self.allowed) {
@@ -486,7 +564,15 @@ impl EngineLoop {
         let mut lens: Vec<usize> = self.running.iter().map(|r| r.len).collect();
         let longest = lens.iter().copied().max().unwrap_or(0);
         self.mem.fit(self.running.len(), longest + 1, &lens)?;
-        let logits = Rows::new(&self.model.decode_slots(&ids, &mut lens, &self.mem.slots)?)?;
+        let logits = if self.running.iter().all(|r| r.req.adapter.is_none()) {
+            self.model.decode_slots(&ids, &mut lens, &self.mem.slots)?
+        } else {
+            let rows: Vec<Option<usize>> = self.running.iter().map(|r| r.req.adapter).collect();
+            self.model.with_adapter_rows(&rows, || {
+                self.model.decode_slots(&ids, &mut lens, &self.mem.slots)
+            })?
+        };
+        let logits = Rows::new(&logits)?;
         let mut done = Vec::new();
         let capacity = self.per_request;
         for (i, r) in self.running.iter_mut().enumerate() {
@@ -516,6 +602,17 @@ impl EngineLoop {
             .prefix_copy_micros
             .fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
         self.remove(done)
+    }
+
+    /// The policy version of `adapter` (`None`: the model's own).
+    fn version(&self, adapter: Option<usize>) -> u64 {
+        match adapter {
+            None => self.stats.policy_version.load(Ordering::Relaxed),
+            Some(i) => lock(&self.stats.adapter_versions)
+                .get(i)
+                .copied()
+                .unwrap_or(0),
+        }
     }
 
     fn publish(&self) {

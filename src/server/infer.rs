@@ -114,6 +114,7 @@ impl ServedModel {
                 stop_token_ids: r.stop_token_ids,
                 top_logprobs: r.top_logprobs as usize,
                 constraint,
+                adapter: None,
             },
             r.n as usize,
         ))

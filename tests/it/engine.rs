@@ -42,6 +42,7 @@ fn request(i: usize, max_tokens: usize) -> GenerateRequest {
         stop_token_ids: vec![],
         top_logprobs: 0,
         constraint: None,
+        adapter: None,
     }
 }
 

@@ -454,6 +454,7 @@ print(json.dumps({{"ours": ours.flatten().tolist(), "theirs": theirs.flatten().t
                     stop_token_ids: vec![],
                     top_logprobs: 0,
                     constraint: None,
+                    adapter: None,
                 })
                 .unwrap()
         })

@@ -12,6 +12,7 @@ mod group;
 mod hf_dir_errors;
 mod lora;
 mod model_tiny;
+mod multi_adapter;
 mod on_policy;
 mod prefix_cache;
 mod smollm2_reference;

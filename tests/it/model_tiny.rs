@@ -354,6 +354,7 @@ fn batched_decode_gives_the_same_tokens_and_logprobs_as_one_at_a_time() {
                 stop_token_ids: if i == 5 { vec![7, 9, 11, 13] } else { vec![] },
                 top_logprobs: 0,
                 constraint: None,
+                adapter: None,
             })
             .collect();
         let batched = generate_batch(&m, &reqs).unwrap();

@@ -111,6 +111,7 @@ fn greedy_tokens_and_logprobs_match_transformers() {
                 stop_token_ids: card.generation.eos_token_ids.clone(),
                 top_logprobs: 0,
                 constraint: None,
+                adapter: None,
             },
             |_, _| true,
         )
@@ -263,6 +264,7 @@ fn batched_greedy_decode_gives_transformers_tokens() {
             stop_token_ids: loaded.card.generation.eos_token_ids.clone(),
             top_logprobs: 0,
             constraint: None,
+            adapter: None,
         })
         .collect();
     let out = generate_batch(&loaded.model, &reqs).unwrap();

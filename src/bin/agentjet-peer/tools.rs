@@ -360,6 +360,7 @@ pub mod torch_cmds {
             stop_token_ids: card.generation.eos_token_ids.clone(),
             top_logprobs: 0,
             constraint: None,
+            adapter: None,
         };
         let mut decoder = StreamDecoder::new();
         let stdout = std::io::stdout();

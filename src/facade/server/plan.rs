@@ -176,6 +176,7 @@ pub(super) fn submit(
                 stop_token_ids: p.card.generation.eos_token_ids.clone(),
                 top_logprobs: p.top_logprobs.unwrap_or(0),
                 constraint: p.constraint.clone(),
+                adapter: None,
             },
             p.n,
             route,

@@ -4,7 +4,7 @@
 
 use tch::Tensor;
 
-use super::lora::{Adapter, LoraConfig, Target};
+use super::lora::{Adapter, LoraConfig};
 use super::Llama;
 use crate::model::ModelError;
 
@@ -61,6 +61,8 @@ impl Llama {
             compute: None,
             pooled: false,
             adapter: None,
+            bank: Vec::new(),
+            route: Default::default(),
         })
     }
 
@@ -97,19 +99,6 @@ impl Llama {
     pub fn parameters_changed(&self) {
         if let Some(a) = &self.adapter {
             a.changed();
-        }
-    }
-
-    /// The low-rank term of layer `l`'s `targets` for input `x` (see [`super::lora::Adapter::delta`]).
-    pub(super) fn lora(
-        &self,
-        l: usize,
-        targets: &[Target],
-        x: &Tensor,
-    ) -> Result<Option<Tensor>, ModelError> {
-        match &self.adapter {
-            None => Ok(None),
-            Some(a) => a.delta(l, targets, x, &self.config),
         }
     }
 }

@@ -108,6 +108,10 @@ pub struct Llama {
     pooled: bool,
     /// A LoRA adapter over the frozen base (see [`lora`]).
     adapter: Option<lora::Adapter>,
+    /// Adapters served besides it, by index (see [`bank`]).
+    bank: Vec<lora::Adapter>,
+    /// The current forward pass's adapter per row (see [`Llama::with_adapter_rows`]).
+    route: std::cell::RefCell<Option<bank::Route>>,
 }
 
 impl std::fmt::Debug for Llama {
@@ -121,6 +125,7 @@ impl std::fmt::Debug for Llama {
 }
 
 mod adapted;
+pub mod bank;
 mod kv;
 pub mod lora;
 mod parts;
@@ -245,6 +250,8 @@ impl Llama {
             compute: None,
             pooled: false,
             adapter: None,
+            bank: Vec::new(),
+            route: Default::default(),
         })
     }
 
