@@ -16,11 +16,16 @@
 //!   into the weights (which decodes at the base's speed and needs the base kept aside to
 //!   re-merge after each step); also the per-target unmerged path for reference.
 //!
+//! - `multi_adapter_decode_{1,4,16}`: decode tokens/s at 32 streams with 1, 4 and 16
+//!   distinct adapters in every batch (the engine's bank, gathered per adapter), against the
+//!   base alone.
+//!
 //! ```text
 //! --rank N [16]  --rounds N [3]  (timed steps per variant; the median is reported)
 //! --groups N [1]  --group-size N [4]  --turns N [12]  --prompt N [600]  --env N [30]
 //! --gen N [10]  (the trace, as actor_update's)
 //! --skip-peft  (no Python)  --decode-tokens N [32]
+//! --only-multi-adapter  (only multi_adapter_decode)
 //! ```
 
 #[allow(dead_code)] // only its reference_python
@@ -32,7 +37,7 @@ use std::time::Instant;
 use agentjet::collective::{Ring, Wire};
 use agentjet::engine::{generate_batch, GenerateRequest, SamplingParams};
 use agentjet::model::checkpoint::load_model;
-use agentjet::model::llama::lora::LoraConfig;
+use agentjet::model::llama::lora::{Adapter, LoraConfig};
 use agentjet::model::llama::{DType, Llama};
 use agentjet::model::ModelSource;
 use agentjet::timeline::layout::{pack, Layout};
@@ -340,8 +345,9 @@ fn peft_fwd_bwd(
         .map_err(Into::into)
 }
 
-/// Decode tokens/s of `m` at `streams` greedy streams of `tokens` new tokens each.
-fn decode_rate(m: &Llama, streams: usize, tokens: usize) -> anyhow::Result<f64> {
+/// Decode tokens/s of `m` at `streams` greedy streams of `tokens` new tokens each; with
+/// `adapters` > 0, stream `i` uses bank adapter `i % adapters`.
+fn decode_rate(m: &Llama, streams: usize, tokens: usize, adapters: usize) -> anyhow::Result<f64> {
     let reqs: Vec<GenerateRequest> = (0..streams)
         .map(|i| GenerateRequest {
             prompt: (0..24)
@@ -356,7 +362,7 @@ fn decode_rate(m: &Llama, streams: usize, tokens: usize) -> anyhow::Result<f64> 
             stop_token_ids: Vec::new(),
             top_logprobs: 0,
             constraint: None,
-            adapter: None,
+            adapter: (adapters > 0).then_some(i % adapters.max(1)),
         })
         .collect();
     let _ = generate_batch(m, &reqs[..1])?; // warm-up
@@ -373,12 +379,56 @@ fn decode_rate(m: &Llama, streams: usize, tokens: usize) -> anyhow::Result<f64> 
     Ok(median(rates))
 }
 
+/// `multi_adapter_decode`: 32 streams over the base with 1, 4 and 16 distinct bank
+/// adapters in each batch (stream `i` uses adapter `i % n`), against the base alone, on
+/// one model (the same weights in every run).
+fn multi_adapter(args: &[String], rank: usize, dtype: DType) -> anyhow::Result<()> {
+    let n_tok: usize = parse(args, "--decode-tokens", 32)?;
+    let mut m = model(None, dtype)?;
+    let base = decode_rate(&m, 32, n_tok, 0)?;
+    println!("decode, 32 streams, base alone ({dtype:?}): {base:.1} tok/s");
+    let mut out = Vec::new();
+    for n in [1usize, 4, 16] {
+        while m.served_adapters() < n {
+            let seed = m.served_adapters() as u64;
+            let a = Adapter::new(&m.config, LoraConfig::new(rank), seed, m.device())?;
+            // A trained adapter: B not zero.
+            tch::no_grad(|| {
+                for (i, mut p) in a.tensors().into_iter().enumerate() {
+                    if i % 2 == 1 {
+                        p.copy_(&(p.randn_like() * 0.01));
+                    }
+                }
+            });
+            m.add_served_adapter(a)?;
+        }
+        let rate = decode_rate(&m, 32, n_tok, n)?;
+        println!("decode, 32 streams, {n:>2} distinct adapters r{rank}: {rate:.1} tok/s ({:.2}x the base)", rate / base);
+        out.push((n, rate));
+    }
+    for (n, rate) in out {
+        println!(
+            "RESULT lora multi_adapter_decode_{n} ours={rate:.1} peer={base:.1} ratio={:.2}",
+            rate / base
+        );
+    }
+    Ok(())
+}
+
 fn run() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     if let Some(v) = flag(&args, "--child") {
         return child(&args, &v);
     }
     let rank: usize = parse(&args, "--rank", 16)?;
+    let decode_dtype = if tch::Cuda::is_available() {
+        DType::BF16
+    } else {
+        DType::F32
+    };
+    if args.iter().any(|a| a == "--only-multi-adapter") {
+        return multi_adapter(&args, rank, decode_dtype);
+    }
     let rounds: usize = parse(&args, "--rounds", 3)?;
     println!(
         "lora bench: rank {rank} on every linear layer, {:?}",
@@ -468,8 +518,8 @@ fn run() -> anyhow::Result<()> {
             }
             _ => m,
         };
-        let one = decode_rate(&m, 1, n_tok * 2)?;
-        let many = decode_rate(&m, 32, n_tok)?;
+        let one = decode_rate(&m, 1, n_tok * 2, 0)?;
+        let many = decode_rate(&m, 32, n_tok, 0)?;
         println!(
             "decode {variant:>19} ({dtype:?}): 1 stream {one:.1} tok/s, 32 streams {many:.1} tok/s"
         );
@@ -482,6 +532,7 @@ fn run() -> anyhow::Result<()> {
         t0.elapsed().as_secs_f64()
     };
     println!("merging the adapter into the weights (after each step, for merged serving): {merge_secs:.3} s");
+    multi_adapter(&args, rank, decode_dtype)?;
 
     println!(
         "RESULT lora step_time_vs_full ours={:.3} peer={:.3} ratio={:.2}",

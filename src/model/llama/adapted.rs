@@ -61,7 +61,7 @@ impl Llama {
             compute: None,
             pooled: false,
             adapter: None,
-            bank: Vec::new(),
+            bank: Default::default(),
             route: Default::default(),
         })
     }

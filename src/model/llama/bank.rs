@@ -5,14 +5,52 @@
 //! run), then scattered back; rows of the base get no low-rank term. A pass whose rows all
 //! have one adapter runs that adapter's products directly, with no gather.
 //!
+//! Without an adapter of the model's own, a pass that mixes adapters runs every adapter's
+//! rows in two batched products per fused layer (Punica's gathered BGMV on LibTorch's
+//! `bmm`): the rows are gathered into `[adapters, widest run, in]` (shorter runs padded
+//! with a zero row), multiplied by the bank's A and B stacked `[adapters, ..]` (ranks
+//! padded to the largest with zeros), and scattered back. A pass with the model's own
+//! adapter runs one pair of products per run instead.
+//!
 //! Owns: the bank and the per-row routing of one forward pass. Never schedules: the
 //! engine says which row has which adapter ([`Llama::with_adapter_rows`]).
 
-use tch::Tensor;
+use std::cell::RefCell;
 
-use super::lora::{Adapter, Target};
+use tch::{Kind, Tensor};
+
+use super::lora::{Adapter, Target, PRODUCTS};
 use super::Llama;
+use crate::model::config::LlamaConfig;
 use crate::model::ModelError;
+
+/// The served adapters and their products stacked for the batched path.
+#[derive(Default)]
+pub(super) struct Bank {
+    adapters: Vec<Adapter>,
+    stacks: RefCell<Option<Stacks>>,
+}
+
+/// Per layer and product: every bank adapter's A transposed `[adapters, in, R]` and scaled
+/// B transposed `[adapters, R, out]` (R the largest stacked rank; zero padded), in `kind`,
+/// as of the adapters' `generations`.
+struct Stacks {
+    kind: Kind,
+    generations: Vec<u64>,
+    per: Vec<[Option<(Tensor, Tensor)>; 4]>,
+}
+
+/// A mixed pass's gather and scatter for the batched path.
+struct Gathered {
+    /// The row of `x` for each of the `n · width` padded positions (`rows`: a zero row).
+    gather: Tensor,
+    /// Each row's position among the padded outputs (`n · width`: a zero row).
+    scatter: Tensor,
+    /// The bank indices of the runs' adapters, when they are not the whole bank in order.
+    used: Option<Tensor>,
+    n: i64,
+    width: i64,
+}
 
 /// Where a row's low-rank terms come from: `None` is the model's own adapter if it has one
 /// (else the base alone), `Some(i)` the bank's adapter `i`.
@@ -28,6 +66,7 @@ pub(super) enum Route {
         perm: Option<(Tensor, Tensor)>,
         runs: Vec<(Source, i64, i64)>,
         rows: i64,
+        gathered: Option<Gathered>,
     },
 }
 
@@ -48,7 +87,7 @@ impl Llama {
                 self.config.vocab_size, MAX_BANK_VOCAB
             )));
         }
-        if self.bank.len() >= MAX_BANK_ADAPTERS {
+        if self.bank.adapters.len() >= MAX_BANK_ADAPTERS {
             return Err(ModelError::Invalid(format!(
                 "at most {MAX_BANK_ADAPTERS} adapters are served by one model"
             )));
@@ -62,18 +101,18 @@ impl Llama {
             let _ = t.requires_grad_(false);
         }
         a.set_serving();
-        self.bank.push(a);
-        Ok(self.bank.len() - 1)
+        self.bank.adapters.push(a);
+        Ok(self.bank.adapters.len() - 1)
     }
 
     /// The number of adapters in the bank.
     pub fn served_adapters(&self) -> usize {
-        self.bank.len()
+        self.bank.adapters.len()
     }
 
     /// Bank adapter `i`.
     pub fn served_adapter(&self, i: usize) -> Option<&Adapter> {
-        self.bank.get(i)
+        self.bank.adapters.get(i)
     }
 
     /// Runs `f` (one or more forward passes) with every activation row taking its low-rank
@@ -125,21 +164,113 @@ impl Llama {
                         Tensor::f_from_slice(&inv)?.f_to_device(self.device)?,
                     ))
                 };
+                let gathered = match self.adapter {
+                    Some(_) => None,
+                    None => Some(self.gathered(rows, &order, &runs)?),
+                };
                 Route::Runs {
                     perm,
                     runs,
                     rows: rows.len() as i64,
+                    gathered,
                 }
             }
         };
         self.routed(route, f)
     }
 
+    /// The batched path's indices for `rows` sorted by `order` into `runs`.
+    fn gathered(
+        &self,
+        rows: &[Source],
+        order: &[usize],
+        runs: &[(Source, i64, i64)],
+    ) -> Result<Gathered, ModelError> {
+        let banked: Vec<(usize, i64, i64)> = runs
+            .iter()
+            .filter_map(|&(s, start, n)| s.map(|i| (i, start, n)))
+            .collect();
+        let n = banked.len() as i64;
+        let width = banked.iter().map(|r| r.2).max().unwrap_or(0);
+        let zero_in = rows.len() as i64;
+        let zero_out = n * width;
+        let mut gather = vec![zero_in; (n * width) as usize];
+        let mut scatter = vec![zero_out; rows.len()];
+        for (k, &(_, start, len)) in banked.iter().enumerate() {
+            for j in 0..len {
+                let row = order[(start + j) as usize] as i64;
+                let at = k as i64 * width + j;
+                gather[at as usize] = row;
+                scatter[row as usize] = at;
+            }
+        }
+        let in_order = banked.len() == self.bank.adapters.len()
+            && banked.iter().enumerate().all(|(k, r)| r.0 == k);
+        let used = if in_order {
+            None
+        } else {
+            let ids: Vec<i64> = banked.iter().map(|r| r.0 as i64).collect();
+            Some(Tensor::f_from_slice(&ids)?.f_to_device(self.device)?)
+        };
+        let dev = self.device;
+        Ok(Gathered {
+            gather: Tensor::f_from_slice(&gather)?.f_to_device(dev)?,
+            scatter: Tensor::f_from_slice(&scatter)?.f_to_device(dev)?,
+            used,
+            n,
+            width,
+        })
+    }
+
+    /// The batched low-rank term of product `p` of layer `l` for `x` [rows, in].
+    fn gathered_delta(
+        &self,
+        g: &Gathered,
+        l: usize,
+        p: usize,
+        x: &Tensor,
+        out: i64,
+    ) -> Result<Option<Tensor>, ModelError> {
+        if g.n == 0 {
+            return Ok(None);
+        }
+        let kind = x.kind();
+        let mut st = self.bank.stacks.borrow_mut();
+        let generations: Vec<u64> = self.bank.adapters.iter().map(Adapter::generation).collect();
+        if st
+            .as_ref()
+            .is_none_or(|s| s.kind != kind || s.generations != generations)
+        {
+            *st = Some(Stacks {
+                kind,
+                per: stack_bank(&self.bank.adapters, kind, &self.config)?,
+                generations,
+            });
+        }
+        let Some((at, bt)) = st.as_ref().and_then(|s| s.per[l][p].as_ref()) else {
+            return Ok(None);
+        };
+        let (at, bt) = match &g.used {
+            None => (at.shallow_clone(), bt.shallow_clone()),
+            Some(ids) => (at.f_index_select(0, ids)?, bt.f_index_select(0, ids)?),
+        };
+        let in_ = x.size()[1];
+        let zero = Tensor::f_zeros([1, in_], (kind, x.device()))?;
+        let xp = Tensor::f_cat(&[x.shallow_clone(), zero], 0)?
+            .f_index_select(0, &g.gather)?
+            .f_view([g.n, g.width, in_])?;
+        let y = xp.f_bmm(&at)?.f_bmm(&bt)?.f_view([g.n * g.width, out])?;
+        let zero = Tensor::f_zeros([1, out], (kind, x.device()))?;
+        Ok(Some(
+            Tensor::f_cat(&[y, zero], 0)?.f_index_select(0, &g.scatter)?,
+        ))
+    }
+
     fn check_source(&self, s: Source) -> Result<(), ModelError> {
         match s {
-            Some(i) if i >= self.bank.len() => Err(ModelError::Invalid(format!(
+            Some(i) if i >= self.bank.adapters.len() => Err(ModelError::Invalid(format!(
                 "adapter {i} is not served ({} in the bank)",
-                self.bank.len()
+                self.bank.adapters.len()
             ))),
             _ => Ok(()),
         }
@@ -169,7 +300,7 @@ impl Llama {
                 None => Ok(None),
                 Some(a) => a.delta(l, targets, x, &self.config),
             },
-            Some(i) => self.bank[i].delta(l, targets, x, &self.config),
+            Some(i) => self.bank.adapters[i].delta(l, targets, x, &self.config),
         }
     }
 
@@ -182,10 +313,15 @@ impl Llama {
         x: &Tensor,
     ) -> Result<Option<Tensor>, ModelError> {
         let route = self.route.borrow();
-        let (perm, runs, rows) = match route.as_ref() {
+        let (perm, runs, rows, gathered) = match route.as_ref() {
             None => return self.source_delta(None, l, targets, x),
             Some(Route::All(s)) => return self.source_delta(*s, l, targets, x),
-            Some(Route::Runs { perm, runs, rows }) => (perm, runs, *rows),
+            Some(Route::Runs {
+                perm,
+                runs,
+                rows,
+                gathered,
+            }) => (perm, runs, *rows, gathered),
         };
         if x.dim() != 2 || x.size()[0] != rows {
             return Err(ModelError::Invalid(format!(
@@ -198,6 +334,9 @@ impl Llama {
             None => x.shallow_clone(),
         };
         let out: i64 = targets.iter().map(|t| t.dims(&self.config).1).sum();
+        if let (Some(g), Some(p)) = (gathered, PRODUCTS.iter().position(|&t| t == targets)) {
+            return self.gathered_delta(g, l, p, x, out);
+        }
         let mut pieces = Vec::with_capacity(runs.len());
         let mut any = false;
         for &(source, start, n) in runs {
@@ -218,4 +357,47 @@ impl Llama {
             None => d,
         }))
     }
+}
+
+/// [`Stacks::per`] for `adapters`.
+fn stack_bank(
+    adapters: &[Adapter],
+    kind: Kind,
+    c: &LlamaConfig,
+) -> Result<Vec<[Option<(Tensor, Tensor)>; 4]>, ModelError> {
+    let _g = tch::no_grad_guard();
+    let n = adapters.len() as i64;
+    let mut per = Vec::with_capacity(c.num_hidden_layers);
+    for l in 0..c.num_hidden_layers {
+        let mut layer: [Option<(Tensor, Tensor)>; 4] = Default::default();
+        for (p, slot) in layer.iter_mut().enumerate() {
+            let parts = adapters
+                .iter()
+                .map(|a| a.stacked_product(l, p, kind, c))
+                .collect::<Result<Vec<_>, _>>()?;
+            let Some(r) = parts.iter().flatten().map(|(a, _)| a.size()[0]).max() else {
+                continue;
+            };
+            let Some((a0, b0)) = parts.iter().flatten().next() else {
+                continue;
+            };
+            let (in_, out, dev) = (a0.size()[1], b0.size()[0], a0.device());
+            let at = Tensor::f_zeros([n, in_, r], (kind, dev))?;
+            let bt = Tensor::f_zeros([n, r, out], (kind, dev))?;
+            for (k, part) in parts.iter().enumerate() {
+                if let Some((a, b)) = part {
+                    let rk = a.size()[0];
+                    at.f_select(0, k as i64)?
+                        .f_narrow(1, 0, rk)?
+                        .f_copy_(&a.f_transpose(0, 1)?)?;
+                    bt.f_select(0, k as i64)?
+                        .f_narrow(0, 0, rk)?
+                        .f_copy_(&b.f_transpose(0, 1)?)?;
+                }
+            }
+            *slot = Some((at, bt));
+        }
+        per.push(layer);
+    }
+    Ok(per)
 }

@@ -182,7 +182,7 @@ pub(super) struct LayerAdapter {
 }
 
 /// The fused products of which a decoder layer runs four: q/k/v, o, gate/up and down.
-const PRODUCTS: [&[Target]; 4] = [
+pub(super) const PRODUCTS: [&[Target]; 4] = [
     &[Target::Q, Target::K, Target::V],
     &[Target::O],
     &[Target::Gate, Target::Up],
@@ -209,6 +209,8 @@ pub struct Adapter {
     /// values last changed ([`Adapter::changed`]), in the activations' kind.
     serving: Cell<bool>,
     stacked: RefCell<Option<(Kind, Vec<LayerStacked>)>>,
+    /// Counts [`Adapter::changed`] calls: copies made elsewhere (a bank's) compare it.
+    generation: Cell<u64>,
 }
 
 /// One layer's [`Stacked`] products, by [`PRODUCTS`] index.
@@ -250,6 +252,7 @@ impl Adapter {
             enabled: Cell::new(true),
             serving: Cell::new(false),
             stacked: RefCell::new(None),
+            generation: Cell::new(0),
         })
     }
 
@@ -370,6 +373,31 @@ impl Adapter {
     /// serving path's stacked copies are rebuilt at the next forward.
     pub fn changed(&self) {
         self.stacked.replace(None);
+        self.generation.set(self.generation.get() + 1);
+    }
+
+    pub(super) fn generation(&self) -> u64 {
+        self.generation.get()
+    }
+
+    /// Layer `l`'s stacked A `[n·r, in]` and block-diagonal scaled B `[out, n·r]` of
+    /// product `p` (an index of [`PRODUCTS`]) in `kind`, or `None` if it has no target
+    /// there.
+    pub(super) fn stacked_product(
+        &self,
+        l: usize,
+        p: usize,
+        kind: Kind,
+        c: &LlamaConfig,
+    ) -> Result<Option<(Tensor, Tensor)>, ModelError> {
+        let mut st = self.stacked.borrow_mut();
+        if st.as_ref().is_none_or(|(k, _)| *k != kind) {
+            *st = Some((kind, self.stack(kind, c)?));
+        }
+        Ok(st
+            .as_ref()
+            .and_then(|(_, v)| v[l][p].as_ref())
+            .map(|s| (s.a.shallow_clone(), s.b.shallow_clone())))
     }
 
     /// Builds [`Stacked`] for every layer and product, in `kind`.

@@ -109,7 +109,7 @@ pub struct Llama {
     /// A LoRA adapter over the frozen base (see [`lora`]).
     adapter: Option<lora::Adapter>,
     /// Adapters served besides it, by index (see [`bank`]).
-    bank: Vec<lora::Adapter>,
+    bank: bank::Bank,
     /// The current forward pass's adapter per row (see [`Llama::with_adapter_rows`]).
     route: std::cell::RefCell<Option<bank::Route>>,
 }
@@ -250,7 +250,7 @@ impl Llama {
             compute: None,
             pooled: false,
             adapter: None,
-            bank: Vec::new(),
+            bank: Default::default(),
             route: Default::default(),
         })
     }
