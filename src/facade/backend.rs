@@ -73,34 +73,53 @@ pub trait Backend: Send + Sync + 'static {
     fn metrics(&self, p: &mut Prom);
 }
 
-/// One model served by a local engine thread (what `agentjet-peer serve` runs).
+/// One model served by a local engine thread (what `agentjet-peer serve` runs), and the
+/// LoRA adapters of its engine's bank, each as a model of its own name.
 pub struct LocalBackend {
     pub name: String,
     pub card: Arc<ModelCard>,
     pub engine: EngineHandle,
     pub max_context: usize,
+    /// `(model name, bank index)` of each served adapter.
+    pub adapters: Vec<(String, usize)>,
+}
+
+impl LocalBackend {
+    /// Whether `model` is served, and with which adapter (`None`: the base).
+    fn resolve(&self, model: &str) -> Option<Option<usize>> {
+        if model == self.name {
+            return Some(None);
+        }
+        self.adapters
+            .iter()
+            .find(|(n, _)| n == model)
+            .map(|&(_, i)| Some(i))
+    }
 }
 
 impl Backend for LocalBackend {
     fn model_ids(&self) -> Vec<String> {
-        vec![self.name.clone()]
+        std::iter::once(self.name.clone())
+            .chain(self.adapters.iter().map(|(n, _)| n.clone()))
+            .collect()
     }
     fn card(&self, model: &str) -> Option<Arc<ModelCard>> {
-        (model == self.name).then(|| self.card.clone())
+        self.resolve(model).map(|_| self.card.clone())
     }
     fn max_context(&self, model: &str) -> Option<usize> {
-        (model == self.name).then_some(self.max_context)
+        self.resolve(model).map(|_| self.max_context)
     }
     fn ready(&self) -> bool {
         true
     }
     fn submit(
         &self,
-        _model: &str,
-        req: GenerateRequest,
+        model: &str,
+        mut req: GenerateRequest,
         n: usize,
         _route: &Route,
     ) -> Result<Vec<ChoiceStream>, EngineError> {
+        req.adapter = self.resolve(model).flatten();
         Ok(self
             .engine
             .submit_n(req, n)?

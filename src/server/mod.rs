@@ -306,6 +306,7 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
                     card: card.clone(),
                     engine: engine.clone(),
                     max_context,
+                    adapters: Vec::new(),
                 },
                 served: served.clone(),
                 data_dir: cfg.data_dir.clone(),
@@ -334,6 +335,7 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
                     card,
                     engine,
                     max_context,
+                    adapters: Vec::new(),
                 }),
                 FacadeConfig {
                     tasks: tasks.clone(),

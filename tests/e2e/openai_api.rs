@@ -124,3 +124,125 @@ fn responses_and_messages_sdk_suites_pass_against_serve_and_through_a_proxy() {
     });
     agent_api_suite(&proxy, "proxy");
 }
+
+/// Writes an adapter of SmolLM2 (rank 4 on every target, B random from `seed`) in PEFT's
+/// format to `dir`.
+fn smollm2_adapter(dir: &std::path::Path, seed: u64) {
+    use agentjet::model::checkpoint::load_model;
+    use agentjet::model::llama::{lora::LoraConfig, DType};
+    let source = agentjet::model::ModelSource::resolve("smollm2").unwrap();
+    let mut m = load_model(&source, tch::Device::Cpu, DType::F32)
+        .unwrap()
+        .model;
+    m.attach_adapter(LoraConfig::new(4), seed).unwrap();
+    let mut rng = agentjet::base::Rng::seeded(seed);
+    tch::no_grad(|| {
+        for (i, mut t) in m.parameters().into_iter().enumerate() {
+            if i % 2 == 1 {
+                let v: Vec<f32> = (0..t.numel())
+                    .map(|_| (rng.next_f64() as f32 - 0.5) * 0.5)
+                    .collect();
+                t.copy_(&tch::Tensor::from_slice(&v).view(t.size().as_slice()));
+            }
+        }
+    });
+    agentjet::model::peft::write_adapter(dir, &m, "smollm2").unwrap();
+}
+
+#[test]
+fn serve_with_adapters_lists_each_as_a_model_and_answers_with_it() {
+    let _light = common::light();
+    common::smollm2_path();
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    smollm2_adapter(&a, 1);
+    smollm2_adapter(&b, 2);
+    let arg = |n: &str, p: &std::path::Path| format!("{n}={}", p.display());
+    let s = serve(&[
+        "--adapter",
+        &arg("solver", &a),
+        "--adapter",
+        &arg("verifier", &b),
+    ]);
+    let (status, body) = common::peer::http(&s.base, "GET", "/v1/models", None);
+    assert_eq!(status, 200, "{body}");
+    for id in ["smollm2", "solver", "verifier"] {
+        assert!(body.contains(&format!("\"{id}\"")), "{id} in {body}");
+    }
+    // One prompt, greedy, to the base and each adapter, all at once (one engine batch):
+    // three different answers, each the same when asked again alone.
+    let ask = |model: &str| {
+        let req = serde_json::json!({
+            "model": model,
+            "messages": [{"role": "user", "content": "Name a colour."}],
+            "max_tokens": 8,
+            "temperature": 0.0,
+            "logprobs": true,
+        });
+        let (status, body) =
+            common::peer::http(&s.base, "POST", "/v1/chat/completions", Some(&req));
+        assert_eq!(status, 200, "{model}: {body}");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        v["choices"][0]["logprobs"]["content"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| {
+                (
+                    t["token"].as_str().unwrap().to_string(),
+                    t["logprob"].as_f64().unwrap(),
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    let together: Vec<_> = std::thread::scope(|sc| {
+        let hs: Vec<_> = ["smollm2", "solver", "verifier"]
+            .map(|m| sc.spawn(move || ask(m)))
+            .into_iter()
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_ne!(
+        together[0], together[1],
+        "the solver adapter changes the answer"
+    );
+    assert_ne!(together[0], together[2], "so does the verifier");
+    assert_ne!(together[1], together[2]);
+    for (i, m) in ["smollm2", "solver", "verifier"].iter().enumerate() {
+        let alone = ask(m);
+        assert_eq!(alone.len(), together[i].len(), "{m}");
+        for (x, y) in alone.iter().zip(&together[i]) {
+            assert_eq!(x.0, y.0, "{m}: tokens");
+            assert!((x.1 - y.1).abs() < 1e-4, "{m}: {} vs {}", x.1, y.1);
+        }
+    }
+    // A model not served is refused.
+    let req =
+        serde_json::json!({"model": "critic", "messages": [{"role": "user", "content": "hi"}]});
+    let (status, body) = common::peer::http(&s.base, "POST", "/v1/chat/completions", Some(&req));
+    assert_eq!(status, 404, "{body}");
+}
+
+#[test]
+fn serve_refuses_an_adapter_it_cannot_read_and_says_which() {
+    let _light = common::light();
+    common::smollm2_path();
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("nowhere");
+    let out = Command::new(env!("CARGO_BIN_EXE_agentjet-peer"))
+        .args(["serve", "--model", "smollm2", "--port", "0", "--adapter"])
+        .arg(format!("solver={}", missing.display()))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("--adapter solver="), "{stderr}");
+    assert!(stderr.contains("adapter_config.json"), "{stderr}");
+    let out = Command::new(env!("CARGO_BIN_EXE_agentjet-peer"))
+        .args(["serve", "--model", "smollm2", "--adapter", "solver"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("expected NAME=DIR"), "{stderr}");
+}

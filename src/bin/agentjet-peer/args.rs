@@ -475,6 +475,11 @@ pub enum Command {
         /// The model name clients use (default: the --model argument).
         #[arg(long)]
         served_model_name: Option<String>,
+        /// Also serve a LoRA adapter of the base, in PEFT's format (a training checkpoint's
+        /// `adapter/` or peft's save_pretrained), as model NAME: `NAME=DIR`, repeatable.
+        /// One batch mixes the base's and every adapter's requests.
+        #[arg(long = "adapter", value_name = "NAME=DIR", value_parser = named_adapter)]
+        adapters: Vec<(String, PathBuf)>,
         #[command(flatten)]
         engine: EngineArgs,
         /// max_tokens for requests that give none.
@@ -767,4 +772,18 @@ impl ClientCli {
             events_file: self.events.clone(),
         })
     }
+}
+
+/// `NAME=DIR` of `--adapter`.
+pub fn named_adapter(s: &str) -> Result<(String, PathBuf), String> {
+    let Some((name, dir)) = s.split_once('=') else {
+        return Err(format!(
+            "{s:?}: expected NAME=DIR (the adapter's model name and its directory)"
+        ));
+    };
+    let name = name.trim();
+    if name.is_empty() || dir.trim().is_empty() {
+        return Err(format!("{s:?}: expected NAME=DIR, both non-empty"));
+    }
+    Ok((name.to_string(), PathBuf::from(dir.trim())))
 }

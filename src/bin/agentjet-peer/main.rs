@@ -281,6 +281,7 @@ fn run_tool(cli: Cli) -> Result<()> {
             host,
             port,
             served_model_name,
+            adapters,
             engine,
             default_max_tokens,
             track_episodes,
@@ -293,6 +294,7 @@ fn run_tool(cli: Cli) -> Result<()> {
                     &host,
                     port,
                     served_model_name,
+                    &adapters,
                     engine.config(),
                     agentjet::facade::server::FacadeConfig {
                         default_max_tokens,

@@ -423,6 +423,7 @@ pub mod torch_cmds {
         host: &str,
         port: u16,
         served_model_name: Option<String>,
+        adapters: &[(String, std::path::PathBuf)],
         engine_cfg: agentjet::engine::EngineConfig,
         facade: agentjet::facade::server::FacadeConfig,
         drain_timeout: std::time::Duration,
@@ -434,9 +435,29 @@ pub mod torch_cmds {
         use agentjet::facade::LocalBackend;
         use std::sync::Arc;
         let args2 = args.clone();
-        let loaded = tokio::task::spawn_blocking(move || load(&args2)).await??;
-        let model_context = loaded.model.max_positions();
         let name = served_model_name.unwrap_or_else(|| args.model.clone());
+        let named = adapters.to_vec();
+        let base_name = name.clone();
+        let (loaded, adapters) = tokio::task::spawn_blocking(move || {
+            let mut loaded = load(&args2)?;
+            let mut served: Vec<(String, usize, std::path::PathBuf)> = Vec::new();
+            for (n, dir) in named {
+                if n == base_name || served.iter().any(|(m, _, _)| *m == n) {
+                    bail!(
+                        "--adapter {n}={}: the name {n:?} is already served",
+                        dir.display()
+                    );
+                }
+                let m = &mut loaded.model;
+                let a = agentjet::model::peft::read_adapter(&dir, &m.config, m.device())
+                    .with_context(|| format!("--adapter {n}={}", dir.display()))?;
+                let i = m.add_served_adapter(a)?;
+                served.push((n, i, dir));
+            }
+            Ok((loaded, served))
+        })
+        .await??;
+        let model_context = loaded.model.max_positions();
         let engine = agentjet::engine::spawn_engine(loaded.model, engine_cfg)
             .context("starting the engine")?;
         // A request must fit one KV slot of the engine.
@@ -446,6 +467,7 @@ pub mod torch_cmds {
             card: Arc::new(loaded.card),
             engine,
             max_context,
+            adapters: adapters.iter().map(|(n, i, _)| (n.clone(), *i)).collect(),
         });
         let tasks = facade.tasks.clone();
         let app = router(backend, facade);
@@ -453,7 +475,19 @@ pub mod torch_cmds {
             .await
             .with_context(|| format!("binding {host}:{port}"))?;
         let addr = listener.local_addr()?;
-        println!("serving {name} at http://{addr}/v1 (OpenAI-compatible; Ctrl-C or SIGTERM stops)");
+        // One line (a caller may read only the first).
+        let with: Vec<String> = adapters
+            .iter()
+            .map(|(n, _, dir)| format!("{n} (adapter {})", dir.display()))
+            .collect();
+        let with = if with.is_empty() {
+            String::new()
+        } else {
+            format!(" and {}", with.join(", "))
+        };
+        println!(
+            "serving {name}{with} at http://{addr}/v1 (OpenAI-compatible; Ctrl-C or SIGTERM stops)"
+        );
         agentjet::base::flush_stdout();
         let http = tasks.spawn(serve_until(listener, app, stop.clone()));
         stop.requested().await;

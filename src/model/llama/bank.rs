@@ -41,7 +41,7 @@ struct Stacks {
 }
 
 /// A mixed pass's gather and scatter for the batched path.
-struct Gathered {
+pub(super) struct Gathered {
     /// The row of `x` for each of the `n · width` padded positions (`rows`: a zero row).
     gather: Tensor,
     /// Each row's position among the padded outputs (`n · width`: a zero row).
