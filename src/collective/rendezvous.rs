@@ -141,16 +141,50 @@ pub type LinkAdmit = Arc<dyn Fn(&PeerId) -> bool + Send + Sync>;
 
 /// [`serve_links`] for the peers `admit` lets in only; the others are refused (and
 /// logged with their ids) before anything is put in the book.
+///
+/// A node may be a member of several groups (a server training several adapters): the
+/// protocol is registered once per node and each ask goes to its group's listener and
+/// book (an ask for a group this node does not serve is refused). Serving a group again
+/// replaces its entry.
 pub fn serve_links_to(
     swarm: &SwarmHandle,
     listener: Arc<LinkListener>,
     book: Arc<OfferBook>,
     admit: LinkAdmit,
 ) -> Result<(), SwarmError> {
-    swarm.serve(COLLECTIVE, move |peer, mut s| {
-        let (listener, book, admit) = (listener.clone(), book.clone(), admit.clone());
+    serve_group_links(swarm, None, listener, book, admit)
+}
+
+/// [`serve_links_to`] for the asks of group `group` only (`None`: every group without an
+/// entry of its own).
+pub fn serve_group_links(
+    swarm: &SwarmHandle,
+    group: Option<&str>,
+    listener: Arc<LinkListener>,
+    book: Arc<OfferBook>,
+    admit: LinkAdmit,
+) -> Result<(), SwarmError> {
+    static NODES: Mutex<Vec<(PeerId, Arc<GroupLinks>)>> = Mutex::new(Vec::new());
+    // A node of this swarm registers the protocol once: the first group registers it with
+    // a table of its own; later groups (the registration refused) join that table.
+    let entry: GroupEntry = (listener, book, admit);
+    let links = Arc::new(GroupLinks::default());
+    lock(&links.groups).insert(group.map(str::to_string), entry.clone());
+    let table = links.clone();
+    let registered = swarm.serve(COLLECTIVE, move |peer, mut s| {
+        let links = links.clone();
         async move {
             let ask: LinkAsk = read_frame(&mut s, 4096).await?;
+            let entry = {
+                let g = lock(&links.groups);
+                g.get(&Some(ask.group.clone())).or_else(|| g.get(&None)).cloned()
+            };
+            let Some((listener, book, admit)) = entry else {
+                let no = LinkAnswer::Refused(format!("this peer is not in group {:?}", ask.group));
+                write_frame(&mut s, &no, 4096).await?;
+                let _ = futures::io::AsyncWriteExt::close(&mut s).await;
+                return Ok(());
+            };
             if !admit(&peer) {
                 tracing::warn!(%peer, "refused a link ask from a peer not trusted to train in this group");
                 let no = LinkAnswer::Refused("not trusted to train in this group".into());
@@ -164,7 +198,30 @@ pub fn serve_links_to(
             let _ = futures::io::AsyncWriteExt::close(&mut s).await;
             Ok::<(), FrameError>(())
         }
-    })
+    });
+    let mut nodes = lock(&NODES);
+    match registered {
+        Ok(()) => {
+            nodes.retain(|(p, _)| *p != swarm.peer_id);
+            nodes.push((swarm.peer_id, table));
+            Ok(())
+        }
+        Err(e) => match nodes.iter().find(|(p, _)| *p == swarm.peer_id) {
+            Some((_, l)) => {
+                lock(&l.groups).insert(group.map(str::to_string), entry);
+                Ok(())
+            }
+            None => Err(e),
+        },
+    }
+}
+
+type GroupEntry = (Arc<LinkListener>, Arc<OfferBook>, LinkAdmit);
+
+/// One node's link servers, by group (`None`: the default).
+#[derive(Default)]
+struct GroupLinks {
+    groups: Mutex<HashMap<Option<String>, GroupEntry>>,
 }
 
 /// Asks `peer` for a link: the offer, and the addresses the swarm knows for `peer` (its

@@ -182,14 +182,14 @@ pub struct EngineHandle {
     /// The most positions (prompt + completion) one request can have: a KV slot's size.
     pub max_sequence: usize,
     pub stats: Arc<EngineStats>,
-    weights: Arc<Mutex<Option<PendingWeights>>>,
+    weights: Arc<Mutex<Vec<PendingWeights>>>,
 }
 
 /// What the engine thread holds: the receiving side of a handle's queue and slots.
 pub struct EngineInbox {
     pub rx: Receiver<Submission>,
     pub stats: Arc<EngineStats>,
-    pub weights: Arc<Mutex<Option<PendingWeights>>>,
+    pub weights: Arc<Mutex<Vec<PendingWeights>>>,
 }
 
 impl EngineHandle {
@@ -202,7 +202,7 @@ impl EngineHandle {
     ) -> (EngineHandle, EngineInbox) {
         let (tx, rx) = mpsc::sync_channel(max_queue.max(1));
         let stats = Arc::new(EngineStats::default());
-        let weights = Arc::new(Mutex::new(None));
+        let weights = Arc::new(Mutex::new(Vec::new()));
         let handle = EngineHandle {
             tx,
             max_queue: max_queue.max(1),
@@ -215,14 +215,15 @@ impl EngineHandle {
     }
 
     /// Hands new weights to the engine thread (applied between two steps; `done` hears
-    /// the outcome). One update at a time.
+    /// the outcome). One update at a time per model (the engine's own, or a bank adapter);
+    /// updates of different adapters queue.
     pub fn offer_weights(&self, update: PendingWeights) -> Result<(), EngineError> {
         {
             let mut slot = lock(&self.weights);
-            if slot.is_some() {
+            if slot.iter().any(|u| u.adapter == update.adapter) {
                 return Err(EngineError::WeightUpdateBusy);
             }
-            *slot = Some(update);
+            slot.push(update);
         }
         // Wake an idle engine (it also looks between steps).
         let _ = self.tx.try_send(Submission::wake());

@@ -159,7 +159,7 @@ struct EngineLoop {
     cfg: EngineConfig,
     rx: Receiver<Submission>,
     stats: Arc<EngineStats>,
-    weights: Arc<Mutex<Option<PendingWeights>>>,
+    weights: Arc<Mutex<Vec<PendingWeights>>>,
     waiting: VecDeque<Submission>,
     running: Vec<Running>,
     mem: KvMemory,
@@ -191,7 +191,7 @@ impl EngineLoop {
                 }
                 // A weight update offered since `take_weights` looked: its wake-up may
                 // have been taken by `pull` (the slot is filled before the wake-up is sent).
-                if lock(&self.weights).is_some() {
+                if !lock(&self.weights).is_empty() {
                     continue;
                 }
                 // Idle: block for the next request (or a weight update's wake-up).
@@ -225,11 +225,15 @@ impl EngineLoop {
         }
     }
 
-    /// Applies a pending weight update (between two steps).
+    /// Applies the pending weight updates (between two steps), in the order offered.
     fn take_weights(&mut self) {
-        let Some(update) = lock(&self.weights).take() else {
-            return;
-        };
+        let pending = std::mem::take(&mut *lock(&self.weights));
+        for update in pending {
+            self.take_update(update);
+        }
+    }
+
+    fn take_update(&mut self, update: PendingWeights) {
         let result = match update.params.downcast::<Vec<Tensor>>() {
             Ok(params) => self.copy_weights(update.adapter, &params),
             Err(_) => Err(EngineError::WeightsRejected(

@@ -8,8 +8,6 @@
 //! Owns: the server side of one call. Never keeps per-episode state (any provider can
 //! serve any call).
 
-use std::sync::atomic::Ordering;
-
 use futures::StreamExt;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
@@ -19,7 +17,7 @@ use crate::engine::{
 };
 use crate::facade::track::transform_of;
 use crate::rpc::{InferFrame, InferRequest};
-use crate::swarm::frame::{read_frame, write_frame, FrameError};
+use crate::swarm::frame::{write_frame, FrameError};
 use crate::swarm::sign::{new_nonce, Nonce};
 use crate::swarm::Stream;
 use crate::timeline::digest::CallHasher;
@@ -114,15 +112,14 @@ impl ServedModel {
                 stop_token_ids: r.stop_token_ids,
                 top_logprobs: r.top_logprobs as usize,
                 constraint,
-                adapter: None,
+                adapter: self.adapter,
             },
             r.n as usize,
         ))
     }
 
-    pub(super) async fn infer(&self, mut s: Stream) -> Result<(), InferError> {
+    pub(super) async fn infer(&self, r: InferRequest, mut s: Stream) -> Result<(), InferError> {
         let limit = self.limit();
-        let r: InferRequest = read_frame(&mut s, limit).await?;
         let reject = |message: String, retry: bool| InferFrame::Rejected { message, retry };
         if self.stopping() {
             // Another provider takes it (this one is draining).
@@ -151,7 +148,7 @@ impl ServedModel {
         // nonce per choice: every prefix's signature is of the same call.
         let mut hashers: Vec<Option<CallHasher>> = vec![None; n];
         let nonces: Vec<Nonce> = (0..n).map(|_| new_nonce()).collect();
-        let version_now = || self.engine.stats.policy_version.load(Ordering::Relaxed);
+        let version_now = || self.policy_version();
         let mut events = futures::stream::select_all(
             rxs.into_iter()
                 .enumerate()

@@ -93,6 +93,41 @@ pub struct ServerConfig {
     pub events_file: Option<PathBuf>,
     /// Where its certificate is renewed from while it runs (trusting a run).
     pub renew: Option<CertRenewal>,
+    /// LoRA adapters of the base, each served (and trained, with `train`) as a model of
+    /// its own name on the one engine: `(name, directory in PEFT's format)`; without a
+    /// directory, a new adapter of `train.lora`'s shape. The base itself is then not
+    /// served to the swarm. Empty: the model as loaded.
+    pub adapters: Vec<(String, Option<PathBuf>)>,
+}
+
+impl ServerConfig {
+    /// The names the swarm knows this server's models by, each with its training group.
+    fn served_names(&self) -> Vec<(String, String)> {
+        let group = self.train.as_ref().and_then(|t| t.collective.group.clone());
+        if self.adapters.is_empty() {
+            let name = self.served_model_name.clone().unwrap_or(self.model.clone());
+            return vec![(name.clone(), group.unwrap_or(name))];
+        }
+        self.adapters
+            .iter()
+            .map(|(n, _)| (n.clone(), n.clone()))
+            .collect()
+    }
+}
+
+/// The seed of a new adapter named `name` (every member of its group draws the same).
+fn adapter_seed(name: &str) -> u64 {
+    let h = blake3::hash(name.as_bytes());
+    u64::from_le_bytes(h.as_bytes()[..8].try_into().expect("8 bytes"))
+}
+
+/// One model this server serves (the base, or an adapter on the engine's bank).
+struct Unit {
+    name: String,
+    adapter: Option<usize>,
+    /// The trainer's model (with training on).
+    train_model: Option<crate::model::llama::Llama>,
+    lora: Option<crate::model::llama::lora::LoraConfig>,
 }
 
 /// A running server.
@@ -104,16 +139,18 @@ pub struct Server {
     pub http_addr: Option<SocketAddr>,
     /// Where the dashboard answers.
     pub dashboard_addr: Option<SocketAddr>,
-    /// The name the swarm knows the model by.
+    /// The name the swarm knows the model by (the first adapter's, with adapters).
     pub model: String,
     pub served: Arc<ServedModel>,
+    /// Every model it serves (one, or one per adapter), `served` first.
+    pub models: Vec<Arc<ServedModel>>,
     /// What it did, as it happened (also in `ServerConfig::events_file`).
     pub events: Events<ServerEvent>,
     stop: Stop,
     drain_timeout: Duration,
     swarm: SwarmHandle,
     tasks: TaskTracker,
-    training: Option<train::TrainingHandle>,
+    training: Vec<train::TrainingHandle>,
 }
 
 /// Seconds what still runs after an abort gets before the stop gives up on it.
@@ -140,7 +177,12 @@ fn check_trust(cfg: &ServerConfig) -> Result<(), ServerError> {
     let Some(run) = &cfg.swarm.run else {
         return Ok(());
     };
-    let name = cfg.served_model_name.clone().unwrap_or(cfg.model.clone());
+    let names = cfg.served_names();
+    let name = names
+        .iter()
+        .map(|n| n.0.as_str())
+        .collect::<Vec<_>>()
+        .join(", ");
     let me = cfg.swarm.keypair.public().to_peer_id();
     let Some(cert) = &cfg.swarm.cert else {
         return Err(ServerError::Trust(format!(
@@ -152,11 +194,13 @@ fn check_trust(cfg: &ServerConfig) -> Result<(), ServerError> {
         .verify(run, &me)
         .map_err(|e| ServerError::Trust(format!("--cert: {e}")))?;
     cert_allows(cfg)(&c).map_err(ServerError::Trust)?;
-    if !c.serves(&name) {
-        println!(
-            "trust: the certificate does not allow serving {name:?}: the calls this server \
-             signs are trained on nowhere"
-        );
+    for (name, _) in &names {
+        if !c.serves(name) {
+            println!(
+                "trust: the certificate does not allow serving {name:?}: the calls this \
+                 server signs are trained on nowhere"
+            );
+        }
     }
     Ok(())
 }
@@ -164,21 +208,18 @@ fn check_trust(cfg: &ServerConfig) -> Result<(), ServerError> {
 /// Whether a certificate allows this server what it runs for: serving its model, or
 /// training it in its group (or both).
 fn cert_allows(cfg: &ServerConfig) -> impl Fn(&Certified) -> Result<(), String> {
-    let name = cfg.served_model_name.clone().unwrap_or(cfg.model.clone());
-    let group = cfg
-        .train
-        .as_ref()
-        .and_then(|t| t.collective.group.clone())
-        .unwrap_or(name.clone());
+    let names = cfg.served_names();
     move |c: &Certified| {
-        if c.serves(&name) || c.trains(&name, &group) {
-            return Ok(());
+        for (name, group) in &names {
+            if !(c.serves(name) || c.trains(name, group)) {
+                return Err(format!(
+                    "the certificate is for model {:?}, group {:?}: it allows neither serving \
+                     {name:?} nor training it in group {group:?}",
+                    c.grant.model, c.grant.group
+                ));
+            }
         }
-        Err(format!(
-            "the certificate is for model {:?}, group {:?}: it allows neither serving {name:?} \
-             nor training it in group {group:?}",
-            c.grant.model, c.grant.group
-        ))
+        Ok(())
     }
 }
 
@@ -191,17 +232,36 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
             source: e,
         })?;
     check_trust(&cfg)?;
+    if cfg.adapters.len() > 1
+        && cfg
+            .train
+            .as_ref()
+            .is_some_and(|t| t.collective.group.is_some())
+    {
+        return Err(ServerError::Trust(
+            "--group names one training group, and each --adapter trains in a group of its \
+             own name: drop --group"
+                .into(),
+        ));
+    }
     let spec = cfg.model.clone();
     let train = cfg.train.is_some();
     let lora = cfg.train.as_ref().and_then(|t| t.lora.clone());
+    let names = cfg.served_names();
+    let adapters = cfg.adapters.clone();
     // Loading takes seconds: off the async threads.
-    let (loaded, train_model) = tokio::task::spawn_blocking(move || {
+    let (loaded, units) = tokio::task::spawn_blocking(move || {
         let model_err = |source| ServerError::Model {
             spec: spec.clone(),
             source,
         };
         let source = ModelSource::resolve(&spec).map_err(model_err)?;
         let mut loaded = load_model(&source, device, dtype).map_err(model_err)?;
+        if !adapters.is_empty() {
+            let units = bank_units(&mut loaded.model, &adapters, train, lora.as_ref())
+                .map_err(model_err)?;
+            return Ok::<_, ServerError>((loaded, units));
+        }
         // The trainer's own float32 copy (the engine serves from the other), or with an
         // adapter the engine's frozen base, shared.
         let train_model = match (train, &lora) {
@@ -224,11 +284,17 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
                 Some(m)
             }
         };
-        Ok::<_, ServerError>((loaded, train_model))
+        let unit = Unit {
+            name: names[0].0.clone(),
+            adapter: None,
+            train_model,
+            lora,
+        };
+        Ok::<_, ServerError>((loaded, vec![unit]))
     })
     .await
     .map_err(|e| ServerError::Panicked(e.to_string()))??;
-    let name = cfg.served_model_name.clone().unwrap_or(cfg.model.clone());
+    let name = units[0].name.clone();
     let model_context = loaded.model.max_positions();
     let engine = spawn_engine(loaded.model, cfg.engine.clone()).map_err(ServerError::Engine)?;
     let max_context = model_context.min(engine.max_sequence);
@@ -241,48 +307,59 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
         peer_id: swarm.peer_id.to_string(),
         listen: listen_addrs.iter().map(ToString::to_string).collect(),
     });
-    let served = ServedModel::new(
-        name.clone(),
-        card.clone(),
-        engine.clone(),
-        max_context,
-        cfg.engine.max_batch,
-        swarm.clone(),
-        &cfg.data_dir,
-        cfg.limits.clone(),
-        stop.clone(),
-        tasks.clone(),
-        events.clone(),
-    )?;
-    let run_dir = cfg.data_dir.join("runs").join(safe_file_name(&name));
-    if let (Some(c), true) = (&cfg.config_json, train) {
-        let path = run_dir.join("config.json");
-        std::fs::create_dir_all(&run_dir)
-            .and_then(|_| {
-                let text = serde_json::to_string_pretty(c).unwrap_or_default() + "\n";
-                crate::base::files::write_atomic(&path, text.as_bytes())
-            })
-            .map_err(|e| ServerError::io(&path, e))?;
-    }
-    let training = match (cfg.train.clone(), train_model) {
-        (Some(settings), Some(model)) => {
-            let run_dir = run_dir.clone();
+    let mut models = Vec::with_capacity(units.len());
+    let mut training = Vec::new();
+    let bank: Vec<(String, usize)> = units
+        .iter()
+        .filter_map(|u| u.adapter.map(|i| (u.name.clone(), i)))
+        .collect();
+    for unit in units {
+        let mut served = ServedModel::new(
+            unit.name.clone(),
+            card.clone(),
+            engine.clone(),
+            max_context,
+            cfg.engine.max_batch,
+            swarm.clone(),
+            &cfg.data_dir,
+            cfg.limits.clone(),
+            stop.clone(),
+            tasks.clone(),
+            events.clone(),
+        )?;
+        if let Some(i) = unit.adapter {
+            served.set_adapter(i)?;
+        }
+        let run_dir = cfg.data_dir.join("runs").join(safe_file_name(&unit.name));
+        if let (Some(c), true) = (&cfg.config_json, train) {
+            let path = run_dir.join("config.json");
+            std::fs::create_dir_all(&run_dir)
+                .and_then(|_| {
+                    let text = serde_json::to_string_pretty(c).unwrap_or_default() + "\n";
+                    crate::base::files::write_atomic(&path, text.as_bytes())
+                })
+                .map_err(|e| ServerError::io(&path, e))?;
+        }
+        if let (Some(mut settings), Some(model)) = (cfg.train.clone(), unit.train_model) {
+            settings.lora = unit.lora;
             let served = served.clone();
             let rt = tokio::runtime::Handle::current();
             // Group links listen where the swarm does.
             let ip = crate::collective::rendezvous::ip_of(&listen_addrs)
                 .unwrap_or(std::net::Ipv4Addr::UNSPECIFIED.into());
-            Some(
+            training.push(
                 tokio::task::spawn_blocking(move || {
                     train::start_training(served, model, settings, &run_dir, rt, ip)
                 })
                 .await
                 .map_err(|e| ServerError::Panicked(e.to_string()))??,
-            )
+            );
         }
-        _ => None,
-    };
-    served.start().await?;
+        models.push(served);
+    }
+    let served = models[0].clone();
+    let run_dir = cfg.data_dir.join("runs").join(safe_file_name(&name));
+    ServedModel::start_all(&models).await?;
     if let Some(r) = cfg.renew.clone() {
         renew::spawn(
             r,
@@ -293,10 +370,12 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
             events.clone(),
         );
     }
-    println!("serving model {name:?} to the swarm");
-    events.emit(ServerEvent::Serving {
-        model: name.clone(),
-    });
+    for m in &models {
+        println!("serving model {:?} to the swarm", m.name);
+        events.emit(ServerEvent::Serving {
+            model: m.name.clone(),
+        });
+    }
     let dashboard_addr = match &cfg.dashboard {
         None => None,
         Some(addr) => {
@@ -306,7 +385,7 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
                     card: card.clone(),
                     engine: engine.clone(),
                     max_context,
-                    adapters: Vec::new(),
+                    adapters: bank.clone(),
                 },
                 served: served.clone(),
                 data_dir: cfg.data_dir.clone(),
@@ -335,7 +414,7 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
                     card,
                     engine,
                     max_context,
-                    adapters: Vec::new(),
+                    adapters: bank,
                 }),
                 FacadeConfig {
                     tasks: tasks.clone(),
@@ -373,6 +452,7 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
         dashboard_addr,
         model: name,
         served,
+        models,
         events,
         stop,
         drain_timeout: cfg.drain_timeout,
@@ -414,31 +494,39 @@ impl Server {
         self.events.emit(ServerEvent::Stopping {
             drain: mode == StopMode::Drain,
         });
-        if let Err(e) = self.swarm.stop_providing(&self.model).await {
-            tracing::warn!("withdrawing the provider record: {e}");
+        for m in &self.models {
+            if let Err(e) = self.swarm.stop_providing(&m.name).await {
+                tracing::warn!("withdrawing the provider record of {}: {e}", m.name);
+            }
         }
-        // The trainer hears the stop now: it finishes its step (and, on a drain, saves).
-        let training = self.training.map(|t| {
-            let mode = self.stop.mode().unwrap_or(mode);
-            tokio::task::spawn_blocking(move || t.stop(mode))
-        });
+        // The trainers hear the stop now: each finishes its step (and, on a drain, saves).
+        let stop_mode = self.stop.mode().unwrap_or(mode);
+        let training: Vec<_> = self
+            .training
+            .into_iter()
+            .map(|t| tokio::task::spawn_blocking(move || t.stop(stop_mode)))
+            .collect();
         let ended = wind_down(&self.tasks, &self.stop, self.drain_timeout, ABORT_GRACE).await;
         if !ended {
             tracing::warn!("some requests did not end within the abort grace; dropped");
         }
         let mut result = Ok(());
-        if let Some(t) = training {
+        for t in training {
             // On an abort the step in progress is not waited for (nothing unsaved is
             // acknowledged: its episodes are trained again after a restart).
             tokio::select! {
                 r = t => {
-                    result = match r {
+                    let r = match r {
                         Ok(r) => r.map_err(ServerError::from),
                         Err(e) => Err(ServerError::Panicked(e.to_string())),
                     };
+                    if result.is_ok() {
+                        result = r;
+                    }
                 }
                 _ = self.stop.aborted() => {
                     println!("training: aborted mid-step; the last checkpoint is kept");
+                    break;
                 }
             }
         }
@@ -448,4 +536,61 @@ impl Server {
         self.events.emit(ServerEvent::Stopped);
         result
     }
+}
+
+/// The engine model's bank for `adapters` (each read from its directory, or new of
+/// shape `lora`), and with `train` each adapter's trainer model: a twin of the frozen base
+/// with its own copy of the adapter.
+fn bank_units(
+    model: &mut crate::model::llama::Llama,
+    adapters: &[(String, Option<PathBuf>)],
+    train: bool,
+    lora: Option<&crate::model::llama::lora::LoraConfig>,
+) -> Result<Vec<Unit>, crate::model::ModelError> {
+    use crate::model::llama::lora::Adapter;
+    use crate::model::ModelError;
+    for mut t in model.base_parameters() {
+        let _ = t.requires_grad_(false);
+    }
+    let mut pending = Vec::new();
+    for (name, dir) in adapters {
+        if pending.iter().any(|(n, _, _)| n == name) {
+            return Err(ModelError::Invalid(format!(
+                "--adapter {name} is given twice"
+            )));
+        }
+        let seed = adapter_seed(name);
+        let a = match (dir, lora) {
+            (Some(d), _) => crate::model::peft::read_adapter(d, &model.config, model.device())?,
+            (None, Some(c)) => Adapter::new(&model.config, c.clone(), seed, model.device())?,
+            (None, None) => {
+                return Err(ModelError::Invalid(format!(
+                    "--adapter {name}: a new adapter needs --lora-rank (or NAME=DIR to load one)"
+                )))
+            }
+        };
+        let cfg = a.cfg.clone();
+        let i = model.add_served_adapter(a)?;
+        pending.push((name.clone(), i, (dir.clone(), cfg, seed)));
+    }
+    let mut units = Vec::with_capacity(pending.len());
+    for (name, i, (dir, cfg, seed)) in pending {
+        let train_model = if train {
+            let mut m = model.frozen_twin()?;
+            m.attach_adapter(cfg.clone(), seed)?;
+            if let Some(d) = &dir {
+                crate::model::peft::read_weights(d, &m)?;
+            }
+            Some(m)
+        } else {
+            None
+        };
+        units.push(Unit {
+            name,
+            adapter: Some(i),
+            train_model,
+            lora: Some(cfg),
+        });
+    }
+    Ok(units)
 }

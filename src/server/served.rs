@@ -19,7 +19,9 @@ use crate::base::stop::{Stop, TaskTracker};
 use crate::base::{lock, safe_file_name};
 use crate::engine::{EngineHandle, TokenBytes};
 use crate::model::ModelCard;
-use crate::rpc::{CardBlob, CardReply, CardRequest, CARD, INFER, SUBMIT};
+use crate::rpc::{
+    CardBlob, CardReply, CardRequest, InferRequest, SubmitManifest, CARD, INFER, SUBMIT,
+};
 use crate::swarm::frame::{read_frame, write_frame, FrameError};
 use crate::swarm::{CacheSummary, GroupStatus, ModelStatus, PeerId, Stream, SwarmHandle};
 use crate::timeline::fragment::{Fragment, FragmentHash};
@@ -58,6 +60,8 @@ pub(super) struct FragmentCache {
 /// One served model, shared by the protocol handlers.
 pub struct ServedModel {
     pub name: String,
+    /// The engine's bank adapter this model is (`None`: the engine's model as loaded).
+    pub adapter: Option<usize>,
     pub card: Arc<ModelCard>,
     pub engine: EngineHandle,
     pub max_context: usize,
@@ -158,6 +162,7 @@ impl ServedModel {
         })?;
         Ok(Arc::new(ServedModel {
             name,
+            adapter: None,
             card,
             engine,
             max_context,
@@ -179,6 +184,32 @@ impl ServedModel {
             tasks,
             events,
         }))
+    }
+
+    /// This model as the engine's bank adapter `i` (see [`crate::model::llama::bank`]).
+    pub fn set_adapter(self: &mut Arc<Self>, i: usize) -> Result<(), ServerError> {
+        Arc::get_mut(self)
+            .ok_or_else(|| ServerError::Panicked("the served model is already shared".into()))?
+            .adapter = Some(i);
+        Ok(())
+    }
+
+    /// The policy version the engine serves this model at.
+    pub fn policy_version(&self) -> u64 {
+        let s = &self.engine.stats;
+        match self.adapter {
+            None => s.policy_version.load(Ordering::Relaxed),
+            Some(i) => lock(&s.adapter_versions).get(i).copied().unwrap_or(0),
+        }
+    }
+
+    /// Serves `params` (the trainer's parameters) as this model's `version`.
+    pub(super) fn serve_weights(
+        &self,
+        params: &[tch::Tensor],
+        version: u64,
+    ) -> Result<(), crate::engine::EngineError> {
+        self.engine.update_weights_of(self.adapter, params, version)
     }
 
     /// Sends every episode stored from now on to `tx` (the training loop).
@@ -211,46 +242,79 @@ impl ServedModel {
     /// Registers the protocol handlers, announces the model, and keeps its status fresh
     /// (until the role stops).
     pub async fn start(self: &Arc<Self>) -> Result<(), ServerError> {
-        let m = self.clone();
-        self.swarm.serve(INFER, move |peer, s| {
-            let m = m.clone();
-            let running = m.tasks.token();
+        Self::start_all(std::slice::from_ref(self)).await
+    }
+
+    /// [`ServedModel::start`] for several models of one server (adapters on one engine):
+    /// one handler per protocol takes each call, card request and submission to the model
+    /// it names (an unknown name goes to the first model, which refuses it and says why).
+    pub async fn start_all(models: &[Arc<Self>]) -> Result<(), ServerError> {
+        let Some(first) = models.first().cloned() else {
+            return Err(ServerError::Panicked("no model to serve".into()));
+        };
+        let all: Arc<Vec<Arc<Self>>> = Arc::new(models.to_vec());
+        let pick = |all: &[Arc<Self>], name: &str| -> Arc<Self> {
+            all.iter()
+                .find(|m| m.name == name)
+                .unwrap_or(&all[0])
+                .clone()
+        };
+        let ms = all.clone();
+        first.swarm.serve(INFER, move |peer, mut s| {
+            let ms = ms.clone();
+            let running = ms[0].tasks.token();
             async move {
                 let _running = running;
-                m.infer(s)
+                let r: InferRequest = read_frame(&mut s, ms[0].limit()).await?;
+                pick(&ms, &r.model)
+                    .infer(r, s)
                     .instrument(tracing::debug_span!("call", %peer))
                     .await
             }
         })?;
-        let m = self.clone();
-        self.swarm.serve(CARD, move |_peer, s| {
-            let m = m.clone();
-            async move { m.card(s).await }
+        let ms = all.clone();
+        first.swarm.serve(CARD, move |_peer, mut s| {
+            let ms = ms.clone();
+            async move {
+                let req: CardRequest = read_frame(&mut s, 4096).await?;
+                pick(&ms, &req.model).card(req, s).await
+            }
         })?;
-        let m = self.clone();
-        self.swarm.serve(SUBMIT, move |peer, s| {
-            let m = m.clone();
-            let running = m.tasks.token();
+        let ms = all.clone();
+        first.swarm.serve(SUBMIT, move |peer, mut s| {
+            let ms = ms.clone();
+            let running = ms[0].tasks.token();
             async move {
                 let _running = running;
-                m.submit(peer, s)
+                let m: SubmitManifest = read_frame(&mut s, ms[0].limit()).await?;
+                let model = m
+                    .manifest
+                    .timelines
+                    .first()
+                    .map(|t| t.model.clone())
+                    .unwrap_or_default();
+                pick(&ms, &model)
+                    .submit(peer, m, s)
                     .instrument(tracing::info_span!("episode", %peer, id = tracing::field::Empty))
                     .await
             }
         })?;
-        self.publish_status();
-        self.swarm.provide(&self.name).await?;
-        let m = self.clone();
-        let stop = self.stop.clone();
-        self.tasks.spawn(async move {
-            let mut tick = tokio::time::interval(m.swarm.cfg.status_interval / 2);
-            loop {
-                tokio::select! {
-                    _ = tick.tick() => m.publish_status(),
-                    _ = stop.requested() => return,
+        for m in models {
+            m.publish_status();
+            m.swarm.provide(&m.name).await?;
+            let m = m.clone();
+            let stop = m.stop.clone();
+            let tasks = m.tasks.clone();
+            tasks.spawn(async move {
+                let mut tick = tokio::time::interval(m.swarm.cfg.status_interval / 2);
+                loop {
+                    tokio::select! {
+                        _ = tick.tick() => m.publish_status(),
+                        _ = stop.requested() => return,
+                    }
                 }
-            }
-        });
+            });
+        }
         Ok(())
     }
 
@@ -258,7 +322,7 @@ impl ServedModel {
         let s = &self.engine.stats;
         let running = s.running.load(Ordering::Relaxed);
         let waiting = s.waiting.load(Ordering::Relaxed);
-        let version = s.policy_version.load(Ordering::Relaxed);
+        let version = self.policy_version();
         let free = (self.max_batch.saturating_sub(running) * self.engine.max_sequence) as u64;
         let episodes = self.episodes_stored.load(Ordering::Relaxed);
         let name = self.name.clone();
@@ -275,13 +339,18 @@ impl ServedModel {
             prefilled_tokens: s.prefill_tokens.load(Ordering::Relaxed),
         };
         self.swarm.set_status(|st| {
-            st.models = vec![ModelStatus {
+            let me = ModelStatus {
                 name,
                 policy_version: version,
                 train_step: self.train_step.load(Ordering::Relaxed),
                 group: lock(&self.group).clone(),
                 cache,
-            }];
+            };
+            // The server's other models (adapters on the same engine) keep their entries.
+            match st.models.iter_mut().find(|m| m.name == me.name) {
+                Some(m) => *m = me,
+                None => st.models.push(me),
+            }
             st.load = load;
             st.queue_depth = waiting as u32;
             st.free_kv_positions = free;
@@ -293,8 +362,7 @@ impl ServedModel {
         self.swarm.cfg.max_frame_bytes
     }
 
-    async fn card(&self, mut s: Stream) -> Result<(), FrameError> {
-        let req: CardRequest = read_frame(&mut s, 4096).await?;
+    async fn card(&self, req: CardRequest, mut s: Stream) -> Result<(), FrameError> {
         let reply = if req.model == self.name {
             CardReply::Card {
                 hash: self.card_blob.0,

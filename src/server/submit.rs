@@ -159,9 +159,13 @@ impl ServedModel {
         Ok(())
     }
 
-    pub(super) async fn submit(&self, peer: PeerId, mut s: Stream) -> Result<(), SubmitError> {
+    pub(super) async fn submit(
+        &self,
+        peer: PeerId,
+        m: SubmitManifest,
+        mut s: Stream,
+    ) -> Result<(), SubmitError> {
         let limit = self.limit();
-        let m: SubmitManifest = read_frame(&mut s, limit).await?;
         let episode = m.manifest.episode_id.clone();
         tracing::Span::current().record("id", episode.as_str());
         // Taken while draining too: an episode is acknowledged only once it is on disk,

@@ -139,9 +139,7 @@ pub fn start_training(
             run_dir.dir.display()
         ),
     }
-    served
-        .engine
-        .update_weights(&trainer.model.parameters(), trainer.version())?;
+    served.serve_weights(&trainer.model.parameters(), trainer.version())?;
     served.train_step.store(trainer.steps(), Ordering::Relaxed);
     let (tx, rx) = std::sync::mpsc::channel();
     // Episodes stored before this start that the checkpoint has not consumed (pending in

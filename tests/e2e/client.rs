@@ -1115,6 +1115,143 @@ fn examples_c_and_d_run_unchanged() {
     assert_eq!(stored_of("smollm2").len(), 8);
 }
 
+/// Two trainable models in one episode (example (c)'s shape: a solver's call, then a
+/// checker's on its answer, each model with its own reward), now two LoRA adapters
+/// (`--adapter tiny-a --adapter tiny-b`) on one server of the tiny model: one engine and one
+/// frozen base serve both, each stores its own episodes with its own reward, and both
+/// adapters train (each its own steps, run directory, group and checkpoint). The agent is
+/// the shell one of `two_models_train_in_one_run_each_with_its_own_reward` (rewards by
+/// reply length, so a random model's groups differ; examples/two_model_agent's arithmetic
+/// rewards are all zero on a random model and train nothing).
+#[test]
+fn the_two_model_example_trains_two_adapters_on_one_server() {
+    let _lane = common::light();
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let mut s = Peer::start(
+        "duo",
+        dir.path(),
+        &[
+            "--role",
+            "server",
+            "--model",
+            model.to_str().unwrap(),
+            "--device",
+            "cpu",
+            "--learning-rate",
+            "1e-3",
+            "--group-timeout",
+            "5",
+            "--groups-per-step",
+            "1",
+            "--lora-rank",
+            "4",
+            "--adapter",
+            "tiny-a",
+            "--adapter",
+            "tiny-b",
+        ],
+    );
+    let boot = s.addr();
+    s.wait_serving(Duration::from_secs(120));
+    let run = dir.path().join("run");
+    let (_, agent, tasks) = setup(dir.path(), TWO_MODEL_AGENT, 5);
+    let mut c = Peer::start(
+        "client",
+        dir.path(),
+        &[
+            "--role",
+            "client",
+            "--bootstrap",
+            &boot,
+            "--model",
+            "tiny-a",
+            "--model",
+            "tiny-b",
+            "--agent",
+            &agent,
+            "--tasks",
+            tasks.to_str().unwrap(),
+            "--num-repeat",
+            "4",
+            "--concurrency",
+            "4",
+            "--run-dir",
+            run.to_str().unwrap(),
+        ],
+    );
+    assert!(c.child.wait().unwrap().success(), "{}", c.log_text());
+    let journal = read_journal(&run.join("episodes.jsonl")).unwrap();
+    assert_eq!(journal.len(), 20);
+    for m in ["tiny-a", "tiny-b"] {
+        let stored = agentjet::server::read_stored_episodes(
+            &dir.path().join("duo").join("episodes").join(m),
+        )
+        .unwrap();
+        assert_eq!(stored.len(), 20, "{m}");
+        for e in &journal {
+            assert_eq!(e["status"], "finished", "{e}");
+            assert_eq!(e["calls"], 2, "{e}");
+            let st = stored
+                .iter()
+                .find(|s| s.manifest.episode_id == e["episode"].as_str().unwrap())
+                .unwrap();
+            assert_eq!(st.timelines.len(), 1);
+            assert_eq!(st.timelines[0].model, m);
+            assert_eq!(
+                st.manifest.rewards.get(m).copied(),
+                e["rewards"][m].as_f64(),
+                "{m} got its own reward"
+            );
+        }
+        let metrics = dir
+            .path()
+            .join("duo")
+            .join("runs")
+            .join(m)
+            .join("metrics.jsonl");
+        let t0 = std::time::Instant::now();
+        while !metrics_lines(&metrics).iter().any(|l| l["trained"] == true) {
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "{m} did not train within 60 s:\n{}",
+                s.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+    // Stopped, each adapter's checkpoint is its own, in PEFT's format.
+    // SAFETY: a plain signal to our own child process.
+    unsafe { libc::kill(s.child.id() as i32, libc::SIGTERM) };
+    assert!(s.child.wait().unwrap().success(), "{}", s.log_text());
+    let adapters: Vec<Vec<u8>> = ["tiny-a", "tiny-b"]
+        .iter()
+        .map(|m| {
+            let runs = dir.path().join("duo").join("runs").join(m);
+            let file = walk(&runs)
+                .into_iter()
+                .find(|p| p.ends_with("adapter/adapter_model.safetensors"))
+                .unwrap_or_else(|| panic!("{m}: no adapter checkpoint under {}", runs.display()));
+            std::fs::read(file).unwrap()
+        })
+        .collect();
+    assert_ne!(adapters[0], adapters[1], "two adapters, not one");
+}
+
+/// Every file under `dir`.
+fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            out.extend(walk(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
+}
+
 /// Three agents written against real frameworks from PyPI, each with a function tool, run
 /// unmodified as `--agent` commands against a server of the real default model: OpenAI's
 /// Agents SDK with its default model (the Responses API), LangChain's `ChatOpenAI` with a

@@ -252,6 +252,7 @@ async fn roles_run_in_process_and_a_stop_releases_them() {
             drain_timeout: Duration::from_secs(30),
             events_file: None,
             renew: None,
+            adapters: Vec::new(),
         },
         &stop,
     )

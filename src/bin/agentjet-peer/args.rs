@@ -164,6 +164,13 @@ pub struct ServerCli {
     /// The name the swarm knows the model by (default: the --model argument).
     #[arg(long)]
     pub served_model_name: Option<String>,
+    /// Serve (and train) a LoRA adapter of the base as model NAME, repeatable: `NAME` is a
+    /// new adapter of --lora-rank's shape, `NAME=DIR` one in PEFT's format (a checkpoint's
+    /// `adapter/`, or peft's save_pretrained). Every adapter shares the one frozen base
+    /// and engine (one batch mixes them); each has its own trainer, run directory,
+    /// episodes, steps and training group (named NAME). The base itself is then not served.
+    #[arg(long = "adapter", value_name = "NAME[=DIR]")]
+    pub adapters: Vec<String>,
     /// `auto` (CUDA when available), `cpu`, `cuda` or `cuda:N`.
     #[arg(long, default_value = "auto")]
     pub device: String,

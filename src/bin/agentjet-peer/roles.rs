@@ -134,6 +134,19 @@ mod torch {
                 data_dir,
                 model: self.model.clone(),
                 served_model_name: self.served_model_name.clone(),
+                adapters: self
+                    .adapters
+                    .iter()
+                    .map(|a| match a.split_once('=') {
+                        Some(_) => crate::args::named_adapter(a)
+                            .map(|(n, d)| (n, Some(d)))
+                            .map_err(|e| anyhow::anyhow!("--adapter {e}")),
+                        None if a.trim().is_empty() => {
+                            Err(anyhow::anyhow!("--adapter: an empty name"))
+                        }
+                        None => Ok((a.trim().to_string(), None)),
+                    })
+                    .collect::<Result<_>>()?,
                 device: self.device.clone(),
                 dtype: self.dtype.clone(),
                 engine: self.engine.config(),

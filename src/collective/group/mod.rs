@@ -69,6 +69,7 @@
 
 mod decline;
 mod proto;
+mod serve;
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -78,14 +79,17 @@ use std::time::{Duration, Instant};
 use tracing::{debug, info, warn};
 
 use decline::{declined_peer, left_out, Decline};
-use proto::{ask, serve_one, Shared};
+use proto::{ask, Shared};
 pub use proto::{
     Action, AskError, Ballot, MemberState, Reply, Request, Snapshot, Start, StateManifest, GROUP,
     STATE_CHUNK,
 };
+use serve::{serve_group, Trusted};
 
 use super::link::{self, LinkError, LinkListener, LinkNet, TcpLinks};
-use super::rendezvous::{ask_link, serve_links_to, LinkAdmit, LinkAsk, OfferBook, RendezvousError};
+use super::rendezvous::{
+    ask_link, serve_group_links, LinkAdmit, LinkAsk, OfferBook, RendezvousError,
+};
 use super::ring::{Ring, RingError, RoundStats, Wire};
 use crate::base::lock;
 use crate::swarm::{PeerId, SwarmError, SwarmHandle};
@@ -230,16 +234,21 @@ impl GroupNode {
         let admit: LinkAdmit = Arc::new(move |p: &PeerId| {
             sw.may_train_with_peer(p, &model, &name) && !sh.is_banned(&p.to_bytes())
         });
-        serve_links_to(&swarm, listener.clone(), book.clone(), admit)?;
+        serve_group_links(
+            &swarm,
+            Some(&cfg.name),
+            listener.clone(),
+            book.clone(),
+            admit,
+        )?;
         let sh = shared.clone();
         // Under the asker's timeout, so a member still in a round answers "refused".
         let wait = cfg.timeout.mul_f64(0.9);
         let (sw, model, name) = (swarm.clone(), cfg.model.clone(), cfg.name.clone());
-        swarm.serve(GROUP, move |peer, s| {
-            let trusted =
-                sw.may_train_with_peer(&peer, &model, &name) && !sh.is_banned(&peer.to_bytes());
-            serve_one(sh.clone(), peer, s, wait, trusted)
-        })?;
+        let trusted: Trusted = Arc::new(move |peer: &PeerId| {
+            sw.may_train_with_peer(peer, &model, &name) && !sh.is_banned(&peer.to_bytes())
+        });
+        serve_group(&swarm, &cfg.name, shared.clone(), wait, trusted)?;
         Ok(GroupNode {
             me: swarm.peer_id,
             cfg,

@@ -130,6 +130,16 @@ pub(super) fn peer_name(b: &[u8]) -> String {
 }
 
 impl Request {
+    /// The group it is for.
+    pub fn group(&self) -> &str {
+        match self {
+            Request::Prepare { group, .. }
+            | Request::Manifest { group }
+            | Request::Chunk { group, .. } => group,
+            Request::Start(s) => &s.group,
+        }
+    }
+
     /// Its name, for logs.
     pub fn kind(&self) -> &'static str {
         match self {
@@ -475,16 +485,10 @@ pub(super) async fn serve_one(
     shared: Arc<Shared>,
     peer: PeerId,
     mut s: Stream,
+    req: Request,
     wait: Duration,
     trusted: bool,
 ) -> Result<(), FrameError> {
-    let req: Request = match read_frame(&mut s, LIMIT).await {
-        Ok(r) => r,
-        Err(e) => {
-            warn!(group = shared.group, %peer, "dropped a bad group request: {e}");
-            return Err(e);
-        }
-    };
     if !trusted {
         // Not a peer this member may train with (see `swarm::trust`): nothing it sends
         // is looked at.

@@ -30,9 +30,11 @@ impl Llama {
     /// then attaches its own adapter, which freezes the base). Fails if this model's base
     /// is trained (it would be written under the other's reads).
     pub fn frozen_twin(&self) -> Result<Llama, ModelError> {
-        if self.adapter.is_none() || self.base_parameters().iter().any(Tensor::requires_grad) {
+        if self.base_parameters().iter().any(Tensor::requires_grad) {
             return Err(ModelError::Invalid(
-                "only a model with an adapter (a frozen base) shares its base".into(),
+                "only a model with a frozen base (an adapter attached or served) shares its \
+                 base"
+                    .into(),
             ));
         }
         let layers = self

@@ -37,8 +37,11 @@ pub(super) struct Bank {
 struct Stacks {
     kind: Kind,
     generations: Vec<u64>,
-    per: Vec<[Option<(Tensor, Tensor)>; 4]>,
+    per: Vec<LayerStacks>,
 }
+
+/// One layer's stacked `(Aᵀ, Bᵀ)` by product.
+type LayerStacks = [Option<(Tensor, Tensor)>; 4];
 
 /// A mixed pass's gather and scatter for the batched path.
 pub(super) struct Gathered {
@@ -364,12 +367,12 @@ fn stack_bank(
     adapters: &[Adapter],
     kind: Kind,
     c: &LlamaConfig,
-) -> Result<Vec<[Option<(Tensor, Tensor)>; 4]>, ModelError> {
+) -> Result<Vec<LayerStacks>, ModelError> {
     let _g = tch::no_grad_guard();
     let n = adapters.len() as i64;
     let mut per = Vec::with_capacity(c.num_hidden_layers);
     for l in 0..c.num_hidden_layers {
-        let mut layer: [Option<(Tensor, Tensor)>; 4] = Default::default();
+        let mut layer: LayerStacks = Default::default();
         for (p, slot) in layer.iter_mut().enumerate() {
             let parts = adapters
                 .iter()

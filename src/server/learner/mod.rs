@@ -286,8 +286,7 @@ impl<'a> ServerLearner<'a> {
     /// The engine serves the trainer's weights under its version; the status says its step.
     fn serve_trained(&self) -> Result<(), TrainingError> {
         self.served
-            .engine
-            .update_weights(&self.trainer.model.parameters(), self.trainer.version())?;
+            .serve_weights(&self.trainer.model.parameters(), self.trainer.version())?;
         self.served
             .train_step
             .store(self.trainer.steps(), Ordering::Relaxed);
