@@ -25,7 +25,7 @@
 //! --groups N [1]  --group-size N [4]  --turns N [12]  --prompt N [600]  --env N [30]
 //! --gen N [10]  (the trace, as actor_update's)
 //! --skip-peft  (no Python)  --decode-tokens N [32]
-//! --only-multi-adapter  (only multi_adapter_decode)
+//! --only-multi-adapter  (only multi_adapter_decode)  --model SPEC [smollm2]
 //! ```
 
 #[allow(dead_code)] // only its reference_python
@@ -85,8 +85,11 @@ fn shape(args: &[String]) -> anyhow::Result<TraceShape> {
     })
 }
 
+/// The model every part runs on (`--model SPEC`, default SmolLM2).
+static SPEC: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
 fn model(lora: Option<usize>, dtype: DType) -> anyhow::Result<Llama> {
-    let source = ModelSource::resolve("smollm2")?;
+    let source = ModelSource::resolve(SPEC.get().map_or("smollm2", String::as_str))?;
     let mut m = load_model(&source, tch::Device::cuda_if_available(), dtype)?.model;
     if let Some(r) = lora {
         m.attach_adapter(LoraConfig::new(r), 0)?;
@@ -202,6 +205,7 @@ fn run_child(args: &[String], variant: &str) -> anyhow::Result<ChildOut> {
         "--prompt",
         "--env",
         "--gen",
+        "--model",
     ] {
         if let Some(v) = flag(args, f) {
             cmd.args([f, &v]);
@@ -302,7 +306,7 @@ fn peft_fwd_bwd(
 ) -> anyhow::Result<f64> {
     let dir = tempfile::tempdir()?;
     let hf = dir.path().join("smollm2-hf");
-    let source = ModelSource::resolve("smollm2")?;
+    let source = ModelSource::resolve(SPEC.get().map_or("smollm2", String::as_str))?;
     let loaded = load_model(&source, tch::Device::Cpu, DType::F32)?;
     agentjet::model::checkpoint::save_checkpoint(&hf, &loaded.card, &loaded.model, DType::F32)?;
     drop(loaded);
@@ -417,6 +421,7 @@ fn multi_adapter(args: &[String], rank: usize, dtype: DType) -> anyhow::Result<(
 
 fn run() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
+    let _ = SPEC.set(flag(&args, "--model").unwrap_or_else(|| "smollm2".into()));
     if let Some(v) = flag(&args, "--child") {
         return child(&args, &v);
     }
@@ -582,7 +587,7 @@ fn run() -> anyhow::Result<()> {
 /// `m` with its adapter merged into plain weights (what merged serving would hold).
 fn merged(m: &Llama, dtype: DType) -> anyhow::Result<Llama> {
     let dir = tempfile::tempdir()?;
-    let source = ModelSource::resolve("smollm2")?;
+    let source = ModelSource::resolve(SPEC.get().map_or("smollm2", String::as_str))?;
     let card = load_model(&source, tch::Device::Cpu, DType::F32)?.card;
     let out = dir.path().join("merged");
     agentjet::model::checkpoint::save_checkpoint(&out, &card, m, DType::F32)?;

@@ -11,16 +11,17 @@
 # `run`: tests/cuda.rs (CUDA vs CPU: logits, engine, training layouts, AdamW), then
 # benches/random_model.py makes a SmolLM2-135M copy with random weights (same shapes, so the
 # same compute; special tokens zeroed so greedy decoding never ends early), and the serving and
-# actor_update benches run on it (ours and HF transformers on the same GPU, same run).
+# actor_update benches run on it (ours and HF transformers on the same GPU, same run), and the
+# lora bench's multi-adapter decode.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
 prepare)
     set -e
-    json=$(cargo test --release --no-run --test cuda --message-format=json 2>/dev/null; cargo bench --no-run --bench serving --bench actor_update --message-format=json 2>/dev/null)
+    json=$(cargo test --release --no-run --test cuda --message-format=json 2>/dev/null; cargo bench --no-run --bench serving --bench actor_update --bench lora --message-format=json 2>/dev/null)
     mkdir -p .gpu/meta
     grep -q '^/.gpu/$' .git/info/exclude 2>/dev/null || echo "/.gpu/" >>.git/info/exclude
-    for b in cuda serving actor_update; do
+    for b in cuda serving actor_update lora; do
         exe=$(printf '%s\n' "$json" | grep "\"name\":\"$b\"" | grep -o '"executable":"[^"]*"' | tail -1 | cut -d'"' -f4)
         [ -n "$exe" ] || { echo "no $b binary built" >&2; exit 1; }
         strip -o ".gpu/$b" "$exe"
@@ -55,8 +56,11 @@ run)
     timeout 60 .gpu/actor_update --bench --model /tmp/smolrand >"$OUT/actor_default.log" 2>&1
     echo "rc=$?"; grep -v '^RESULT' "$OUT/actor_default.log" | tail -8
     t "actor_update (AppWorld-shaped trace)"
-    timeout 110 .gpu/actor_update --bench --model /tmp/smolrand --turns 20 --prompt 300 --env 60 --gen 20 --group-size 8 >"$OUT/actor_appworld.log" 2>&1
+    timeout 100 .gpu/actor_update --bench --model /tmp/smolrand --turns 20 --prompt 300 --env 60 --gen 20 --group-size 8 >"$OUT/actor_appworld.log" 2>&1
     echo "rc=$?"; grep -v '^RESULT' "$OUT/actor_appworld.log" | tail -8
+    t "lora: multi-adapter decode"
+    timeout 60 .gpu/lora --bench --only-multi-adapter --model /tmp/smolrand >"$OUT/lora.log" 2>&1
+    echo "rc=$?"; tail -8 "$OUT/lora.log"
     t "done"
     ;;
 *)

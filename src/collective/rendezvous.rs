@@ -141,11 +141,6 @@ pub type LinkAdmit = Arc<dyn Fn(&PeerId) -> bool + Send + Sync>;
 
 /// [`serve_links`] for the peers `admit` lets in only; the others are refused (and
 /// logged with their ids) before anything is put in the book.
-///
-/// A node may be a member of several groups (a server training several adapters): the
-/// protocol is registered once per node and each ask goes to its group's listener and
-/// book (an ask for a group this node does not serve is refused). Serving a group again
-/// replaces its entry.
 pub fn serve_links_to(
     swarm: &SwarmHandle,
     listener: Arc<LinkListener>,
@@ -157,6 +152,11 @@ pub fn serve_links_to(
 
 /// [`serve_links_to`] for the asks of group `group` only (`None`: every group without an
 /// entry of its own).
+///
+/// A node may be a member of several groups (a server training several adapters): the
+/// protocol is registered once per node and each ask goes to its group's listener and
+/// book (an ask for a group this node does not serve is refused). Serving a group again
+/// replaces its entry.
 pub fn serve_group_links(
     swarm: &SwarmHandle,
     group: Option<&str>,
@@ -164,7 +164,11 @@ pub fn serve_group_links(
     book: Arc<OfferBook>,
     admit: LinkAdmit,
 ) -> Result<(), SwarmError> {
-    static NODES: Mutex<Vec<(PeerId, Arc<GroupLinks>)>> = Mutex::new(Vec::new());
+    // Weak: the handler (which ends with its node) holds the table.
+    static NODES: Mutex<Vec<(PeerId, std::sync::Weak<GroupLinks>)>> = Mutex::new(Vec::new());
+    // Held across the registration, so two groups of one node cannot both find no table.
+    let mut nodes = lock(&NODES);
+    nodes.retain(|(_, t)| t.strong_count() > 0);
     // A node of this swarm registers the protocol once: the first group registers it with
     // a table of its own; later groups (the registration refused) join that table.
     let entry: GroupEntry = (listener, book, admit);
@@ -199,15 +203,18 @@ pub fn serve_group_links(
             Ok::<(), FrameError>(())
         }
     });
-    let mut nodes = lock(&NODES);
     match registered {
         Ok(()) => {
             nodes.retain(|(p, _)| *p != swarm.peer_id);
-            nodes.push((swarm.peer_id, table));
+            nodes.push((swarm.peer_id, Arc::downgrade(&table)));
             Ok(())
         }
-        Err(e) => match nodes.iter().find(|(p, _)| *p == swarm.peer_id) {
-            Some((_, l)) => {
+        Err(e) => match nodes
+            .iter()
+            .find(|(p, _)| *p == swarm.peer_id)
+            .and_then(|(_, t)| t.upgrade())
+        {
+            Some(l) => {
                 lock(&l.groups).insert(group.map(str::to_string), entry);
                 Ok(())
             }

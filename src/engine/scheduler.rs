@@ -149,7 +149,8 @@ impl Running {
 /// prefix. The base's (and the model's own adapter's) keys are the tokens.
 fn keyed(adapter: Option<usize>, mut tokens: Vec<u32>) -> Vec<u32> {
     if let (Some(i), Some(first)) = (adapter, tokens.first_mut()) {
-        *first |= ((i + 1) as u32) << 24;
+        // A bank holds at most 255 adapters (an index past it is refused by `check`).
+        *first |= (i.min(254) as u32 + 1) << 24;
     }
     tokens
 }

@@ -87,21 +87,22 @@ pub struct LocalBackend {
 impl LocalBackend {
     /// Whether `model` is served, and with which adapter (`None`: the base).
     fn resolve(&self, model: &str) -> Option<Option<usize>> {
-        if model == self.name {
-            return Some(None);
+        if let Some(&(_, i)) = self.adapters.iter().find(|(n, _)| n == model) {
+            return Some(Some(i));
         }
-        self.adapters
-            .iter()
-            .find(|(n, _)| n == model)
-            .map(|&(_, i)| Some(i))
+        (model == self.name).then_some(None)
     }
 }
 
 impl Backend for LocalBackend {
     fn model_ids(&self) -> Vec<String> {
-        std::iter::once(self.name.clone())
-            .chain(self.adapters.iter().map(|(n, _)| n.clone()))
-            .collect()
+        let mut ids = vec![self.name.clone()];
+        for (n, _) in &self.adapters {
+            if !ids.contains(n) {
+                ids.push(n.clone());
+            }
+        }
+        ids
     }
     fn card(&self, model: &str) -> Option<Arc<ModelCard>> {
         self.resolve(model).map(|_| self.card.clone())

@@ -21,6 +21,8 @@ pub enum ServerError {
     Engine(#[source] ModelError),
     #[error("trust: {0}")]
     Trust(String),
+    #[error("{0}")]
+    Config(String),
     #[error(transparent)]
     Swarm(#[from] SwarmError),
     #[error(transparent)]

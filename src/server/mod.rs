@@ -231,19 +231,26 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
             spec: cfg.model.clone(),
             source: e,
         })?;
-    check_trust(&cfg)?;
-    if cfg.adapters.len() > 1
+    if !cfg.adapters.is_empty()
         && cfg
             .train
             .as_ref()
             .is_some_and(|t| t.collective.group.is_some())
     {
-        return Err(ServerError::Trust(
-            "--group names one training group, and each --adapter trains in a group of its \
+        return Err(ServerError::Config(
+            "--group names the training group, and each --adapter trains in a group of its \
              own name: drop --group"
                 .into(),
         ));
     }
+    if cfg.adapters.len() > 1 && cfg.swarm.run.is_some() {
+        return Err(ServerError::Config(
+            "trusting a run, a certificate names one model: serve one --adapter per server \
+             (several adapters on one server run in an open or swarm-key swarm)"
+                .into(),
+        ));
+    }
+    check_trust(&cfg)?;
     let spec = cfg.model.clone();
     let train = cfg.train.is_some();
     let lora = cfg.train.as_ref().and_then(|t| t.lora.clone());
@@ -295,6 +302,8 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
     .await
     .map_err(|e| ServerError::Panicked(e.to_string()))??;
     let name = units[0].name.clone();
+    // The HTTP API and dashboard serve the base under its own name beside the adapters.
+    let base_name = cfg.served_model_name.clone().unwrap_or(cfg.model.clone());
     let model_context = loaded.model.max_positions();
     let engine = spawn_engine(loaded.model, cfg.engine.clone()).map_err(ServerError::Engine)?;
     let max_context = model_context.min(engine.max_sequence);
@@ -381,7 +390,7 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
         Some(addr) => {
             let source = dash::ServerDash {
                 backend: LocalBackend {
-                    name: name.clone(),
+                    name: base_name.clone(),
                     card: card.clone(),
                     engine: engine.clone(),
                     max_context,
@@ -410,7 +419,7 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
         Some(addr) => {
             let app = router(
                 Arc::new(LocalBackend {
-                    name: name.clone(),
+                    name: base_name,
                     card,
                     engine,
                     max_context,
@@ -547,16 +556,20 @@ fn bank_units(
     train: bool,
     lora: Option<&crate::model::llama::lora::LoraConfig>,
 ) -> Result<Vec<Unit>, crate::model::ModelError> {
-    use crate::model::llama::lora::Adapter;
+    use crate::model::llama::lora::{Adapter, LoraConfig};
     use crate::model::ModelError;
     for mut t in model.base_parameters() {
         let _ = t.requires_grad_(false);
     }
-    let mut pending = Vec::new();
+    let mut pending: Vec<(String, usize, (Option<PathBuf>, LoraConfig, u64))> = Vec::new();
     for (name, dir) in adapters {
-        if pending.iter().any(|(n, _, _)| n == name) {
+        if let Some((other, _, _)) = pending
+            .iter()
+            .find(|(n, _, _)| safe_file_name(n) == safe_file_name(name))
+        {
             return Err(ModelError::Invalid(format!(
-                "--adapter {name} is given twice"
+                "--adapter {name}: its run directory and episodes would be {other:?}'s \
+                 (the same name, or the same as a file name)"
             )));
         }
         let seed = adapter_seed(name);

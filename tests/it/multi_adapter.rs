@@ -239,3 +239,35 @@ fn a_weight_update_of_one_adapter_changes_only_its_requests_and_version() {
 fn tiny_config(dir: &std::path::Path) -> agentjet::model::config::LlamaConfig {
     tiny().load(dir, Device::Cpu, DType::F32).config
 }
+
+/// The base with an adapter of its own (requests without a bank adapter take it) and the
+/// three bank adapters: a mixed batch runs each adapter's rows with its own two products
+/// (not the batched path), and each request still gets what it gets alone.
+fn own_and_banked(dir: &std::path::Path) -> Llama {
+    let mut m = banked(dir);
+    m.attach_adapter(LoraConfig::new(3), 5).unwrap();
+    randomize_b(m.parameters(), 5);
+    m.parameters_changed();
+    m
+}
+
+#[test]
+fn a_model_with_its_own_adapter_mixes_it_with_bank_adapters() {
+    let dir = tempfile::tempdir().unwrap();
+    let reqs = requests();
+    let alone: Vec<Completed> = reqs
+        .iter()
+        .map(|r| run(&engine(own_and_banked(dir.path())), std::slice::from_ref(r)).remove(0))
+        .collect();
+    let together = run(&engine(own_and_banked(dir.path())), &reqs);
+    for i in 0..reqs.len() {
+        same(
+            &together[i],
+            &alone[i],
+            &format!("request {i} in the mixed batch"),
+        );
+    }
+    // The own adapter applies to the requests without a bank adapter.
+    let plain = run(&engine(banked(dir.path())), &reqs[..2]);
+    assert_ne!(plain[0].logprobs, alone[0].logprobs);
+}

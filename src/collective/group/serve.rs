@@ -5,7 +5,7 @@
 //! Owns: the node's members by group. The answers are [`super::proto`]'s.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use super::proto::{self, serve_one, Ballot, Reply, Request, Shared, GROUP};
@@ -18,7 +18,8 @@ pub(super) type Trusted = Arc<dyn Fn(&PeerId) -> bool + Send + Sync>;
 
 /// One node's group members, by group name: a node may be a member of several groups (a
 /// server training several adapters), and `/agentjet/group/2` is registered once per node.
-type Members = Arc<Mutex<HashMap<String, (Arc<Shared>, Duration, Trusted)>>>;
+type Members = Arc<MembersTable>;
+type MembersTable = Mutex<HashMap<String, (Arc<Shared>, Duration, Trusted)>>;
 
 /// Serves `group`'s requests to this node with `shared` (replacing an earlier member of
 /// the same group); a request for a group this node is not in is refused.
@@ -29,7 +30,11 @@ pub(super) fn serve_group(
     wait: Duration,
     trusted: Trusted,
 ) -> Result<(), GroupError> {
-    static NODES: Mutex<Vec<(PeerId, Members)>> = Mutex::new(Vec::new());
+    // Weak: the handler (which ends with its node) holds the table.
+    static NODES: Mutex<Vec<(PeerId, Weak<MembersTable>)>> = Mutex::new(Vec::new());
+    // Held across the registration, so two members of one node cannot both find no table.
+    let mut nodes = crate::base::lock(&NODES);
+    nodes.retain(|(_, t)| t.strong_count() > 0);
     let entry = (shared, wait, trusted);
     // A node of this swarm registers the protocol once: the first member registers it
     // with a table of its own; later members (the registration refused) join that table.
@@ -60,16 +65,19 @@ pub(super) fn serve_group(
             serve_one(shared, peer, s, req, wait, ok).await
         }
     });
-    let mut nodes = crate::base::lock(&NODES);
     match registered {
         Ok(()) => {
             nodes.retain(|(p, _)| *p != swarm.peer_id);
-            nodes.push((swarm.peer_id, table));
+            nodes.push((swarm.peer_id, Arc::downgrade(&table)));
             Ok(())
         }
-        Err(e) => match nodes.iter().find(|(p, _)| *p == swarm.peer_id) {
-            Some((_, m)) => {
-                crate::base::lock(m).insert(group.to_string(), entry);
+        Err(e) => match nodes
+            .iter()
+            .find(|(p, _)| *p == swarm.peer_id)
+            .and_then(|(_, t)| t.upgrade())
+        {
+            Some(m) => {
+                crate::base::lock(&m).insert(group.to_string(), entry);
                 Ok(())
             }
             None => Err(e.into()),

@@ -26,9 +26,10 @@ impl Llama {
     }
 
     /// A second model over this one's base, sharing every base tensor (no copy), without
-    /// an adapter: for a trainer beside an engine when both only read the base (each
-    /// then attaches its own adapter, which freezes the base). Fails if this model's base
-    /// is trained (it would be written under the other's reads).
+    /// an adapter: for a trainer beside an engine when both only read the base (the
+    /// trainer then attaches its own adapter; the engine has its own, or a bank of
+    /// served ones). Fails if this model's base is trained (it would be written under the
+    /// other's reads).
     pub fn frozen_twin(&self) -> Result<Llama, ModelError> {
         if self.base_parameters().iter().any(Tensor::requires_grad) {
             return Err(ModelError::Invalid(

@@ -7,8 +7,8 @@
 //!
 //! Without an adapter of the model's own, a pass that mixes adapters runs every adapter's
 //! rows in two batched products per fused layer (Punica's gathered BGMV on LibTorch's
-//! `bmm`): the rows are gathered into `[adapters, widest run, in]` (shorter runs padded
-//! with a zero row), multiplied by the bank's A and B stacked `[adapters, ..]` (ranks
+//! `bmm`): the rows are gathered into `[adapters, widest run, in]` (shorter runs padded;
+//! the padding's outputs are dropped), multiplied by the bank's A and B stacked `[adapters, ..]` (ranks
 //! padded to the largest with zeros), and scattered back. A pass with the model's own
 //! adapter runs one pair of products per run instead.
 //!
@@ -45,10 +45,14 @@ type LayerStacks = [Option<(Tensor, Tensor)>; 4];
 
 /// A mixed pass's gather and scatter for the batched path.
 pub(super) struct Gathered {
-    /// The row of `x` for each of the `n · width` padded positions (`rows`: a zero row).
+    /// The row of `x` for each of the `n · width` padded positions (a padding position
+    /// takes row 0: its output is never read).
     gather: Tensor,
-    /// Each row's position among the padded outputs (`n · width`: a zero row).
+    /// Each row's position among the padded outputs (`n · width`: a zero row, for the
+    /// base's rows).
     scatter: Tensor,
+    /// Whether some row has no adapter (then the outputs get the zero row).
+    base_rows: bool,
     /// The bank indices of the runs' adapters, when they are not the whole bank in order.
     used: Option<Tensor>,
     n: i64,
@@ -167,9 +171,15 @@ impl Llama {
                         Tensor::f_from_slice(&inv)?.f_to_device(self.device)?,
                     ))
                 };
-                let gathered = match self.adapter {
-                    Some(_) => None,
-                    None => Some(self.gathered(rows, &order, &runs)?),
+                // Batched unless the model has its own adapter, or the runs are so uneven
+                // (a long prompt beside short ones) that padding them to the widest would
+                // more than double the rows.
+                let widest = runs.iter().filter(|r| r.0.is_some()).map(|r| r.2).max();
+                let banked = runs.iter().filter(|r| r.0.is_some()).count();
+                let even = widest.is_some_and(|w| w as usize * banked <= 2 * rows.len());
+                let gathered = match (&self.adapter, even) {
+                    (None, true) => Some(self.gathered(rows, &order, &runs)?),
+                    _ => None,
                 };
                 Route::Runs {
                     perm,
@@ -195,9 +205,8 @@ impl Llama {
             .collect();
         let n = banked.len() as i64;
         let width = banked.iter().map(|r| r.2).max().unwrap_or(0);
-        let zero_in = rows.len() as i64;
         let zero_out = n * width;
-        let mut gather = vec![zero_in; (n * width) as usize];
+        let mut gather = vec![0i64; (n * width) as usize];
         let mut scatter = vec![zero_out; rows.len()];
         for (k, &(_, start, len)) in banked.iter().enumerate() {
             for j in 0..len {
@@ -222,6 +231,7 @@ impl Llama {
             used,
             n,
             width,
+            base_rows: rows.iter().any(Option::is_none),
         })
     }
 
@@ -258,15 +268,17 @@ impl Llama {
             Some(ids) => (at.f_index_select(0, ids)?, bt.f_index_select(0, ids)?),
         };
         let in_ = x.size()[1];
-        let zero = Tensor::f_zeros([1, in_], (kind, x.device()))?;
-        let xp = Tensor::f_cat(&[x.shallow_clone(), zero], 0)?
+        let xp = x
             .f_index_select(0, &g.gather)?
             .f_view([g.n, g.width, in_])?;
         let y = xp.f_bmm(&at)?.f_bmm(&bt)?.f_view([g.n * g.width, out])?;
-        let zero = Tensor::f_zeros([1, out], (kind, x.device()))?;
-        Ok(Some(
-            Tensor::f_cat(&[y, zero], 0)?.f_index_select(0, &g.scatter)?,
-        ))
+        let y = if g.base_rows {
+            let zero = Tensor::f_zeros([1, out], (kind, x.device()))?;
+            Tensor::f_cat(&[y, zero], 0)?
+        } else {
+            y
+        };
+        Ok(Some(y.f_index_select(0, &g.scatter)?))
     }
 
     fn check_source(&self, s: Source) -> Result<(), ModelError> {
@@ -332,14 +344,14 @@ impl Llama {
                 x.size()
             )));
         }
-        let xs = match perm {
-            Some((order, _)) => x.f_index_select(0, order)?,
-            None => x.shallow_clone(),
-        };
         let out: i64 = targets.iter().map(|t| t.dims(&self.config).1).sum();
         if let (Some(g), Some(p)) = (gathered, PRODUCTS.iter().position(|&t| t == targets)) {
             return self.gathered_delta(g, l, p, x, out);
         }
+        let xs = match perm {
+            Some((order, _)) => x.f_index_select(0, order)?,
+            None => x.shallow_clone(),
+        };
         let mut pieces = Vec::with_capacity(runs.len());
         let mut any = false;
         for &(source, start, n) in runs {
