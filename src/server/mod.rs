@@ -561,7 +561,9 @@ fn bank_units(
     for mut t in model.base_parameters() {
         let _ = t.requires_grad_(false);
     }
-    let mut pending: Vec<(String, usize, (Option<PathBuf>, LoraConfig, u64))> = Vec::new();
+    // (name, bank index, (directory, shape, seed)) of each adapter added.
+    type Added = (String, usize, (Option<PathBuf>, LoraConfig, u64));
+    let mut pending: Vec<Added> = Vec::new();
     for (name, dir) in adapters {
         if let Some((other, _, _)) = pending
             .iter()
