@@ -31,6 +31,9 @@
 //! Prints each layout's token count and time, the ratios, and `RESULT` lines, where the
 //! "peer" is the layout being improved on (per call for linear, linear for tree).
 
+mod flags;
+use flags::{flag, parse};
+
 use std::time::Instant;
 
 use agentjet::collective::{Ring, Wire};
@@ -42,21 +45,6 @@ use agentjet::timeline::synth::{trace, TraceShape};
 use agentjet::train::optim::{AdamW, AdamWConfig};
 use agentjet::train::target_logprobs;
 use tch::{Kind, Tensor};
-
-fn flag(args: &[String], name: &str) -> Option<String> {
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1).cloned())
-}
-
-fn parse<T: std::str::FromStr>(args: &[String], name: &str, default: T) -> anyhow::Result<T> {
-    match flag(args, name) {
-        None => Ok(default),
-        Some(v) => v
-            .parse()
-            .map_err(|_| anyhow::anyhow!("{name}: cannot parse {v:?}")),
-    }
-}
 
 fn main() {
     if let Err(e) = run() {

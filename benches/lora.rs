@@ -31,6 +31,9 @@
 #[allow(dead_code)] // only its reference_python
 mod peer;
 
+mod flags;
+use flags::{flag, parse};
+
 use std::process::Command;
 use std::time::Instant;
 
@@ -48,21 +51,6 @@ use agentjet::train::optim::AdamWConfig;
 use agentjet::train::target_logprobs;
 use agentjet::train::trainer::{Trainer, TrainerConfig};
 use tch::{Kind, Tensor};
-
-fn flag(args: &[String], name: &str) -> Option<String> {
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1).cloned())
-}
-
-fn parse<T: std::str::FromStr>(args: &[String], name: &str, default: T) -> anyhow::Result<T> {
-    match flag(args, name) {
-        None => Ok(default),
-        Some(v) => v
-            .parse()
-            .map_err(|_| anyhow::anyhow!("{name}: cannot parse {v:?}")),
-    }
-}
 
 fn main() {
     if let Err(e) = run() {

@@ -181,6 +181,18 @@ fn the_same_groups_split_across_three_members_step_like_one_trainer_on_their_uni
 /// Δ = mean(θ - θ_i), b = Δ then b = μb + Δ, θ' = θ - lr (Δ + μ b).
 #[test]
 fn diloco_outer_steps_match_the_update_computed_by_hand_and_leave_members_identical() {
+    diloco_by_hand(false);
+}
+
+/// The same with a LoRA adapter (rank 4 on every target): θ is the adapter alone, and the
+/// frozen base does not move.
+#[test]
+fn diloco_outer_steps_of_a_lora_adapter_match_the_update_computed_by_hand() {
+    diloco_by_hand(true);
+}
+
+fn diloco_by_hand(lora: bool) {
+    use agentjet::model::llama::lora::LoraConfig;
     use agentjet::train::outer::{Outer, OuterConfig};
     let dir = tempfile::tempdir().unwrap();
     let cfg = OuterConfig {
@@ -204,7 +216,16 @@ fn diloco_outer_steps_match_the_update_computed_by_hand_and_leave_members_identi
             .map(|(i, mut ring)| {
                 let dir = dir.path();
                 s.spawn(move || {
-                    let mut t = trainer(tiny(dir), Normalization::Token);
+                    let mut m = tiny(dir);
+                    if lora {
+                        m.attach_adapter(LoraConfig::new(4), 0).unwrap();
+                    }
+                    let base: Vec<tch::Tensor> = m
+                        .base_parameters()
+                        .iter()
+                        .map(|p| p.detach().copy())
+                        .collect();
+                    let mut t = trainer(m, Normalization::Token);
                     let mut outer = Outer::new(&t, cfg);
                     let mut trace = Vec::new();
                     for k in 0..2 {
@@ -218,6 +239,11 @@ fn diloco_outer_steps_match_the_update_computed_by_hand_and_leave_members_identi
                         ring.all_reduce(&mut sum, Wire::F32).unwrap();
                         outer.step(&mut t, &sum, 2).unwrap();
                         trace.push((anchor, local, params(&t)));
+                    }
+                    if lora {
+                        for (a, b) in t.model.base_parameters().iter().zip(&base) {
+                            assert!(a.equal(b), "the frozen base moved");
+                        }
                     }
                     trace
                 })

@@ -492,3 +492,58 @@ print(json.dumps({{"ours": ours.flatten().tolist(), "theirs": theirs.flatten().t
 
 /// Token-id prompts for the greedy comparison.
 const PROMPTS: [&[u32]; 3] = [&[5, 17, 200, 3], &[99, 42, 42, 7, 250, 1, 64], &[128, 9]];
+
+/// An adapter trains the same in the linear layout as in the tree layout (the default):
+/// the same loss, gradient norm and adapter after a step, within float error.
+#[test]
+fn an_adapter_trains_alike_in_the_linear_and_tree_layouts() {
+    use agentjet::timeline::layout::Layout;
+    let dir = tempfile::tempdir().unwrap();
+    let src = tiny().write_hf_dir(&dir.path().join("base"));
+    let groups = toy_groups();
+    let step = |layout: Layout| {
+        let mut m = load(&src, DType::F32);
+        m.attach_adapter(LoraConfig::new(4), 1).unwrap();
+        randomize_b(&m, 8);
+        let mut t = Trainer::new(
+            m,
+            None,
+            TrainerConfig {
+                layout,
+                // Small: Adam's first step is about lr x the gradient's sign, which float
+                // error may flip where a gradient is near zero.
+                optim: AdamWConfig {
+                    lr: 1e-6,
+                    weight_decay: 0.0,
+                    ..Default::default()
+                },
+                max_staleness: None,
+                ..TrainerConfig::default()
+            },
+        )
+        .unwrap();
+        let m = t.step(&groups, &ReadyReport::default()).unwrap();
+        assert!(m.trained && m.tokens_trained > 0, "{layout:?}");
+        (m, copies(&t.model.parameters()))
+    };
+    let (tree, tree_after) = step(Layout::Tree);
+    let (linear, linear_after) = step(Layout::Linear);
+    assert!(
+        (tree.loss - linear.loss).abs() < 1e-5,
+        "{} vs {}",
+        tree.loss,
+        linear.loss
+    );
+    assert!(
+        (tree.grad_norm - linear.grad_norm).abs() < 1e-4 * tree.grad_norm.max(1.0),
+        "{} vs {}",
+        tree.grad_norm,
+        linear.grad_norm
+    );
+    for (a, b) in tree_after.iter().zip(&linear_after) {
+        assert!(
+            max_abs_diff(a, b) < 1e-5,
+            "the adapters differ after a step"
+        );
+    }
+}

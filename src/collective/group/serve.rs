@@ -9,9 +9,8 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use super::proto::{self, serve_one, Ballot, Reply, Request, Shared, GROUP};
-use super::GroupError;
 use crate::swarm::frame::{read_frame, write_frame};
-use crate::swarm::{PeerId, SwarmHandle};
+use crate::swarm::{PeerId, SwarmError, SwarmHandle};
 
 /// Whether a peer may send this member group requests.
 pub(super) type Trusted = Arc<dyn Fn(&PeerId) -> bool + Send + Sync>;
@@ -29,7 +28,7 @@ pub(super) fn serve_group(
     shared: Arc<Shared>,
     wait: Duration,
     trusted: Trusted,
-) -> Result<(), GroupError> {
+) -> Result<(), SwarmError> {
     // Weak: the handler (which ends with its node) holds the table.
     static NODES: Mutex<Vec<(PeerId, Weak<MembersTable>)>> = Mutex::new(Vec::new());
     // Held across the registration, so two members of one node cannot both find no table.
@@ -80,7 +79,7 @@ pub(super) fn serve_group(
                 crate::base::lock(&m).insert(group.to_string(), entry);
                 Ok(())
             }
-            None => Err(e.into()),
+            None => Err(e),
         },
     }
 }

@@ -12,22 +12,22 @@
 //! padded to the largest with zeros), and scattered back. A pass with the model's own
 //! adapter runs one pair of products per run instead.
 //!
-//! Owns: the bank and the per-row routing of one forward pass. Never schedules: the
-//! engine says which row has which adapter ([`Llama::with_adapter_rows`]).
+//! Owns: the bank and the per-row routing of one forward pass (the model's side, `impl
+//! Llama`, is in `served`). Never schedules: the engine says which row has which adapter
+//! (`Llama::with_adapter_rows`).
 
 use std::cell::RefCell;
 
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
-use super::lora::{Adapter, Target, PRODUCTS};
-use super::Llama;
+use super::lora::Adapter;
 use crate::model::config::LlamaConfig;
 use crate::model::ModelError;
 
 /// The served adapters and their products stacked for the batched path.
 #[derive(Default)]
 pub(super) struct Bank {
-    adapters: Vec<Adapter>,
+    pub(super) adapters: Vec<Adapter>,
     stacks: RefCell<Option<Stacks>>,
 }
 
@@ -83,68 +83,16 @@ pub const MAX_BANK_VOCAB: usize = 1 << 24;
 /// Adapters one bank holds at most (the tag above takes 8 bits).
 pub const MAX_BANK_ADAPTERS: usize = 255;
 
-impl Llama {
-    /// Adds `a` to the bank of served adapters; returns its index (a request's adapter).
-    /// The adapter serves from stacked copies of its values: after changing them in place,
-    /// call [`Adapter::changed`].
-    pub fn add_served_adapter(&mut self, a: Adapter) -> Result<usize, ModelError> {
-        if self.config.vocab_size >= MAX_BANK_VOCAB {
-            return Err(ModelError::Invalid(format!(
-                "a vocabulary of {} tokens is too large to serve bank adapters (at most {})",
-                self.config.vocab_size, MAX_BANK_VOCAB
-            )));
-        }
-        if self.bank.adapters.len() >= MAX_BANK_ADAPTERS {
-            return Err(ModelError::Invalid(format!(
-                "at most {MAX_BANK_ADAPTERS} adapters are served by one model"
-            )));
-        }
-        if a.tensors().iter().any(|t| t.device() != self.device) {
-            return Err(ModelError::Invalid(
-                "the adapter's tensors are not on the model's device".into(),
-            ));
-        }
-        for mut t in a.tensors() {
-            let _ = t.requires_grad_(false);
-        }
-        a.set_serving();
-        self.bank.adapters.push(a);
-        Ok(self.bank.adapters.len() - 1)
-    }
-
-    /// The number of adapters in the bank.
-    pub fn served_adapters(&self) -> usize {
-        self.bank.adapters.len()
-    }
-
-    /// Bank adapter `i`.
-    pub fn served_adapter(&self, i: usize) -> Option<&Adapter> {
-        self.bank.adapters.get(i)
-    }
-
-    /// Runs `f` (one or more forward passes) with every activation row taking its low-rank
-    /// terms from `source`.
-    pub fn with_served_adapter<R>(
-        &self,
-        source: Source,
-        f: impl FnOnce() -> Result<R, ModelError>,
-    ) -> Result<R, ModelError> {
-        self.check_source(source)?;
-        self.routed(Route::All(source), f)
-    }
-
-    /// Runs `f` (one forward pass whose activations have `rows.len()` rows, e.g. the
-    /// packed tokens of a prefill or the sequences of a decode step) with row `r` taking
-    /// its low-rank terms from `rows[r]`.
-    pub fn with_adapter_rows<R>(
+impl Bank {
+    /// The route of a pass whose row `r` takes `rows[r]` (see
+    /// `Llama::with_adapter_rows`); `own_adapter`: the model has one.
+    pub(super) fn route(
         &self,
         rows: &[Source],
-        f: impl FnOnce() -> Result<R, ModelError>,
-    ) -> Result<R, ModelError> {
-        for &s in rows {
-            self.check_source(s)?;
-        }
-        let route = match rows.first() {
+        own_adapter: bool,
+        device: Device,
+    ) -> Result<Route, ModelError> {
+        Ok(match rows.first() {
             None => Route::All(None),
             Some(&first) if rows.iter().all(|&s| s == first) => Route::All(first),
             Some(_) => {
@@ -167,8 +115,8 @@ impl Llama {
                     }
                     let order: Vec<i64> = order.iter().map(|&r| r as i64).collect();
                     Some((
-                        Tensor::f_from_slice(&order)?.f_to_device(self.device)?,
-                        Tensor::f_from_slice(&inv)?.f_to_device(self.device)?,
+                        Tensor::f_from_slice(&order)?.f_to_device(device)?,
+                        Tensor::f_from_slice(&inv)?.f_to_device(device)?,
                     ))
                 };
                 // Batched unless the model has its own adapter, or the runs are so uneven
@@ -177,8 +125,8 @@ impl Llama {
                 let widest = runs.iter().filter(|r| r.0.is_some()).map(|r| r.2).max();
                 let banked = runs.iter().filter(|r| r.0.is_some()).count();
                 let even = widest.is_some_and(|w| w as usize * banked <= 2 * rows.len());
-                let gathered = match (&self.adapter, even) {
-                    (None, true) => Some(self.gathered(rows, &order, &runs)?),
+                let gathered = match (own_adapter, even) {
+                    (false, true) => Some(self.gathered(rows, &order, &runs, device)?),
                     _ => None,
                 };
                 Route::Runs {
@@ -188,8 +136,7 @@ impl Llama {
                     gathered,
                 }
             }
-        };
-        self.routed(route, f)
+        })
     }
 
     /// The batched path's indices for `rows` sorted by `order` into `runs`.
@@ -198,6 +145,7 @@ impl Llama {
         rows: &[Source],
         order: &[usize],
         runs: &[(Source, i64, i64)],
+        device: Device,
     ) -> Result<Gathered, ModelError> {
         let banked: Vec<(usize, i64, i64)> = runs
             .iter()
@@ -216,15 +164,15 @@ impl Llama {
                 scatter[row as usize] = at;
             }
         }
-        let in_order = banked.len() == self.bank.adapters.len()
-            && banked.iter().enumerate().all(|(k, r)| r.0 == k);
+        let in_order =
+            banked.len() == self.adapters.len() && banked.iter().enumerate().all(|(k, r)| r.0 == k);
         let used = if in_order {
             None
         } else {
             let ids: Vec<i64> = banked.iter().map(|r| r.0 as i64).collect();
-            Some(Tensor::f_from_slice(&ids)?.f_to_device(self.device)?)
+            Some(Tensor::f_from_slice(&ids)?.f_to_device(device)?)
         };
-        let dev = self.device;
+        let dev = device;
         Ok(Gathered {
             gather: Tensor::f_from_slice(&gather)?.f_to_device(dev)?,
             scatter: Tensor::f_from_slice(&scatter)?.f_to_device(dev)?,
@@ -236,27 +184,28 @@ impl Llama {
     }
 
     /// The batched low-rank term of product `p` of layer `l` for `x` [rows, in].
-    fn gathered_delta(
+    pub(super) fn gathered_delta(
         &self,
         g: &Gathered,
         l: usize,
         p: usize,
         x: &Tensor,
         out: i64,
+        c: &LlamaConfig,
     ) -> Result<Option<Tensor>, ModelError> {
         if g.n == 0 {
             return Ok(None);
         }
         let kind = x.kind();
-        let mut st = self.bank.stacks.borrow_mut();
-        let generations: Vec<u64> = self.bank.adapters.iter().map(Adapter::generation).collect();
+        let mut st = self.stacks.borrow_mut();
+        let generations: Vec<u64> = self.adapters.iter().map(Adapter::generation).collect();
         if st
             .as_ref()
             .is_none_or(|s| s.kind != kind || s.generations != generations)
         {
             *st = Some(Stacks {
                 kind,
-                per: stack_bank(&self.bank.adapters, kind, &self.config)?,
+                per: stack_bank(&self.adapters, kind, c)?,
                 generations,
             });
         }
@@ -279,98 +228,6 @@ impl Llama {
             y
         };
         Ok(Some(y.f_index_select(0, &g.scatter)?))
-    }
-
-    fn check_source(&self, s: Source) -> Result<(), ModelError> {
-        match s {
-            Some(i) if i >= self.bank.adapters.len() => Err(ModelError::Invalid(format!(
-                "adapter {i} is not served ({} in the bank)",
-                self.bank.adapters.len()
-            ))),
-            _ => Ok(()),
-        }
-    }
-
-    fn routed<R>(
-        &self,
-        route: Route,
-        f: impl FnOnce() -> Result<R, ModelError>,
-    ) -> Result<R, ModelError> {
-        let before = self.route.replace(Some(route));
-        let r = f();
-        self.route.replace(before);
-        r
-    }
-
-    /// The low-rank term of `targets` from `source` for `x`.
-    fn source_delta(
-        &self,
-        source: Source,
-        l: usize,
-        targets: &[Target],
-        x: &Tensor,
-    ) -> Result<Option<Tensor>, ModelError> {
-        match source {
-            None => match &self.adapter {
-                None => Ok(None),
-                Some(a) => a.delta(l, targets, x, &self.config),
-            },
-            Some(i) => self.bank.adapters[i].delta(l, targets, x, &self.config),
-        }
-    }
-
-    /// The low-rank term of layer `l`'s `targets` for `x` [rows, in] under the current
-    /// route (none: the model's own adapter).
-    pub(super) fn lora(
-        &self,
-        l: usize,
-        targets: &[Target],
-        x: &Tensor,
-    ) -> Result<Option<Tensor>, ModelError> {
-        let route = self.route.borrow();
-        let (perm, runs, rows, gathered) = match route.as_ref() {
-            None => return self.source_delta(None, l, targets, x),
-            Some(Route::All(s)) => return self.source_delta(*s, l, targets, x),
-            Some(Route::Runs {
-                perm,
-                runs,
-                rows,
-                gathered,
-            }) => (perm, runs, *rows, gathered),
-        };
-        if x.dim() != 2 || x.size()[0] != rows {
-            return Err(ModelError::Invalid(format!(
-                "adapters were given for {rows} rows, the activations are {:?}",
-                x.size()
-            )));
-        }
-        let out: i64 = targets.iter().map(|t| t.dims(&self.config).1).sum();
-        if let (Some(g), Some(p)) = (gathered, PRODUCTS.iter().position(|&t| t == targets)) {
-            return self.gathered_delta(g, l, p, x, out);
-        }
-        let xs = match perm {
-            Some((order, _)) => x.f_index_select(0, order)?,
-            None => x.shallow_clone(),
-        };
-        let mut pieces = Vec::with_capacity(runs.len());
-        let mut any = false;
-        for &(source, start, n) in runs {
-            match self.source_delta(source, l, targets, &xs.f_narrow(0, start, n)?)? {
-                Some(d) => {
-                    any = true;
-                    pieces.push(d);
-                }
-                None => pieces.push(Tensor::f_zeros([n, out], (x.kind(), x.device()))?),
-            }
-        }
-        if !any {
-            return Ok(None);
-        }
-        let d = Tensor::f_cat(&pieces, 0)?;
-        Ok(Some(match perm {
-            Some((_, inv)) => d.f_index_select(0, inv)?,
-            None => d,
-        }))
     }
 }
 

@@ -130,6 +130,7 @@ mod kv;
 pub mod lora;
 mod parts;
 mod paths;
+mod served;
 
 impl Llama {
     /// Builds the decoder from HF-named weights, checking every name and shape.
