@@ -179,9 +179,14 @@ pub fn serve_group_links(
         let links = links.clone();
         async move {
             let ask: LinkAsk = read_frame(&mut s, 4096).await?;
+            // A group's asks carry `NAME@EPOCH:PROPOSER` (see `collective::group`).
+            let name = ask.group.rsplit_once('@').map_or(&ask.group[..], |(n, _)| n);
             let entry = {
                 let g = lock(&links.groups);
-                g.get(&Some(ask.group.clone())).or_else(|| g.get(&None)).cloned()
+                g.get(&Some(ask.group.clone()))
+                    .or_else(|| g.get(&Some(name.to_string())))
+                    .or_else(|| g.get(&None))
+                    .cloned()
             };
             let Some((listener, book, admit)) = entry else {
                 let no = LinkAnswer::Refused(format!("this peer is not in group {:?}", ask.group));
