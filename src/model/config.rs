@@ -1,5 +1,9 @@
 //! Model configuration: the serde mirror of an HF `config.json` for the Llama family
-//! (Llama, Mistral, Qwen2, SmolLM) and the validated runtime config the decoder uses.
+//! (Llama, Mistral, Qwen2, Qwen3, SmolLM) and the validated runtime config the decoder
+//! uses. Both transformers 4's fields (`rope_theta`, `rope_scaling`) and 5's
+//! (`rope_parameters`) are read; a field that would change the computation and that this
+//! decoder does not implement (sliding windows, partial rotary, MLP biases, other rope
+//! types, ...) is an error naming it, never a silent default.
 //!
 //! Owns: reading and validating architecture hyper-parameters from `config.json` or from
 //! GGUF metadata, and writing them back as an HF-compatible `config.json`. Never touches
@@ -16,6 +20,9 @@ pub enum Family {
     Llama,
     Mistral,
     Qwen2,
+    /// Qwen3 dense: Qwen2 without q/k/v biases, with an RMSNorm over each head's queries
+    /// and keys before the rotation (`q_norm`, `k_norm`).
+    Qwen3,
 }
 
 impl Family {
@@ -24,6 +31,7 @@ impl Family {
             Family::Llama => "LlamaForCausalLM",
             Family::Mistral => "MistralForCausalLM",
             Family::Qwen2 => "Qwen2ForCausalLM",
+            Family::Qwen3 => "Qwen3ForCausalLM",
         }
     }
     pub fn model_type(self) -> &'static str {
@@ -31,7 +39,12 @@ impl Family {
             Family::Llama => "llama",
             Family::Mistral => "mistral",
             Family::Qwen2 => "qwen2",
+            Family::Qwen3 => "qwen3",
         }
+    }
+    /// An RMSNorm over each head's queries and keys before the rotation.
+    pub fn qk_norm(self) -> bool {
+        matches!(self, Family::Qwen3)
     }
 }
 
@@ -75,7 +88,7 @@ pub struct LlamaConfig {
 /// A configuration that cannot be run, with the reason.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("{source_name}: unknown architecture {arch:?} (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM; GGUF: llama, qwen2)")]
+    #[error("{source_name}: unknown architecture {arch:?} (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM; GGUF: llama, qwen2, qwen3)")]
     UnknownArchitecture { source_name: String, arch: String },
     #[error("{source_name}: {problem}")]
     Invalid {
@@ -136,10 +149,21 @@ pub struct HfConfig {
     pub head_dim: Option<usize>,
     #[serde(default = "default_rms_eps")]
     pub rms_norm_eps: f64,
-    #[serde(default = "default_theta")]
-    pub rope_theta: f64,
+    #[serde(default)]
+    pub rope_theta: Option<f64>,
     #[serde(default)]
     pub rope_scaling: Option<serde_json::Value>,
+    /// transformers 5: `{"rope_theta": .., "rope_type": .., its scaling fields}`.
+    #[serde(default)]
+    pub rope_parameters: Option<serde_json::Value>,
+    #[serde(default)]
+    pub partial_rotary_factor: Option<f64>,
+    #[serde(default)]
+    pub use_sliding_window: Option<bool>,
+    #[serde(default)]
+    pub layer_types: Option<Vec<String>>,
+    #[serde(default)]
+    pub mlp_bias: Option<bool>,
     #[serde(default = "default_max_pos")]
     pub max_position_embeddings: usize,
     #[serde(default)]
@@ -167,6 +191,7 @@ impl HfConfig {
             "LlamaForCausalLM" | "llama" => Family::Llama,
             "MistralForCausalLM" | "mistral" => Family::Mistral,
             "Qwen2ForCausalLM" | "qwen2" => Family::Qwen2,
+            "Qwen3ForCausalLM" | "qwen3" => Family::Qwen3,
             _ => {
                 return Err(ConfigError::UnknownArchitecture {
                     source_name: source_name.to_string(),
@@ -182,7 +207,23 @@ impl HfConfig {
                 ));
             }
         }
-        let rope_scaling = match &self.rope_scaling {
+        self.refuse_unimplemented(source_name)?;
+        // transformers 5 keeps theta and the scaling in `rope_parameters`; a config that
+        // has it is read from it (the top-level fields are transformers 4's).
+        let params = self.rope_parameters.as_ref().filter(|v| !v.is_null());
+        let rope_theta = match params {
+            Some(p) => match p.get("rope_theta") {
+                Some(t) => t.as_f64().ok_or_else(|| {
+                    invalid(
+                        source_name,
+                        format!("rope_parameters.rope_theta is {t}, not a number"),
+                    )
+                })?,
+                None => self.rope_theta.unwrap_or_else(default_theta),
+            },
+            None => self.rope_theta.unwrap_or_else(default_theta),
+        };
+        let rope_scaling = match params.or(self.rope_scaling.as_ref()) {
             None | Some(serde_json::Value::Null) => None,
             Some(v) => parse_rope_scaling(v, source_name)?,
         };
@@ -198,7 +239,7 @@ impl HfConfig {
                 .head_dim
                 .unwrap_or(self.hidden_size / self.num_attention_heads.max(1)),
             rms_norm_eps: self.rms_norm_eps,
-            rope_theta: self.rope_theta,
+            rope_theta,
             rope_scaling,
             max_position_embeddings: self.max_position_embeddings,
             // HF's default for Llama is untied; Qwen2 small models set it explicitly.
@@ -211,6 +252,49 @@ impl HfConfig {
         };
         cfg.validate(source_name)?;
         Ok(cfg)
+    }
+
+    /// Fields whose value would change the computation in a way this decoder does not
+    /// implement: an error naming the field and its value.
+    fn refuse_unimplemented(&self, source_name: &str) -> Result<(), ConfigError> {
+        let refuse = |field: &str, value: String, why: &str| {
+            Err(invalid(
+                source_name,
+                format!("{field} = {value}: {why} is not supported by this decoder"),
+            ))
+        };
+        if self.use_sliding_window == Some(true) {
+            return refuse(
+                "use_sliding_window",
+                "true".into(),
+                "sliding-window attention",
+            );
+        }
+        if let Some(t) = self
+            .layer_types
+            .iter()
+            .flatten()
+            .find(|t| t.as_str() != "full_attention")
+        {
+            return refuse(
+                "layer_types",
+                format!("[.., {t:?}, ..]"),
+                "a layer other than \"full_attention\"",
+            );
+        }
+        if self.mlp_bias == Some(true) {
+            return refuse("mlp_bias", "true".into(), "an MLP with biases");
+        }
+        let partial = self.partial_rotary_factor.or_else(|| {
+            self.rope_parameters
+                .as_ref()
+                .and_then(|p| p.get("partial_rotary_factor"))
+                .and_then(|v| v.as_f64())
+        });
+        if let Some(f) = partial.filter(|&f| f != 1.0) {
+            return refuse("partial_rotary_factor", f.to_string(), "a partial rotation");
+        }
+        Ok(())
     }
 }
 
@@ -294,6 +378,7 @@ impl LlamaConfig {
         let family = match arch.as_str() {
             "llama" => Family::Llama,
             "qwen2" => Family::Qwen2,
+            "qwen3" => Family::Qwen3,
             _ => return Err(ConfigError::UnknownArchitecture { source_name, arch }),
         };
         let k = |s: &str| format!("{arch}.{s}");
@@ -383,6 +468,8 @@ impl LlamaConfig {
         let obj = v.as_object_mut().expect("object");
         if self.family != Family::Qwen2 {
             obj.insert("attention_bias".into(), self.attention_bias.into());
+        }
+        if !matches!(self.family, Family::Qwen2 | Family::Qwen3) {
             obj.insert("mlp_bias".into(), false.into());
         }
         if let Some(b) = self.bos_token_id {
@@ -484,6 +571,61 @@ mod tests {
         assert_eq!(scaled[0], plain[0]);
         let last = plain.len() - 1;
         assert!((scaled[last] - plain[last] / 8.0).abs() < 1e-15);
+    }
+
+    const QWEN: &str = r#""vocab_size":10,"hidden_size":8,"intermediate_size":8,
+        "num_hidden_layers":1,"num_attention_heads":1"#;
+
+    #[test]
+    fn transformers_5_rope_parameters_are_read() {
+        let c = parse_hf_config(
+            &format!(
+                r#"{{"model_type":"qwen2",{QWEN},
+                "rope_parameters":{{"rope_type":"default","rope_theta":1000000.0}}}}"#
+            ),
+            "test",
+        )
+        .unwrap();
+        assert_eq!(c.rope_theta, 1e6);
+        assert_eq!(c.rope_scaling, None);
+        let c = parse_hf_config(
+            &format!(
+                r#"{{"model_type":"llama",{QWEN},"rope_parameters":{{"rope_type":"linear",
+                "rope_theta":5e5,"factor":4.0}}}}"#
+            ),
+            "test",
+        )
+        .unwrap();
+        assert_eq!(c.rope_theta, 5e5);
+        assert_eq!(c.rope_scaling, Some(RopeScaling::Linear { factor: 4.0 }));
+    }
+
+    #[test]
+    fn fields_that_change_the_computation_are_refused_by_name() {
+        for (extra, field) in [
+            (r#""use_sliding_window":true"#, "use_sliding_window"),
+            (r#""layer_types":["sliding_attention"]"#, "layer_types"),
+            (r#""mlp_bias":true"#, "mlp_bias"),
+            (r#""partial_rotary_factor":0.5"#, "partial_rotary_factor"),
+            (
+                r#""rope_parameters":{"rope_type":"yarn","rope_theta":1e6,"factor":4.0}"#,
+                "yarn",
+            ),
+        ] {
+            let e = parse_hf_config(&format!(r#"{{"model_type":"qwen3",{QWEN},{extra}}}"#), "c")
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(field), "{extra}: {e}");
+        }
+        // Their neutral values load.
+        parse_hf_config(
+            &format!(
+                r#"{{"model_type":"qwen3",{QWEN},"use_sliding_window":false,
+                "layer_types":["full_attention"],"mlp_bias":false}}"#
+            ),
+            "c",
+        )
+        .unwrap();
     }
 
     #[test]

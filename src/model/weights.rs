@@ -204,6 +204,8 @@ impl GgufSource {
                     "self_attn.q_proj.bias" => "attn_q.bias",
                     "self_attn.k_proj.bias" => "attn_k.bias",
                     "self_attn.v_proj.bias" => "attn_v.bias",
+                    "self_attn.q_norm.weight" => "attn_q_norm.weight",
+                    "self_attn.k_norm.weight" => "attn_k_norm.weight",
                     "mlp.gate_proj.weight" => "ffn_gate.weight",
                     "mlp.up_proj.weight" => "ffn_up.weight",
                     "mlp.down_proj.weight" => "ffn_down.weight",
@@ -271,9 +273,9 @@ impl WeightSource for GgufSource {
         let Some(t) = self.tensor_by_gguf_name(&name)? else {
             return Ok(None);
         };
-        // llama.cpp permutes Q/K rows for the Llama architecture only (Qwen2 uses NeoX
-        // rotary in llama.cpp and is stored as HF has it).
-        if self.family != Family::Qwen2 {
+        // llama.cpp permutes Q/K rows for the Llama architecture only (Qwen2 and Qwen3 use
+        // NeoX rotary in llama.cpp and are stored as HF has them).
+        if matches!(self.family, Family::Llama | Family::Mistral) {
             if name.ends_with("attn_q.weight") || name.ends_with("attn_q.bias") {
                 return Ok(Some(unpermute_qk(&t, self.heads)?));
             }

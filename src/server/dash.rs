@@ -1,4 +1,4 @@
-//! What a server shows on its dashboard ([`crate::dash`]): its model's training run, the
+//! What a server shows on its dashboard ([`crate::dash`]): its models' training runs, the
 //! engine's metrics and the trainer's last figures.
 
 use std::path::PathBuf;
@@ -14,10 +14,10 @@ use crate::facade::{Backend, LocalBackend};
 
 pub(super) struct ServerDash {
     pub backend: LocalBackend,
-    pub served: Arc<ServedModel>,
+    /// Every model this server serves (several with `--adapter`), each with its training
+    /// run (none: serving only).
+    pub models: Vec<(Arc<ServedModel>, Option<RunRef>)>,
     pub data_dir: PathBuf,
-    /// The model's training run (none: serving only).
-    pub run: Option<RunRef>,
 }
 
 /// Figures of the last line of `metrics.jsonl` a scrape reports (metric, help, field).
@@ -60,44 +60,55 @@ const TRAIN_GAUGES: &[(&str, &str, &str)] = &[
     ),
 ];
 
-impl ServerDash {
-    fn last_line(&self) -> Option<Value> {
-        let run = self.run.as_ref()?;
-        // The tail is enough for the last line.
-        read_lines(&run.points_path(), 0, 64 << 10)
-            .ok()?
-            .points
-            .pop()
-    }
+/// The last line of a run's `metrics.jsonl`.
+fn last_line(run: &RunRef) -> Option<Value> {
+    // The tail is enough for the last line.
+    read_lines(&run.points_path(), 0, 64 << 10)
+        .ok()?
+        .points
+        .pop()
 }
 
 impl DashSource for ServerDash {
     fn live(&self) -> Value {
-        json!({
-            "kind": "server",
-            "model": self.served.name,
-            "run": self.run.as_ref().map(|r| r.name.clone()),
-            "train_step": self.served.train_step.load(Ordering::Relaxed),
-        })
+        let models: Vec<Value> = self
+            .models
+            .iter()
+            .map(|(m, run)| {
+                json!({
+                    "model": m.name,
+                    "run": run.as_ref().map(|r| r.name.clone()),
+                    "train_step": m.train_step.load(Ordering::Relaxed),
+                })
+            })
+            .collect();
+        // The first model's figures at the top, as a server of one model shows them.
+        let mut live = models.first().cloned().unwrap_or_else(|| json!({}));
+        live["kind"] = json!("server");
+        live["models"] = Value::Array(models);
+        live
     }
 
     fn runs(&self) -> Vec<RunRef> {
-        with_scanned(self.run.iter().cloned().collect(), &self.data_dir)
+        let own = self.models.iter().filter_map(|(_, r)| r.clone()).collect();
+        with_scanned(own, &self.data_dir)
     }
 
     fn metrics(&self, p: &mut Prom) {
         self.backend.metrics(p);
-        let model = [("model", self.served.name.as_str())];
-        p.counter(
-            "agentjet_train_steps_total",
-            "Optimizer steps this server's trainer took (DiLoCo: inner steps).",
-            &model,
-            self.served.train_step.load(Ordering::Relaxed) as f64,
-        );
-        if let Some(last) = self.last_line() {
-            for (name, help, field) in TRAIN_GAUGES {
-                if let Some(v) = last[*field].as_f64() {
-                    p.gauge(name, help, &model, v);
+        for (served, run) in &self.models {
+            let model = [("model", served.name.as_str())];
+            p.counter(
+                "agentjet_train_steps_total",
+                "Optimizer steps this server's trainer took (DiLoCo: inner steps).",
+                &model,
+                served.train_step.load(Ordering::Relaxed) as f64,
+            );
+            if let Some(last) = run.as_ref().and_then(last_line) {
+                for (name, help, field) in TRAIN_GAUGES {
+                    if let Some(v) = last[*field].as_f64() {
+                        p.gauge(name, help, &model, v);
+                    }
                 }
             }
         }

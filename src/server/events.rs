@@ -46,6 +46,9 @@ pub enum ServerEvent {
     /// A step ended (`trained`: false when nothing was trainable); its line is in
     /// `metrics.jsonl` (and, a moment later, its episodes in the ledger, `consumed.log`).
     TrainStep {
+        /// The model (with `--adapter`, one of several in this server) that stepped.
+        #[serde(default)]
+        model: String,
         step: u64,
         version: u64,
         trained: bool,

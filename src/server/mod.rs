@@ -367,7 +367,6 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
         models.push(served);
     }
     let served = models[0].clone();
-    let run_dir = cfg.data_dir.join("runs").join(safe_file_name(&name));
     ServedModel::start_all(&models).await?;
     if let Some(r) = cfg.renew.clone() {
         renew::spawn(
@@ -396,9 +395,17 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
                     max_context,
                     adapters: bank.clone(),
                 },
-                served: served.clone(),
+                models: models
+                    .iter()
+                    .map(|m| {
+                        let run = cfg.data_dir.join("runs").join(safe_file_name(&m.name));
+                        (
+                            m.clone(),
+                            train.then(|| dash::ServerDash::training_run(&run)),
+                        )
+                    })
+                    .collect(),
                 data_dir: cfg.data_dir.clone(),
-                run: train.then(|| dash::ServerDash::training_run(&run_dir)),
             };
             let app = crate::dash::router(Arc::new(source), swarm.clone(), "server", stop.clone());
             let local = spawn_serve(addr, app, stop.clone(), &tasks, "dashboard")

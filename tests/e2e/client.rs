@@ -1150,10 +1150,18 @@ fn the_two_model_example_trains_two_adapters_on_one_server() {
             "tiny-a",
             "--adapter",
             "tiny-b",
+            "--dashboard",
+            "127.0.0.1:0",
         ],
     );
     let boot = s.addr();
     s.wait_serving(Duration::from_secs(120));
+    let dash = match s.wait_event("the dashboard", Duration::from_secs(60), |e| {
+        matches!(e, ServerEvent::Dashboard { .. })
+    }) {
+        ServerEvent::Dashboard { addr } => format!("http://{addr}"),
+        _ => unreachable!(),
+    };
     let run = dir.path().join("run");
     let (_, agent, tasks) = setup(dir.path(), TWO_MODEL_AGENT, 5);
     let mut c = Peer::start(
@@ -1220,6 +1228,22 @@ fn the_two_model_example_trains_two_adapters_on_one_server() {
             std::thread::sleep(Duration::from_millis(200));
         }
     }
+    // The dashboard shows both: each adapter's run and its steps in /metrics.
+    let (status, live) = common::peer::http(&dash, "GET", "/api/live", None);
+    assert_eq!(status, 200, "{live}");
+    let live: Value = serde_json::from_str(&live).unwrap();
+    let names: Vec<&str> = live["live"]["models"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{live}"))
+        .iter()
+        .map(|m| m["model"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["tiny-a", "tiny-b"], "{live}");
+    let (_, metrics) = common::peer::http(&dash, "GET", "/metrics", None);
+    for m in ["tiny-a", "tiny-b"] {
+        let line = format!("agentjet_train_steps_total{{model=\"{m}\"}}");
+        assert!(metrics.contains(&line), "{line} missing:\n{metrics}");
+    }
     // Stopped, each adapter's checkpoint is its own, in PEFT's format.
     // SAFETY: a plain signal to our own child process.
     unsafe { libc::kill(s.child.id() as i32, libc::SIGTERM) };
@@ -1236,6 +1260,112 @@ fn the_two_model_example_trains_two_adapters_on_one_server() {
         })
         .collect();
     assert_ne!(adapters[0], adapters[1], "two adapters, not one");
+}
+
+/// examples/two_model_agent itself (Python, OpenAI SDK), unchanged, on one server of the real
+/// default model with two adapters, `solver` and `verifier` (`--lora-rank 8 --adapter solver
+/// --adapter verifier`): both adapters train on the example's own rewards. SmolLM2 answers
+/// some additions right and its verdicts vary, so groups carry a signal; the client runs
+/// until each adapter has taken a step (or 400 s pass, a failure).
+#[test]
+fn the_two_model_example_itself_trains_two_adapters_of_smollm2_on_one_server() {
+    let _heavy = common::heavy();
+    common::smollm2_path();
+    let dir = tempfile::tempdir().unwrap();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut s = Peer::start(
+        "duo",
+        dir.path(),
+        &[
+            "--role",
+            "server",
+            "--model",
+            "smollm2",
+            "--device",
+            "cpu",
+            "--lora-rank",
+            "8",
+            "--adapter",
+            "solver",
+            "--adapter",
+            "verifier",
+            "--groups-per-step",
+            "1",
+            "--num-repeat",
+            "8",
+            "--group-timeout",
+            "120",
+        ],
+    );
+    let boot = s.addr();
+    s.wait_serving(Duration::from_secs(300));
+    let run = dir.path().join("run");
+    let agent = format!(
+        "{} {}",
+        common::python().display(),
+        root.join("examples/two_model_agent/agent.py").display()
+    );
+    let tasks = root.join("examples/two_model_agent/tasks.jsonl");
+    let mut c = Peer::start(
+        "client",
+        dir.path(),
+        &[
+            "--role",
+            "client",
+            "--bootstrap",
+            &boot,
+            "--model",
+            "solver",
+            "--model",
+            "verifier",
+            "--agent",
+            &agent,
+            "--tasks",
+            tasks.to_str().unwrap(),
+            "--num-repeat",
+            "8",
+            "--concurrency",
+            "8",
+            "--time-limit",
+            "400",
+            "--run-dir",
+            run.to_str().unwrap(),
+        ],
+    );
+    let metrics =
+        |m: &str| metrics_lines(&dir.path().join("duo/runs").join(m).join("metrics.jsonl"));
+    let trained = |m: &str| metrics(m).into_iter().find(|l| l["trained"] == true);
+    while trained("solver").is_none() || trained("verifier").is_none() {
+        assert!(
+            c.child.try_wait().unwrap().is_none(),
+            "the client ended before both adapters trained:\n{}\n{}",
+            c.log_text(),
+            s.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    // SAFETY: a plain signal to our own child process.
+    unsafe { libc::kill(c.child.id() as i32, libc::SIGTERM) };
+    let _ = c.child.wait();
+    for m in ["solver", "verifier"] {
+        let step = trained(m).unwrap();
+        assert!(step["grad_norm"].as_f64().unwrap() > 0.0, "{m}: {step}");
+        // Each adapter's steps are its own: the server's line names it.
+        let line = s.wait_line_containing(&format!(" [{m}]"), Duration::from_secs(30));
+        assert!(line.starts_with("train step"), "{line}");
+    }
+    let journal = read_journal(&run.join("episodes.jsonl")).unwrap();
+    let finished: Vec<&Value> = journal
+        .iter()
+        .filter(|e| e["status"] == "finished")
+        .collect();
+    assert!(!finished.is_empty());
+    for e in &finished {
+        assert_eq!(e["calls"], 2, "{e}");
+        for m in ["solver", "verifier"] {
+            assert!(e["rewards"][m].as_f64().is_some(), "{m}: {e}");
+        }
+    }
 }
 
 /// Every file under `dir`.

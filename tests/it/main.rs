@@ -7,6 +7,7 @@
 mod common;
 
 mod engine;
+mod families;
 mod gguf_files;
 mod group;
 mod hf_dir_errors;

@@ -44,6 +44,12 @@ mod torch {
     use agentjet::train::outer::OuterConfig;
     use std::time::Duration;
 
+    /// The default AdamW rate for full fine-tuning.
+    const FULL_LEARNING_RATE: f64 = 1e-5;
+    /// The default for an adapter: about 10x full fine-tuning's ("LoRA Without Regret",
+    /// Thinking Machines 2025).
+    const LORA_LEARNING_RATE: f64 = 1e-4;
+
     impl ServerCli {
         pub fn config(&self) -> Result<ServerConfig> {
             let data_dir = self.common.swarm.data_dir("server");
@@ -63,7 +69,12 @@ mod torch {
             let train = (!self.no_train)
                 .then(|| -> Result<TrainSettings> {
                     Ok(TrainSettings {
-                        learning_rate: self.learning_rate,
+                        learning_rate: self.learning_rate.unwrap_or(
+                            match self.lora_rank {
+                                Some(_) => LORA_LEARNING_RATE,
+                                None => FULL_LEARNING_RATE,
+                            },
+                        ),
                         warmup_steps: self.warmup_steps,
                         groups_per_step: self.groups_per_step.max(1),
                         max_groups_per_step: self

@@ -46,6 +46,10 @@ impl Llama {
                 post_attention_layernorm: l.post_attention_layernorm.shallow_clone(),
                 qkv_proj: l.qkv_proj.shallow_clone(),
                 qkv_bias: l.qkv_bias.as_ref().map(Tensor::shallow_clone),
+                qk_norm: l
+                    .qk_norm
+                    .as_ref()
+                    .map(|(q, k)| (q.shallow_clone(), k.shallow_clone())),
                 o_proj: l.o_proj.shallow_clone(),
                 gate_up_proj: l.gate_up_proj.shallow_clone(),
                 down_proj: l.down_proj.shallow_clone(),

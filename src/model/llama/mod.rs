@@ -1,6 +1,7 @@
 //! The Llama-family decoder on LibTorch: RMSNorm, rotary embeddings (with linear / Llama 3
 //! scaling or GGUF frequency factors), grouped-query attention, SwiGLU MLP, tied or untied
-//! LM head, optional q/k/v biases (Qwen2); prefill and incremental decode with a KV cache.
+//! LM head, optional q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3); prefill and
+//! incremental decode with a KV cache.
 //!
 //! Owns: the parameters and the forward pass. Parameters keep HF's layout except that
 //! q/k/v and gate/up are fused into one matrix each (fewer, larger matmuls per token);
@@ -70,6 +71,9 @@ struct DecoderLayer {
     /// [ (heads + 2 kv_heads) * head_dim, hidden ]
     qkv_proj: Tensor,
     qkv_bias: Option<Tensor>,
+    /// Qwen3's RMSNorm weights over each head's queries and keys, [head_dim] each, in the
+    /// interleaved order of the q/k rows.
+    qk_norm: Option<(Tensor, Tensor)>,
     o_proj: Tensor,
     /// [ 2 * intermediate, hidden ]: gate rows then up rows.
     gate_up_proj: Tensor,
@@ -204,6 +208,17 @@ impl Llama {
             } else {
                 None
             };
+            let qk_norm = if c.family.qk_norm() {
+                let norm = |src: &mut dyn WeightSource, n: &str| -> Result<Tensor, ModelError> {
+                    place_act(to_interleaved(&get(src, n, &[hd])?, 1)?)
+                };
+                Some((
+                    norm(src, "self_attn.q_norm.weight")?,
+                    norm(src, "self_attn.k_norm.weight")?,
+                ))
+            } else {
+                None
+            };
             let gate = get(src, "mlp.gate_proj.weight", &[i, h])?;
             let up = get(src, "mlp.up_proj.weight", &[i, h])?;
             layers.push(DecoderLayer {
@@ -222,6 +237,7 @@ impl Llama {
                     0,
                 )?)?,
                 qkv_bias,
+                qk_norm,
                 o_proj: place(get(src, "self_attn.o_proj.weight", &[h, nh * hd])?)?,
                 gate_up_proj: place(Tensor::f_cat(
                     &[gate.to_kind(Kind::Float), up.to_kind(Kind::Float)],
@@ -356,6 +372,10 @@ impl Llama {
             if let Some(b) = &l.qkv_bias {
                 p.push(b.shallow_clone());
             }
+            if let Some((q, k)) = &l.qk_norm {
+                p.push(q.shallow_clone());
+                p.push(k.shallow_clone());
+            }
             p.push(l.o_proj.shallow_clone());
             p.push(l.gate_up_proj.shallow_clone());
             p.push(l.down_proj.shallow_clone());
@@ -412,6 +432,10 @@ impl Llama {
                 out.push((format!("{p}self_attn.q_proj.bias"), q));
                 out.push((format!("{p}self_attn.k_proj.bias"), k));
                 out.push((format!("{p}self_attn.v_proj.bias"), v));
+            }
+            if let Some((q, k)) = &layer.qk_norm {
+                out.push((format!("{p}self_attn.q_norm.weight"), unpermute_qk(q, 1)?));
+                out.push((format!("{p}self_attn.k_norm.weight"), unpermute_qk(k, 1)?));
             }
             out.push((
                 format!("{p}self_attn.o_proj.weight"),

@@ -144,11 +144,30 @@ impl Llama {
         if let Some(d) = self.lora(l, &[Target::Q, Target::K, Target::V], &hn)? {
             qkv = qkv.f_add(&d)?;
         }
+        let mut qk = qkv.f_narrow(-1, 0, (nh + nkv) * hd)?;
+        if let Some((qn, kn)) = &layer.qk_norm {
+            // Qwen3: each head's query and key RMS-normalised over head_dim (as HF: in
+            // float32, cast back, then scaled), before the rotation.
+            let w = Tensor::f_cat(
+                &[
+                    qn.f_unsqueeze(0)?.f_expand([nh, hd], false)?,
+                    kn.f_unsqueeze(0)?.f_expand([nkv, hd], false)?,
+                ],
+                0,
+            )?;
+            let heads = qk.f_view(shape(&[nh + nkv, hd]).as_slice())?;
+            let normed = match self.act {
+                Kind::Float => heads.f_rms_norm([hd], None::<&Tensor>, c.rms_norm_eps)?,
+                _ => heads
+                    .f_to_kind(Kind::Float)?
+                    .f_rms_norm([hd], None::<&Tensor>, c.rms_norm_eps)?
+                    .f_to_kind(self.act)?,
+            };
+            qk = normed.f_mul(&w)?;
+        }
         // q and k rotate together: their rows are stored with rotary pairs adjacent, so the
         // rotation is one complex multiply.
-        let qk = qkv
-            .f_narrow(-1, 0, (nh + nkv) * hd)?
-            .f_view(shape(&[nh + nkv, hd / 2, 2]).as_slice())?;
+        let qk = qk.f_view(shape(&[nh + nkv, hd / 2, 2]).as_slice())?;
         let qk = apply_rope(&qk, rope)?.f_view(shape(&[nh + nkv, hd]).as_slice())?;
         let at = lead.len() as i64;
         Ok(Qkv {

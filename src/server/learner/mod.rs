@@ -246,7 +246,11 @@ impl<'a> ServerLearner<'a> {
 
     /// A step's line on stdout, in the log, in `metrics.jsonl` and on the reward curve.
     fn record(&self, m: &StepMetrics) -> Result<(), TrainingError> {
-        println!("train {}", m.line());
+        match self.served.adapter {
+            // Several adapters train in one process: each line names its model.
+            Some(_) => println!("train {} [{}]", m.line(), self.served.name),
+            None => println!("train {}", m.line()),
+        }
         info!(
             step = m.step,
             version = m.version,
@@ -258,6 +262,7 @@ impl<'a> ServerLearner<'a> {
         self.run_dir.append(m)?;
         // After the metrics line: whoever sees the event finds the step in the file.
         self.served.events.emit(ServerEvent::TrainStep {
+            model: self.served.name.clone(),
             step: m.step,
             version: m.version,
             trained: m.trained,
