@@ -23,6 +23,9 @@ pub enum Family {
     /// Qwen3 dense: Qwen2 without q/k/v biases, with an RMSNorm over each head's queries
     /// and keys before the rotation (`q_norm`, `k_norm`).
     Qwen3,
+    /// Qwen3 MoE: Qwen3's attention; sparse layers route each token to its top-k experts
+    /// (softmax over the router's logits, optionally renormalised over the k).
+    Qwen3Moe,
 }
 
 impl Family {
@@ -32,6 +35,7 @@ impl Family {
             Family::Mistral => "MistralForCausalLM",
             Family::Qwen2 => "Qwen2ForCausalLM",
             Family::Qwen3 => "Qwen3ForCausalLM",
+            Family::Qwen3Moe => "Qwen3MoeForCausalLM",
         }
     }
     pub fn model_type(self) -> &'static str {
@@ -40,11 +44,12 @@ impl Family {
             Family::Mistral => "mistral",
             Family::Qwen2 => "qwen2",
             Family::Qwen3 => "qwen3",
+            Family::Qwen3Moe => "qwen3_moe",
         }
     }
     /// An RMSNorm over each head's queries and keys before the rotation.
     pub fn qk_norm(self) -> bool {
-        matches!(self, Family::Qwen3)
+        matches!(self, Family::Qwen3 | Family::Qwen3Moe)
     }
 }
 
@@ -61,6 +66,22 @@ pub enum RopeScaling {
         high_freq_factor: f64,
         original_max_position_embeddings: usize,
     },
+}
+
+/// The sparse (mixture-of-experts) layers of a Qwen3-MoE model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MoeConfig {
+    pub experts: usize,
+    /// Experts each token goes to.
+    pub top_k: usize,
+    /// Each expert's SwiGLU width.
+    pub intermediate_size: usize,
+    /// The k routing weights renormalised to sum to 1.
+    pub norm_topk_prob: bool,
+    /// Every `sparse_step`-th layer is sparse (counting from 1)...
+    pub sparse_step: usize,
+    /// ...except these, which keep a dense MLP of `intermediate_size`.
+    pub mlp_only_layers: Vec<usize>,
 }
 
 /// The validated runtime configuration of a Llama-family decoder.
@@ -83,6 +104,18 @@ pub struct LlamaConfig {
     pub attention_bias: bool,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
+    /// Sparse layers (Qwen3-MoE); `None`: every layer is dense.
+    #[serde(default)]
+    pub moe: Option<MoeConfig>,
+}
+
+impl LlamaConfig {
+    /// Whether layer `l` routes tokens to experts (HF's rule for Qwen3-MoE).
+    pub fn is_sparse(&self, l: usize) -> bool {
+        self.moe.as_ref().is_some_and(|m| {
+            !m.mlp_only_layers.contains(&l) && m.experts > 0 && (l + 1) % m.sparse_step.max(1) == 0
+        })
+    }
 }
 
 /// A configuration that cannot be run, with the reason.
@@ -164,6 +197,21 @@ pub struct HfConfig {
     pub layer_types: Option<Vec<String>>,
     #[serde(default)]
     pub mlp_bias: Option<bool>,
+    /// Qwen3-MoE (transformers 4 writes `num_experts`, 5 `num_local_experts`).
+    #[serde(default, alias = "num_local_experts")]
+    pub num_experts: Option<usize>,
+    #[serde(default)]
+    pub num_experts_per_tok: Option<usize>,
+    #[serde(default)]
+    pub moe_intermediate_size: Option<usize>,
+    #[serde(default)]
+    pub norm_topk_prob: Option<bool>,
+    #[serde(default)]
+    pub decoder_sparse_step: Option<usize>,
+    #[serde(default)]
+    pub mlp_only_layers: Option<Vec<usize>>,
+    #[serde(default)]
+    pub shared_expert_intermediate_size: Option<usize>,
     #[serde(default = "default_max_pos")]
     pub max_position_embeddings: usize,
     #[serde(default)]
@@ -192,6 +240,7 @@ impl HfConfig {
             "MistralForCausalLM" | "mistral" => Family::Mistral,
             "Qwen2ForCausalLM" | "qwen2" => Family::Qwen2,
             "Qwen3ForCausalLM" | "qwen3" => Family::Qwen3,
+            "Qwen3MoeForCausalLM" | "qwen3_moe" => Family::Qwen3Moe,
             _ => {
                 return Err(ConfigError::UnknownArchitecture {
                     source_name: source_name.to_string(),
@@ -248,10 +297,64 @@ impl HfConfig {
                 .attention_bias
                 .unwrap_or(matches!(family, Family::Qwen2)),
             bos_token_id: self.bos_token_id,
-            eos_token_ids: self.eos_token_id.map(|e| e.to_vec()).unwrap_or_default(),
+            eos_token_ids: self
+                .eos_token_id
+                .clone()
+                .map(|e| e.to_vec())
+                .unwrap_or_default(),
+            moe: self.moe(family, source_name)?,
         };
         cfg.validate(source_name)?;
         Ok(cfg)
+    }
+
+    /// The sparse layers' settings of a Qwen3-MoE config (an error naming a missing one).
+    fn moe(&self, family: Family, source_name: &str) -> Result<Option<MoeConfig>, ConfigError> {
+        if family != Family::Qwen3Moe {
+            if let Some(n) = self.num_experts.filter(|&n| n > 0) {
+                return Err(invalid(
+                    source_name,
+                    format!(
+                        "num_experts = {n} in a {} config: experts are supported in qwen3_moe",
+                        family.model_type()
+                    ),
+                ));
+            }
+            return Ok(None);
+        }
+        if let Some(n) = self.shared_expert_intermediate_size.filter(|&n| n > 0) {
+            return Err(invalid(
+                source_name,
+                format!("shared_expert_intermediate_size = {n}: a shared expert is not supported by this decoder"),
+            ));
+        }
+        let need = |v: Option<usize>, field: &str| {
+            v.ok_or_else(|| invalid(source_name, format!("qwen3_moe config lacks {field}")))
+        };
+        let m = MoeConfig {
+            experts: need(self.num_experts, "num_experts")?,
+            top_k: need(self.num_experts_per_tok, "num_experts_per_tok")?,
+            intermediate_size: need(self.moe_intermediate_size, "moe_intermediate_size")?,
+            // transformers' default for Qwen3-MoE.
+            norm_topk_prob: self.norm_topk_prob.unwrap_or(false),
+            sparse_step: self.decoder_sparse_step.unwrap_or(1),
+            mlp_only_layers: self.mlp_only_layers.clone().unwrap_or_default(),
+        };
+        if m.experts == 0
+            || m.top_k == 0
+            || m.top_k > m.experts
+            || m.intermediate_size == 0
+            || m.sparse_step == 0
+        {
+            return Err(invalid(
+                source_name,
+                format!(
+                    "qwen3_moe: {} experts, {} per token, width {}, sparse step {}: each must be positive and the per-token count at most the experts",
+                    m.experts, m.top_k, m.intermediate_size, m.sparse_step
+                ),
+            ));
+        }
+        Ok(Some(m))
     }
 
     /// Fields whose value would change the computation in a way this decoder does not
@@ -379,6 +482,7 @@ impl LlamaConfig {
             "llama" => Family::Llama,
             "qwen2" => Family::Qwen2,
             "qwen3" => Family::Qwen3,
+            "qwen3moe" => Family::Qwen3Moe,
             _ => return Err(ConfigError::UnknownArchitecture { source_name, arch }),
         };
         let k = |s: &str| format!("{arch}.{s}");
@@ -412,13 +516,34 @@ impl LlamaConfig {
                 ))
             }
         };
+        // llama.cpp's qwen3moe: every layer sparse, the k weights renormalised unless
+        // the file says otherwise.
+        let moe = match family {
+            Family::Qwen3Moe => Some(MoeConfig {
+                experts: usize_of(&k("expert_count"))?,
+                top_k: usize_of(&k("expert_used_count"))?,
+                intermediate_size: usize_of(&k("expert_feed_forward_length"))?,
+                norm_topk_prob: g
+                    .get(&k("expert_weights_norm"))
+                    .and_then(|v| v.as_bool())
+                    .unwrap_or(true),
+                sparse_step: 1,
+                mlp_only_layers: Vec::new(),
+            }),
+            _ => None,
+        };
+        let intermediate_size = match (g.get_opt_i64(&k("feed_forward_length"))?, &moe) {
+            (Some(v), _) => v as usize,
+            (None, Some(m)) => m.intermediate_size,
+            (None, None) => usize_of(&k("feed_forward_length"))?,
+        };
         let tied = g.tensors.iter().all(|t| t.name != "output.weight");
         let attention_bias = g.tensors.iter().any(|t| t.name == "blk.0.attn_q.bias");
         let cfg = LlamaConfig {
             family,
             vocab_size,
             hidden_size,
-            intermediate_size: usize_of(&k("feed_forward_length"))?,
+            intermediate_size,
             num_hidden_layers: usize_of(&k("block_count"))?,
             num_attention_heads: heads,
             num_key_value_heads: kv_heads,
@@ -439,6 +564,7 @@ impl LlamaConfig {
                 .get_opt_i64("tokenizer.ggml.eos_token_id")?
                 .map(|v| vec![v as u32])
                 .unwrap_or_default(),
+            moe,
         };
         cfg.validate(&source_name)?;
         Ok(cfg)
@@ -501,6 +627,14 @@ impl LlamaConfig {
             }),
         };
         obj.insert("rope_scaling".into(), scaling);
+        if let Some(m) = &self.moe {
+            obj.insert("num_experts".into(), m.experts.into());
+            obj.insert("num_experts_per_tok".into(), m.top_k.into());
+            obj.insert("moe_intermediate_size".into(), m.intermediate_size.into());
+            obj.insert("norm_topk_prob".into(), m.norm_topk_prob.into());
+            obj.insert("decoder_sparse_step".into(), m.sparse_step.into());
+            obj.insert("mlp_only_layers".into(), m.mlp_only_layers.clone().into());
+        }
         v
     }
 

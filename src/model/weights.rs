@@ -173,6 +173,24 @@ pub struct GgufSource {
     family: Family,
     heads: i64,
     kv_heads: i64,
+    /// The last stacked expert tensor read (`blk.N.ffn_*_exps.weight`, [experts, ..]):
+    /// its experts are asked for one after another.
+    stacked: Option<(String, Tensor)>,
+}
+
+/// llama.cpp's stacked tensor and the expert index for an HF per-expert name
+/// (`model.layers.L.mlp.experts.E.gate_proj.weight` -> `blk.L.ffn_gate_exps.weight`, E).
+fn expert_name(hf_name: &str) -> Option<(String, i64)> {
+    let rest = hf_name.strip_prefix("model.layers.")?;
+    let (layer, rest) = rest.split_once(".mlp.experts.")?;
+    let (expert, proj) = rest.split_once('.')?;
+    let leaf = match proj {
+        "gate_proj.weight" => "ffn_gate_exps.weight",
+        "up_proj.weight" => "ffn_up_exps.weight",
+        "down_proj.weight" => "ffn_down_exps.weight",
+        _ => return None,
+    };
+    Some((format!("blk.{layer}.{leaf}"), expert.parse().ok()?))
 }
 
 impl GgufSource {
@@ -182,6 +200,7 @@ impl GgufSource {
             family: config.family,
             heads: config.num_attention_heads as i64,
             kv_heads: config.num_key_value_heads as i64,
+            stacked: None,
         }
     }
 
@@ -206,6 +225,7 @@ impl GgufSource {
                     "self_attn.v_proj.bias" => "attn_v.bias",
                     "self_attn.q_norm.weight" => "attn_q_norm.weight",
                     "self_attn.k_norm.weight" => "attn_k_norm.weight",
+                    "mlp.gate.weight" => "ffn_gate_inp.weight",
                     "mlp.gate_proj.weight" => "ffn_gate.weight",
                     "mlp.up_proj.weight" => "ffn_up.weight",
                     "mlp.down_proj.weight" => "ffn_down.weight",
@@ -267,6 +287,18 @@ pub fn to_interleaved(t: &Tensor, n_head: i64) -> Result<Tensor, ModelError> {
 
 impl WeightSource for GgufSource {
     fn load(&mut self, hf_name: &str) -> Result<Option<Tensor>, ModelError> {
+        if let Some((name, e)) = expert_name(hf_name) {
+            if self.stacked.as_ref().is_none_or(|(n, _)| *n != name) {
+                let Some(t) = self.tensor_by_gguf_name(&name)? else {
+                    return Ok(None);
+                };
+                self.stacked = Some((name, t));
+            }
+            let Some((_, t)) = &self.stacked else {
+                return Ok(None);
+            };
+            return Ok((e < t.size()[0]).then(|| t.get(e)));
+        }
         let Some(name) = GgufSource::gguf_name(hf_name) else {
             return Ok(None);
         };
@@ -287,6 +319,12 @@ impl WeightSource for GgufSource {
     }
 
     fn file_of(&self, hf_name: &str) -> String {
+        if let Some((g, e)) = expert_name(hf_name) {
+            return format!(
+                "{} (GGUF tensor '{g}', expert {e})",
+                self.gguf.path().display()
+            );
+        }
         match GgufSource::gguf_name(hf_name) {
             Some(g) => format!("{} (GGUF tensor '{g}')", self.gguf.path().display()),
             None => self.gguf.path().display().to_string(),

@@ -203,3 +203,116 @@ fn qwen2_saved_by_transformers_5_matches_hf() {
 fn qwen3_matches_hf() {
     golden("qwen3");
 }
+
+/// Qwen3-MoE: 8 experts, top-2 renormalised, one dense layer (`mlp_only_layers`); the
+/// gradient reaches the router and every chosen expert.
+#[test]
+fn qwen3_moe_matches_hf() {
+    golden("qwen3_moe");
+}
+
+/// The HF model of `dir/model` as llama.cpp's converter writes it (F32 tensors, its names,
+/// NeoX rotary so no Q/K permutation, a sparse layer's experts stacked per projection).
+fn gguf_of(arch: &str, dir: &std::path::Path, v: &Value) -> std::path::PathBuf {
+    use std::collections::BTreeMap;
+    let cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("model/config.json")).unwrap())
+            .unwrap();
+    let n = |k: &str| cfg[k].as_u64().unwrap() as u32;
+    let k = |s: &str| format!("{arch}.{s}");
+    let mut meta = BTreeMap::new();
+    meta.insert("general.architecture".into(), Meta::Str(arch.into()));
+    meta.insert(k("context_length"), Meta::U32(n("max_position_embeddings")));
+    meta.insert(k("embedding_length"), Meta::U32(n("hidden_size")));
+    meta.insert(k("feed_forward_length"), Meta::U32(n("intermediate_size")));
+    meta.insert(k("block_count"), Meta::U32(n("num_hidden_layers")));
+    meta.insert(
+        k("attention.head_count"),
+        Meta::U32(n("num_attention_heads")),
+    );
+    meta.insert(
+        k("attention.head_count_kv"),
+        Meta::U32(n("num_key_value_heads")),
+    );
+    meta.insert(k("attention.key_length"), Meta::U32(n("head_dim")));
+    let theta = cfg["rope_parameters"]["rope_theta"].as_f64().unwrap();
+    meta.insert(k("rope.freq_base"), Meta::F32(theta as f32));
+    let eps = cfg["rms_norm_eps"].as_f64().unwrap();
+    meta.insert(k("attention.layer_norm_rms_epsilon"), Meta::F32(eps as f32));
+    let vocab = v["vocab"].as_i64().unwrap();
+    meta.insert(k("vocab_size"), Meta::U32(vocab as u32));
+    if arch == "qwen3moe" {
+        meta.insert(k("expert_count"), Meta::U32(n("num_local_experts")));
+        meta.insert(k("expert_used_count"), Meta::U32(n("num_experts_per_tok")));
+        meta.insert(
+            k("expert_feed_forward_length"),
+            Meta::U32(n("moe_intermediate_size")),
+        );
+    }
+    let (mut tokens, merges) = tiny_vocab(vocab);
+    while (tokens.len() as i64) < vocab {
+        tokens.push(format!("<pad{}>", tokens.len()));
+    }
+    let types: Vec<i32> = (0..tokens.len())
+        .map(|i| if i < SPECIALS.len() { 3 } else { 1 })
+        .collect();
+    meta.insert("tokenizer.ggml.model".into(), Meta::Str("gpt2".into()));
+    meta.insert("tokenizer.ggml.pre".into(), Meta::Str("default".into()));
+    meta.insert("tokenizer.ggml.tokens".into(), Meta::StrArray(tokens));
+    meta.insert("tokenizer.ggml.token_type".into(), Meta::I32Array(types));
+    meta.insert("tokenizer.ggml.merges".into(), Meta::StrArray(merges));
+    meta.insert("tokenizer.ggml.eos_token_id".into(), Meta::U32(2));
+    meta.insert("tokenizer.chat_template".into(), Meta::Str(CHATML.into()));
+    let weights = Tensor::read_safetensors(dir.join("model/model.safetensors")).unwrap();
+    let mut tensors = Vec::new();
+    let mut put = |name: String, t: &Tensor| {
+        tensors.push(GgufTensor {
+            name,
+            dims: t.size().iter().rev().map(|&d| d as u64).collect(),
+            ty: 0,
+            data: f32_bytes(t),
+        })
+    };
+    let mut stacks: BTreeMap<String, Vec<(i64, Tensor)>> = BTreeMap::new();
+    for (name, t) in &weights {
+        if let Some((layer, rest)) = name
+            .strip_prefix("model.layers.")
+            .and_then(|r| r.split_once(".mlp.experts."))
+        {
+            let (e, proj) = rest.split_once('.').unwrap();
+            let leaf = proj.trim_end_matches("_proj.weight");
+            let stacked = format!("blk.{layer}.ffn_{leaf}_exps.weight");
+            stacks
+                .entry(stacked)
+                .or_default()
+                .push((e.parse().unwrap(), t.shallow_clone()));
+        } else {
+            let g = agentjet::model::weights::GgufSource::gguf_name(name)
+                .unwrap_or_else(|| panic!("no GGUF name for {name}"));
+            put(g, t);
+        }
+    }
+    for (name, mut experts) in stacks {
+        experts.sort_by_key(|(e, _)| *e);
+        let ts: Vec<Tensor> = experts.into_iter().map(|(_, t)| t).collect();
+        put(name, &Tensor::stack(&ts, 0));
+    }
+    let path = dir.join("model.gguf");
+    write_file(&path, &gguf_bytes(&meta, &tensors));
+    path
+}
+
+/// Qwen3 and Qwen3-MoE from GGUF files (llama.cpp's `qwen3` / `qwen3moe` names and
+/// metadata): HF's logits within 1e-4.
+#[test]
+fn qwen3_and_qwen3_moe_gguf_match_hf() {
+    for (family, arch) in [("qwen3", "qwen3"), ("qwen3_moe_all_sparse", "qwen3moe")] {
+        let dir = tempfile::tempdir().unwrap();
+        let (_, v) = reference(family, dir.path());
+        let path = gguf_of(arch, dir.path(), &v);
+        let m = load_model(&ModelSource::Gguf(path), Device::Cpu, DType::F32)
+            .unwrap_or_else(|e| panic!("{family}: {e}"))
+            .model;
+        check_logits(&format!("{family} (GGUF)"), &m, &v);
+    }
+}

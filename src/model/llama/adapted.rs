@@ -51,8 +51,7 @@ impl Llama {
                     .as_ref()
                     .map(|(q, k)| (q.shallow_clone(), k.shallow_clone())),
                 o_proj: l.o_proj.shallow_clone(),
-                gate_up_proj: l.gate_up_proj.shallow_clone(),
-                down_proj: l.down_proj.shallow_clone(),
+                ffn: l.ffn.shallow_clone(),
             })
             .collect();
         Ok(Llama {

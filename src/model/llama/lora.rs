@@ -216,6 +216,23 @@ pub struct Adapter {
 /// One layer's [`Stacked`] products, by [`PRODUCTS`] index.
 type LayerStacked = [Option<Stacked>; 4];
 
+/// A mixture-of-experts model's MLP targets are its experts, which adapters do not reach.
+pub(crate) fn refuse_expert_targets(c: &LlamaConfig, targets: &[Target]) -> Result<(), ModelError> {
+    let mlp = targets
+        .iter()
+        .filter(|t| matches!(t, Target::Gate | Target::Up | Target::Down))
+        .map(|t| t.module())
+        .collect::<Vec<_>>();
+    if c.moe.is_some() && !mlp.is_empty() {
+        return Err(ModelError::Invalid(format!(
+            "LoRA on {} of a mixture-of-experts model is not supported (its experts are not \
+             adapted): target the attention only (--lora-targets q,k,v,o)",
+            mlp.join(", ")
+        )));
+    }
+    Ok(())
+}
+
 impl Adapter {
     /// A new adapter for a model of config `c` on `device`: A drawn as PEFT does from
     /// `seed` (the same seed gives the same adapter everywhere), B zero.
@@ -226,6 +243,7 @@ impl Adapter {
         device: Device,
     ) -> Result<Adapter, ModelError> {
         cfg.validate()?;
+        refuse_expert_targets(c, &cfg.targets)?;
         let r = cfg.rank as i64;
         let mut rng = Rng::seeded(seed ^ 0x4c6f_5241);
         let mut layers = Vec::with_capacity(c.num_hidden_layers);

@@ -75,9 +75,34 @@ struct DecoderLayer {
     /// interleaved order of the q/k rows.
     qk_norm: Option<(Tensor, Tensor)>,
     o_proj: Tensor,
-    /// [ 2 * intermediate, hidden ]: gate rows then up rows.
-    gate_up_proj: Tensor,
-    down_proj: Tensor,
+    ffn: Ffn,
+}
+
+/// A decoder layer's feed-forward part.
+enum Ffn {
+    /// SwiGLU. `gate_up_proj`: [2 * intermediate, hidden], gate rows then up rows;
+    /// `down_proj`: [hidden, intermediate].
+    Dense {
+        gate_up_proj: Tensor,
+        down_proj: Tensor,
+    },
+    /// Qwen3-MoE: each token to its top-k experts (see [`moe`]).
+    Sparse(moe::Experts),
+}
+
+impl Ffn {
+    fn shallow_clone(&self) -> Ffn {
+        match self {
+            Ffn::Dense {
+                gate_up_proj,
+                down_proj,
+            } => Ffn::Dense {
+                gate_up_proj: gate_up_proj.shallow_clone(),
+                down_proj: down_proj.shallow_clone(),
+            },
+            Ffn::Sparse(e) => Ffn::Sparse(e.shallow_clone()),
+        }
+    }
 }
 
 pub use kv::{KvBlock, KvCache, SlotCache};
@@ -132,6 +157,7 @@ mod adapted;
 pub mod bank;
 mod kv;
 pub mod lora;
+mod moe;
 mod parts;
 mod paths;
 mod served;
@@ -219,8 +245,19 @@ impl Llama {
             } else {
                 None
             };
-            let gate = get(src, "mlp.gate_proj.weight", &[i, h])?;
-            let up = get(src, "mlp.up_proj.weight", &[i, h])?;
+            let ffn = if c.is_sparse(l) {
+                Ffn::Sparse(moe::Experts::load(c, src, &p, &place)?)
+            } else {
+                let gate = get(src, "mlp.gate_proj.weight", &[i, h])?;
+                let up = get(src, "mlp.up_proj.weight", &[i, h])?;
+                Ffn::Dense {
+                    gate_up_proj: place(Tensor::f_cat(
+                        &[gate.to_kind(Kind::Float), up.to_kind(Kind::Float)],
+                        0,
+                    )?)?,
+                    down_proj: place(get(src, "mlp.down_proj.weight", &[h, i])?)?,
+                }
+            };
             layers.push(DecoderLayer {
                 input_layernorm: place_act(get(src, "input_layernorm.weight", &[h])?)?,
                 post_attention_layernorm: place_act(get(
@@ -239,11 +276,7 @@ impl Llama {
                 qkv_bias,
                 qk_norm,
                 o_proj: place(get(src, "self_attn.o_proj.weight", &[h, nh * hd])?)?,
-                gate_up_proj: place(Tensor::f_cat(
-                    &[gate.to_kind(Kind::Float), up.to_kind(Kind::Float)],
-                    0,
-                )?)?,
-                down_proj: place(get(src, "mlp.down_proj.weight", &[h, i])?)?,
+                ffn,
             });
         }
         let norm = place_act(load_checked(src, "model.norm.weight", &[h])?)?;
@@ -377,8 +410,16 @@ impl Llama {
                 p.push(k.shallow_clone());
             }
             p.push(l.o_proj.shallow_clone());
-            p.push(l.gate_up_proj.shallow_clone());
-            p.push(l.down_proj.shallow_clone());
+            match &l.ffn {
+                Ffn::Dense {
+                    gate_up_proj,
+                    down_proj,
+                } => {
+                    p.push(gate_up_proj.shallow_clone());
+                    p.push(down_proj.shallow_clone());
+                }
+                Ffn::Sparse(e) => p.extend(e.tensors()),
+            }
         }
         p.push(self.norm.shallow_clone());
         if let Some(h) = &self.lm_head {
@@ -441,18 +482,26 @@ impl Llama {
                 format!("{p}self_attn.o_proj.weight"),
                 layer.o_proj.shallow_clone(),
             ));
-            out.push((
-                format!("{p}mlp.gate_proj.weight"),
-                layer.gate_up_proj.f_narrow(0, 0, inter)?,
-            ));
-            out.push((
-                format!("{p}mlp.up_proj.weight"),
-                layer.gate_up_proj.f_narrow(0, inter, inter)?,
-            ));
-            out.push((
-                format!("{p}mlp.down_proj.weight"),
-                layer.down_proj.shallow_clone(),
-            ));
+            match &layer.ffn {
+                Ffn::Dense {
+                    gate_up_proj,
+                    down_proj,
+                } => {
+                    out.push((
+                        format!("{p}mlp.gate_proj.weight"),
+                        gate_up_proj.f_narrow(0, 0, inter)?,
+                    ));
+                    out.push((
+                        format!("{p}mlp.up_proj.weight"),
+                        gate_up_proj.f_narrow(0, inter, inter)?,
+                    ));
+                    out.push((
+                        format!("{p}mlp.down_proj.weight"),
+                        down_proj.shallow_clone(),
+                    ));
+                }
+                Ffn::Sparse(e) => out.extend(e.hf_tensors(&p)?),
+            }
             out.push((
                 format!("{p}input_layernorm.weight"),
                 layer.input_layernorm.shallow_clone(),

@@ -7,7 +7,7 @@ use agentjet_kernels::matmul_bf16;
 use tch::{Device, Kind, Tensor};
 
 use super::lora::Target;
-use super::{split_gemm, DecoderLayer, Llama, KERNEL_ROWS};
+use super::{split_gemm, DecoderLayer, Ffn, Llama, KERNEL_ROWS};
 use crate::model::ModelError;
 
 /// One layer's attention inputs, tokens laid out as the path asked (`lead`): q
@@ -200,7 +200,7 @@ impl Llama {
     }
 
     /// The rest of a decoder layer once attention is done: output projection and residual,
-    /// then the SwiGLU MLP and residual. `x` and `attn` are [rows, ..] alike.
+    /// then the SwiGLU MLP (or the experts of a sparse layer) and residual. `x` and `attn` are [rows, ..] alike.
     fn finish_layer(
         &self,
         l: usize,
@@ -217,8 +217,15 @@ impl Llama {
         let o = with_lora(self.linear(attn, &layer.o_proj, None)?, &[Target::O], attn)?;
         let x = x.f_add(&o)?;
         let hn = self.rms_norm(&x, &layer.post_attention_layernorm)?;
+        let (gate_up_proj, down_proj) = match &layer.ffn {
+            Ffn::Dense {
+                gate_up_proj,
+                down_proj,
+            } => (gate_up_proj, down_proj),
+            Ffn::Sparse(experts) => return Ok(x.f_add(&self.experts(experts, &hn)?)?),
+        };
         let gu = with_lora(
-            self.linear(&hn, &layer.gate_up_proj, None)?,
+            self.linear(&hn, gate_up_proj, None)?,
             &[Target::Gate, Target::Up],
             &hn,
         )?;
@@ -226,11 +233,7 @@ impl Llama {
             .f_narrow(-1, 0, inter)?
             .f_silu()?
             .f_mul(&gu.f_narrow(-1, inter, inter)?)?;
-        let down = with_lora(
-            self.linear(&act, &layer.down_proj, None)?,
-            &[Target::Down],
-            &act,
-        )?;
+        let down = with_lora(self.linear(&act, down_proj, None)?, &[Target::Down], &act)?;
         Ok(x.f_add(&down)?)
     }
 
