@@ -49,7 +49,17 @@ impl KvMemory {
         max_slots: usize,
     ) -> KvMemory {
         let budget = budget_positions.saturating_mul(slots.bytes_per_position());
-        let prefix_cap = prefix_cache_bytes.min(budget);
+        // A model with linear-attention layers (Qwen3.5): its sequences' states at a
+        // prefix's end are not held by the cache's blocks yet, so nothing is cached.
+        let prefix_cap = if slots.has_states() {
+            tracing::warn!(
+                "prefix cache off: this model's linear-attention states are not cached yet \
+                 (every prompt is prefilled whole)"
+            );
+            0
+        } else {
+            prefix_cache_bytes.min(budget)
+        };
         KvMemory {
             slots,
             tree: PrefixTree::new(prefix_cap),
@@ -101,7 +111,8 @@ impl KvMemory {
 
     fn reshape(&mut self, slots: usize, capacity: usize, live: &[usize]) -> Result<(), ModelError> {
         let bpp = self.slots.bytes_per_position();
-        let slot_bytes = slots * capacity.min(self.slots.limit()) * bpp;
+        let slot_bytes =
+            slots * (capacity.min(self.slots.limit()) * bpp + self.slots.bytes_per_sequence());
         // The cache first makes room, so slots plus cache never exceed the budget.
         self.tree
             .set_budget(self.prefix_cap.min(self.budget.saturating_sub(slot_bytes)));

@@ -13,8 +13,9 @@ use std::path::{Path, PathBuf};
 use safetensors::tensor::{Dtype, View};
 use tch::{Device, Tensor};
 
+use super::config::{wrapped_language_model, WRAPPED_PREFIX};
 use super::llama::{DType, Llama};
-use super::weights::{GgufSource, SafetensorsSource};
+use super::weights::{GgufSource, SafetensorsSource, WeightSource};
 use super::{GgufFile, ModelCard, ModelError, ModelSource};
 
 /// A model ready to run: its card and its decoder.
@@ -83,7 +84,17 @@ pub fn load_model(
         ModelSource::HfDir(dir) => {
             let card = ModelCard::from_hf_dir(dir)?;
             let mut src = SafetensorsSource::open_dir(dir)?;
-            let model = Llama::load(card.config.clone(), &mut src, device, dtype)?;
+            let model = if wraps_language_model(dir) {
+                tracing::warn!(
+                    "{}: a multimodal checkpoint (qwen3_5): its language model is loaded; \
+                     the vision tower and the multi-token-prediction head are ignored",
+                    dir.display()
+                );
+                let mut src = WrappedSource(&mut src);
+                Llama::load(card.config.clone(), &mut src, device, dtype)?
+            } else {
+                Llama::load(card.config.clone(), &mut src, device, dtype)?
+            };
             (card, model)
         }
     };
@@ -92,6 +103,36 @@ pub fn load_model(
         card,
         model,
     })
+}
+
+/// Whether `dir`'s config is a multimodal wrapper whose language model this decoder runs.
+fn wraps_language_model(dir: &Path) -> bool {
+    std::fs::read_to_string(dir.join("config.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        .is_some_and(|v| wrapped_language_model(&v).is_some())
+}
+
+/// A wrapper's language-model weights under the decoder's names (`model.layers.0...` is
+/// `model.language_model.layers.0...`; the head keeps its name).
+struct WrappedSource<'a>(&'a mut dyn WeightSource);
+
+impl WrappedSource<'_> {
+    fn name(hf_name: &str) -> String {
+        match hf_name.strip_prefix("model.") {
+            Some(rest) => format!("{WRAPPED_PREFIX}{rest}"),
+            None => hf_name.to_string(),
+        }
+    }
+}
+
+impl WeightSource for WrappedSource<'_> {
+    fn load(&mut self, hf_name: &str) -> Result<Option<Tensor>, ModelError> {
+        self.0.load(&Self::name(hf_name))
+    }
+    fn file_of(&self, hf_name: &str) -> String {
+        self.0.file_of(&Self::name(hf_name))
+    }
 }
 
 struct OwnedView {

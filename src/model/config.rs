@@ -26,6 +26,9 @@ pub enum Family {
     /// Qwen3 MoE: Qwen3's attention; sparse layers route each token to its top-k experts
     /// (softmax over the router's logits, optionally renormalised over the k).
     Qwen3Moe,
+    /// Qwen3.5 (text): Gated DeltaNet linear-attention layers between full-attention ones
+    /// that gate their output and rotate part of each head; norms scale by `1 + w`.
+    Qwen35,
 }
 
 impl Family {
@@ -36,6 +39,7 @@ impl Family {
             Family::Qwen2 => "Qwen2ForCausalLM",
             Family::Qwen3 => "Qwen3ForCausalLM",
             Family::Qwen3Moe => "Qwen3MoeForCausalLM",
+            Family::Qwen35 => "Qwen3_5ForCausalLM",
         }
     }
     pub fn model_type(self) -> &'static str {
@@ -45,11 +49,17 @@ impl Family {
             Family::Qwen2 => "qwen2",
             Family::Qwen3 => "qwen3",
             Family::Qwen3Moe => "qwen3_moe",
+            Family::Qwen35 => "qwen3_5_text",
         }
     }
     /// An RMSNorm over each head's queries and keys before the rotation.
     pub fn qk_norm(self) -> bool {
-        matches!(self, Family::Qwen3 | Family::Qwen3Moe)
+        matches!(self, Family::Qwen3 | Family::Qwen3Moe | Family::Qwen35)
+    }
+    /// Qwen3.5: every RMSNorm scales by `1 + w` (its weights are stored centred on 0), and
+    /// the full-attention layers' q_proj also yields a sigmoid gate on their output.
+    pub fn qwen35(self) -> bool {
+        matches!(self, Family::Qwen35)
     }
 }
 
@@ -84,6 +94,31 @@ pub struct MoeConfig {
     pub mlp_only_layers: Vec<usize>,
 }
 
+/// Qwen3.5's Gated DeltaNet layers (transformers' `linear_*` fields).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LinearAttention {
+    /// Which layers are linear attention (the others full attention).
+    pub layers: Vec<bool>,
+    pub conv_kernel: usize,
+    pub key_heads: usize,
+    pub value_heads: usize,
+    pub key_head_dim: usize,
+    pub value_head_dim: usize,
+}
+
+impl LinearAttention {
+    pub fn key_dim(&self) -> usize {
+        self.key_heads * self.key_head_dim
+    }
+    pub fn value_dim(&self) -> usize {
+        self.value_heads * self.value_head_dim
+    }
+    /// The causal convolution's channels: q, k and v before it splits them.
+    pub fn conv_channels(&self) -> usize {
+        2 * self.key_dim() + self.value_dim()
+    }
+}
+
 /// The validated runtime configuration of a Llama-family decoder.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LlamaConfig {
@@ -107,9 +142,27 @@ pub struct LlamaConfig {
     /// Sparse layers (Qwen3-MoE); `None`: every layer is dense.
     #[serde(default)]
     pub moe: Option<MoeConfig>,
+    /// Dimensions of each head that rotate (the first ones; `None`: all of `head_dim`).
+    #[serde(default)]
+    pub rotary_dim: Option<usize>,
+    /// Linear-attention layers (Qwen3.5); `None`: every layer is full attention.
+    #[serde(default)]
+    pub linear: Option<LinearAttention>,
 }
 
 impl LlamaConfig {
+    /// Whether layer `l` is a linear-attention (Gated DeltaNet) layer.
+    pub fn is_linear(&self, l: usize) -> bool {
+        self.linear
+            .as_ref()
+            .is_some_and(|h| h.layers.get(l).copied().unwrap_or(false))
+    }
+
+    /// The rotated dimensions of each head.
+    pub fn rotary(&self) -> usize {
+        self.rotary_dim.unwrap_or(self.head_dim)
+    }
+
     /// Whether layer `l` routes tokens to experts (HF's rule for Qwen3-MoE).
     pub fn is_sparse(&self, l: usize) -> bool {
         self.moe.as_ref().is_some_and(|m| {
@@ -212,6 +265,17 @@ pub struct HfConfig {
     pub mlp_only_layers: Option<Vec<usize>>,
     #[serde(default)]
     pub shared_expert_intermediate_size: Option<usize>,
+    /// Qwen3.5's linear attention.
+    #[serde(default)]
+    pub linear_conv_kernel_dim: Option<usize>,
+    #[serde(default)]
+    pub linear_key_head_dim: Option<usize>,
+    #[serde(default)]
+    pub linear_value_head_dim: Option<usize>,
+    #[serde(default)]
+    pub linear_num_key_heads: Option<usize>,
+    #[serde(default)]
+    pub linear_num_value_heads: Option<usize>,
     #[serde(default = "default_max_pos")]
     pub max_position_embeddings: usize,
     #[serde(default)]
@@ -241,6 +305,7 @@ impl HfConfig {
             "Qwen2ForCausalLM" | "qwen2" => Family::Qwen2,
             "Qwen3ForCausalLM" | "qwen3" => Family::Qwen3,
             "Qwen3MoeForCausalLM" | "qwen3_moe" => Family::Qwen3Moe,
+            "Qwen3_5ForCausalLM" | "qwen3_5_text" => Family::Qwen35,
             _ => {
                 return Err(ConfigError::UnknownArchitecture {
                     source_name: source_name.to_string(),
@@ -256,7 +321,7 @@ impl HfConfig {
                 ));
             }
         }
-        self.refuse_unimplemented(source_name)?;
+        self.refuse_unimplemented(family, source_name)?;
         // transformers 5 keeps theta and the scaling in `rope_parameters`; a config that
         // has it is read from it (the top-level fields are transformers 4's).
         let params = self.rope_parameters.as_ref().filter(|v| !v.is_null());
@@ -303,6 +368,16 @@ impl HfConfig {
                 .map(|e| e.to_vec())
                 .unwrap_or_default(),
             moe: self.moe(family, source_name)?,
+            rotary_dim: match self.partial_rotary() {
+                Some(f) if f != 1.0 => {
+                    let hd = self
+                        .head_dim
+                        .unwrap_or(self.hidden_size / self.num_attention_heads.max(1));
+                    Some((hd as f64 * f) as usize)
+                }
+                _ => None,
+            },
+            linear: self.linear_attention(family, source_name)?,
         };
         cfg.validate(source_name)?;
         Ok(cfg)
@@ -357,9 +432,66 @@ impl HfConfig {
         Ok(Some(m))
     }
 
+    /// `partial_rotary_factor`, at the top level (transformers 4) or in `rope_parameters`.
+    fn partial_rotary(&self) -> Option<f64> {
+        self.partial_rotary_factor.or_else(|| {
+            self.rope_parameters
+                .as_ref()
+                .and_then(|p| p.get("partial_rotary_factor"))
+                .and_then(|v| v.as_f64())
+        })
+    }
+
+    /// Qwen3.5's linear-attention layers (an error naming a missing field).
+    fn linear_attention(
+        &self,
+        family: Family,
+        source_name: &str,
+    ) -> Result<Option<LinearAttention>, ConfigError> {
+        if family != Family::Qwen35 {
+            return Ok(None);
+        }
+        let need = |v: Option<usize>, field: &str| {
+            v.filter(|&v| v > 0).ok_or_else(|| {
+                invalid(
+                    source_name,
+                    format!("qwen3_5 config lacks a positive {field}"),
+                )
+            })
+        };
+        // transformers' default: every 4th layer full attention.
+        let layers = match &self.layer_types {
+            Some(t) => t.iter().map(|t| t == "linear_attention").collect(),
+            None => (0..self.num_hidden_layers)
+                .map(|i| (i + 1) % 4 != 0)
+                .collect(),
+        };
+        let h = LinearAttention {
+            layers,
+            conv_kernel: need(self.linear_conv_kernel_dim, "linear_conv_kernel_dim")?,
+            key_heads: need(self.linear_num_key_heads, "linear_num_key_heads")?,
+            value_heads: need(self.linear_num_value_heads, "linear_num_value_heads")?,
+            key_head_dim: need(self.linear_key_head_dim, "linear_key_head_dim")?,
+            value_head_dim: need(self.linear_value_head_dim, "linear_value_head_dim")?,
+        };
+        if h.layers.len() != self.num_hidden_layers || h.value_heads % h.key_heads != 0 {
+            return Err(invalid(
+                source_name,
+                format!(
+                    "qwen3_5: {} layer_types for {} layers, {} value heads over {} key heads (must divide)",
+                    h.layers.len(),
+                    self.num_hidden_layers,
+                    h.value_heads,
+                    h.key_heads
+                ),
+            ));
+        }
+        Ok(Some(h))
+    }
+
     /// Fields whose value would change the computation in a way this decoder does not
     /// implement: an error naming the field and its value.
-    fn refuse_unimplemented(&self, source_name: &str) -> Result<(), ConfigError> {
+    fn refuse_unimplemented(&self, family: Family, source_name: &str) -> Result<(), ConfigError> {
         let refuse = |field: &str, value: String, why: &str| {
             Err(invalid(
                 source_name,
@@ -373,29 +505,36 @@ impl HfConfig {
                 "sliding-window attention",
             );
         }
+        let known: &[&str] = match family {
+            Family::Qwen35 => &["full_attention", "linear_attention"],
+            _ => &["full_attention"],
+        };
         if let Some(t) = self
             .layer_types
             .iter()
             .flatten()
-            .find(|t| t.as_str() != "full_attention")
+            .find(|t| !known.contains(&t.as_str()))
         {
-            return refuse(
-                "layer_types",
-                format!("[.., {t:?}, ..]"),
-                "a layer other than \"full_attention\"",
-            );
+            return refuse("layer_types", format!("[.., {t:?}, ..]"), "this layer type");
         }
         if self.mlp_bias == Some(true) {
             return refuse("mlp_bias", "true".into(), "an MLP with biases");
         }
-        let partial = self.partial_rotary_factor.or_else(|| {
-            self.rope_parameters
-                .as_ref()
-                .and_then(|p| p.get("partial_rotary_factor"))
-                .and_then(|v| v.as_f64())
-        });
-        if let Some(f) = partial.filter(|&f| f != 1.0) {
-            return refuse("partial_rotary_factor", f.to_string(), "a partial rotation");
+        if let Some(f) = self.partial_rotary().filter(|&f| f != 1.0) {
+            let hd = self
+                .head_dim
+                .unwrap_or(self.hidden_size / self.num_attention_heads.max(1));
+            let rd = hd as f64 * f;
+            if family != Family::Qwen35 {
+                return refuse("partial_rotary_factor", f.to_string(), "a partial rotation");
+            }
+            if !(f > 0.0 && f < 1.0) || rd.fract() != 0.0 || rd as usize % 2 != 0 {
+                return refuse(
+                    "partial_rotary_factor",
+                    f.to_string(),
+                    "a rotation of other than an even number of dimensions",
+                );
+            }
         }
         Ok(())
     }
@@ -565,6 +704,8 @@ impl LlamaConfig {
                 .map(|v| vec![v as u32])
                 .unwrap_or_default(),
             moe,
+            rotary_dim: None,
+            linear: None,
         };
         cfg.validate(&source_name)?;
         Ok(cfg)
@@ -627,6 +768,31 @@ impl LlamaConfig {
             }),
         };
         obj.insert("rope_scaling".into(), scaling);
+        if let Some(h) = &self.linear {
+            let types: Vec<&str> = h
+                .layers
+                .iter()
+                .map(|&l| {
+                    if l {
+                        "linear_attention"
+                    } else {
+                        "full_attention"
+                    }
+                })
+                .collect();
+            obj.insert("layer_types".into(), types.into());
+            obj.insert("linear_conv_kernel_dim".into(), h.conv_kernel.into());
+            obj.insert("linear_num_key_heads".into(), h.key_heads.into());
+            obj.insert("linear_num_value_heads".into(), h.value_heads.into());
+            obj.insert("linear_key_head_dim".into(), h.key_head_dim.into());
+            obj.insert("linear_value_head_dim".into(), h.value_head_dim.into());
+        }
+        if let Some(rd) = self.rotary_dim {
+            obj.insert(
+                "partial_rotary_factor".into(),
+                (rd as f64 / self.head_dim as f64).into(),
+            );
+        }
         if let Some(m) = &self.moe {
             obj.insert("num_experts".into(), m.experts.into());
             obj.insert("num_experts_per_tok".into(), m.top_k.into());
@@ -639,9 +805,10 @@ impl LlamaConfig {
     }
 
     /// Inverse rotary frequencies, one per pair of a head's dimensions, after scaling.
+    /// (Only the rotated dimensions: `rotary() / 2` of them.)
     pub fn inv_freq(&self) -> Vec<f64> {
-        let dim = self.head_dim as f64;
-        let base: Vec<f64> = (0..self.head_dim / 2)
+        let dim = self.rotary() as f64;
+        let base: Vec<f64> = (0..self.rotary() / 2)
             .map(|i| 1.0 / self.rope_theta.powf((2 * i) as f64 / dim))
             .collect();
         match &self.rope_scaling {
@@ -677,11 +844,43 @@ impl LlamaConfig {
 
 /// Parses a `config.json` text.
 pub fn parse_hf_config(text: &str, source_name: &str) -> Result<LlamaConfig, ConfigError> {
-    let hf: HfConfig = serde_json::from_str(text).map_err(|e| ConfigError::Parse {
+    let parse = |v: serde_json::Value| -> Result<HfConfig, ConfigError> {
+        serde_json::from_value(v).map_err(|e| ConfigError::Parse {
+            source_name: source_name.to_string(),
+            problem: e.to_string(),
+        })
+    };
+    let v: serde_json::Value = serde_json::from_str(text).map_err(|e| ConfigError::Parse {
         source_name: source_name.to_string(),
         problem: e.to_string(),
     })?;
-    hf.into_runtime(source_name)
+    if let Some(text_config) = wrapped_language_model(&v) {
+        return parse(text_config)?.into_runtime(source_name);
+    }
+    parse(v)?.into_runtime(source_name)
+}
+
+/// The weights of a model wrapped by a multimodal one (`qwen3_5`) live under this prefix
+/// (`model.language_model.layers.0...` for `model.layers.0...`).
+pub const WRAPPED_PREFIX: &str = "model.language_model.";
+
+/// The language model's config of a multimodal wrapper this decoder runs the text part of
+/// (`qwen3_5`, `Qwen3_5ForConditionalGeneration`): its `text_config`, with the wrapper's
+/// `tie_word_embeddings` (the head is the wrapper's). `None`: not such a wrapper.
+pub fn wrapped_language_model(v: &serde_json::Value) -> Option<serde_json::Value> {
+    let arch = v["architectures"][0].as_str().unwrap_or_default();
+    let ty = v["model_type"].as_str().unwrap_or_default();
+    if arch != "Qwen3_5ForConditionalGeneration" && ty != "qwen3_5" {
+        return None;
+    }
+    let mut text = v.get("text_config")?.clone();
+    let obj = text.as_object_mut()?;
+    obj.insert("model_type".into(), "qwen3_5_text".into());
+    obj.remove("architectures");
+    if let Some(t) = v.get("tie_word_embeddings") {
+        obj.insert("tie_word_embeddings".into(), t.clone());
+    }
+    Some(text)
 }
 
 #[cfg(test)]

@@ -285,6 +285,65 @@ pub fn to_interleaved(t: &Tensor, n_head: i64) -> Result<Tensor, ModelError> {
     Ok(t.f_reshape(&split)?.f_transpose(1, 2)?.f_reshape(&shape)?)
 }
 
+/// [`to_interleaved`] for heads that rotate only their first `rotary` of `head_dim`
+/// dimensions (Qwen3.5's partial rotary): those are interleaved, the rest stay in order.
+pub fn to_interleaved_rotary(
+    t: &Tensor,
+    n_head: i64,
+    head_dim: i64,
+    rotary: i64,
+) -> Result<Tensor, ModelError> {
+    rotary_rows(t, n_head, head_dim, rotary, true)
+}
+
+/// The inverse of [`to_interleaved_rotary`].
+pub fn from_interleaved_rotary(
+    t: &Tensor,
+    n_head: i64,
+    head_dim: i64,
+    rotary: i64,
+) -> Result<Tensor, ModelError> {
+    rotary_rows(t, n_head, head_dim, rotary, false)
+}
+
+fn rotary_rows(
+    t: &Tensor,
+    n_head: i64,
+    head_dim: i64,
+    rotary: i64,
+    forward: bool,
+) -> Result<Tensor, ModelError> {
+    let shape = t.size();
+    if rotary == head_dim {
+        return if forward {
+            to_interleaved(t, n_head)
+        } else {
+            unpermute_qk(t, n_head)
+        };
+    }
+    if shape[0] != n_head * head_dim || rotary % 2 != 0 || rotary > head_dim {
+        return Err(ModelError::Invalid(format!(
+            "cannot reorder a tensor of shape {shape:?} as {n_head} heads of {head_dim} with {rotary} rotated"
+        )));
+    }
+    let mut heads = vec![n_head, head_dim];
+    heads.extend_from_slice(&shape[1..]);
+    let t = t.f_reshape(&heads)?;
+    let rot = t.f_narrow(1, 0, rotary)?;
+    let pass = t.f_narrow(1, rotary, head_dim - rotary)?;
+    let mut split = vec![n_head, 2, rotary / 2];
+    split.extend_from_slice(&shape[1..]);
+    let rot = if forward {
+        rot.f_reshape(&split)?.f_transpose(1, 2)?
+    } else {
+        split.swap(1, 2);
+        rot.f_reshape(&split)?.f_transpose(1, 2)?
+    };
+    let mut flat = vec![n_head, rotary];
+    flat.extend_from_slice(&shape[1..]);
+    Ok(Tensor::f_cat(&[rot.f_reshape(&flat)?, pass], 1)?.f_reshape(&shape)?)
+}
+
 impl WeightSource for GgufSource {
     fn load(&mut self, hf_name: &str) -> Result<Option<Tensor>, ModelError> {
         if let Some((name, e)) = expert_name(hf_name) {

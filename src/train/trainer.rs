@@ -83,6 +83,8 @@ pub struct TrainerConfig {
     pub warmup_steps: u64,
     pub schedule: Schedule,
     pub layout: Layout,
+    /// Set by the trainer when the model cannot take `layout` (then linear).
+    pub layout_fallback: bool,
     /// Tokens per packed row (micro-batch); gradients accumulate over the rows.
     pub micro_batch_tokens: usize,
     /// Rows of logits the log-probability kernel holds at once.
@@ -107,6 +109,7 @@ impl Default for TrainerConfig {
             warmup_steps: 0,
             schedule: Schedule::Constant,
             layout: Layout::Tree,
+            layout_fallback: false,
             micro_batch_tokens: 4096,
             logprob_chunk: 512,
             max_staleness: Some(4),
@@ -181,7 +184,15 @@ pub struct StepMetrics {
     /// them reached the weights or the optimizer's moments.
     #[serde(default)]
     pub nonfinite_updates: usize,
+    /// Why the step packed rows otherwise than configured (Qwen3.5's linear-attention
+    /// layers take the linear layout, not the tree).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layout_fallback: Option<String>,
 }
+
+/// What a step's metrics say when Qwen3.5's layers made the trainer leave the tree layout.
+const LINEAR_FALLBACK: &str = "linear layout: the tree layout's shared prefixes would need \
+     the linear-attention layers' states at each branch point, which are not forked yet";
 
 impl StepMetrics {
     /// One compact progress line.
@@ -330,6 +341,12 @@ impl Trainer {
         if cfg.bf16 {
             model.set_compute_kind(Some(Kind::BFloat16))?;
         }
+        let mut cfg = cfg;
+        if model.has_linear_layers() && cfg.layout == Layout::Tree {
+            tracing::warn!("{LINEAR_FALLBACK}");
+            cfg.layout = Layout::Linear;
+            cfg.layout_fallback = true;
+        }
         let opt = AdamW::new(model.parameters(), cfg.optim.clone());
         Ok(Trainer {
             model,
@@ -429,6 +446,10 @@ impl Trainer {
             skipped_groups: report.skipped_equal,
             dropped_short_groups: report.dropped_short,
             aborted_episodes: report.aborted,
+            layout_fallback: self
+                .cfg
+                .layout_fallback
+                .then(|| LINEAR_FALLBACK.to_string()),
             ..Default::default()
         };
         let rewards: Vec<f64> = groups

@@ -2,7 +2,8 @@
 //! transformers itself builds and saves (`tests/fixtures/hf_family.py`): greedy ids from
 //! our engine equal HF's on token-id prompts, with log-probabilities within 1e-4 in
 //! float32; the logits of a sequence within 1e-4; and one training loss's gradient for
-//! every parameter (under HF's names) within 1e-4 of torch autograd's.
+//! every parameter (under HF's names) within 1e-4 of torch autograd's (relative to the
+//! gradient's largest entry where that is above 1).
 
 use crate::common::*;
 
@@ -171,15 +172,20 @@ fn check_gradient(family: &str, mut m: Llama, v: &Value, dir: &std::path::Path) 
         theirs.len()
     );
     for (name, want) in &theirs {
+        // A multimodal wrapper's language model is ours under the decoder's names.
+        let name = &name.replace("model.language_model.", "model.");
         let got = &ours
             .iter()
             .find(|(n, _)| n == name)
             .unwrap_or_else(|| panic!("{family}: no gradient for {name}"))
             .1;
+        // Within 1e-4 of the gradient's own scale (its largest entry, at least 1): float32
+        // sums in another order differ by about 1e-6 of it.
         let d = max_abs_diff(got, want);
+        let scale = want.abs().max().double_value(&[]).max(1.0);
         assert!(
-            d < 1e-4,
-            "{family}: the gradient of {name} is {d} from autograd's"
+            d < 1e-4 * scale,
+            "{family}: the gradient of {name} is {d} from autograd's (its largest entry {scale})"
         );
     }
 }
@@ -190,6 +196,41 @@ fn golden(family: &str) {
     check_logits(family, &m, &v);
     check_gradient(family, reference(family, dir.path()).0, &v, dir.path());
     check_greedy(family, m, &v);
+    check_forked(family, reference(family, dir.path()).0, &v);
+}
+
+/// `n` greedy choices of one prompt share its prefill, forked into their own slots (a
+/// linear-attention layer's state forked with the keys and values): each equals HF's.
+fn check_forked(family: &str, m: Llama, v: &Value) {
+    let engine = spawn_engine(m, EngineConfig::default()).unwrap();
+    let rxs = engine
+        .submit_n(
+            GenerateRequest {
+                prompt: vec![100, 50, 25, 12, 6, 3],
+                max_tokens: 8,
+                sampling: SamplingParams::greedy(),
+                seed: None,
+                stop_token_ids: vec![],
+                top_logprobs: 0,
+                constraint: None,
+                adapter: None,
+            },
+            3,
+        )
+        .unwrap();
+    let want: Vec<u64> = v["gen"][1]["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect();
+    for (i, mut rx) in rxs.into_iter().enumerate() {
+        let mut ids = Vec::new();
+        while let Some(EngineEvent::Token { id, .. }) = rx.blocking_recv() {
+            ids.push(id as u64);
+        }
+        assert_eq!(ids, want, "{family}, choice {i} of 3");
+    }
 }
 
 /// Qwen2 as transformers 5 saves it: theta in `rope_parameters` (1e6), not `rope_theta`.
@@ -202,6 +243,21 @@ fn qwen2_saved_by_transformers_5_matches_hf() {
 #[test]
 fn qwen3_matches_hf() {
     golden("qwen3");
+}
+
+/// Qwen3.5 (text): three Gated DeltaNet layers (chunked prefill, recurrent decode through
+/// the engine's slots) and a gated full-attention layer with partial rotary and centred
+/// norms.
+#[test]
+fn qwen3_5_matches_hf() {
+    golden("qwen3_5");
+}
+
+/// The `qwen3_5` multimodal wrapper (as released): its language model loads (the vision
+/// tower is ignored) and matches HF's wrapper on text.
+#[test]
+fn qwen3_5_wrapper_loads_its_language_model_and_matches_hf() {
+    golden("qwen3_5_wrapped");
 }
 
 /// Qwen3-MoE: 8 experts, top-2 renormalised, one dense layer (`mlp_only_layers`); the
@@ -315,4 +371,51 @@ fn qwen3_and_qwen3_moe_gguf_match_hf() {
             .model;
         check_logits(&format!("{family} (GGUF)"), &m, &v);
     }
+}
+
+/// A Qwen3.5 model trains: its trainer takes the linear layout (the tree's shared prefixes
+/// would need forked linear-attention states), says so in the step's metrics, and the
+/// step moves the weights.
+#[test]
+fn qwen3_5_trains_in_the_linear_layout_and_says_so() {
+    use agentjet::timeline::synth::{trace, TraceShape};
+    use agentjet::train::groups::{advantages, AdvantageKind, Group, ReadyReport};
+    use agentjet::train::trainer::{Trainer, TrainerConfig};
+    let dir = tempfile::tempdir().unwrap();
+    let (m, v) = reference("qwen3_5", dir.path());
+    let vocab = v["vocab"].as_u64().unwrap() as u32;
+    let episodes = trace(&TraceShape {
+        groups: 1,
+        group_size: 4,
+        turns: 2,
+        prompt_tokens: 12,
+        env_tokens: 4,
+        gen_tokens: 4,
+        break_p: 0.0,
+        vocab,
+        seed: 4,
+    });
+    let groups = vec![Group {
+        group_id: "g0".into(),
+        episodes,
+        advantages: advantages(AdvantageKind::Grpo, &[1.0, 0.0, 0.5, 0.0]).unwrap(),
+    }];
+    let before: Vec<Tensor> = m.parameters().iter().map(|t| t.copy()).collect();
+    let mut t = Trainer::new(m, None, TrainerConfig::default()).unwrap();
+    let metrics = t.step(&groups, &ReadyReport::default()).unwrap();
+    assert!(metrics.trained && metrics.tokens_trained > 0, "{metrics:?}");
+    assert!(
+        metrics.loss.is_finite() && metrics.grad_norm > 0.0,
+        "{metrics:?}"
+    );
+    let why = metrics.layout_fallback.clone().unwrap_or_default();
+    assert!(why.contains("linear layout"), "{metrics:?}");
+    let moved = t
+        .model
+        .parameters()
+        .iter()
+        .zip(&before)
+        .filter(|(a, b)| max_abs_diff(a, b) > 0.0)
+        .count();
+    assert!(moved > 0, "no parameter moved");
 }

@@ -51,6 +51,7 @@ impl Llama {
                     .as_ref()
                     .map(|(q, k)| (q.shallow_clone(), k.shallow_clone())),
                 o_proj: l.o_proj.shallow_clone(),
+                linear: l.linear.as_ref().map(|la| la.shallow_clone()),
                 ffn: l.ffn.shallow_clone(),
             })
             .collect();

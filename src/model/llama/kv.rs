@@ -1,7 +1,9 @@
 //! Key/value storage: [`KvCache`] (rows of one batch, direct generation), [`SlotCache`]
 //! (the engine's running sequences, one slot each, grown and shrunk as they need) and
 //! [`KvBlock`] (a copy of some positions of one sequence, what the engine's prefix cache
-//! keeps).
+//! keeps). Keys and values are held for the attention layers only; a model with
+//! linear-attention layers (Qwen3.5) also holds each row's or slot's states of those
+//! layers (see `linear`), which every operation here keeps with its sequence.
 //!
 //! Why slots and copies rather than pages: a decode step attends over one view of the
 //! first `n` slots with a length mask, one attention call per layer for the whole batch.
@@ -13,6 +15,7 @@
 
 use tch::{Device, Kind, Tensor};
 
+use super::linear::Recurrent;
 use super::Llama;
 use crate::model::ModelError;
 
@@ -21,6 +24,7 @@ use crate::model::ModelError;
 pub struct KvCache {
     pub(super) k: Vec<Tensor>,
     pub(super) v: Vec<Tensor>,
+    pub(super) states: States,
     pub(super) len: usize,
     pub(super) capacity: usize,
     pub(super) batch: usize,
@@ -41,10 +45,78 @@ impl KvCache {
     }
 }
 
+/// Per linear-attention layer, each row's (or slot's) convolution state [rows, channels,
+/// kernel - 1] and recurrent state [rows, value_heads, key_head_dim, value_head_dim]
+/// (float32). Empty for a model without such layers.
+#[derive(Default)]
+pub(super) struct States {
+    pub conv: Vec<Tensor>,
+    pub rec: Vec<Tensor>,
+}
+
+impl States {
+    /// Every state tensor.
+    fn all(&self) -> impl Iterator<Item = &Tensor> {
+        self.conv.iter().chain(self.rec.iter())
+    }
+
+    /// Copies row `from`'s states to row `to`.
+    pub(super) fn copy_row(&self, from: i64, to: i64) -> Result<(), ModelError> {
+        for t in self.all() {
+            t.f_narrow(0, to, 1)?.f_copy_(&t.f_narrow(0, from, 1)?)?;
+        }
+        Ok(())
+    }
+
+    /// The states of rows `rows` (fresh zeros where `fresh`), for a pass over those
+    /// sequences whose pieces are `pieces`.
+    pub(super) fn gather(
+        &self,
+        rows: &[i64],
+        fresh: &[bool],
+        pieces: Vec<(i64, i64)>,
+    ) -> Result<Recurrent, ModelError> {
+        let device = self.conv.first().map(|t| t.device()).unwrap_or(Device::Cpu);
+        let idx = Tensor::f_from_slice(rows)?.f_to_device(device)?;
+        let keep: Vec<f32> = fresh.iter().map(|&f| if f { 0.0 } else { 1.0 }).collect();
+        let keep = Tensor::f_from_slice(&keep)?.f_to_device(device)?;
+        let pick = |t: &Tensor| -> Result<Tensor, ModelError> {
+            let mut shape = vec![rows.len() as i64];
+            shape.extend(std::iter::repeat_n(1, t.dim() - 1));
+            Ok(t.f_index_select(0, &idx)?
+                .f_mul(&keep.f_to_kind(t.kind())?.f_reshape(shape.as_slice())?)?)
+        };
+        Ok(Recurrent {
+            pieces,
+            conv: self.conv.iter().map(pick).collect::<Result<_, _>>()?,
+            rec: self.rec.iter().map(pick).collect::<Result<_, _>>()?,
+        })
+    }
+
+    /// Writes a pass's final states back into rows `rows`.
+    pub(super) fn scatter(&self, rows: &[i64], r: &Recurrent) -> Result<(), ModelError> {
+        let device = self.conv.first().map(|t| t.device()).unwrap_or(Device::Cpu);
+        let idx = Tensor::f_from_slice(rows)?.f_to_device(device)?;
+        for (dst, src) in self
+            .conv
+            .iter()
+            .zip(&r.conv)
+            .chain(self.rec.iter().zip(&r.rec))
+        {
+            let mut dst = dst.shallow_clone();
+            let _ = dst.f_index_copy_(0, &idx, &src.f_to_kind(dst.kind())?)?;
+        }
+        Ok(())
+    }
+}
+
 /// What one KV tensor looks like, to allocate more of them.
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 struct Shape {
+    /// Attention layers (the others, if any, are linear attention).
     layers: usize,
+    /// Linear-attention layers and one sequence's state shapes in each.
+    linear: Option<(usize, [i64; 2], [i64; 3])>,
     kv_heads: i64,
     head_dim: i64,
     kind: Kind,
@@ -73,6 +145,35 @@ impl Shape {
     fn bytes_per_position(&self) -> usize {
         2 * self.layers * (self.kv_heads * self.head_dim) as usize * self.kind.elt_size_in_bytes()
     }
+
+    /// Zero linear-attention states for `rows` sequences.
+    fn states(&self, rows: usize) -> Result<States, ModelError> {
+        let Some((layers, conv, rec)) = self.linear else {
+            return Ok(States::default());
+        };
+        let r = rows as i64;
+        let mut s = States::default();
+        for _ in 0..layers {
+            s.conv.push(Tensor::f_zeros(
+                [r, conv[0], conv[1]],
+                (self.kind, self.device),
+            )?);
+            s.rec.push(Tensor::f_zeros(
+                [r, rec[0], rec[1], rec[2]],
+                (Kind::Float, self.device),
+            )?);
+        }
+        Ok(s)
+    }
+
+    /// Bytes of one sequence's linear-attention states.
+    fn bytes_per_sequence(&self) -> usize {
+        self.linear.map_or(0, |(layers, conv, rec)| {
+            layers
+                * ((conv[0] * conv[1]) as usize * self.kind.elt_size_in_bytes()
+                    + (rec[0] * rec[1] * rec[2]) as usize * 4)
+        })
+    }
 }
 
 /// Key/value storage for many sequences at once: per layer one tensor
@@ -83,6 +184,7 @@ impl Shape {
 pub struct SlotCache {
     pub(super) k: Vec<Tensor>,
     pub(super) v: Vec<Tensor>,
+    pub(super) states: States,
     pub(super) slots: usize,
     pub(super) capacity: usize,
     shape: Shape,
@@ -103,9 +205,19 @@ impl SlotCache {
     pub fn bytes_per_position(&self) -> usize {
         self.shape.bytes_per_position()
     }
-    /// Bytes held now (`slots x capacity` positions).
+    /// Bytes of one sequence's linear-attention states (Qwen3.5; 0 for other models),
+    /// held per slot whatever its length.
+    pub fn bytes_per_sequence(&self) -> usize {
+        self.shape.bytes_per_sequence()
+    }
+    /// Bytes held now (`slots x capacity` positions, and each slot's states).
     pub fn bytes(&self) -> usize {
-        self.slots * self.capacity * self.bytes_per_position()
+        self.slots * (self.capacity * self.bytes_per_position() + self.bytes_per_sequence())
+    }
+    /// Whether sequences carry linear-attention states (which the prefix cache's blocks
+    /// do not hold).
+    pub fn has_states(&self) -> bool {
+        self.shape.linear.is_some()
     }
 
     /// Reallocates to `slots` slots of `capacity` positions (capped at the model's
@@ -127,6 +239,15 @@ impl SlotCache {
             )));
         }
         let (k, v) = self.shape.zeros(slots, capacity)?;
+        let states = self.shape.states(slots)?;
+        for (new, old) in states.all().zip(self.states.all()) {
+            for (i, &len) in live.iter().enumerate() {
+                if len > 0 {
+                    new.f_narrow(0, i as i64, 1)?
+                        .f_copy_(&old.f_narrow(0, i as i64, 1)?)?;
+                }
+            }
+        }
         for (new, old) in k.iter().zip(&self.k).chain(v.iter().zip(&self.v)) {
             for (i, &len) in live.iter().enumerate() {
                 if len == 0 {
@@ -139,6 +260,7 @@ impl SlotCache {
         }
         self.k = k;
         self.v = v;
+        self.states = states;
         self.slots = slots;
         self.capacity = capacity;
         Ok(())
@@ -150,6 +272,7 @@ impl SlotCache {
         if from == to || len == 0 {
             return Ok(());
         }
+        self.states.copy_row(from as i64, to as i64)?;
         for t in self.k.iter().chain(self.v.iter()) {
             let src = t.f_narrow(0, from as i64, 1)?.f_narrow(2, 0, len as i64)?;
             t.f_narrow(0, to as i64, 1)?
@@ -161,6 +284,11 @@ impl SlotCache {
 
     /// A copy of positions `start..start + len` of slot `slot`.
     pub fn extract(&self, slot: usize, start: usize, len: usize) -> Result<KvBlock, ModelError> {
+        if self.has_states() {
+            return Err(ModelError::Invalid(
+                "the prefix cache does not hold linear-attention states (Qwen3.5)".into(),
+            ));
+        }
         if slot >= self.slots || start + len > self.capacity || len == 0 {
             return Err(ModelError::Invalid(format!(
                 "KV positions {start}..{} of slot {slot} are outside {} x {}",
@@ -192,6 +320,11 @@ impl SlotCache {
         block: &KvBlock,
         len: usize,
     ) -> Result<(), ModelError> {
+        if self.has_states() {
+            return Err(ModelError::Invalid(
+                "the prefix cache does not hold linear-attention states (Qwen3.5)".into(),
+            ));
+        }
         if slot >= self.slots || at + len > self.capacity || len > block.len {
             return Err(ModelError::Invalid(format!(
                 "{len} cached KV positions do not fit slot {slot} at {at} ({} x {})",
@@ -259,8 +392,13 @@ impl KvBlock {
 
 impl Llama {
     fn kv_shape(&self) -> Shape {
+        let linear = self.config.linear.as_ref().map(|h| {
+            let (conv, rec) = super::linear::state_shapes(h);
+            (h.layers.iter().filter(|&&l| l).count(), conv, rec)
+        });
         Shape {
-            layers: self.layers.len(),
+            layers: self.layers.len() - linear.map_or(0, |(n, _, _)| n),
+            linear,
             kv_heads: self.config.num_key_value_heads as i64,
             head_dim: self.config.head_dim as i64,
             kind: self.act,
@@ -277,6 +415,7 @@ impl Llama {
         Ok(KvCache {
             k,
             v,
+            states: shape.states(batch)?,
             len: 0,
             capacity,
             batch,
@@ -292,6 +431,7 @@ impl Llama {
         Ok(SlotCache {
             k,
             v,
+            states: shape.states(slots)?,
             slots,
             capacity,
             shape,

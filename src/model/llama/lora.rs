@@ -216,8 +216,15 @@ pub struct Adapter {
 /// One layer's [`Stacked`] products, by [`PRODUCTS`] index.
 type LayerStacked = [Option<Stacked>; 4];
 
-/// A mixture-of-experts model's MLP targets are its experts, which adapters do not reach.
+/// A mixture-of-experts model's MLP targets are its experts, which adapters do not reach;
+/// Qwen3.5's layers are not adapted yet.
 pub(crate) fn refuse_expert_targets(c: &LlamaConfig, targets: &[Target]) -> Result<(), ModelError> {
+    if c.linear.is_some() {
+        return Err(ModelError::Invalid(
+            "LoRA on Qwen3.5 (gated attention and linear-attention layers) is not supported yet"
+                .into(),
+        ));
+    }
     let mlp = targets
         .iter()
         .filter(|t| matches!(t, Target::Gate | Target::Up | Target::Down))

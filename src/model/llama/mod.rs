@@ -32,7 +32,7 @@ const KERNEL_ROWS: usize = if MAX_ROWS < 2 { MAX_ROWS } else { 2 };
 use tch::{Device, Kind, Tensor};
 
 use super::config::LlamaConfig;
-use super::weights::{load_checked, to_interleaved, unpermute_qk, WeightSource};
+use super::weights::{from_interleaved_rotary, load_checked, to_interleaved_rotary, WeightSource};
 use super::ModelError;
 use crate::base::lock;
 
@@ -68,14 +68,146 @@ impl DType {
 struct DecoderLayer {
     input_layernorm: Tensor,
     post_attention_layernorm: Tensor,
-    /// [ (heads + 2 kv_heads) * head_dim, hidden ]
+    /// The token mixer's input projection. Attention: [(heads + 2 kv_heads) * head_dim,
+    /// hidden], q rows then k then v (plus, for Qwen3.5, heads * head_dim rows of the
+    /// output gate); a linear-attention layer: its fused q, k, v, z, b, a.
     qkv_proj: Tensor,
     qkv_bias: Option<Tensor>,
     /// Qwen3's RMSNorm weights over each head's queries and keys, [head_dim] each, in the
     /// interleaved order of the q/k rows.
     qk_norm: Option<(Tensor, Tensor)>,
+    /// The token mixer's output projection.
     o_proj: Tensor,
+    /// A linear-attention (Gated DeltaNet) layer's own parameters; `None`: attention.
+    linear: Option<linear::LinearAttn>,
     ffn: Ffn,
+}
+
+/// A layer's token mixer as loaded (see [`DecoderLayer`]).
+struct Mixer {
+    qkv_proj: Tensor,
+    qkv_bias: Option<Tensor>,
+    qk_norm: Option<(Tensor, Tensor)>,
+    o_proj: Tensor,
+    linear: Option<linear::LinearAttn>,
+}
+
+type Place<'a> = &'a dyn Fn(Tensor) -> Result<Tensor, ModelError>;
+
+/// An attention layer's projections under `prefix` (q and k rows reordered so each
+/// rotary pair is adjacent; Qwen3.5's output gate split off q_proj and put last).
+fn load_attention(
+    c: &LlamaConfig,
+    src: &mut dyn WeightSource,
+    prefix: &str,
+    place: Place,
+    place_act: Place,
+) -> Result<Mixer, ModelError> {
+    let (h, hd, rd) = (c.hidden_size as i64, c.head_dim as i64, c.rotary() as i64);
+    let (nh, nkv) = (c.num_attention_heads as i64, c.num_key_value_heads as i64);
+    let mut get = |n: &str, shape: &[i64]| load_checked(src, &format!("{prefix}{n}"), shape);
+    let rot = |t: &Tensor, heads: i64| to_interleaved_rotary(t, heads, hd, rd);
+    let gated = c.family.qwen35();
+    let (q, gate) = if gated {
+        // Per head: head_dim query rows, then head_dim gate rows.
+        let qg = get("self_attn.q_proj.weight", &[nh * 2 * hd, h])?.f_reshape([nh, 2, hd, h])?;
+        (
+            qg.f_select(1, 0)?.f_reshape([nh * hd, h])?,
+            Some(qg.f_select(1, 1)?.f_reshape([nh * hd, h])?),
+        )
+    } else {
+        (get("self_attn.q_proj.weight", &[nh * hd, h])?, None)
+    };
+    let q = rot(&q, nh)?;
+    let k = rot(&get("self_attn.k_proj.weight", &[nkv * hd, h])?, nkv)?;
+    let v = get("self_attn.v_proj.weight", &[nkv * hd, h])?;
+    let qkv_bias = if c.attention_bias {
+        if gated {
+            return Err(ModelError::Invalid(
+                "qwen3_5 with attention_bias is not supported by this decoder".into(),
+            ));
+        }
+        let qb = rot(&get("self_attn.q_proj.bias", &[nh * hd])?, nh)?;
+        let kb = rot(&get("self_attn.k_proj.bias", &[nkv * hd])?, nkv)?;
+        let vb = get("self_attn.v_proj.bias", &[nkv * hd])?;
+        Some(place(Tensor::f_cat(
+            &[
+                qb.to_kind(Kind::Float),
+                kb.to_kind(Kind::Float),
+                vb.to_kind(Kind::Float),
+            ],
+            0,
+        )?)?)
+    } else {
+        None
+    };
+    let qk_norm = if c.family.qk_norm() {
+        let mut norm = |n: &str| -> Result<Tensor, ModelError> {
+            place_act(to_interleaved_rotary(&get(n, &[hd])?, 1, hd, rd)?)
+        };
+        Some((
+            norm("self_attn.q_norm.weight")?,
+            norm("self_attn.k_norm.weight")?,
+        ))
+    } else {
+        None
+    };
+    let mut rows = vec![
+        q.to_kind(Kind::Float),
+        k.to_kind(Kind::Float),
+        v.to_kind(Kind::Float),
+    ];
+    rows.extend(gate.map(|g| g.to_kind(Kind::Float)));
+    Ok(Mixer {
+        qkv_proj: place(Tensor::f_cat(&rows, 0)?)?,
+        qkv_bias,
+        qk_norm,
+        o_proj: place(get("self_attn.o_proj.weight", &[h, nh * hd])?)?,
+        linear: None,
+    })
+}
+
+/// A Gated DeltaNet layer's parameters under `prefix` (HF's `linear_attn.*`); its four
+/// input projections fused into one matrix.
+fn load_linear(
+    c: &LlamaConfig,
+    src: &mut dyn WeightSource,
+    prefix: &str,
+    place: Place,
+    place_act: Place,
+) -> Result<Mixer, ModelError> {
+    let la = c
+        .linear
+        .as_ref()
+        .ok_or_else(|| ModelError::Invalid("a linear layer in a model without them".into()))?;
+    let h = c.hidden_size as i64;
+    let (vh, ch, vd) = (
+        la.value_heads as i64,
+        la.conv_channels() as i64,
+        la.value_dim() as i64,
+    );
+    let mut get =
+        |n: &str, shape: &[i64]| load_checked(src, &format!("{prefix}linear_attn.{n}"), shape);
+    let parts = [
+        get("in_proj_qkv.weight", &[ch, h])?,
+        get("in_proj_z.weight", &[vd, h])?,
+        get("in_proj_b.weight", &[vh, h])?,
+        get("in_proj_a.weight", &[vh, h])?,
+    ]
+    .map(|t| t.to_kind(Kind::Float));
+    let conv = get("conv1d.weight", &[ch, 1, la.conv_kernel as i64])?.f_squeeze_dim(1)?;
+    Ok(Mixer {
+        qkv_proj: place(Tensor::f_cat(&parts, 0)?)?,
+        qkv_bias: None,
+        qk_norm: None,
+        o_proj: place(get("out_proj.weight", &[h, vd])?)?,
+        linear: Some(linear::LinearAttn {
+            conv: place_act(conv)?,
+            dt_bias: place_act(get("dt_bias", &[vh])?)?,
+            a_log: place_act(get("A_log", &[vh])?)?,
+            norm: place_act(get("norm.weight", &[la.value_head_dim as i64])?)?,
+        }),
+    })
 }
 
 /// A decoder layer's feed-forward part.
@@ -155,8 +287,11 @@ impl std::fmt::Debug for Llama {
 
 mod adapted;
 pub mod bank;
+mod experts;
 mod kv;
+mod linear;
 pub mod lora;
+mod mixing;
 mod moe;
 mod parts;
 mod paths;
@@ -172,14 +307,9 @@ impl Llama {
     ) -> Result<Llama, ModelError> {
         let _guard = tch::no_grad_guard();
         let c = &config;
-        let (h, i, hd) = (
+        let (h, i, v) = (
             c.hidden_size as i64,
             c.intermediate_size as i64,
-            c.head_dim as i64,
-        );
-        let (nh, nkv, v) = (
-            c.num_attention_heads as i64,
-            c.num_key_value_heads as i64,
             c.vocab_size as i64,
         );
         let kind = dtype.kind();
@@ -216,34 +346,10 @@ impl Llama {
             let get = |src: &mut dyn WeightSource, n: &str, shape: &[i64]| {
                 load_checked(src, &format!("{p}{n}"), shape)
             };
-            let q = to_interleaved(&get(src, "self_attn.q_proj.weight", &[nh * hd, h])?, nh)?;
-            let k = to_interleaved(&get(src, "self_attn.k_proj.weight", &[nkv * hd, h])?, nkv)?;
-            let vv = get(src, "self_attn.v_proj.weight", &[nkv * hd, h])?;
-            let qkv_bias = if c.attention_bias {
-                let qb = to_interleaved(&get(src, "self_attn.q_proj.bias", &[nh * hd])?, nh)?;
-                let kb = to_interleaved(&get(src, "self_attn.k_proj.bias", &[nkv * hd])?, nkv)?;
-                let vb = get(src, "self_attn.v_proj.bias", &[nkv * hd])?;
-                Some(place(Tensor::f_cat(
-                    &[
-                        qb.to_kind(Kind::Float),
-                        kb.to_kind(Kind::Float),
-                        vb.to_kind(Kind::Float),
-                    ],
-                    0,
-                )?)?)
+            let mixer = if c.is_linear(l) {
+                load_linear(c, src, &p, &place, &place_act)?
             } else {
-                None
-            };
-            let qk_norm = if c.family.qk_norm() {
-                let norm = |src: &mut dyn WeightSource, n: &str| -> Result<Tensor, ModelError> {
-                    place_act(to_interleaved(&get(src, n, &[hd])?, 1)?)
-                };
-                Some((
-                    norm(src, "self_attn.q_norm.weight")?,
-                    norm(src, "self_attn.k_norm.weight")?,
-                ))
-            } else {
-                None
+                load_attention(c, src, &p, &place, &place_act)?
             };
             let ffn = if c.is_sparse(l) {
                 Ffn::Sparse(moe::Experts::load(c, src, &p, &place)?)
@@ -265,17 +371,11 @@ impl Llama {
                     "post_attention_layernorm.weight",
                     &[h],
                 )?)?,
-                qkv_proj: place(Tensor::f_cat(
-                    &[
-                        q.to_kind(Kind::Float),
-                        k.to_kind(Kind::Float),
-                        vv.to_kind(Kind::Float),
-                    ],
-                    0,
-                )?)?,
-                qkv_bias,
-                qk_norm,
-                o_proj: place(get(src, "self_attn.o_proj.weight", &[h, nh * hd])?)?,
+                qkv_proj: mixer.qkv_proj,
+                qkv_bias: mixer.qkv_bias,
+                qk_norm: mixer.qk_norm,
+                o_proj: mixer.o_proj,
+                linear: mixer.linear,
                 ffn,
             });
         }
@@ -375,6 +475,12 @@ impl Llama {
     pub fn device(&self) -> Device {
         self.device
     }
+
+    /// Whether some layers are linear attention (Qwen3.5), whose sequences carry states
+    /// beside their keys and values.
+    pub fn has_linear_layers(&self) -> bool {
+        self.config.linear.is_some()
+    }
     pub fn dtype(&self) -> DType {
         self.dtype
     }
@@ -410,6 +516,9 @@ impl Llama {
                 p.push(k.shallow_clone());
             }
             p.push(l.o_proj.shallow_clone());
+            if let Some(la) = &l.linear {
+                p.extend(la.tensors());
+            }
             match &l.ffn {
                 Ffn::Dense {
                     gate_up_proj,
@@ -440,48 +549,115 @@ impl Llama {
         self.lm_head.as_ref().unwrap_or(&self.embed_tokens)
     }
 
+    /// An attention layer's tensors under HF's names (`p`: `model.layers.L.`).
+    fn attention_hf_tensors(
+        &self,
+        p: &str,
+        layer: &DecoderLayer,
+    ) -> Result<Vec<(String, Tensor)>, ModelError> {
+        let c = &self.config;
+        let (nh, nkv, hd, rd) = (
+            c.num_attention_heads as i64,
+            c.num_key_value_heads as i64,
+            c.head_dim as i64,
+            c.rotary() as i64,
+        );
+        let split3 = |t: &Tensor| -> Result<[Tensor; 3], ModelError> {
+            Ok([
+                from_interleaved_rotary(&t.f_narrow(0, 0, nh * hd)?, nh, hd, rd)?,
+                from_interleaved_rotary(&t.f_narrow(0, nh * hd, nkv * hd)?, nkv, hd, rd)?,
+                t.f_narrow(0, (nh + nkv) * hd, nkv * hd)?,
+            ])
+        };
+        let mut out = Vec::new();
+        let [q, k, v] = split3(&layer.qkv_proj)?;
+        let q = if c.family.qwen35() {
+            // Back to HF's per-head [query; gate] rows.
+            let gate = layer.qkv_proj.f_narrow(0, (nh + 2 * nkv) * hd, nh * hd)?;
+            let h = q.size()[1];
+            Tensor::f_stack(
+                &[q.f_reshape([nh, hd, h])?, gate.f_reshape([nh, hd, h])?],
+                1,
+            )?
+            .f_reshape([nh * 2 * hd, h])?
+        } else {
+            q
+        };
+        out.push((format!("{p}self_attn.q_proj.weight"), q));
+        out.push((format!("{p}self_attn.k_proj.weight"), k));
+        out.push((format!("{p}self_attn.v_proj.weight"), v));
+        if let Some(bias) = &layer.qkv_bias {
+            let [q, k, v] = split3(bias)?;
+            out.push((format!("{p}self_attn.q_proj.bias"), q));
+            out.push((format!("{p}self_attn.k_proj.bias"), k));
+            out.push((format!("{p}self_attn.v_proj.bias"), v));
+        }
+        if let Some((q, k)) = &layer.qk_norm {
+            let back = |t: &Tensor| from_interleaved_rotary(t, 1, hd, rd);
+            out.push((format!("{p}self_attn.q_norm.weight"), back(q)?));
+            out.push((format!("{p}self_attn.k_norm.weight"), back(k)?));
+        }
+        out.push((
+            format!("{p}self_attn.o_proj.weight"),
+            layer.o_proj.shallow_clone(),
+        ));
+        Ok(out)
+    }
+
+    /// A linear-attention layer's tensors under HF's names.
+    fn linear_hf_tensors(
+        &self,
+        p: &str,
+        in_proj: &Tensor,
+        la: &linear::LinearAttn,
+        out_proj: &Tensor,
+    ) -> Result<Vec<(String, Tensor)>, ModelError> {
+        let h = self.linear_config()?;
+        let (vh, ch, vd) = (
+            h.value_heads as i64,
+            h.conv_channels() as i64,
+            h.value_dim() as i64,
+        );
+        let p = format!("{p}linear_attn.");
+        Ok(vec![
+            (
+                format!("{p}in_proj_qkv.weight"),
+                in_proj.f_narrow(0, 0, ch)?,
+            ),
+            (format!("{p}in_proj_z.weight"), in_proj.f_narrow(0, ch, vd)?),
+            (
+                format!("{p}in_proj_b.weight"),
+                in_proj.f_narrow(0, ch + vd, vh)?,
+            ),
+            (
+                format!("{p}in_proj_a.weight"),
+                in_proj.f_narrow(0, ch + vd + vh, vh)?,
+            ),
+            (format!("{p}conv1d.weight"), la.conv.f_unsqueeze(1)?),
+            (format!("{p}dt_bias"), la.dt_bias.shallow_clone()),
+            (format!("{p}A_log"), la.a_log.shallow_clone()),
+            (format!("{p}norm.weight"), la.norm.shallow_clone()),
+            (format!("{p}out_proj.weight"), out_proj.shallow_clone()),
+        ])
+    }
+
     /// The parameters under HF's names and shapes (fused matrices split back), on the
     /// model's device and dtype. Tied heads are not repeated. With an adapter (switched
     /// on), each targeted weight is merged: `W + s·B·A`.
     pub fn hf_tensors(&self) -> Result<Vec<(String, Tensor)>, ModelError> {
         let c = &self.config;
-        let (nh, nkv, hd, inter) = (
-            c.num_attention_heads as i64,
-            c.num_key_value_heads as i64,
-            c.head_dim as i64,
-            c.intermediate_size as i64,
-        );
+        let inter = c.intermediate_size as i64;
         let mut out = vec![(
             "model.embed_tokens.weight".to_string(),
             self.embed_tokens.shallow_clone(),
         )];
         for (l, layer) in self.layers.iter().enumerate() {
             let p = format!("model.layers.{l}.");
-            let split3 = |t: &Tensor| -> Result<[Tensor; 3], ModelError> {
-                Ok([
-                    unpermute_qk(&t.f_narrow(0, 0, nh * hd)?, nh)?,
-                    unpermute_qk(&t.f_narrow(0, nh * hd, nkv * hd)?, nkv)?,
-                    t.f_narrow(0, (nh + nkv) * hd, nkv * hd)?,
-                ])
-            };
-            let [q, k, v] = split3(&layer.qkv_proj)?;
-            out.push((format!("{p}self_attn.q_proj.weight"), q));
-            out.push((format!("{p}self_attn.k_proj.weight"), k));
-            out.push((format!("{p}self_attn.v_proj.weight"), v));
-            if let Some(bias) = &layer.qkv_bias {
-                let [q, k, v] = split3(bias)?;
-                out.push((format!("{p}self_attn.q_proj.bias"), q));
-                out.push((format!("{p}self_attn.k_proj.bias"), k));
-                out.push((format!("{p}self_attn.v_proj.bias"), v));
+            if let Some(la) = &layer.linear {
+                out.extend(self.linear_hf_tensors(&p, &layer.qkv_proj, la, &layer.o_proj)?);
+            } else {
+                out.extend(self.attention_hf_tensors(&p, layer)?);
             }
-            if let Some((q, k)) = &layer.qk_norm {
-                out.push((format!("{p}self_attn.q_norm.weight"), unpermute_qk(q, 1)?));
-                out.push((format!("{p}self_attn.k_norm.weight"), unpermute_qk(k, 1)?));
-            }
-            out.push((
-                format!("{p}self_attn.o_proj.weight"),
-                layer.o_proj.shallow_clone(),
-            ));
             match &layer.ffn {
                 Ffn::Dense {
                     gate_up_proj,
@@ -590,7 +766,7 @@ fn one_torch_thread_per_worker() {
 }
 
 /// Rotations as HF computes their angles: float32 `position * inv_freq`, then
-/// `cos + i sin`, [max_positions, head_dim / 2] complex64.
+/// `cos + i sin`, [max_positions, head_dim / 2] complex64 (1 for unrotated pairs).
 fn rope_table(
     c: &LlamaConfig,
     factors: Option<&[f32]>,
@@ -609,6 +785,8 @@ fn rope_table(
             *i /= d;
         }
     }
+    // Dimensions past the rotated ones (Qwen3.5's partial rotary) pass unchanged: angle 0.
+    inv.resize(c.head_dim / 2, 0.0);
     let max = c.max_position_embeddings.max(1) as i64;
     let pos = Tensor::f_arange(max, (Kind::Float, Device::Cpu))?;
     let inv = Tensor::f_from_slice(&inv)?;

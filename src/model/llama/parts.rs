@@ -6,6 +6,7 @@
 use agentjet_kernels::matmul_bf16;
 use tch::{Device, Kind, Tensor};
 
+use super::linear::Recurrent;
 use super::lora::Target;
 use super::{split_gemm, DecoderLayer, Ffn, Llama, KERNEL_ROWS};
 use crate::model::ModelError;
@@ -16,6 +17,15 @@ pub(super) struct Qkv {
     pub q: Tensor,
     pub k: Tensor,
     pub v: Tensor,
+}
+
+/// A norm's scale: `w`, or `1 + w` where the family stores it centred on 0 (Qwen3.5).
+fn scale(centred: bool, w: &Tensor) -> Result<Tensor, ModelError> {
+    Ok(if centred {
+        w.f_add_scalar(1.0)?
+    } else {
+        w.shallow_clone()
+    })
 }
 
 impl Llama {
@@ -100,6 +110,7 @@ impl Llama {
     pub(super) fn rms_norm(&self, x: &Tensor, w: &Tensor) -> Result<Tensor, ModelError> {
         let eps = self.config.rms_norm_eps;
         let h = self.config.hidden_size as i64;
+        let w = &scale(self.config.family.qwen35(), w)?;
         Ok(match self.act {
             Kind::Float => x.f_rms_norm([h], Some(w), eps)?,
             // HF: normalise in f32, cast back, then scale.
@@ -128,10 +139,10 @@ impl Llama {
         &self,
         l: usize,
         layer: &DecoderLayer,
-        x: &Tensor,
+        hn: &Tensor,
         rope: &Tensor,
         lead: &[i64],
-    ) -> Result<Qkv, ModelError> {
+    ) -> Result<(Qkv, Option<Tensor>), ModelError> {
         let c = &self.config;
         let (nh, nkv, hd) = (
             c.num_attention_heads as i64,
@@ -139,19 +150,23 @@ impl Llama {
             c.head_dim as i64,
         );
         let shape = |tail: &[i64]| -> Vec<i64> { lead.iter().chain(tail).copied().collect() };
-        let hn = self.rms_norm(x, &layer.input_layernorm)?;
-        let mut qkv = self.linear(&hn, &layer.qkv_proj, layer.qkv_bias.as_ref())?;
-        if let Some(d) = self.lora(l, &[Target::Q, Target::K, Target::V], &hn)? {
+        let mut qkv = self.linear(hn, &layer.qkv_proj, layer.qkv_bias.as_ref())?;
+        if let Some(d) = self.lora(l, &[Target::Q, Target::K, Target::V], hn)? {
             qkv = qkv.f_add(&d)?;
         }
         let mut qk = qkv.f_narrow(-1, 0, (nh + nkv) * hd)?;
         if let Some((qn, kn)) = &layer.qk_norm {
             // Qwen3: each head's query and key RMS-normalised over head_dim (as HF: in
             // float32, cast back, then scaled), before the rotation.
+            let centred = c.family.qwen35();
             let w = Tensor::f_cat(
                 &[
-                    qn.f_unsqueeze(0)?.f_expand([nh, hd], false)?,
-                    kn.f_unsqueeze(0)?.f_expand([nkv, hd], false)?,
+                    scale(centred, qn)?
+                        .f_unsqueeze(0)?
+                        .f_expand([nh, hd], false)?,
+                    scale(centred, kn)?
+                        .f_unsqueeze(0)?
+                        .f_expand([nkv, hd], false)?,
                 ],
                 0,
             )?;
@@ -170,13 +185,21 @@ impl Llama {
         let qk = qk.f_view(shape(&[nh + nkv, hd / 2, 2]).as_slice())?;
         let qk = apply_rope(&qk, rope)?.f_view(shape(&[nh + nkv, hd]).as_slice())?;
         let at = lead.len() as i64;
-        Ok(Qkv {
-            q: qk.f_narrow(at, 0, nh)?,
-            k: qk.f_narrow(at, nh, nkv)?,
-            v: qkv
-                .f_narrow(-1, (nh + nkv) * hd, nkv * hd)?
-                .f_view(shape(&[nkv, hd]).as_slice())?,
-        })
+        let gate = c
+            .family
+            .qwen35()
+            .then(|| qkv.f_narrow(-1, (nh + 2 * nkv) * hd, nh * hd))
+            .transpose()?;
+        Ok((
+            Qkv {
+                q: qk.f_narrow(at, 0, nh)?,
+                k: qk.f_narrow(at, nh, nkv)?,
+                v: qkv
+                    .f_narrow(-1, (nh + nkv) * hd, nkv * hd)?
+                    .f_view(shape(&[nkv, hd]).as_slice())?,
+            },
+            gate,
+        ))
     }
 
     /// Every decoder layer over the residual stream `x` ([tokens, hidden]): the shared
@@ -184,17 +207,51 @@ impl Llama {
     /// `attend(layer index, q/k/v)` which returns [tokens, heads * head_dim], then the
     /// output projection, residual and MLP. The four forward paths differ only in `attend`
     /// (and in how they lay out tokens and rotations).
+    ///
+    /// `attend` gets the attention layer's index among the attention layers (its KV
+    /// cache's index). Qwen3.5's linear-attention layers instead run over the sequences
+    /// of `recurrent` and advance their states (a model with such layers needs it).
     pub(super) fn run_layers(
         &self,
         mut x: Tensor,
         rope: &Tensor,
         lead: &[i64],
+        mut recurrent: Option<&mut Recurrent>,
         mut attend: impl FnMut(usize, Qkv) -> Result<Tensor, ModelError>,
     ) -> Result<Tensor, ModelError> {
+        let c = &self.config;
+        let (mut ai, mut li) = (0, 0);
         for (l, layer) in self.layers.iter().enumerate() {
-            let qkv = self.attention_inputs(l, layer, &x, rope, lead)?;
-            let attn = attend(l, qkv)?;
-            x = self.finish_layer(l, layer, &x, &attn)?;
+            let hn = self.rms_norm(&x, &layer.input_layernorm)?;
+            let mixed = if let Some(la) = &layer.linear {
+                let r = recurrent.as_deref_mut().ok_or_else(|| {
+                    ModelError::Invalid(
+                        "a linear-attention layer needs its sequences' states (this path has none)"
+                            .into(),
+                    )
+                })?;
+                let flat = hn.f_reshape([-1, c.hidden_size as i64])?;
+                let y = self.linear_mix(li, &layer.qkv_proj, la, &flat, r)?;
+                li += 1;
+                y.f_reshape(
+                    hn.size()[..hn.dim() - 1]
+                        .iter()
+                        .copied()
+                        .chain([y.size()[1]])
+                        .collect::<Vec<_>>()
+                        .as_slice(),
+                )?
+            } else {
+                let (qkv, gate) = self.attention_inputs(l, layer, &hn, rope, lead)?;
+                let mut attn = attend(ai, qkv)?;
+                ai += 1;
+                if let Some(gate) = gate {
+                    // Qwen3.5's output gate: sigmoid of q_proj's gate rows.
+                    attn = attn.f_mul(&gate.f_reshape(attn.size().as_slice())?.f_sigmoid()?)?;
+                }
+                attn
+            };
+            x = self.finish_layer(l, layer, &x, &mixed)?;
         }
         Ok(x)
     }

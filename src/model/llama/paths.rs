@@ -64,35 +64,56 @@ impl Llama {
         let is_causal = t > 1 && start == 0;
         let h = c.hidden_size as i64;
         let x = self.embed(ids)?;
-        // Attention strategy: append to the cache, attend over it.
-        let x = self.run_layers(x, &rope, &[b, t], |l, Qkv { q, k, v }| {
-            let (q, k, v) = (
-                q.f_transpose(1, 2)?,
-                k.f_transpose(1, 2)?,
-                v.f_transpose(1, 2)?,
-            );
-            cache.k[l].f_narrow(2, start, t)?.f_copy_(&k)?;
-            cache.v[l].f_narrow(2, start, t)?.f_copy_(&v)?;
-            let (kk, vv) = if start == 0 {
-                (k, v)
-            } else {
-                (
-                    cache.k[l].f_narrow(2, 0, end)?,
-                    cache.v[l].f_narrow(2, 0, end)?,
+        // Linear-attention layers: each row one sequence, from its state in the cache.
+        let rows: Vec<i64> = (0..b).collect();
+        let mut recurrent = self
+            .has_linear_layers()
+            .then(|| {
+                cache.states.gather(
+                    &rows,
+                    &vec![start == 0; b as usize],
+                    rows.iter().map(|&i| (i * t, t)).collect(),
                 )
-            };
-            let attn = Tensor::f_scaled_dot_product_attention(
-                &q,
-                &kk,
-                &vv,
-                mask.as_ref(),
-                0.0,
-                is_causal,
-                None,
-                nkv != nh,
-            )?;
-            Ok(attn.f_transpose(1, 2)?.f_reshape([b * t, nh * hd])?)
-        })?;
+            })
+            .transpose()?;
+        // Attention strategy: append to the cache, attend over it.
+        let x = self.run_layers(
+            x,
+            &rope,
+            &[b, t],
+            recurrent.as_mut(),
+            |l, Qkv { q, k, v }| {
+                let (q, k, v) = (
+                    q.f_transpose(1, 2)?,
+                    k.f_transpose(1, 2)?,
+                    v.f_transpose(1, 2)?,
+                );
+                cache.k[l].f_narrow(2, start, t)?.f_copy_(&k)?;
+                cache.v[l].f_narrow(2, start, t)?.f_copy_(&v)?;
+                let (kk, vv) = if start == 0 {
+                    (k, v)
+                } else {
+                    (
+                        cache.k[l].f_narrow(2, 0, end)?,
+                        cache.v[l].f_narrow(2, 0, end)?,
+                    )
+                };
+                let attn = Tensor::f_scaled_dot_product_attention(
+                    &q,
+                    &kk,
+                    &vv,
+                    mask.as_ref(),
+                    0.0,
+                    is_causal,
+                    None,
+                    nkv != nh,
+                )?;
+                Ok(attn.f_transpose(1, 2)?.f_reshape([b * t, nh * hd])?)
+            },
+        )?;
+        if let Some(r) = &recurrent {
+            cache.states.scatter(&rows, r)?;
+        }
         let x = x.f_view([b, t, h])?;
         cache.len = end as usize;
         let x = match which {
@@ -170,8 +191,22 @@ impl Llama {
         let rope = self.rope.f_index_select(0, positions)?.f_unsqueeze(1)?;
         let x = self.embed(ids)?;
         let mut parts = Vec::with_capacity(segments.len());
+        // Linear-attention layers: each segment a sequence of its own from a zero state
+        // (the linear layout; a segment continuing an ancestor would need its state).
+        let mut recurrent = if self.has_linear_layers() {
+            if segments.iter().any(|s| s.keys.is_some()) {
+                return Err(ModelError::Invalid(
+                    "a packed row with shared prefixes (the tree layout) is not supported for \
+                     models with linear-attention layers: use the linear layout"
+                        .into(),
+                ));
+            }
+            Some(self.fresh_states(segments.iter().map(|s| (s.start, s.len)).collect())?)
+        } else {
+            None
+        };
         // Attention strategy: per segment, over its ancestors and itself.
-        self.run_layers(x, &rope, &[n], |_, Qkv { q, k, v }| {
+        self.run_layers(x, &rope, &[n], recurrent.as_mut(), |_, Qkv { q, k, v }| {
             parts.clear();
             for seg in &segments {
                 let heads_first = |t: Tensor| -> Result<Tensor, ModelError> {
@@ -286,54 +321,81 @@ impl Llama {
                 Ok(Some(k.f_le_tensor(&q)?))
             })
             .collect::<Result<Vec<Option<Tensor>>, ModelError>>()?;
+        // Linear-attention layers: each prompt from its slot's state (fresh when it starts
+        // at 0), the state after it back into the slot.
+        let slots: Vec<i64> = seqs.iter().map(|&(slot, _, _)| slot as i64).collect();
+        let mut recurrent = self
+            .has_linear_layers()
+            .then(|| {
+                let mut at = 0i64;
+                let pieces = seqs
+                    .iter()
+                    .map(|&(_, _, ids)| {
+                        at += ids.len() as i64;
+                        (at - ids.len() as i64, ids.len() as i64)
+                    })
+                    .collect();
+                let fresh: Vec<bool> = seqs.iter().map(|&(_, start, _)| start == 0).collect();
+                cache.states.gather(&slots, &fresh, pieces)
+            })
+            .transpose()?;
         // Attention strategy: each prompt on its own over its slot, its keys into the slot.
-        let x = self.run_layers(x, &rope, &[total], |l, Qkv { q, k, v }| {
-            parts.clear();
-            let mut off = 0i64;
-            for (&(slot, start, ids), mask) in seqs.iter().zip(&masks) {
-                let (s, t) = (start as i64, ids.len() as i64);
-                // [1, heads, t, hd]
-                let head_major = |x: &Tensor| -> Result<Tensor, ModelError> {
-                    Ok(x.f_narrow(0, off, t)?.f_transpose(0, 1)?.f_unsqueeze(0)?)
-                };
-                let q = head_major(&q)?;
-                let k = head_major(&k)?;
-                let vv = head_major(&v)?;
-                let k_slot = cache.k[l].f_narrow(0, slot as i64, 1)?;
-                let v_slot = cache.v[l].f_narrow(0, slot as i64, 1)?;
-                k_slot.f_narrow(2, s, t)?.f_copy_(&k)?;
-                v_slot.f_narrow(2, s, t)?.f_copy_(&vv)?;
-                let attn = match mask {
-                    None => Tensor::f_scaled_dot_product_attention(
-                        &q,
-                        &k,
-                        &vv,
-                        None::<&Tensor>,
-                        0.0,
-                        t > 1,
-                        None,
-                        nkv != nh,
-                    )?,
-                    Some(mask) => Tensor::f_scaled_dot_product_attention(
-                        &q,
-                        &k_slot.f_narrow(2, 0, s + t)?,
-                        &v_slot.f_narrow(2, 0, s + t)?,
-                        Some(mask),
-                        0.0,
-                        false,
-                        None,
-                        nkv != nh,
-                    )?,
-                };
-                parts.push(
-                    attn.f_squeeze_dim(0)?
-                        .f_transpose(0, 1)?
-                        .f_reshape([t, nh * hd])?,
-                );
-                off += t;
-            }
-            Ok(Tensor::f_cat(&parts, 0)?)
-        })?;
+        let x = self.run_layers(
+            x,
+            &rope,
+            &[total],
+            recurrent.as_mut(),
+            |l, Qkv { q, k, v }| {
+                parts.clear();
+                let mut off = 0i64;
+                for (&(slot, start, ids), mask) in seqs.iter().zip(&masks) {
+                    let (s, t) = (start as i64, ids.len() as i64);
+                    // [1, heads, t, hd]
+                    let head_major = |x: &Tensor| -> Result<Tensor, ModelError> {
+                        Ok(x.f_narrow(0, off, t)?.f_transpose(0, 1)?.f_unsqueeze(0)?)
+                    };
+                    let q = head_major(&q)?;
+                    let k = head_major(&k)?;
+                    let vv = head_major(&v)?;
+                    let k_slot = cache.k[l].f_narrow(0, slot as i64, 1)?;
+                    let v_slot = cache.v[l].f_narrow(0, slot as i64, 1)?;
+                    k_slot.f_narrow(2, s, t)?.f_copy_(&k)?;
+                    v_slot.f_narrow(2, s, t)?.f_copy_(&vv)?;
+                    let attn = match mask {
+                        None => Tensor::f_scaled_dot_product_attention(
+                            &q,
+                            &k,
+                            &vv,
+                            None::<&Tensor>,
+                            0.0,
+                            t > 1,
+                            None,
+                            nkv != nh,
+                        )?,
+                        Some(mask) => Tensor::f_scaled_dot_product_attention(
+                            &q,
+                            &k_slot.f_narrow(2, 0, s + t)?,
+                            &v_slot.f_narrow(2, 0, s + t)?,
+                            Some(mask),
+                            0.0,
+                            false,
+                            None,
+                            nkv != nh,
+                        )?,
+                    };
+                    parts.push(
+                        attn.f_squeeze_dim(0)?
+                            .f_transpose(0, 1)?
+                            .f_reshape([t, nh * hd])?,
+                    );
+                    off += t;
+                }
+                Ok(Tensor::f_cat(&parts, 0)?)
+            },
+        )?;
+        if let Some(r) = &recurrent {
+            cache.states.scatter(&slots, r)?;
+        }
         let last = Tensor::f_from_slice(&last)?.f_to_device(dev)?;
         self.head(&x.f_index_select(0, &last)?)
     }
@@ -391,8 +453,20 @@ impl Llama {
         let group = nh / nkv;
         let scale = 1.0 / (hd as f64).sqrt();
         let x = self.embed(&tok)?;
+        // Linear-attention layers: one token of each running slot, from its state.
+        let rows: Vec<i64> = (0..bi).collect();
+        let mut recurrent = self
+            .has_linear_layers()
+            .then(|| {
+                cache.states.gather(
+                    &rows,
+                    &vec![false; b],
+                    rows.iter().map(|&i| (i, 1)).collect(),
+                )
+            })
+            .transpose()?;
         // Attention strategy: one masked grouped-query attention over every slot's cache.
-        let x = self.run_layers(x, &rope, &[bi], |l, Qkv { q, k, v }| {
+        let x = self.run_layers(x, &rope, &[bi], recurrent.as_mut(), |l, Qkv { q, k, v }| {
             let q = q.f_unsqueeze(2)?;
             let idx = [
                 Some(rows_t.shallow_clone()),
@@ -425,6 +499,9 @@ impl Llama {
                 .f_view([bi * nkv, group, max_len])?;
             Ok(probs.f_bmm(&v3)?.f_reshape([bi, nh * hd])?)
         })?;
+        if let Some(r) = &recurrent {
+            cache.states.scatter(&rows, r)?;
+        }
         for l in lens.iter_mut() {
             *l += 1;
         }
