@@ -6,7 +6,7 @@
 //! Owns: where keys and values live between requests. Never schedules.
 
 use super::handle::EngineStats;
-use super::prefix::{PrefixTree, Span};
+use super::prefix::{Piece, PrefixTree, Span};
 use crate::model::llama::{KvBlock, SlotCache};
 use crate::model::ModelError;
 use std::sync::atomic::Ordering::Relaxed;
@@ -24,6 +24,9 @@ impl Span for KvBlock {
     }
     fn split_off(&mut self, at: usize) -> Result<KvBlock, ModelError> {
         KvBlock::split_off(self, at)
+    }
+    fn resumable(&self, take: usize) -> bool {
+        KvBlock::resumable(self, take)
     }
 }
 
@@ -49,17 +52,7 @@ impl KvMemory {
         max_slots: usize,
     ) -> KvMemory {
         let budget = budget_positions.saturating_mul(slots.bytes_per_position());
-        // A model with linear-attention layers (Qwen3.5): its sequences' states at a
-        // prefix's end are not held by the cache's blocks yet, so nothing is cached.
-        let prefix_cap = if slots.has_states() {
-            tracing::warn!(
-                "prefix cache off: this model's linear-attention states are not cached yet \
-                 (every prompt is prefilled whole)"
-            );
-            0
-        } else {
-            prefix_cache_bytes.min(budget)
-        };
+        let prefix_cap = prefix_cache_bytes.min(budget);
         KvMemory {
             slots,
             tree: PrefixTree::new(prefix_cap),
@@ -127,7 +120,7 @@ impl KvMemory {
     /// Copies the longest cached prefix of `prompt` (leaving at least its last token to
     /// compute) into `slot`; returns its length (0: none worth taking).
     pub fn reuse(&mut self, slot: usize, prompt: &[u32]) -> Result<usize, ModelError> {
-        let pieces = self.tree.lookup(prompt, prompt.len().saturating_sub(1));
+        let pieces = self.resumable(prompt);
         let total: usize = pieces.iter().map(|p| p.take).sum();
         if total < MIN_REUSE {
             return Ok(0);
@@ -146,11 +139,19 @@ impl KvMemory {
 
     /// The length of `prompt`'s cached prefix (without marking it used), for admission.
     pub fn cached(&mut self, prompt: &[u32]) -> usize {
-        self.tree
-            .lookup(prompt, prompt.len().saturating_sub(1))
+        self.resumable(prompt).iter().map(|p| p.take).sum()
+    }
+
+    /// The cached prefix of `prompt` up to where a sequence can resume (for a model with
+    /// linear-attention layers, the end of a block that kept their states).
+    fn resumable(&mut self, prompt: &[u32]) -> Vec<Piece> {
+        let mut pieces = self.tree.lookup(prompt, prompt.len().saturating_sub(1));
+        let keep = pieces
             .iter()
-            .map(|p| p.take)
-            .sum()
+            .rposition(|p| self.tree.span(p.node).is_some_and(|s| s.resumable(p.take)))
+            .map_or(0, |i| i + 1);
+        pieces.truncate(keep);
+        pieces
     }
 
     /// Stores the keys and values of `tokens`, the first `tokens.len()` positions of

@@ -19,6 +19,11 @@ pub trait Span: Sized {
     fn bytes(&self) -> usize;
     /// Keeps positions `0..at`, returns `at..` (`0 < at < len`).
     fn split_off(&mut self, at: usize) -> Result<Self, Self::Error>;
+    /// Whether a sequence can continue after this span's first `take` positions (a model
+    /// with recurrent state can only where the state was kept).
+    fn resumable(&self, _take: usize) -> bool {
+        true
+    }
 }
 
 struct Node<S> {

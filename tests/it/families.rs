@@ -18,7 +18,7 @@ const IDS: [i64; 12] = [1, 17, 33, 5, 90, 61, 2, 44, 101, 7, 18, 3];
 
 /// The model transformers built for `family` (in `dir/model`, with a tokenizer of ours
 /// beside it) and what HF computed on it.
-fn reference(family: &str, dir: &std::path::Path) -> (Llama, Value) {
+pub(crate) fn reference(family: &str, dir: &std::path::Path) -> (Llama, Value) {
     let script =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf_family.py");
     let out = std::process::Command::new(python())

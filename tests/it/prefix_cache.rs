@@ -2,7 +2,8 @@
 //! siblings that share a task prompt reuse cached keys and values and still get exactly
 //! what a cold engine (and one-at-a-time generation) gives; a tiny budget evicts and stays
 //! correct; a weight update invalidates the cache; KV memory goes back to the budget when
-//! many concurrent sessions end.
+//! many concurrent sessions end; Qwen3.5's multi-turn sessions resume from cached
+//! linear-attention states.
 
 use crate::common;
 
@@ -333,4 +334,58 @@ fn an_idle_smollm2_server_holds_no_kv_slots_and_stays_under_2_gb() {
     common::peer::wait_until("slots given back", Duration::from_secs(10), || {
         kv("agentjet_engine_kv_allocated_bytes") == kv("agentjet_prefix_cache_bytes")
     });
+}
+
+/// Qwen3.5 (the HF-built tiny model): a multi-turn session's earlier turns come from the
+/// prefix cache, keys and values of the attention layer and the linear-attention layers'
+/// states where the cached turn ended, and each turn gets what a cold engine and
+/// one-at-a-time generation give. Two sessions share a system prompt, so the cache splits a
+/// block where they part (no state there: nobody resumes mid-block).
+#[test]
+fn qwen3_5_sessions_resume_from_cached_linear_states_and_match_a_cold_engine() {
+    let dir = tempfile::tempdir().unwrap();
+    let load = || crate::families::reference("qwen3_5", dir.path()).0;
+    let cached = engine(load(), 1 << 22, 4, 16 * 256);
+    let cold = engine(load(), 0, 4, 16 * 256);
+    let reference = load();
+    let vocab = 272;
+    let toks = |seed: usize, n: usize| -> Vec<u32> {
+        (0..n)
+            .map(|t| ((t * 37 + seed * 11) % (vocab - 3)) as u32 + 3)
+            .collect()
+    };
+    let system = toks(1, 20);
+    let mut expected_reuse = 0u64;
+    let mut turns_run = 0u64;
+    for s in 0..2 {
+        let mut prompt = system.clone();
+        prompt.extend(toks(10 + s, 10));
+        let mut previous: Option<usize> = None;
+        for turn in 0..4 {
+            let a = run(&cached, greedy(prompt.clone(), 8));
+            let b = run(&cold, greedy(prompt.clone(), 8));
+            assert_eq!(a.0, b.0, "session {s} turn {turn}: tokens");
+            assert_close(&a.1, &b.1, &format!("session {s} turn {turn}"));
+            let single = generate(&reference, &greedy(prompt.clone(), 8), |_, _| true).unwrap();
+            assert_eq!(
+                a.0, single.tokens,
+                "session {s} turn {turn}: against generate"
+            );
+            assert_close(&a.1, &single.logprobs, "against generate");
+            if let Some(len) = previous {
+                // The previous prompt and all but the last answer token (never fed back).
+                expected_reuse += (len + 7) as u64;
+            }
+            previous = Some(prompt.len());
+            turns_run += 1;
+            prompt.extend(&a.0);
+            prompt.extend(toks(100 + 7 * s + turn, 6));
+        }
+    }
+    let reused = stat(&cached, |s| s.prefix_reused_tokens.load(Relaxed));
+    let prefilled = stat(&cached, |s| s.prefill_tokens.load(Relaxed));
+    let cold_prefilled = stat(&cold, |s| s.prefill_tokens.load(Relaxed));
+    assert_eq!(reused + prefilled, cold_prefilled);
+    assert_eq!(reused, expected_reuse, "reused positions");
+    assert_eq!(stat(&cached, |s| s.prefix_lookups.load(Relaxed)), turns_run);
 }

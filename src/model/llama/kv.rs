@@ -283,12 +283,11 @@ impl SlotCache {
     }
 
     /// A copy of positions `start..start + len` of slot `slot`.
+    ///
+    /// With linear-attention layers the block also keeps the slot's states as they are
+    /// now, which the caller vouches are those after position `start + len` (the slot has
+    /// computed exactly that many): a sequence may resume there and nowhere else in it.
     pub fn extract(&self, slot: usize, start: usize, len: usize) -> Result<KvBlock, ModelError> {
-        if self.has_states() {
-            return Err(ModelError::Invalid(
-                "the prefix cache does not hold linear-attention states (Qwen3.5)".into(),
-            ));
-        }
         if slot >= self.slots || start + len > self.capacity || len == 0 {
             return Err(ModelError::Invalid(format!(
                 "KV positions {start}..{} of slot {slot} are outside {} x {}",
@@ -306,9 +305,25 @@ impl SlotCache {
                     .f_narrow(2, start as i64, len as i64)
             })
             .collect::<Result<Vec<_>, _>>()?;
+        let end = if self.has_states() {
+            Some(
+                self.states
+                    .all()
+                    .map(|t| {
+                        Ok(t.f_narrow(0, slot as i64, 1)?
+                            .f_contiguous()?
+                            .f_detach_copy()?)
+                    })
+                    .collect::<Result<Vec<_>, ModelError>>()?,
+            )
+        } else {
+            None
+        };
         Ok(KvBlock {
             t: Tensor::f_cat(&parts, 0)?,
             len,
+            states: self.has_states(),
+            end,
         })
     }
 
@@ -320,11 +335,6 @@ impl SlotCache {
         block: &KvBlock,
         len: usize,
     ) -> Result<(), ModelError> {
-        if self.has_states() {
-            return Err(ModelError::Invalid(
-                "the prefix cache does not hold linear-attention states (Qwen3.5)".into(),
-            ));
-        }
         if slot >= self.slots || at + len > self.capacity || len > block.len {
             return Err(ModelError::Invalid(format!(
                 "{len} cached KV positions do not fit slot {slot} at {at} ({} x {})",
@@ -333,6 +343,12 @@ impl SlotCache {
         }
         if len == 0 {
             return Ok(());
+        }
+        // Linear-attention states: those after the block's end, when all of it is taken.
+        if let (Some(end), true) = (&block.end, len == block.len) {
+            for (t, e) in self.states.all().zip(end) {
+                t.f_narrow(0, slot as i64, 1)?.f_copy_(e)?;
+            }
         }
         for (i, t) in self.k.iter().chain(self.v.iter()).enumerate() {
             t.f_narrow(0, slot as i64, 1)?
@@ -348,11 +364,17 @@ impl SlotCache {
     }
 }
 
-/// Keys and values of `len` consecutive positions of one sequence, every layer, in one
-/// tensor [2 x layers, kv_heads, len, head_dim] (keys of each layer, then values).
+/// Keys and values of `len` consecutive positions of one sequence, every attention layer,
+/// in one tensor [2 x layers, kv_heads, len, head_dim] (keys of each layer, then values);
+/// for a model with linear-attention layers, also their states after the last position.
 pub struct KvBlock {
     t: Tensor,
     len: usize,
+    /// The model has linear-attention layers: a sequence can resume only where a block
+    /// has its `end` states.
+    states: bool,
+    /// Each state tensor of the sequence after position `len` ([1, ..] each).
+    end: Option<Vec<Tensor>>,
 }
 
 impl KvBlock {
@@ -364,7 +386,15 @@ impl KvBlock {
     }
     /// Bytes held.
     pub fn bytes(&self) -> usize {
-        self.t.numel() * self.t.kind().elt_size_in_bytes()
+        let size = |t: &Tensor| t.numel() * t.kind().elt_size_in_bytes();
+        size(&self.t) + self.end.iter().flatten().map(size).sum::<usize>()
+    }
+
+    /// Whether a sequence can continue after the first `take` positions of this block:
+    /// anywhere for attention alone, only after all of it (where its states were taken)
+    /// with linear-attention layers.
+    pub fn resumable(&self, take: usize) -> bool {
+        !self.states || (take == self.len && self.end.is_some())
     }
     /// Keeps positions `0..at` and returns `at..`, each in its own storage (so dropping
     /// one gives its bytes back).
@@ -380,9 +410,12 @@ impl KvBlock {
             .f_narrow(2, at as i64, (self.len - at) as i64)?
             .f_contiguous()?;
         let head = self.t.f_narrow(2, 0, at as i64)?.f_contiguous()?;
+        // The states after the end go with the tail; the head ends where none were kept.
         let tail = KvBlock {
             t: tail,
             len: self.len - at,
+            states: self.states,
+            end: self.end.take(),
         };
         self.t = head;
         self.len = at;
