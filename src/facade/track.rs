@@ -10,11 +10,15 @@
 //!
 //! Continuing is only done when it is exact: the earlier messages are equal, the template
 //! renders the history as a prefix of the new prompt, and the model's completion text
-//! appears verbatim where the answer is rendered. Anything else (a template that rewrites
-//! history, such as one that strips earlier reasoning; an agent that edited the answer; a
-//! stop string that cut it) is a break: the whole prompt is rendered and tokenised afresh,
-//! and the break is counted per model, so the continuity rate of a model and template is
-//! visible in `/metrics`. Timelines never merge across a break (see `timeline`).
+//! appears verbatim where the answer is rendered. A template that rewrites earlier turns
+//! (Qwen3's and Qwen3.5's drop the reasoning of turns before the last user query) is
+//! continued from the ids as sampled, reasoning included, when the answer message shows
+//! what a choice sampled (its text after the reasoning, its tool calls) and that choice
+//! ended its turn; the trained context then differs from what the template would render
+//! (docs/ARCHITECTURE.md). Anything else (an agent that edited the answer; a stop string
+//! that cut it) is a break: the whole prompt is rendered and tokenised afresh, and the
+//! break is counted per model, so the continuity rate of a model and template is visible
+//! in `/metrics`. Timelines never merge across a break (see `timeline`).
 //!
 //! Owns: per-episode prompt state and the recorded calls. Bounded: at most
 //! `max_episodes` episodes are tracked (the least recently used is dropped first).
@@ -287,7 +291,13 @@ fn continue_ids(
     }
     let history = render(&messages[..=n], false).map_err(|e| Outcome::Break(e.to_string()))?;
     if !history.starts_with(&prev.prompt_text) || !text.starts_with(&history) {
-        return Err(brk("the template renders the history differently"));
+        // A template that rewrites earlier turns (Qwen3's and Qwen3.5's drop the reasoning
+        // of turns before the last user query): continue from the ids as sampled.
+        return continue_rewritten(prev, card, &messages[n], text, &history).map_err(|why| {
+            brk(&format!(
+                "the template renders the history differently ({why})"
+            ))
+        });
     }
     let answer = &history[prev.prompt_text.len()..];
     for ids in &prev.choices {
@@ -307,7 +317,104 @@ fn continue_ids(
             return Ok(out);
         }
     }
-    Err(brk(
-        "the answer in the messages is not the text the model sampled",
-    ))
+    // Not verbatim (tool calls rendered from JSON, whitespace the template trims): the
+    // sampled ids still stand when the answer shows what a choice sampled.
+    continue_rewritten(prev, card, &messages[n], text, &history).map_err(|why| {
+        brk(&format!(
+            "the answer in the messages is not the text the model sampled ({why})"
+        ))
+    })
+}
+
+/// The text an answer shows once its reasoning is set aside: what follows the last
+/// `</think>`, trimmed.
+fn visible(text: &str) -> &str {
+    text.rsplit("</think>").next().unwrap_or(text).trim()
+}
+
+/// Continues a conversation whose template renders the earlier turns otherwise than the
+/// previous prompt had them (dropped reasoning): the previous prompt ids, a choice's ids
+/// exactly as sampled (its reasoning included), then the tokens of what the new rendering
+/// adds after the answer's turn. The trained context thus keeps what the model saw and
+/// sampled, where the template alone would show later calls the turn without its
+/// reasoning (docs/ARCHITECTURE.md, "Templates that rewrite history").
+///
+/// The choice is the one whose visible answer (and tool calls) equal the answer message;
+/// it must have ended with its end-of-turn token. Where the answer's turn ends in the new
+/// rendering is found by counting that token's text: the previous prompt holds `k - 1`,
+/// the answer adds one, and no rewrite of reasoning adds or removes any.
+fn continue_rewritten(
+    prev: &Previous,
+    card: &ModelCard,
+    answer: &Json,
+    text: &str,
+    history: &str,
+) -> Result<Vec<u32>, String> {
+    let content = match answer.get("content") {
+        Some(Json::String(s)) => s.as_str(),
+        None | Some(Json::Null) => "",
+        Some(_) => return Err("the answer's content is not text".into()),
+    };
+    // What the model sent with the answer: reasoning_content is the reasoning, not shown.
+    let want_calls: Vec<(String, Json)> = answer
+        .get("tool_calls")
+        .and_then(|c| c.as_array())
+        .into_iter()
+        .flatten()
+        .filter_map(|c| {
+            let f = c.get("function")?;
+            let args = match f.get("arguments")? {
+                Json::String(s) => serde_json::from_str(s).ok()?,
+                other => other.clone(),
+            };
+            Some((f.get("name")?.as_str()?.to_string(), args))
+        })
+        .collect();
+    let decode =
+        |ids: &[u32], skip: bool| card.tokenizer.decode(ids, skip).map_err(|e| e.to_string());
+    for ids in &prev.choices {
+        let Some((&last, _)) = ids.split_last() else {
+            continue;
+        };
+        // A special token (no text once specials are skipped) ends the turn; else the
+        // choice was cut by a length limit or a stop string.
+        let eot = decode(&[last], false)?;
+        if eot.is_empty() || !decode(&[last], true)?.is_empty() {
+            continue;
+        }
+        let sampled = decode(ids, true)?;
+        let (shown, calls) = match crate::facade::text::parse_tool_calls(&sampled, 0) {
+            Some((rest, calls)) => (
+                rest,
+                calls
+                    .into_iter()
+                    .map(|c| {
+                        let args = serde_json::from_str(&c.function.arguments)
+                            .unwrap_or(Json::String(c.function.arguments));
+                        (c.function.name, args)
+                    })
+                    .collect(),
+            ),
+            None => (sampled.clone(), Vec::new()),
+        };
+        if visible(&shown) != visible(content) || calls != want_calls {
+            continue;
+        }
+        let k = prev.prompt_text.matches(eot.as_str()).count() + 1;
+        if history.matches(eot.as_str()).count() != k {
+            return Err(format!("the answer's turn does not end with one {eot:?}"));
+        }
+        let Some((cut, _)) = text.match_indices(eot.as_str()).nth(k - 1) else {
+            return Err(format!("the new prompt has fewer than {k} {eot:?}"));
+        };
+        let tail = card
+            .tokenizer
+            .encode(&text[cut + eot.len()..])
+            .map_err(|e| e.to_string())?;
+        let mut out = prev.prompt_ids.clone();
+        out.extend_from_slice(ids);
+        out.extend(tail);
+        return Ok(out);
+    }
+    Err("no sampled choice shows the answer in the messages".into())
 }

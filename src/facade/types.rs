@@ -75,6 +75,10 @@ pub struct ChatCompletionRequest {
     /// Extension (vLLM, HF): repetition penalty.
     #[serde(default)]
     pub repetition_penalty: Option<f64>,
+    /// Extension (vLLM): variables for the chat template, e.g. `{"enable_thinking": true}`
+    /// for Qwen3's and Qwen3.5's reasoning mode.
+    #[serde(default)]
+    pub chat_template_kwargs: Option<serde_json::Map<String, Json>>,
 }
 
 /// `prompt` of /v1/completions: text, or token ids.

@@ -99,6 +99,8 @@ pub(super) struct ChatRenderer {
     pub(super) tmpl: ChatTemplate,
     pub(super) tools: Option<Vec<Json_>>,
     pub(super) rewrite: bool,
+    /// The request's `chat_template_kwargs`.
+    pub(super) kwargs: Option<serde_json::Map<String, Json_>>,
 }
 
 impl ChatRenderer {
@@ -140,6 +142,7 @@ impl ChatRenderer {
             tmpl,
             tools: tools.map(<[Json_]>::to_vec),
             rewrite: !knows_tools && needs_rewrite,
+            kwargs: req.chat_template_kwargs.clone(),
         })
     }
 
@@ -159,7 +162,7 @@ impl ChatRenderer {
             messages,
             tools,
             add_generation_prompt,
-            extra: None,
+            extra: self.kwargs.as_ref(),
         })
     }
 }
