@@ -42,6 +42,11 @@ impl Llama {
         }
         let width = e.down.size()[2];
         let device = x.device();
+        // Each expert's matrices as views of the stacked ones, taken once: the backward of
+        // one `unbind` stacks every expert's gradient once, where a `select` per expert
+        // would each write a zero tensor of the whole stack (measured: 5x slower training).
+        let gate_up = e.gate_up.f_unbind(0)?;
+        let down = e.down.f_unbind(0)?;
         let mut out = Tensor::f_zeros([rows, h], (x.kind(), device))?;
         for ex in 0..experts {
             if tokens[ex].is_empty() {
@@ -50,12 +55,12 @@ impl Llama {
             let tok = Tensor::f_from_slice(&tokens[ex])?.f_to_device(device)?;
             let slot = Tensor::f_from_slice(&slots[ex])?.f_to_device(device)?;
             let xs = x.f_index_select(0, &tok)?;
-            let gu = self.linear(&xs, &e.gate_up.f_get(ex as i64)?, None)?;
+            let gu = self.linear(&xs, &gate_up[ex], None)?;
             let act = gu
                 .f_narrow(-1, 0, width)?
                 .f_silu()?
                 .f_mul(&gu.f_narrow(-1, width, width)?)?;
-            let y = self.linear(&act, &e.down.f_get(ex as i64)?, None)?;
+            let y = self.linear(&act, &down[ex], None)?;
             let w = weights.f_index(&[Some(&tok), Some(&slot)])?;
             out = out.f_index_add(0, &tok, &y.f_mul(&w.f_unsqueeze(-1)?)?)?;
         }

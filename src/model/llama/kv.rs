@@ -93,6 +93,31 @@ impl States {
         })
     }
 
+    /// The states of rows `0..n` as they are (views, no copy), for a decode step of the
+    /// first `n` rows.
+    pub(super) fn first(&self, n: i64) -> Result<Recurrent, ModelError> {
+        let view = |t: &Tensor| t.f_narrow(0, 0, n);
+        Ok(Recurrent {
+            pieces: (0..n).map(|i| (i, 1)).collect(),
+            conv: self.conv.iter().map(view).collect::<Result<_, _>>()?,
+            rec: self.rec.iter().map(view).collect::<Result<_, _>>()?,
+        })
+    }
+
+    /// Writes a decode step's states back into rows `0..n`.
+    pub(super) fn put_first(&self, r: &Recurrent) -> Result<(), ModelError> {
+        for (dst, src) in self
+            .conv
+            .iter()
+            .zip(&r.conv)
+            .chain(self.rec.iter().zip(&r.rec))
+        {
+            let n = src.size()[0];
+            dst.f_narrow(0, 0, n)?.f_copy_(src)?;
+        }
+        Ok(())
+    }
+
     /// Writes a pass's final states back into rows `rows`.
     pub(super) fn scatter(&self, rows: &[i64], r: &Recurrent) -> Result<(), ModelError> {
         let device = self.conv.first().map(|t| t.device()).unwrap_or(Device::Cpu);

@@ -120,20 +120,30 @@ pub(super) fn recurrent_step(
     beta: &Tensor,
     state: &Tensor,
 ) -> Result<(Tensor, Tensor), ModelError> {
-    let vh = v.size()[1];
+    let (n, vh, dv) = (v.size()[0], v.size()[1], v.size()[2]);
     let (q, k) = prepare_qk(q, k, vh)?;
+    let dk = q.size()[2];
     let v = v.f_to_kind(Kind::Float)?;
     let beta = beta.f_to_kind(Kind::Float)?;
-    let s = state.f_mul(&g.f_exp()?.f_unsqueeze(-1)?.f_unsqueeze(-1)?)?;
-    let kv_mem = s
-        .f_mul(&k.f_unsqueeze(-1)?)?
-        .f_sum_dim_intlist(-2, false, None)?;
+    // As batched products over (sequence, head): [dk] x [dk, dv] reads of the state and
+    // one rank-1 update, rather than broadcast products each over the whole state.
+    let s = state
+        .f_mul(&g.f_exp()?.f_unsqueeze(-1)?.f_unsqueeze(-1)?)?
+        .f_reshape([n * vh, dk, dv])?;
+    let k3 = k.f_reshape([n * vh, 1, dk])?;
+    let kv_mem = k3.f_bmm(&s)?.f_reshape([n, vh, dv])?;
     let delta = v.f_sub(&kv_mem)?.f_mul(&beta.f_unsqueeze(-1)?)?;
-    let s = s.f_add(&k.f_unsqueeze(-1)?.f_mul(&delta.f_unsqueeze(-2)?)?)?;
-    let o = s
-        .f_mul(&q.f_unsqueeze(-1)?)?
-        .f_sum_dim_intlist(-2, false, None)?;
-    Ok((o, s))
+    let s = s.f_baddbmm(
+        &k3.f_transpose(1, 2)?,
+        &delta.f_reshape([n * vh, 1, dv])?,
+        1.0,
+        1.0,
+    )?;
+    let o = q
+        .f_reshape([n * vh, 1, dk])?
+        .f_bmm(&s)?
+        .f_reshape([n, vh, dv])?;
+    Ok((o, s.f_reshape([n, vh, dk, dv])?))
 }
 
 /// The chunked gated delta rule over one sequence's `len` tokens: q, k [len, key_heads,

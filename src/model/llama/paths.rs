@@ -454,16 +454,9 @@ impl Llama {
         let scale = 1.0 / (hd as f64).sqrt();
         let x = self.embed(&tok)?;
         // Linear-attention layers: one token of each running slot, from its state.
-        let rows: Vec<i64> = (0..bi).collect();
         let mut recurrent = self
             .has_linear_layers()
-            .then(|| {
-                cache.states.gather(
-                    &rows,
-                    &vec![false; b],
-                    rows.iter().map(|&i| (i, 1)).collect(),
-                )
-            })
+            .then(|| cache.states.first(bi))
             .transpose()?;
         // Attention strategy: one masked grouped-query attention over every slot's cache.
         let x = self.run_layers(x, &rope, &[bi], recurrent.as_mut(), |l, Qkv { q, k, v }| {
@@ -500,7 +493,7 @@ impl Llama {
             Ok(probs.f_bmm(&v3)?.f_reshape([bi, nh * hd])?)
         })?;
         if let Some(r) = &recurrent {
-            cache.states.scatter(&rows, r)?;
+            cache.states.put_first(r)?;
         }
         for l in lens.iter_mut() {
             *l += 1;
