@@ -539,6 +539,31 @@ pub fn python() -> PathBuf {
     p
 }
 
+/// A tiny random model of `family` built and saved by HF transformers 5.x
+/// (`tests/fixtures/hf_family.py`), with our byte-level tokenizer and ChatML template
+/// beside it: its directory (`dir/model`) and what HF computed on it (the script's JSON).
+pub fn hf_family_model(family: &str, dir: &Path) -> (PathBuf, serde_json::Value) {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf_family.py");
+    let out = std::process::Command::new(python())
+        .arg(script)
+        .arg(family)
+        .arg(dir)
+        .env("TRANSFORMERS_VERBOSITY", "error")
+        .env("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "transformers failed on {family}:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let v: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    let model_dir = dir.join("model");
+    write_byte_level_tokenizer(&model_dir, v["vocab"].as_i64().unwrap());
+    (model_dir, v)
+}
+
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
     (a.to_kind(Kind::Double) - b.to_kind(Kind::Double))
         .abs()

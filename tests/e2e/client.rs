@@ -1368,6 +1368,59 @@ fn the_two_model_example_itself_trains_two_adapters_of_smollm2_on_one_server() {
     }
 }
 
+/// Qwen3.5 end to end (a tiny model transformers built: Gated DeltaNet and gated
+/// attention layers): `generate` runs it, and `--role server` serves it to a client's
+/// agent and trains on the episodes (the linear layout, said in the step's metrics).
+#[test]
+fn qwen3_5_generates_and_trains_as_a_server() {
+    let _lane = common::light();
+    let dir = tempfile::tempdir().unwrap();
+    let (model, _) = common::hf_family_model("qwen3_5", dir.path());
+    let model = model.to_str().unwrap();
+    let out = common::generate_cli(model, &["--prompt", "hello", "--max-tokens", "6"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && err.contains(" generated, "),
+        "{err}"
+    );
+    let agent = dir.path().join("agent.sh");
+    std::fs::write(&agent, AGENT).unwrap();
+    let agent = format!("sh {}", agent.display());
+    let tasks = dir.path().join("tasks.jsonl");
+    write_tasks(&tasks, 4);
+    let mut s = named_server(dir.path(), model, "tiny", None, &[]);
+    let boot = s.addr();
+    s.wait_serving(Duration::from_secs(120));
+    let run = dir.path().join("run");
+    let mut c = Peer::start(
+        "client",
+        dir.path(),
+        &client_args(&boot, &agent, &tasks, &run, &[]),
+    );
+    assert!(c.child.wait().unwrap().success(), "{}", c.log_text());
+    let journal = read_journal(&run.join("episodes.jsonl")).unwrap();
+    assert_eq!(journal.len(), 16);
+    assert!(
+        journal.iter().all(|e| e["status"] == "finished"),
+        "{journal:?}"
+    );
+    let metrics = dir.path().join("tiny/runs/tiny/metrics.jsonl");
+    common::peer::wait_until("a trained step", Duration::from_secs(60), || {
+        metrics_lines(&metrics).iter().any(|l| l["trained"] == true)
+    });
+    let step = metrics_lines(&metrics)
+        .into_iter()
+        .find(|l| l["trained"] == true)
+        .unwrap();
+    assert!(
+        step["layout_fallback"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("linear layout"),
+        "{step}"
+    );
+}
+
 /// Every file under `dir`.
 fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
     let mut out = Vec::new();

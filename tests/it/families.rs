@@ -19,25 +19,7 @@ const IDS: [i64; 12] = [1, 17, 33, 5, 90, 61, 2, 44, 101, 7, 18, 3];
 /// The model transformers built for `family` (in `dir/model`, with a tokenizer of ours
 /// beside it) and what HF computed on it.
 pub(crate) fn reference(family: &str, dir: &std::path::Path) -> (Llama, Value) {
-    let script =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf_family.py");
-    let out = std::process::Command::new(python())
-        .arg(script)
-        .arg(family)
-        .arg(dir)
-        .env("TRANSFORMERS_VERBOSITY", "error")
-        .env("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "transformers failed on {family}:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let v: Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
-    let model_dir = dir.join("model");
-    write_byte_level_tokenizer(&model_dir, v["vocab"].as_i64().unwrap());
+    let (model_dir, v) = hf_family_model(family, dir);
     let m = load_model(&ModelSource::HfDir(model_dir), Device::Cpu, DType::F32)
         .unwrap_or_else(|e| panic!("{family}: {e}"))
         .model;
