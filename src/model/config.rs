@@ -27,7 +27,8 @@ pub enum Family {
     /// (softmax over the router's logits, optionally renormalised over the k).
     Qwen3Moe,
     /// Qwen3.5 (text): Gated DeltaNet linear-attention layers between full-attention ones
-    /// that gate their output and rotate part of each head; norms scale by `1 + w`.
+    /// that gate their output and rotate part of each head; its RMSNorms (all but the
+    /// DeltaNet layers' gated one) scale by `1 + w`.
     Qwen35,
 }
 
@@ -56,7 +57,8 @@ impl Family {
     pub fn qk_norm(self) -> bool {
         matches!(self, Family::Qwen3 | Family::Qwen3Moe | Family::Qwen35)
     }
-    /// Qwen3.5: every RMSNorm scales by `1 + w` (its weights are stored centred on 0), and
+    /// Qwen3.5: its RMSNorms (all but the DeltaNet layers' gated one) scale by `1 + w`
+    /// (their weights are stored centred on 0), and
     /// the full-attention layers' q_proj also yields a sigmoid gate on their output.
     pub fn qwen35(self) -> bool {
         matches!(self, Family::Qwen35)
@@ -174,7 +176,7 @@ impl LlamaConfig {
 /// A configuration that cannot be run, with the reason.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("{source_name}: unknown architecture {arch:?} (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM; GGUF: llama, qwen2, qwen3)")]
+    #[error("{source_name}: unknown architecture {arch:?} (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration (its language model); GGUF: llama, qwen2, qwen3, qwen3moe)")]
     UnknownArchitecture { source_name: String, arch: String },
     #[error("{source_name}: {problem}")]
     Invalid {
@@ -268,6 +270,11 @@ pub struct HfConfig {
     /// Qwen3.5's linear attention.
     #[serde(default)]
     pub linear_conv_kernel_dim: Option<usize>,
+    #[serde(default)]
+    pub full_attention_interval: Option<usize>,
+    /// Qwen3.5's attention output gate (always on in its checkpoints).
+    #[serde(default)]
+    pub attn_output_gate: Option<bool>,
     #[serde(default)]
     pub linear_key_head_dim: Option<usize>,
     #[serde(default)]
@@ -459,11 +466,21 @@ impl HfConfig {
                 )
             })
         };
-        // transformers' default: every 4th layer full attention.
+        if self.attn_output_gate == Some(false) {
+            return Err(invalid(
+                source_name,
+                "attn_output_gate = false: Qwen3.5's attention without its output gate is not \
+                 supported by this decoder"
+                    .into(),
+            ));
+        }
+        // transformers' default: every `full_attention_interval`-th layer (4) is full
+        // attention.
+        let every = self.full_attention_interval.unwrap_or(4).max(1);
         let layers = match &self.layer_types {
             Some(t) => t.iter().map(|t| t == "linear_attention").collect(),
             None => (0..self.num_hidden_layers)
-                .map(|i| (i + 1) % 4 != 0)
+                .map(|i| (i + 1) % every != 0)
                 .collect(),
         };
         let h = LinearAttention {

@@ -173,9 +173,10 @@ pub struct GgufSource {
     family: Family,
     heads: i64,
     kv_heads: i64,
-    /// The last stacked expert tensor read (`blk.N.ffn_*_exps.weight`, [experts, ..]):
-    /// its experts are asked for one after another.
-    stacked: Option<(String, Tensor)>,
+    /// The stacked expert tensors of the layer being read (`blk.N.ffn_*_exps.weight`,
+    /// [experts, ..]; gate, up and down): each is read once while the loader asks for its
+    /// experts one after another, interleaved.
+    stacked: Vec<(String, Tensor)>,
 }
 
 /// llama.cpp's stacked tensor and the expert index for an HF per-expert name
@@ -200,7 +201,7 @@ impl GgufSource {
             family: config.family,
             heads: config.num_attention_heads as i64,
             kv_heads: config.num_key_value_heads as i64,
-            stacked: None,
+            stacked: Vec::new(),
         }
     }
 
@@ -347,13 +348,16 @@ fn rotary_rows(
 impl WeightSource for GgufSource {
     fn load(&mut self, hf_name: &str) -> Result<Option<Tensor>, ModelError> {
         if let Some((name, e)) = expert_name(hf_name) {
-            if self.stacked.as_ref().is_none_or(|(n, _)| *n != name) {
+            if !self.stacked.iter().any(|(n, _)| *n == name) {
                 let Some(t) = self.tensor_by_gguf_name(&name)? else {
                     return Ok(None);
                 };
-                self.stacked = Some((name, t));
+                // Another layer's tensors are done with.
+                let layer = |n: &str| n.split('.').nth(1).map(str::to_string);
+                self.stacked.retain(|(n, _)| layer(n) == layer(&name));
+                self.stacked.push((name.clone(), t));
             }
-            let Some((_, t)) = &self.stacked else {
+            let Some((_, t)) = self.stacked.iter().find(|(n, _)| *n == name) else {
                 return Ok(None);
             };
             return Ok((e < t.size()[0]).then(|| t.get(e)));

@@ -78,13 +78,13 @@ impl States {
     ) -> Result<Recurrent, ModelError> {
         let device = self.conv.first().map(|t| t.device()).unwrap_or(Device::Cpu);
         let idx = Tensor::f_from_slice(rows)?.f_to_device(device)?;
-        let keep: Vec<f32> = fresh.iter().map(|&f| if f { 0.0 } else { 1.0 }).collect();
-        let keep = Tensor::f_from_slice(&keep)?.f_to_device(device)?;
+        let fresh: Vec<i64> = (0..rows.len() as i64)
+            .filter(|&i| fresh[i as usize])
+            .collect();
+        let fresh = Tensor::f_from_slice(&fresh)?.f_to_device(device)?;
+        // Fresh rows are set to zero (not multiplied by it: a slot's earlier NaN stays out).
         let pick = |t: &Tensor| -> Result<Tensor, ModelError> {
-            let mut shape = vec![rows.len() as i64];
-            shape.extend(std::iter::repeat_n(1, t.dim() - 1));
-            Ok(t.f_index_select(0, &idx)?
-                .f_mul(&keep.f_to_kind(t.kind())?.f_reshape(shape.as_slice())?)?)
+            Ok(t.f_index_select(0, &idx)?.f_index_fill(0, &fresh, 0.0)?)
         };
         Ok(Recurrent {
             pieces,
