@@ -89,10 +89,16 @@ impl StopMatcher {
 
 /// Extracts `<tool_call>{"name": .., "arguments": {..}}</tool_call>` blocks (the format of
 /// Hermes, Qwen2 and most open tool-calling templates). Returns the text outside the
-/// blocks and the calls; `None` if there is no well-formed block.
+/// blocks and the calls; `None` if there is no well-formed block. Reasoning (the text up
+/// to the last `</think>`, kept in the content) is not searched: a model thinking about a
+/// call may write the tag there.
 pub fn parse_tool_calls(text: &str, id_seed: u64) -> Option<(String, Vec<ToolCall>)> {
+    let (thought, text) = match text.rfind("</think>") {
+        Some(i) => text.split_at(i + "</think>".len()),
+        None => ("", text),
+    };
     let mut rest = text;
-    let mut content = String::new();
+    let mut content = thought.to_string();
     let mut calls = Vec::new();
     while let Some(start) = rest.find("<tool_call>") {
         content.push_str(&rest[..start]);
@@ -153,6 +159,21 @@ pub fn parse_tool_calls(text: &str, id_seed: u64) -> Option<(String, Vec<ToolCal
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_tag_mentioned_in_the_reasoning_is_not_a_call() {
+        let text = "<think>\nI will write <tool_call> next.\n</think>\n\n<tool_call>\n{\"name\": \"calc\", \"arguments\": {\"x\": 1}}\n</tool_call>";
+        let (content, calls) = parse_tool_calls(text, 1).unwrap();
+        assert_eq!(calls.len(), 1);
+        assert_eq!(calls[0].function.name, "calc");
+        assert_eq!(calls[0].function.arguments, "{\"x\": 1}");
+        assert!(
+            content.starts_with("<think>") && content.ends_with("</think>"),
+            "{content}"
+        );
+        // Reasoning alone, with a mention and no call after it: no call.
+        assert!(parse_tool_calls("<think>use <tool_call>?</think>The answer is 2.", 1).is_none());
+    }
 
     #[test]
     fn a_closing_tag_inside_a_string_argument_does_not_end_the_call() {
