@@ -442,6 +442,27 @@ pub fn permute_qk(t: &Tensor, n_head: i64) -> Tensor {
     t.reshape(&split).transpose(1, 2).reshape(&shape)
 }
 
+/// The tiny byte-level tokenizer (padded to `vocab` tokens) and ChatML template as GGUF
+/// metadata (`tokenizer.*`).
+pub fn tokenizer_meta(meta: &mut BTreeMap<String, Meta>, vocab: i64) {
+    let (mut tokens, merges) = tiny_vocab(vocab);
+    while (tokens.len() as i64) < vocab {
+        tokens.push(format!("<pad{}>", tokens.len()));
+    }
+    let types: Vec<i32> = (0..tokens.len())
+        .map(|i| if i < SPECIALS.len() { 3 } else { 1 })
+        .collect();
+    meta.insert("tokenizer.ggml.model".into(), Meta::Str("gpt2".into()));
+    meta.insert("tokenizer.ggml.pre".into(), Meta::Str("default".into()));
+    meta.insert("tokenizer.ggml.tokens".into(), Meta::StrArray(tokens));
+    meta.insert("tokenizer.ggml.token_type".into(), Meta::I32Array(types));
+    meta.insert("tokenizer.ggml.merges".into(), Meta::StrArray(merges));
+    meta.insert("tokenizer.ggml.bos_token_id".into(), Meta::U32(1));
+    meta.insert("tokenizer.ggml.eos_token_id".into(), Meta::U32(2));
+    meta.insert("tokenizer.ggml.add_bos_token".into(), Meta::Bool(false));
+    meta.insert("tokenizer.chat_template".into(), Meta::Str(CHATML.into()));
+}
+
 /// The tiny model as llama.cpp would convert it: GGUF names, Q/K permuted, F32 tensors,
 /// gpt2 byte-level vocabulary.
 pub fn tiny_gguf(tiny: &Tiny) -> (BTreeMap<String, Meta>, Vec<GgufTensor>) {
@@ -466,22 +487,7 @@ pub fn tiny_gguf(tiny: &Tiny) -> (BTreeMap<String, Meta>, Vec<GgufTensor>) {
     meta.insert(k("rope.freq_base"), Meta::F32(10000.0));
     meta.insert(k("attention.layer_norm_rms_epsilon"), Meta::F32(1e-5));
     meta.insert(k("vocab_size"), Meta::U32(tiny.vocab as u32));
-    let (mut tokens, merges) = tiny_vocab(tiny.vocab);
-    while (tokens.len() as i64) < tiny.vocab {
-        tokens.push(format!("<pad{}>", tokens.len()));
-    }
-    let types: Vec<i32> = (0..tokens.len())
-        .map(|i| if i < SPECIALS.len() { 3 } else { 1 })
-        .collect();
-    meta.insert("tokenizer.ggml.model".into(), Meta::Str("gpt2".into()));
-    meta.insert("tokenizer.ggml.pre".into(), Meta::Str("default".into()));
-    meta.insert("tokenizer.ggml.tokens".into(), Meta::StrArray(tokens));
-    meta.insert("tokenizer.ggml.token_type".into(), Meta::I32Array(types));
-    meta.insert("tokenizer.ggml.merges".into(), Meta::StrArray(merges));
-    meta.insert("tokenizer.ggml.bos_token_id".into(), Meta::U32(1));
-    meta.insert("tokenizer.ggml.eos_token_id".into(), Meta::U32(2));
-    meta.insert("tokenizer.ggml.add_bos_token".into(), Meta::Bool(false));
-    meta.insert("tokenizer.chat_template".into(), Meta::Str(CHATML.into()));
+    tokenizer_meta(&mut meta, tiny.vocab);
     let mut tensors = Vec::new();
     for (name, t) in tiny.weights() {
         let gname = agentjet::model::weights::GgufSource::gguf_name(&name).unwrap();
@@ -562,6 +568,52 @@ pub fn hf_family_model(family: &str, dir: &Path) -> (PathBuf, serde_json::Value)
     let model_dir = dir.join("model");
     write_byte_level_tokenizer(&model_dir, v["vocab"].as_i64().unwrap());
     (model_dir, v)
+}
+
+/// Runs `prompts` in one batch on `engine`, greedy for 8 tokens each, and checks each
+/// against `want[i]` (`{"ids": [..], "lps": [..]}`, a reference's greedy tokens and their
+/// log-probabilities): ids equal, logprobs within 1e-4. `who` names the reference.
+pub fn assert_greedy_matches(
+    engine: &agentjet::engine::EngineHandle,
+    prompts: &[&[u32]],
+    want: &serde_json::Value,
+    who: &str,
+) {
+    use agentjet::engine::{EngineEvent, GenerateRequest, SamplingParams};
+    let rxs: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            engine
+                .submit(GenerateRequest {
+                    prompt: p.to_vec(),
+                    max_tokens: 8,
+                    sampling: SamplingParams::greedy(),
+                    ..Default::default()
+                })
+                .unwrap()
+        })
+        .collect();
+    for (i, mut rx) in rxs.into_iter().enumerate() {
+        let (mut ids, mut lps) = (Vec::new(), Vec::new());
+        while let Some(EngineEvent::Token { id, logprob, .. }) = rx.blocking_recv() {
+            ids.push(id as u64);
+            lps.push(logprob);
+        }
+        let want_ids: Vec<u64> = want[i]["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap())
+            .collect();
+        assert_eq!(ids, want_ids, "{who}, prompt {i}: greedy ids differ");
+        for (a, b) in lps.iter().zip(want[i]["lps"].as_array().unwrap()) {
+            let b = b.as_f64().unwrap();
+            assert!(
+                (a - b).abs() < 1e-4,
+                "{who}, prompt {i}: logprob {a} vs {b}"
+            );
+        }
+    }
 }
 
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {

@@ -64,54 +64,9 @@ fn linear_row(n: usize) -> (Tensor, Vec<i32>) {
 
 /// Greedy ids and log-probabilities from our engine (all prompts in one batch).
 fn check_greedy(family: &str, m: Llama, v: &Value) {
-    let prompts: Vec<Vec<u32>> = vec![vec![3, 9, 27, 81], vec![100, 50, 25, 12, 6, 3], vec![7]];
+    let prompts: [&[u32]; 3] = [&[3, 9, 27, 81], &[100, 50, 25, 12, 6, 3], &[7]];
     let engine = spawn_engine(m, EngineConfig::default()).unwrap();
-    let rxs: Vec<_> = prompts
-        .iter()
-        .map(|p| {
-            engine
-                .submit(GenerateRequest {
-                    prompt: p.clone(),
-                    max_tokens: 8,
-                    sampling: SamplingParams::greedy(),
-                    seed: None,
-                    stop_token_ids: vec![],
-                    top_logprobs: 0,
-                    constraint: None,
-                    adapter: None,
-                })
-                .unwrap()
-        })
-        .collect();
-    for (i, mut rx) in rxs.into_iter().enumerate() {
-        let (mut ids, mut lps) = (Vec::new(), Vec::new());
-        while let Some(ev) = rx.blocking_recv() {
-            match ev {
-                EngineEvent::Token { id, logprob, .. } => {
-                    ids.push(id as u64);
-                    lps.push(logprob);
-                }
-                _ => break,
-            }
-        }
-        let want = &v["gen"][i];
-        let want_ids: Vec<u64> = want["ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap())
-            .collect();
-        assert_eq!(
-            ids, want_ids,
-            "{family}, prompt {i}: greedy ids differ from HF's"
-        );
-        for (a, b) in lps.iter().zip(floats(&want["lps"])) {
-            assert!(
-                (a - b as f64).abs() < 1e-4,
-                "{family}, prompt {i}: logprob {a} vs HF's {b}"
-            );
-        }
-    }
+    assert_greedy_matches(&engine, &prompts, &v["gen"], family);
 }
 
 /// The summed negative log-likelihood of `IDS[1..]` through the training path, its
@@ -191,11 +146,7 @@ fn check_forked(family: &str, m: Llama, v: &Value) {
                 prompt: vec![100, 50, 25, 12, 6, 3],
                 max_tokens: 8,
                 sampling: SamplingParams::greedy(),
-                seed: None,
-                stop_token_ids: vec![],
-                top_logprobs: 0,
-                constraint: None,
-                adapter: None,
+                ..Default::default()
             },
             3,
         )
@@ -287,20 +238,7 @@ fn gguf_of(arch: &str, dir: &std::path::Path, v: &Value) -> std::path::PathBuf {
             Meta::U32(n("moe_intermediate_size")),
         );
     }
-    let (mut tokens, merges) = tiny_vocab(vocab);
-    while (tokens.len() as i64) < vocab {
-        tokens.push(format!("<pad{}>", tokens.len()));
-    }
-    let types: Vec<i32> = (0..tokens.len())
-        .map(|i| if i < SPECIALS.len() { 3 } else { 1 })
-        .collect();
-    meta.insert("tokenizer.ggml.model".into(), Meta::Str("gpt2".into()));
-    meta.insert("tokenizer.ggml.pre".into(), Meta::Str("default".into()));
-    meta.insert("tokenizer.ggml.tokens".into(), Meta::StrArray(tokens));
-    meta.insert("tokenizer.ggml.token_type".into(), Meta::I32Array(types));
-    meta.insert("tokenizer.ggml.merges".into(), Meta::StrArray(merges));
-    meta.insert("tokenizer.ggml.eos_token_id".into(), Meta::U32(2));
-    meta.insert("tokenizer.chat_template".into(), Meta::Str(CHATML.into()));
+    tokenizer_meta(&mut meta, vocab);
     let weights = Tensor::read_safetensors(dir.join("model/model.safetensors")).unwrap();
     let mut tensors = Vec::new();
     let mut put = |name: String, t: &Tensor| {

@@ -444,50 +444,7 @@ print(json.dumps({{"ours": ours.flatten().tolist(), "theirs": theirs.flatten().t
     // PEFT's greedy ids, and log-probabilities within 1e-4.
     let engine =
         agentjet::engine::spawn_engine(p, agentjet::engine::EngineConfig::default()).unwrap();
-    let rxs: Vec<_> = PROMPTS
-        .iter()
-        .map(|prompt| {
-            engine
-                .submit(agentjet::engine::GenerateRequest {
-                    prompt: prompt.to_vec(),
-                    max_tokens: 8,
-                    sampling: agentjet::engine::SamplingParams::greedy(),
-                    seed: None,
-                    stop_token_ids: vec![],
-                    top_logprobs: 0,
-                    constraint: None,
-                    adapter: None,
-                })
-                .unwrap()
-        })
-        .collect();
-    for (i, mut rx) in rxs.into_iter().enumerate() {
-        let (mut ids, mut lps) = (Vec::new(), Vec::new());
-        while let Some(ev) = rx.blocking_recv() {
-            match ev {
-                agentjet::engine::EngineEvent::Token { id, logprob, .. } => {
-                    ids.push(id as u64);
-                    lps.push(logprob);
-                }
-                _ => break,
-            }
-        }
-        let want = &v["gen"][i];
-        let want_ids: Vec<u64> = want["ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap())
-            .collect();
-        assert_eq!(ids, want_ids, "prompt {i}: greedy ids differ from PEFT's");
-        for (a, b) in lps.iter().zip(want["lps"].as_array().unwrap()) {
-            let b = b.as_f64().unwrap();
-            assert!(
-                (a - b).abs() < 1e-4,
-                "prompt {i}: logprob {a} vs PEFT's {b}"
-            );
-        }
-    }
+    assert_greedy_matches(&engine, &PROMPTS, &v["gen"], "PEFT");
 }
 
 /// Token-id prompts for the greedy comparison.
