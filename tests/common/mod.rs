@@ -570,6 +570,41 @@ pub fn hf_family_model(family: &str, dir: &Path) -> (PathBuf, serde_json::Value)
     (model_dir, v)
 }
 
+/// A tiny `family` model (`hf_family_model`) taught by transformers to reason before it
+/// answers (`tests/fixtures/train_thinker.py`: every chat turn gets
+/// `<think>\nI add them.\n</think>\n\nIt is 4.`), with the family's real chat template
+/// (`tests/fixtures/<template>`, Qwen3's or Qwen3.5's) in its tokenizer_config.json.
+pub fn thinker_model(family: &str, template: &str, dir: &Path) -> PathBuf {
+    let (model, _) = hf_family_model(family, dir);
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let cfg_path = model.join("tokenizer_config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    cfg["chat_template"] = std::fs::read_to_string(fixtures.join(template))
+        .unwrap()
+        .into();
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    let out = std::process::Command::new(python())
+        .arg(fixtures.join("train_thinker.py"))
+        .arg(&model)
+        .env("TRANSFORMERS_VERBOSITY", "error")
+        .env("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let loss = stdout
+        .lines()
+        .last()
+        .and_then(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .and_then(|v| v["loss"].as_f64());
+    assert!(
+        out.status.success() && loss.is_some_and(|l| l < 0.05),
+        "teaching {family} to reason failed ({loss:?}):\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    model
+}
+
 /// Runs `prompts` in one batch on `engine`, greedy for 8 tokens each, and checks each
 /// against `want[i]` (`{"ids": [..], "lps": [..]}`, a reference's greedy tokens and their
 /// log-probabilities): ids equal, logprobs within 1e-4. `who` names the reference.

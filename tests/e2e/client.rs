@@ -26,7 +26,7 @@ fn tiny_model(dir: &Path) -> PathBuf {
 /// A shell agent: one chat call (8 tokens, temperature 1), reward 1 when the reply has an
 /// even number of characters (a coin flip for a random model: groups have signal).
 /// `AGENT_MODE=crash-e0,hang-e1` makes episodes e0 crash and e1 hang after their call.
-const AGENT: &str = r#"#!/bin/sh
+pub(crate) const AGENT: &str = r#"#!/bin/sh
 set -eu
 reply=$(curl -sS --fail-with-body "$OPENAI_BASE_URL/chat/completions" \
   -H "Authorization: Bearer $OPENAI_API_KEY" -H "Content-Type: application/json" \
@@ -40,7 +40,7 @@ echo "reply: $content"
 if [ $(( ${#content} % 2 )) -eq 0 ]; then echo '{"reward": 1.0}'; else echo '{"reward": 0.0}'; fi
 "#;
 
-fn write_tasks(path: &Path, n: usize) {
+pub(crate) fn write_tasks(path: &Path, n: usize) {
     let lines: Vec<String> = (0..n)
         .map(|i| format!("{{\"id\": \"t{i}\", \"data\": {{\"i\": {i}}}}}"))
         .collect();
@@ -59,7 +59,7 @@ fn setup(dir: &Path, script: &str, n: usize) -> (String, String, PathBuf) {
 }
 
 /// A client of model `tiny` running `agent` on `tasks`, groups of 4, `extra` flags appended.
-fn client_args<'a>(
+pub(crate) fn client_args<'a>(
     boot: &'a str,
     agent: &'a str,
     tasks: &'a Path,
@@ -86,7 +86,7 @@ fn client_args<'a>(
     v
 }
 
-fn metrics_lines(path: &Path) -> Vec<Value> {
+pub(crate) fn metrics_lines(path: &Path) -> Vec<Value> {
     std::fs::read_to_string(path)
         .unwrap_or_default()
         .lines()
@@ -266,7 +266,13 @@ echo "{\"rewards\": {\"tiny-a\": $(( ${#a} % 2 )), \"tiny-b\": $(( ${#b} % 2 ))}
 /// A server of the tiny model as `name` (its data directory is `dir/name`), training a
 /// step per complete group (unless `extra` says `--groups-per-step`) at a high learning rate;
 /// `extra` flags appended.
-fn named_server(dir: &Path, model: &str, name: &str, boot: Option<&str>, extra: &[&str]) -> Peer {
+pub(crate) fn named_server(
+    dir: &Path,
+    model: &str,
+    name: &str,
+    boot: Option<&str>,
+    extra: &[&str],
+) -> Peer {
     let mut args = vec![
         "--role",
         "server",
@@ -1366,59 +1372,6 @@ fn the_two_model_example_itself_trains_two_adapters_of_smollm2_on_one_server() {
             assert!(e["rewards"][m].as_f64().is_some(), "{m}: {e}");
         }
     }
-}
-
-/// Qwen3.5 end to end (a tiny model transformers built: Gated DeltaNet and gated
-/// attention layers): `generate` runs it, and `--role server` serves it to a client's
-/// agent and trains on the episodes (the linear layout, said in the step's metrics).
-#[test]
-fn qwen3_5_generates_and_trains_as_a_server() {
-    let _lane = common::light();
-    let dir = tempfile::tempdir().unwrap();
-    let (model, _) = common::hf_family_model("qwen3_5", dir.path());
-    let model = model.to_str().unwrap();
-    let out = common::generate_cli(model, &["--prompt", "hello", "--max-tokens", "6"]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success() && err.contains(" generated, "),
-        "{err}"
-    );
-    let agent = dir.path().join("agent.sh");
-    std::fs::write(&agent, AGENT).unwrap();
-    let agent = format!("sh {}", agent.display());
-    let tasks = dir.path().join("tasks.jsonl");
-    write_tasks(&tasks, 4);
-    let mut s = named_server(dir.path(), model, "tiny", None, &[]);
-    let boot = s.addr();
-    s.wait_serving(Duration::from_secs(120));
-    let run = dir.path().join("run");
-    let mut c = Peer::start(
-        "client",
-        dir.path(),
-        &client_args(&boot, &agent, &tasks, &run, &[]),
-    );
-    assert!(c.child.wait().unwrap().success(), "{}", c.log_text());
-    let journal = read_journal(&run.join("episodes.jsonl")).unwrap();
-    assert_eq!(journal.len(), 16);
-    assert!(
-        journal.iter().all(|e| e["status"] == "finished"),
-        "{journal:?}"
-    );
-    let metrics = dir.path().join("tiny/runs/tiny/metrics.jsonl");
-    common::peer::wait_until("a trained step", Duration::from_secs(60), || {
-        metrics_lines(&metrics).iter().any(|l| l["trained"] == true)
-    });
-    let step = metrics_lines(&metrics)
-        .into_iter()
-        .find(|l| l["trained"] == true)
-        .unwrap();
-    assert!(
-        step["layout_fallback"]
-            .as_str()
-            .unwrap_or_default()
-            .contains("linear layout"),
-        "{step}"
-    );
 }
 
 /// Every file under `dir`.

@@ -13,6 +13,7 @@ mod client;
 mod crash;
 mod dashboard;
 mod elastic;
+mod families;
 mod openai_api;
 mod rogue;
 mod routing;
