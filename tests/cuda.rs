@@ -263,17 +263,7 @@ fn with_bank(mut model: Llama) -> Llama {
     use agentjet::model::llama::lora::{Adapter, LoraConfig};
     for seed in 0..3u64 {
         let a = Adapter::new(&model.config, LoraConfig::new(4), seed, model.device()).unwrap();
-        let mut rng = agentjet::base::Rng::seeded(seed);
-        tch::no_grad(|| {
-            for (i, mut t) in a.tensors().into_iter().enumerate() {
-                if i % 2 == 1 {
-                    let v: Vec<f32> = (0..t.numel())
-                        .map(|_| (rng.next_f64() as f32 - 0.5) * 0.4)
-                        .collect();
-                    t.copy_(&Tensor::from_slice(&v).view(t.size().as_slice()));
-                }
-            }
-        });
+        randomize_lora_b(a.tensors(), seed, 0.4);
         a.changed();
         model.add_served_adapter(a).unwrap();
     }

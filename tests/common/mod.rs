@@ -545,6 +545,23 @@ pub fn python() -> PathBuf {
     p
 }
 
+/// Sets every LoRA B of `tensors` (an adapter's A, B, A, B, .. as `Adapter::tensors` and
+/// `Llama::parameters` of an adapted model give them) to uniform values in
+/// `[-scale / 2, scale / 2)` drawn from `seed`: a trained adapter (B starts at zero).
+pub fn randomize_lora_b(tensors: Vec<tch::Tensor>, seed: u64, scale: f32) {
+    let mut rng = agentjet::base::Rng::seeded(seed);
+    tch::no_grad(|| {
+        for (i, mut t) in tensors.into_iter().enumerate() {
+            if i % 2 == 1 {
+                let v: Vec<f32> = (0..t.numel())
+                    .map(|_| (rng.next_f64() as f32 - 0.5) * scale)
+                    .collect();
+                t.copy_(&tch::Tensor::from_slice(&v).view(t.size().as_slice()));
+            }
+        }
+    });
+}
+
 /// A tiny random model of `family` built and saved by HF transformers 5.x
 /// (`tests/fixtures/hf_family.py`), with our byte-level tokenizer and ChatML template
 /// beside it: its directory (`dir/model`) and what HF computed on it (the script's JSON).

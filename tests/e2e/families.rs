@@ -59,7 +59,7 @@ fn serve_answers(model: &str) {
 /// attention) and the `qwen3_5` wrapper with its vision tower: `generate` runs each,
 /// `serve` answers with each, and `--role server` serves each to a client's agent and
 /// trains on the episodes (Qwen3.5 in the linear layout, said in the step's metrics; the
-/// others in the tree layout).
+/// others in the tree layout; Qwen3-MoE and Qwen3.5 a LoRA adapter).
 #[test]
 fn every_2026_family_generates_serves_and_trains_as_a_server() {
     let _lane = common::light();
@@ -85,7 +85,14 @@ fn every_2026_family_generates_serves_and_trains_as_a_server() {
         let agent = format!("sh {}", agent.display());
         let tasks = dir.path().join("tasks.jsonl");
         write_tasks(&tasks, 4);
-        let mut s = named_server(dir.path(), model, "tiny", None, &[]);
+        // Qwen3-MoE and Qwen3.5 train a LoRA adapter (MoE: its attention), the others
+        // every parameter.
+        let lora: &[&str] = match family {
+            "qwen3_moe" => &["--lora-rank", "4", "--lora-targets", "q,k,v,o"],
+            "qwen3_5" => &["--lora-rank", "4"],
+            _ => &[],
+        };
+        let mut s = named_server(dir.path(), model, "tiny", None, lora);
         let boot = s.addr();
         s.wait_serving(Duration::from_secs(120));
         let run = dir.path().join("run");

@@ -135,17 +135,7 @@ fn smollm2_adapter(dir: &std::path::Path, seed: u64) {
         .unwrap()
         .model;
     m.attach_adapter(LoraConfig::new(4), seed).unwrap();
-    let mut rng = agentjet::base::Rng::seeded(seed);
-    tch::no_grad(|| {
-        for (i, mut t) in m.parameters().into_iter().enumerate() {
-            if i % 2 == 1 {
-                let v: Vec<f32> = (0..t.numel())
-                    .map(|_| (rng.next_f64() as f32 - 0.5) * 0.5)
-                    .collect();
-                t.copy_(&tch::Tensor::from_slice(&v).view(t.size().as_slice()));
-            }
-        }
-    });
+    common::randomize_lora_b(m.parameters(), seed, 0.5);
     agentjet::model::peft::write_adapter(dir, &m, "smollm2").unwrap();
 }
 

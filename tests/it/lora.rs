@@ -68,17 +68,7 @@ fn stepwise(m: &Llama) -> Tensor {
 
 /// Gives every B of `m`'s adapter random values (a new adapter's B is zero).
 fn randomize_b(m: &Llama, seed: u64) {
-    let mut rng = agentjet::base::Rng::seeded(seed);
-    tch::no_grad(|| {
-        for (i, mut t) in m.parameters().into_iter().enumerate() {
-            if i % 2 == 1 {
-                let v: Vec<f32> = (0..t.numel())
-                    .map(|_| (rng.next_f64() as f32 - 0.5) * 0.2)
-                    .collect();
-                t.copy_(&Tensor::from_slice(&v).view(t.size().as_slice()));
-            }
-        }
-    });
+    randomize_lora_b(m.parameters(), seed, 0.2);
 }
 
 #[test]

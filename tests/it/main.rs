@@ -8,6 +8,7 @@ mod common;
 
 mod engine;
 mod families;
+mod family_lora;
 mod gguf_files;
 mod group;
 mod hf_dir_errors;

@@ -35,17 +35,7 @@ fn configs() -> Vec<(LoraConfig, u64)> {
 
 /// Random values for every B (a new adapter's B is zero), from `seed`.
 fn randomize_b(tensors: Vec<Tensor>, seed: u64) {
-    let mut rng = agentjet::base::Rng::seeded(seed);
-    tch::no_grad(|| {
-        for (i, mut t) in tensors.into_iter().enumerate() {
-            if i % 2 == 1 {
-                let v: Vec<f32> = (0..t.numel())
-                    .map(|_| (rng.next_f64() as f32 - 0.5) * 0.4)
-                    .collect();
-                t.copy_(&Tensor::from_slice(&v).view(t.size().as_slice()));
-            }
-        }
-    });
+    randomize_lora_b(tensors, seed, 0.4);
 }
 
 /// The base with the three adapters in its bank.

@@ -16,7 +16,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::base::rng::Rng;
 use crate::model::config::LlamaConfig;
-use crate::model::weights::{to_interleaved, unpermute_qk};
+use crate::model::weights::{from_interleaved_rotary, to_interleaved_rotary};
 use crate::model::ModelError;
 
 /// A linear layer an adapter may target, in the order of a decoder layer.
@@ -111,7 +111,8 @@ impl Target {
         self as usize
     }
 
-    /// `(in, out)` features of this layer in `c`.
+    /// `(in, out)` features of this layer in `c` (Qwen3.5's gated q_proj: query and gate
+    /// rows, twice the heads' width).
     pub fn dims(self, c: &LlamaConfig) -> (i64, i64) {
         let (h, i, hd) = (
             c.hidden_size as i64,
@@ -120,12 +121,44 @@ impl Target {
         );
         let (nh, nkv) = (c.num_attention_heads as i64, c.num_key_value_heads as i64);
         match self {
+            Target::Q if c.family.qwen35() => (h, 2 * nh * hd),
             Target::Q => (h, nh * hd),
             Target::K | Target::V => (h, nkv * hd),
             Target::O => (nh * hd, h),
             Target::Gate | Target::Up => (h, i),
             Target::Down => (i, h),
         }
+    }
+
+    /// Whether layer `l` of `c` has this module: Qwen3.5's linear-attention layers have
+    /// no q/k/v/o (their projections are `linear_attn.*`, which PEFT's names do not
+    /// reach), as PEFT skips a layer without the named module.
+    pub fn in_layer(self, l: usize, c: &LlamaConfig) -> bool {
+        !(c.is_linear(l) && matches!(self, Target::Q | Target::K | Target::V | Target::O))
+    }
+
+    /// Where this target's output rows (in the decoder's order, see [`decoder_rows`]) land
+    /// in the output of the fused product holding it: `(from, to, rows)` runs. One run at
+    /// the target's offset, except Qwen3.5's gated q_proj, whose gate rows come after v.
+    fn runs(self, c: &LlamaConfig) -> Vec<(i64, i64, i64)> {
+        let (nh, nkv, hd) = (
+            c.num_attention_heads as i64,
+            c.num_key_value_heads as i64,
+            c.head_dim as i64,
+        );
+        let product = PRODUCTS
+            .iter()
+            .find(|p| p.contains(&self))
+            .expect("every target is in a product");
+        let at: i64 = product
+            .iter()
+            .take_while(|&&t| t != self)
+            .map(|&t| if t == Target::Q { nh * hd } else { t.dims(c).1 })
+            .sum();
+        if self == Target::Q && c.family.qwen35() {
+            return vec![(0, 0, nh * hd), (nh * hd, (nh + 2 * nkv) * hd, nh * hd)];
+        }
+        vec![(0, at, self.dims(c).1)]
     }
 }
 
@@ -216,15 +249,8 @@ pub struct Adapter {
 /// One layer's [`Stacked`] products, by [`PRODUCTS`] index.
 type LayerStacked = [Option<Stacked>; 4];
 
-/// A mixture-of-experts model's MLP targets are its experts, which adapters do not reach;
-/// Qwen3.5's layers are not adapted yet.
+/// A mixture-of-experts model's MLP targets are its experts, which adapters do not reach.
 pub(crate) fn refuse_expert_targets(c: &LlamaConfig, targets: &[Target]) -> Result<(), ModelError> {
-    if c.linear.is_some() {
-        return Err(ModelError::Invalid(
-            "LoRA on Qwen3.5 (gated attention and linear-attention layers) is not supported yet"
-                .into(),
-        ));
-    }
     let mlp = targets
         .iter()
         .filter(|t| matches!(t, Target::Gate | Target::Up | Target::Down))
@@ -256,7 +282,7 @@ impl Adapter {
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for _ in 0..c.num_hidden_layers {
             let mut parts: [Option<(Tensor, Tensor)>; 7] = Default::default();
-            for &t in &cfg.targets {
+            for &t in cfg.targets.iter().filter(|t| t.in_layer(layers.len(), c)) {
                 let (fan_in, out) = t.dims(c);
                 let bound = 1.0 / (fan_in as f64).sqrt();
                 let a: Vec<f32> = (0..r * fan_in)
@@ -445,17 +471,13 @@ impl Adapter {
                 let a = Tensor::f_cat(&present.iter().map(|(_, (a, _))| a).collect::<Vec<_>>(), 0)?;
                 let dev = a.device();
                 let b = Tensor::f_zeros([rows, n * r], (Kind::Float, dev))?;
-                let mut row = 0;
-                let mut col = 0;
-                for &t in targets.iter() {
-                    let out_t = t.dims(c).1;
-                    if let Some((_, (_, bt))) = present.iter().find(|(x, _)| *x == t) {
-                        b.f_narrow(0, row, out_t)?
-                            .f_narrow(1, col, r)?
-                            .f_copy_(&bt.f_mul_scalar(self.scale)?)?;
-                        col += r;
+                for (col, (t, (_, bt))) in present.iter().enumerate() {
+                    let bt = bt.f_mul_scalar(self.scale)?;
+                    for (from, to, len) in t.runs(c) {
+                        b.f_narrow(0, to, len)?
+                            .f_narrow(1, col as i64 * r, r)?
+                            .f_copy_(&bt.f_narrow(0, from, len)?)?;
                     }
-                    row += out_t;
                 }
                 per[p] = Some(Stacked {
                     a: a.f_to_kind(kind)?.f_contiguous()?,
@@ -501,27 +523,31 @@ impl Adapter {
         }
         let mut lead = x.size();
         lead.pop();
-        let mut outs = Vec::with_capacity(targets.len());
+        // Each target's output, cut into its runs and put in the fused product's order.
+        let mut runs: Vec<(i64, Tensor)> = Vec::with_capacity(targets.len() + 1);
         for &t in targets {
-            match &parts[t.index()] {
+            let y = match &parts[t.index()] {
                 Some((a, b)) => {
                     let (a, b) = if kind == Kind::Float {
                         (a.shallow_clone(), b.shallow_clone())
                     } else {
                         (a.f_to_kind(kind)?, b.f_to_kind(kind)?)
                     };
-                    outs.push(
-                        x.f_linear(&a, None::<&Tensor>)?
-                            .f_linear(&b, None::<&Tensor>)?,
-                    );
+                    x.f_linear(&a, None::<&Tensor>)?
+                        .f_linear(&b, None::<&Tensor>)?
                 }
                 None => {
                     let mut shape = lead.clone();
                     shape.push(t.dims(c).1);
-                    outs.push(Tensor::f_zeros(shape.as_slice(), (kind, x.device()))?);
+                    Tensor::f_zeros(shape.as_slice(), (kind, x.device()))?
                 }
+            };
+            for (from, to, len) in t.runs(c) {
+                runs.push((to, y.f_narrow(-1, from, len)?));
             }
         }
+        runs.sort_by_key(|(to, _)| *to);
+        let mut outs: Vec<Tensor> = runs.into_iter().map(|(_, y)| y).collect();
         let d = if outs.len() == 1 {
             outs.pop().expect("one part")
         } else {
@@ -531,20 +557,53 @@ impl Adapter {
     }
 }
 
-/// `b` (rows of target `t`'s output) from the decoder's rotary-pair order to HF's.
+/// `b` (rows of target `t`'s output) from the decoder's order to HF's. The decoder keeps
+/// q and k rows with rotary pairs adjacent (only the rotated part of a head, for partial
+/// rotary), and Qwen3.5's gated q_proj as all query rows then all gate rows, where HF
+/// has each head's query rows followed by its gate rows.
 fn hf_rows(t: Target, b: &Tensor, c: &LlamaConfig) -> Result<Tensor, ModelError> {
+    let (nh, hd, rd) = (
+        c.num_attention_heads as i64,
+        c.head_dim as i64,
+        c.rotary() as i64,
+    );
     match t {
-        Target::Q => unpermute_qk(b, c.num_attention_heads as i64),
-        Target::K => unpermute_qk(b, c.num_key_value_heads as i64),
+        Target::Q if c.family.qwen35() => {
+            let q = from_interleaved_rotary(&b.f_narrow(0, 0, nh * hd)?, nh, hd, rd)?;
+            let gate = b.f_narrow(0, nh * hd, nh * hd)?;
+            let cols = b.size()[1];
+            Ok(Tensor::f_stack(
+                &[q.f_view([nh, hd, cols])?, gate.f_view([nh, hd, cols])?],
+                1,
+            )?
+            .f_reshape([2 * nh * hd, cols])?)
+        }
+        Target::Q => from_interleaved_rotary(b, nh, hd, rd),
+        Target::K => from_interleaved_rotary(b, c.num_key_value_heads as i64, hd, rd),
         _ => Ok(b.shallow_clone()),
     }
 }
 
-/// `b` from HF's row order to the decoder's.
+/// `b` from HF's row order to the decoder's (the inverse of [`hf_rows`]).
 fn decoder_rows(t: Target, b: &Tensor, c: &LlamaConfig) -> Result<Tensor, ModelError> {
+    let (nh, hd, rd) = (
+        c.num_attention_heads as i64,
+        c.head_dim as i64,
+        c.rotary() as i64,
+    );
     match t {
-        Target::Q => to_interleaved(b, c.num_attention_heads as i64),
-        Target::K => to_interleaved(b, c.num_key_value_heads as i64),
+        Target::Q if c.family.qwen35() => {
+            let cols = b.size()[1];
+            let qg = b.f_reshape([nh, 2, hd, cols])?;
+            let q = qg.f_select(1, 0)?.f_reshape([nh * hd, cols])?;
+            let gate = qg.f_select(1, 1)?.f_reshape([nh * hd, cols])?;
+            Ok(Tensor::f_cat(
+                &[to_interleaved_rotary(&q, nh, hd, rd)?, gate],
+                0,
+            )?)
+        }
+        Target::Q => to_interleaved_rotary(b, nh, hd, rd),
+        Target::K => to_interleaved_rotary(b, c.num_key_value_heads as i64, hd, rd),
         _ => Ok(b.shallow_clone()),
     }
 }
