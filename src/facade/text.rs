@@ -88,7 +88,9 @@ impl StopMatcher {
 }
 
 /// Extracts `<tool_call>{"name": .., "arguments": {..}}</tool_call>` blocks (the format of
-/// Hermes, Qwen2 and most open tool-calling templates). Returns the text outside the
+/// Hermes, Qwen2, Qwen3 and most open tool-calling templates), and the XML form of
+/// Qwen3.5's and Qwen3-Coder's templates (`<tool_call><function=NAME><parameter=P>VALUE
+/// </parameter>..</function></tool_call>`, see [`xml_call`]). Returns the text outside the
 /// blocks and the calls; `None` if there is no well-formed block. Reasoning (the text up
 /// to the last `</think>`, kept in the content) is not searched: a model thinking about a
 /// call may write the tag there.
@@ -118,6 +120,22 @@ pub fn parse_tool_calls(text: &str, id_seed: u64) -> Option<(String, Vec<ToolCal
             Some(end) => (&after[..end], &after[end + "</tool_call>".len()..]),
             None => (after, ""),
         };
+        let id = format!(
+            "call_{:016x}",
+            id_seed
+                .wrapping_add(calls.len() as u64)
+                .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+        );
+        if body.trim_start().starts_with("<function=") {
+            let (name, arguments) = xml_call(body)?;
+            calls.push(ToolCall {
+                id,
+                kind: "function",
+                function: ToolCallFunction { name, arguments },
+            });
+            rest = next;
+            continue;
+        }
         // The arguments are kept as the model wrote them (so that rendering the call back
         // gives the same text), unless the model wrote them as a JSON string.
         #[derive(serde::Deserialize)]
@@ -138,12 +156,7 @@ pub fn parse_tool_calls(text: &str, id_seed: u64) -> Option<(String, Vec<ToolCal
             None => "{}".to_string(),
         };
         calls.push(ToolCall {
-            id: format!(
-                "call_{:016x}",
-                id_seed
-                    .wrapping_add(calls.len() as u64)
-                    .wrapping_mul(0x9e37_79b9_7f4a_7c15)
-            ),
+            id,
             kind: "function",
             function: ToolCallFunction { name, arguments },
         });
@@ -154,6 +167,42 @@ pub fn parse_tool_calls(text: &str, id_seed: u64) -> Option<(String, Vec<ToolCal
     }
     content.push_str(rest);
     Some((content.trim().to_string(), calls))
+}
+
+/// One XML-form call's body, `<function=NAME>` then `<parameter=P>\nVALUE\n</parameter>`
+/// for each argument and `</function>`: the name and the arguments as a JSON object in
+/// the model's order. A value that reads as JSON other than a string (a number, a
+/// boolean, an object, an array) is that value, as the template wrote it with `tojson`
+/// or `string`; anything else is a string, without the newline the template puts on each
+/// side. `None` if the body is not of that form.
+fn xml_call(body: &str) -> Option<(String, String)> {
+    let body = body.trim().strip_prefix("<function=")?;
+    let (name, mut rest) = body.split_once('>')?;
+    let name = name.trim();
+    if name.is_empty() {
+        return None;
+    }
+    let mut args = serde_json::Map::new();
+    loop {
+        rest = rest.trim_start();
+        if let Some(after) = rest.strip_prefix("</function>") {
+            return after
+                .trim()
+                .is_empty()
+                .then(|| (name.to_string(), Json::Object(args).to_string()));
+        }
+        let (param, after) = rest.strip_prefix("<parameter=")?.split_once('>')?;
+        let end = after.find("</parameter>")?;
+        let raw = &after[..end];
+        let raw = raw.strip_prefix('\n').unwrap_or(raw);
+        let raw = raw.strip_suffix('\n').unwrap_or(raw);
+        let value = match serde_json::from_str::<Json>(raw) {
+            Ok(v) if !v.is_string() => v,
+            _ => Json::String(raw.to_string()),
+        };
+        args.insert(param.trim().to_string(), value);
+        rest = &after[end + "</parameter>".len()..];
+    }
 }
 
 #[cfg(test)]
@@ -173,6 +222,29 @@ mod tests {
         );
         // Reasoning alone, with a mention and no call after it: no call.
         assert!(parse_tool_calls("<think>use <tool_call>?</think>The answer is 2.", 1).is_none());
+    }
+
+    #[test]
+    fn qwen3_5_xml_calls_are_parsed_with_typed_arguments_in_order() {
+        let text = "<think>\nuse the tools\n</think>\n\nLet me look.\n\n<tool_call>\n<function=search>\n<parameter=query>\nrust\nborrow checker\n</parameter>\n<parameter=limit>\n5\n</parameter>\n<parameter=filters>\n{\"lang\": \"en\"}\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=now>\n</function>\n</tool_call>";
+        let (content, calls) = parse_tool_calls(text, 1).unwrap();
+        assert_eq!(content, "<think>\nuse the tools\n</think>\n\nLet me look.");
+        assert_eq!(calls.len(), 2);
+        assert_eq!(calls[0].function.name, "search");
+        assert_eq!(
+            calls[0].function.arguments,
+            "{\"query\":\"rust\\nborrow checker\",\"limit\":5,\"filters\":{\"lang\":\"en\"}}"
+        );
+        assert_eq!(calls[1].function.name, "now");
+        assert_eq!(calls[1].function.arguments, "{}");
+        assert_ne!(calls[0].id, calls[1].id);
+        // Not of the form: no call, the text stays content.
+        assert!(parse_tool_calls(
+            "<tool_call>\n<function=x>\n<parameter=a>\n1\n</function>\n</tool_call>",
+            1
+        )
+        .is_none());
+        assert!(parse_tool_calls("<tool_call><function=>\n</function></tool_call>", 1).is_none());
     }
 
     #[test]

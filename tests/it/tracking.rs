@@ -188,9 +188,14 @@ fn thinking_turns(opened_by_template: bool) -> Vec<(Vec<Json>, String)> {
         json!({"role": "assistant", "content": a3}),
         turn("user", "Thanks!"),
     ]);
-    let sampled_call = format!(
-        "{a2}<tool_call>\n{{\"name\": \"calc\", \"arguments\": {{\"expr\": \"3+3\"}}}}\n</tool_call>"
-    );
+    // Qwen3's templates write a call as JSON, Qwen3.5's in its XML form.
+    let sampled_call = if opened_by_template {
+        format!("{a2}<tool_call>\n<function=calc>\n<parameter=expr>\n3+3\n</parameter>\n</function>\n</tool_call>")
+    } else {
+        format!(
+            "{a2}<tool_call>\n{{\"name\": \"calc\", \"arguments\": {{\"expr\": \"3+3\"}}}}\n</tool_call>"
+        )
+    };
     vec![
         (m1, a1),
         (m2, sampled_call),
