@@ -25,7 +25,8 @@
 //! --groups N [1]  --group-size N [4]  --turns N [12]  --prompt N [600]  --env N [30]
 //! --gen N [10]  (the trace, as actor_update's)
 //! --skip-peft  (no Python)  --decode-tokens N [32]
-//! --only-multi-adapter  (only multi_adapter_decode)  --model SPEC [smollm2]
+//! --only-multi-adapter  (only multi_adapter_decode)  --only-decode  (only the merged /
+//! unmerged decode figures)  --model SPEC [smollm2]
 //! ```
 
 #[allow(dead_code)] // only its reference_python
@@ -422,6 +423,10 @@ fn run() -> anyhow::Result<()> {
     if args.iter().any(|a| a == "--only-multi-adapter") {
         return multi_adapter(&args, rank, decode_dtype);
     }
+    if args.iter().any(|a| a == "--only-decode") {
+        decode_results(&decode_variants(&args, rank)?);
+        return Ok(());
+    }
     let rounds: usize = parse(&args, "--rounds", 3)?;
     println!(
         "lora bench: rank {rank} on every linear layer, {:?}",
@@ -480,51 +485,7 @@ fn run() -> anyhow::Result<()> {
     };
 
     // 4. Decode: unmerged (stacked, as the engine serves) against merged.
-    let n_tok: usize = parse(&args, "--decode-tokens", 32)?;
-    let dtype = if tch::Cuda::is_available() {
-        DType::BF16
-    } else {
-        DType::F32
-    };
-    let mut rates = Vec::new();
-    for variant in ["base", "merged", "unmerged", "unmerged-per-target"] {
-        let m = match variant {
-            "base" => model(None, dtype)?,
-            _ => {
-                let m = model(Some(rank), dtype)?;
-                // A trained adapter: B not zero.
-                tch::no_grad(|| {
-                    for (i, mut p) in m.parameters().into_iter().enumerate() {
-                        if i % 2 == 1 {
-                            p.copy_(&(p.randn_like() * 0.01));
-                        }
-                    }
-                });
-                m
-            }
-        };
-        let m = match variant {
-            "merged" => merged(&m, dtype)?,
-            "unmerged" => {
-                m.serve_stacked_adapter();
-                m
-            }
-            _ => m,
-        };
-        let one = decode_rate(&m, 1, n_tok * 2, 0)?;
-        let many = decode_rate(&m, 32, n_tok, 0)?;
-        println!(
-            "decode {variant:>19} ({dtype:?}): 1 stream {one:.1} tok/s, 32 streams {many:.1} tok/s"
-        );
-        rates.push((variant, one, many));
-    }
-    let merge_secs = {
-        let m = model(Some(rank), dtype)?;
-        let t0 = Instant::now();
-        let _ = tch::no_grad(|| m.hf_tensors())?;
-        t0.elapsed().as_secs_f64()
-    };
-    println!("merging the adapter into the weights (after each step, for merged serving): {merge_secs:.3} s");
+    let rates = decode_variants(&args, rank)?;
     multi_adapter(&args, rank, decode_dtype)?;
 
     println!(
@@ -549,6 +510,70 @@ fn run() -> anyhow::Result<()> {
         "RESULT lora allreduce_bytes_vs_full ours={b_lora} peer={b_full} ratio={:.1}",
         b_full as f64 / b_lora as f64
     );
+    decode_results(&rates);
+    Ok(())
+}
+
+/// Decode tok/s at 1 and 32 streams of the base, the adapter merged (as `--lora-serve
+/// merged` serves it), unmerged (the stacked low-rank products) and unmerged per target.
+fn decode_variants(args: &[String], rank: usize) -> anyhow::Result<Vec<(&'static str, f64, f64)>> {
+    let n_tok: usize = parse(args, "--decode-tokens", 32)?;
+    let dtype = if tch::Cuda::is_available() {
+        DType::BF16
+    } else {
+        DType::F32
+    };
+    let mut rates = Vec::new();
+    for variant in ["base", "merged", "unmerged", "unmerged-per-target"] {
+        let m = match variant {
+            "base" => model(None, dtype)?,
+            _ => {
+                let m = model(Some(rank), dtype)?;
+                // A trained adapter: B not zero.
+                tch::no_grad(|| {
+                    for (i, mut p) in m.parameters().into_iter().enumerate() {
+                        if i % 2 == 1 {
+                            p.copy_(&(p.randn_like() * 0.01));
+                        }
+                    }
+                });
+                m
+            }
+        };
+        let mut m = m;
+        let m = match variant {
+            // As `--lora-serve merged` serves: the adapter in the engine's own copy of
+            // the targeted weights.
+            "merged" => {
+                m.serve_merged_adapter()?;
+                m
+            }
+            "unmerged" => {
+                m.serve_stacked_adapter();
+                m
+            }
+            _ => m,
+        };
+        let one = decode_rate(&m, 1, n_tok * 2, 0)?;
+        let many = decode_rate(&m, 32, n_tok, 0)?;
+        println!(
+            "decode {variant:>19} ({dtype:?}): 1 stream {one:.1} tok/s, 32 streams {many:.1} tok/s"
+        );
+        rates.push((variant, one, many));
+    }
+    let merge_secs = {
+        let mut m = model(Some(rank), dtype)?;
+        m.serve_merged_adapter()?;
+        let t0 = Instant::now();
+        m.parameters_changed()?;
+        t0.elapsed().as_secs_f64()
+    };
+    println!("merging the adapter again after a weight update (merged serving, each step): {merge_secs:.3} s");
+    Ok(rates)
+}
+
+/// The decode RESULT lines of [`decode_variants`]' rates.
+fn decode_results(rates: &[(&'static str, f64, f64)]) {
     let get = |v: &str| rates.iter().find(|r| r.0 == v).copied().expect("measured");
     let (_, m1, m32) = get("merged");
     let (_, u1, u32_) = get("unmerged");
@@ -569,20 +594,4 @@ fn run() -> anyhow::Result<()> {
         "RESULT lora decode_unmerged_vs_base_1_stream ours={u1:.1} peer={b1:.1} ratio={:.2}",
         u1 / b1
     );
-    Ok(())
-}
-
-/// `m` with its adapter merged into plain weights (what merged serving would hold).
-fn merged(m: &Llama, dtype: DType) -> anyhow::Result<Llama> {
-    let dir = tempfile::tempdir()?;
-    let source = ModelSource::resolve(SPEC.get().map_or("smollm2", String::as_str))?;
-    let card = load_model(&source, tch::Device::Cpu, DType::F32)?.card;
-    let out = dir.path().join("merged");
-    agentjet::model::checkpoint::save_checkpoint(&out, &card, m, DType::F32)?;
-    Ok(load_model(
-        &ModelSource::HfDir(out),
-        tch::Device::cuda_if_available(),
-        dtype,
-    )?
-    .model)
 }

@@ -299,12 +299,18 @@ impl EngineLoop {
             }
             Ok(())
         })();
-        match adapter.and_then(|i| self.model.served_adapter(i)) {
-            Some(a) => a.changed(),
+        let merged = match adapter.and_then(|i| self.model.served_adapter(i)) {
+            Some(a) => {
+                a.changed();
+                Ok(())
+            }
             None => self.model.parameters_changed(),
-        }
+        };
         copied.map_err(|e| {
             EngineError::WeightsRejected(format!("copying the new weights failed: {e}"))
+        })?;
+        merged.map_err(|e| {
+            EngineError::WeightsRejected(format!("merging the new adapter failed: {e}"))
         })
     }
 

@@ -90,7 +90,7 @@ impl StopMatcher {
 /// Extracts `<tool_call>{"name": .., "arguments": {..}}</tool_call>` blocks (the format of
 /// Hermes, Qwen2, Qwen3 and most open tool-calling templates), and the XML form of
 /// Qwen3.5's and Qwen3-Coder's templates (`<tool_call><function=NAME><parameter=P>VALUE
-/// </parameter>..</function></tool_call>`, see [`xml_call`]). Returns the text outside the
+/// </parameter>..</function></tool_call>`, see `xml_call`). Returns the text outside the
 /// blocks and the calls; `None` if there is no well-formed block. Reasoning (the text up
 /// to the last `</think>`, kept in the content) is not searched: a model thinking about a
 /// call may write the tag there.

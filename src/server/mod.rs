@@ -48,7 +48,7 @@ pub use events::ServerEvent;
 pub use infer::{BadCall, InferError};
 pub use renew::CertRenewal;
 pub use served::{card_blob, ServeLimits, ServedModel};
-pub use settings::TrainSettings;
+pub use settings::{LoraServe, TrainSettings};
 pub use submit::{read_stored_episodes, StoredEpisode, SubmitError};
 
 use crate::base::events::Events;
@@ -254,6 +254,25 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
     let spec = cfg.model.clone();
     let train = cfg.train.is_some();
     let lora = cfg.train.as_ref().and_then(|t| t.lora.clone());
+    let serve = cfg.train.as_ref().map_or(LoraServe::Auto, |t| t.lora_serve);
+    let merged = match serve {
+        LoraServe::Merged => true,
+        LoraServe::Unmerged => false,
+        LoraServe::Auto => dtype == crate::model::llama::DType::F32 && cfg.adapters.is_empty(),
+    };
+    if serve == LoraServe::Merged && dtype != crate::model::llama::DType::F32 {
+        tracing::warn!(
+            "--lora-serve merged over a {dtype:?} base: the merged weights are rounded to \
+             {dtype:?}, which may round a small update of the adapter away"
+        );
+    }
+    if serve == LoraServe::Merged && !cfg.adapters.is_empty() {
+        return Err(ServerError::Config(
+            "--lora-serve merged serves one adapter merged into the base: several --adapter \
+             names share one unmerged base"
+                .into(),
+        ));
+    }
     let names = cfg.served_names();
     let adapters = cfg.adapters.clone();
     // Loading takes seconds: off the async threads.
@@ -288,6 +307,19 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
                     .map_err(model_err)?;
                 let mut m = loaded.model.frozen_twin().map_err(model_err)?;
                 m.attach_adapter(c.clone(), 0).map_err(model_err)?;
+                if merged {
+                    // After the twin: it keeps the base, the engine its merged copy.
+                    loaded.model.serve_merged_adapter().map_err(model_err)?;
+                }
+                tracing::info!(
+                    merged,
+                    "the engine serves the adapter {}",
+                    if merged {
+                        "merged into its own copy of the base's weights"
+                    } else {
+                        "unmerged, beside the base it shares with the trainer"
+                    }
+                );
                 Some(m)
             }
         };

@@ -55,6 +55,23 @@ pub struct TrainSettings {
     /// Train a LoRA adapter on the frozen base (kept in the serving dtype) instead of
     /// every weight.
     pub lora: Option<LoraConfig>,
+    /// How the engine serves that adapter (see [`LoraServe`]).
+    pub lora_serve: LoraServe,
+}
+
+/// How the engine serves a trained LoRA adapter (`--lora-serve`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LoraServe {
+    /// Merged for one adapter over a float32 base (it decodes faster, `cargo bench
+    /// --bench lora`); unmerged over a bfloat16 base (a merged bfloat16 weight would
+    /// round a small update of the adapter away) and for several adapters.
+    #[default]
+    Auto,
+    /// Merged into a copy of the base's targeted weights after every update (see
+    /// [`crate::model::llama::Llama::serve_merged_adapter`]): one more copy of them.
+    Merged,
+    /// Low-rank terms beside the base, which the trainer shares.
+    Unmerged,
 }
 
 /// The training group's settings (see [`crate::collective::group`]).
@@ -118,6 +135,7 @@ impl Default for TrainSettings {
             mini_batches: 1,
             entropy_coef: 0.0,
             lora: None,
+            lora_serve: LoraServe::Auto,
         }
     }
 }

@@ -622,15 +622,9 @@ pub fn thinker_model(family: &str, template: &str, dir: &Path) -> PathBuf {
     model
 }
 
-/// Runs `prompts` in one batch on `engine`, greedy for 8 tokens each, and checks each
-/// against `want[i]` (`{"ids": [..], "lps": [..]}`, a reference's greedy tokens and their
-/// log-probabilities): ids equal, logprobs within 1e-4. `who` names the reference.
-pub fn assert_greedy_matches(
-    engine: &agentjet::engine::EngineHandle,
-    prompts: &[&[u32]],
-    want: &serde_json::Value,
-    who: &str,
-) {
+/// Runs `prompts` in one batch on `engine`, greedy for 8 tokens each: for each prompt
+/// `{"ids": [..], "lps": [..]}`, the tokens and their log-probabilities.
+pub fn greedy_of(engine: &agentjet::engine::EngineHandle, prompts: &[&[u32]]) -> serde_json::Value {
     use agentjet::engine::{EngineEvent, GenerateRequest, SamplingParams};
     let rxs: Vec<_> = prompts
         .iter()
@@ -645,12 +639,35 @@ pub fn assert_greedy_matches(
                 .unwrap()
         })
         .collect();
-    for (i, mut rx) in rxs.into_iter().enumerate() {
+    let mut out = Vec::new();
+    for mut rx in rxs {
         let (mut ids, mut lps) = (Vec::new(), Vec::new());
         while let Some(EngineEvent::Token { id, logprob, .. }) = rx.blocking_recv() {
             ids.push(id as u64);
             lps.push(logprob);
         }
+        out.push(json!({"ids": ids, "lps": lps}));
+    }
+    serde_json::Value::Array(out)
+}
+
+/// [`greedy_of`] `prompts` on `engine`, checked against `want[i]` (a reference's greedy
+/// tokens and their log-probabilities, as `greedy_of` gives them): ids equal, logprobs
+/// within 1e-4. `who` names the reference.
+pub fn assert_greedy_matches(
+    engine: &agentjet::engine::EngineHandle,
+    prompts: &[&[u32]],
+    want: &serde_json::Value,
+    who: &str,
+) {
+    let got = greedy_of(engine, prompts);
+    for (i, g) in got.as_array().unwrap().iter().enumerate() {
+        let ids: Vec<u64> = g["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap())
+            .collect();
         let want_ids: Vec<u64> = want[i]["ids"]
             .as_array()
             .unwrap()
@@ -658,8 +675,13 @@ pub fn assert_greedy_matches(
             .map(|x| x.as_u64().unwrap())
             .collect();
         assert_eq!(ids, want_ids, "{who}, prompt {i}: greedy ids differ");
-        for (a, b) in lps.iter().zip(want[i]["lps"].as_array().unwrap()) {
-            let b = b.as_f64().unwrap();
+        for (a, b) in g["lps"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .zip(want[i]["lps"].as_array().unwrap())
+        {
+            let (a, b) = (a.as_f64().unwrap(), b.as_f64().unwrap());
             assert!(
                 (a - b).abs() < 1e-4,
                 "{who}, prompt {i}: logprob {a} vs {b}"

@@ -13,7 +13,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use agentjet::client::episodes::read_journal;
-use common::peer::{http, Peer};
+use common::peer::{http, metric, Peer};
 use serde_json::{json, Value};
 
 /// `agentjet-peer serve` of `model`: one chat completion over HTTP answers, as the model
@@ -58,8 +58,9 @@ fn serve_answers(model: &str) {
 /// Qwen3 (q/k norms), Qwen3-MoE (routed experts), Qwen3.5 (Gated DeltaNet and gated
 /// attention) and the `qwen3_5` wrapper with its vision tower: `generate` runs each,
 /// `serve` answers with each, and `--role server` serves each to a client's agent and
-/// trains on the episodes (Qwen3.5 in the linear layout, said in the step's metrics; the
-/// others in the tree layout; Qwen3-MoE and Qwen3.5 a LoRA adapter).
+/// trains on the episodes, whose new weights its engine then serves (Qwen3.5 in the
+/// linear layout, said in the step's metrics, the others in the tree layout; a LoRA
+/// adapter on all but the wrapper, Qwen3's served merged).
 #[test]
 fn every_2026_family_generates_serves_and_trains_as_a_server() {
     let _lane = common::light();
@@ -85,14 +86,18 @@ fn every_2026_family_generates_serves_and_trains_as_a_server() {
         let agent = format!("sh {}", agent.display());
         let tasks = dir.path().join("tasks.jsonl");
         write_tasks(&tasks, 4);
-        // Qwen3-MoE and Qwen3.5 train a LoRA adapter (MoE: its attention), the others
-        // every parameter.
+        // Qwen3, Qwen3-MoE and Qwen3.5 train a LoRA adapter (MoE's on its attention),
+        // served merged into the weights (Qwen3's by name, MoE's by `auto` over float32)
+        // or unmerged (Qwen3.5's); the wrapper trains every parameter.
         let lora: &[&str] = match family {
+            "qwen3" => &["--lora-rank", "4", "--lora-serve", "merged"],
             "qwen3_moe" => &["--lora-rank", "4", "--lora-targets", "q,k,v,o"],
-            "qwen3_5" => &["--lora-rank", "4"],
+            "qwen3_5" => &["--lora-rank", "4", "--lora-serve", "unmerged"],
             _ => &[],
         };
-        let mut s = named_server(dir.path(), model, "tiny", None, lora);
+        let mut args = vec!["--http", "127.0.0.1:0"];
+        args.extend(lora);
+        let mut s = named_server(dir.path(), model, "tiny", None, &args);
         let boot = s.addr();
         s.wait_serving(Duration::from_secs(120));
         let run = dir.path().join("run");
@@ -130,6 +135,12 @@ fn every_2026_family_generates_serves_and_trains_as_a_server() {
             step["grad_norm"].as_f64().unwrap() > 0.0,
             "{family}: {step}"
         );
+        // The engine serves the trained weights (a merged adapter merged again).
+        let http = s.http_url(Duration::from_secs(10));
+        let version = "agentjet_policy_version{model=\"tiny\"}";
+        common::peer::wait_until("the new policy served", Duration::from_secs(60), || {
+            metric(&http, version).is_some_and(|v| v >= 1.0)
+        });
     }
 }
 

@@ -121,7 +121,7 @@ fn an_adapter_starts_neutral_applies_on_every_path_and_merges() {
     assert!(max_abs_diff(&logits(&m), &with) < 1e-5);
     assert!(max_abs_diff(&stepwise(&m), &with) < 1e-4);
     randomize_b(&m, 6);
-    m.parameters_changed();
+    m.parameters_changed().unwrap();
     let ad2 = dir.path().join("adapter2");
     write_adapter(&ad2, &m, "tiny").unwrap();
     let mut fresh2 = load(&src, DType::F32);
@@ -493,4 +493,73 @@ fn an_adapter_trains_alike_in_the_linear_and_tree_layouts() {
             "the adapters differ after a step"
         );
     }
+}
+
+/// Merged serving (`--lora-serve merged`): the engine's model holds `W + s·B·A` in its own
+/// copy of the targeted weights. It serves what the unmerged adapter serves (greedy ids
+/// equal, logprobs within 1e-4), merges again after a weight update, and leaves the base
+/// a trainer's twin shares untouched. It refuses a trained adapter and bank adapters.
+#[test]
+fn merged_serving_matches_unmerged_follows_updates_and_leaves_the_shared_base_alone() {
+    use agentjet::engine::{spawn_engine, EngineConfig};
+    let dir = tempfile::tempdir().unwrap();
+    let src = tiny().write_hf_dir(&dir.path().join("base"));
+    let adapted = |seed: u64| {
+        let mut m = load(&src, DType::F32);
+        m.attach_adapter(LoraConfig::new(4), 3).unwrap();
+        randomize_b(&m, seed);
+        m
+    };
+    let base = logits(&load(&src, DType::F32));
+    let mut m = adapted(7);
+    let with = logits(&m);
+    // The trainer's twin, made before the merge as the server does: its own new adapter
+    // (B zero) over the shared base.
+    let mut twin = m.frozen_twin().unwrap();
+    twin.attach_adapter(LoraConfig::new(4), 3).unwrap();
+    m.serve_merged_adapter().unwrap();
+    assert!(m.adapter().unwrap().is_merged());
+    assert!(max_abs_diff(&logits(&m), &with) < 1e-5);
+    assert!(max_abs_diff(&stepwise(&m), &with) < 1e-4);
+    assert_eq!(
+        max_abs_diff(&logits(&twin), &base),
+        0.0,
+        "the shared base moved"
+    );
+
+    let prompts: [&[u32]; 3] = [&[5, 17, 200, 3], &[99, 42, 42, 7, 250, 1, 64], &[128, 9]];
+    let unmerged = spawn_engine(adapted(7), EngineConfig::default()).unwrap();
+    let merged = spawn_engine(m, EngineConfig::default()).unwrap();
+    let want = greedy_of(&unmerged, &prompts);
+    assert_greedy_matches(&merged, &prompts, &want, "unmerged");
+    // A trained step's values reach both engines: the merged one merges again.
+    let stepped = adapted(11);
+    let values = stepped.parameters();
+    unmerged.update_weights(&values, 1).unwrap();
+    merged.update_weights(&values, 1).unwrap();
+    let after = greedy_of(&unmerged, &prompts);
+    assert_ne!(after, want, "the update changed nothing");
+    assert_greedy_matches(&merged, &prompts, &after, "unmerged after an update");
+    assert_eq!(
+        max_abs_diff(&logits(&twin), &base),
+        0.0,
+        "the shared base moved"
+    );
+
+    // Refused: a trained adapter (its optimizer writes it in place), bank adapters.
+    let mut trained = adapted(7);
+    trained.set_trainable(true);
+    let e = trained.serve_merged_adapter().unwrap_err().to_string();
+    assert!(e.contains("trained adapter"), "{e}");
+    let mut banked = adapted(7);
+    let extra = agentjet::model::llama::lora::Adapter::new(
+        &banked.config,
+        LoraConfig::new(4),
+        1,
+        Device::Cpu,
+    )
+    .unwrap();
+    banked.add_served_adapter(extra).unwrap();
+    let e = banked.serve_merged_adapter().unwrap_err().to_string();
+    assert!(e.contains("alone"), "{e}");
 }

@@ -237,7 +237,7 @@ fn own_and_banked(dir: &std::path::Path) -> Llama {
     let mut m = banked(dir);
     m.attach_adapter(LoraConfig::new(3), 5).unwrap();
     randomize_b(m.parameters(), 5);
-    m.parameters_changed();
+    m.parameters_changed().unwrap();
     m
 }
 

@@ -258,6 +258,13 @@ pub struct ServerCli {
     /// rsLoRA: scale alpha / sqrt(rank).
     #[arg(long, requires = "lora_rank")]
     pub rslora: bool,
+    /// How the engine serves the trained adapter: `merged` (into its own copy of the
+    /// base's weights, again after every step: faster decode, one more copy of those
+    /// weights in memory; in bf16 the merged weights are rounded to bf16), `unmerged`
+    /// (low-rank terms beside the base it shares with the trainer), or `auto`: merged for
+    /// one adapter over a float32 base, else unmerged.
+    #[arg(long, value_enum, default_value = "auto", requires = "lora_rank")]
+    pub lora_serve: LoraServe,
     /// Save a checkpoint every N steps (outer steps with --sync-every) and when stopped.
     #[arg(long, default_value_t = 20)]
     pub checkpoint_every: u64,
@@ -794,4 +801,13 @@ pub fn named_adapter(s: &str) -> Result<(String, PathBuf), String> {
         return Err(format!("{s:?}: expected NAME=DIR, both non-empty"));
     }
     Ok((name.to_string(), PathBuf::from(dir.trim())))
+}
+
+/// `--lora-serve`: how the engine serves a trained adapter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LoraServe {
+    Auto,
+    Merged,
+    Unmerged,
 }

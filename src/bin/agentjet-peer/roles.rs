@@ -35,7 +35,7 @@ pub use torch::server;
 #[cfg(feature = "torch")]
 mod torch {
     use super::*;
-    use crate::args::{secs, ServerCli};
+    use crate::args::{secs, LoraServe, ServerCli};
     use agentjet::collective::Wire;
     use agentjet::model::llama::lora::{LoraConfig, Target};
     use agentjet::server::train::CollectiveSettings;
@@ -137,6 +137,11 @@ mod torch {
                                 Ok(c)
                             })
                             .transpose()?,
+                        lora_serve: match self.lora_serve {
+                            LoraServe::Auto => agentjet::server::LoraServe::Auto,
+                            LoraServe::Merged => agentjet::server::LoraServe::Merged,
+                            LoraServe::Unmerged => agentjet::server::LoraServe::Unmerged,
+                        },
                     })
                 })
                 .transpose()?;

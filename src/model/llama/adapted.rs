@@ -2,11 +2,23 @@
 //! the base and makes the adapter the trained parameters), switching it off for a KL
 //! reference, and the engine's serving mode.
 
-use tch::Tensor;
+use tch::{Kind, Tensor};
 
-use super::lora::{Adapter, LoraConfig};
-use super::Llama;
+use super::lora::{Adapter, LoraConfig, MergedBases, PRODUCTS};
+use super::{DecoderLayer, Ffn, Llama};
 use crate::model::ModelError;
+
+/// The weight of fused product `p` (an index of [`PRODUCTS`]) of `layer`; `None` for the
+/// MLP of a sparse (mixture-of-experts) layer.
+fn product_weight(layer: &mut DecoderLayer, p: usize) -> Option<&mut Tensor> {
+    match (p, &mut layer.ffn) {
+        (0, _) => Some(&mut layer.qkv_proj),
+        (1, _) => Some(&mut layer.o_proj),
+        (2, Ffn::Dense { gate_up_proj, .. }) => Some(gate_up_proj),
+        (3, Ffn::Dense { down_proj, .. }) => Some(down_proj),
+        _ => None,
+    }
+}
 
 impl Llama {
     /// Attaches a new adapter (see [`super::lora::Adapter::new`]); from now on the model's
@@ -93,7 +105,7 @@ impl Llama {
     /// [`Llama::parameters_changed`] must be told to rebuild after every in-place change.
     /// The per-target path (always current) is kept for every other model.
     pub fn serve_stacked_adapter(&self) {
-        if let Some(a) = &self.adapter {
+        if let Some(a) = self.adapter.as_ref().filter(|a| !a.is_merged()) {
             // A trained adapter is written in place by its optimizer: it keeps the
             // per-target path, which is always current and which autograd sees.
             if !a.tensors().iter().any(Tensor::requires_grad) {
@@ -102,10 +114,82 @@ impl Llama {
         }
     }
 
-    /// Call after changing the trained parameters in place (see [`super::lora::Adapter::changed`]).
-    pub fn parameters_changed(&self) {
+    /// Merged serving, for a model that only serves its own adapter (an engine's, with no
+    /// bank): each product the adapter targets gets its own copy of the base weight
+    /// holding `W + s·B·A`, so a forward pass runs the base's products alone and no
+    /// low-rank term. The base tensors (which a trainer's [`Llama::frozen_twin`] shares)
+    /// are kept as they were, so this costs one more copy of the targeted weights; after
+    /// the adapter's values change, [`Llama::parameters_changed`] merges again. In
+    /// bfloat16 the merged weight is rounded to bfloat16, a small update with it.
+    pub fn serve_merged_adapter(&mut self) -> Result<(), ModelError> {
+        let bad = |m: &str| Err(ModelError::Invalid(m.into()));
+        let Some(a) = &self.adapter else {
+            return bad("merged serving needs an adapter");
+        };
+        if a.tensors().iter().any(Tensor::requires_grad) {
+            return bad("a trained adapter is written in place by its optimizer: it cannot be served merged");
+        }
+        if self.served_adapters() > 0 {
+            return bad(
+                "merged serving takes the model's own adapter alone, not served adapters beside it",
+            );
+        }
+        if a.is_merged() {
+            return Ok(());
+        }
+        let _g = tch::no_grad_guard();
+        let mut bases: Vec<MergedBases> = Vec::with_capacity(self.layers.len());
+        for l in 0..self.layers.len() {
+            let mut per: MergedBases = Default::default();
+            for (p, base) in per.iter_mut().enumerate().take(PRODUCTS.len()) {
+                if a.stacked_product(l, p, Kind::Float, &self.config)?
+                    .is_none()
+                {
+                    continue;
+                }
+                let Some(w) = product_weight(&mut self.layers[l], p) else {
+                    continue;
+                };
+                let own = w.f_empty_like()?;
+                *base = Some(std::mem::replace(w, own));
+            }
+            bases.push(per);
+        }
+        a.set_merged(bases);
+        self.merge_adapter()
+    }
+
+    /// Writes `W + s·B·A` (in float32, then the weight's kind) into every merged product.
+    fn merge_adapter(&mut self) -> Result<(), ModelError> {
+        let Some(a) = &self.adapter else {
+            return Ok(());
+        };
+        let bases = a.merged_bases();
+        let Some(bases) = bases.as_ref() else {
+            return Ok(());
+        };
+        let _g = tch::no_grad_guard();
+        for (l, per) in bases.iter().enumerate() {
+            for (p, base) in per.iter().enumerate() {
+                let Some(base) = base else { continue };
+                let Some((am, bm)) = a.stacked_product(l, p, Kind::Float, &self.config)? else {
+                    continue;
+                };
+                let merged = base.f_to_kind(Kind::Float)?.f_add(&bm.f_matmul(&am)?)?;
+                if let Some(w) = product_weight(&mut self.layers[l], p) {
+                    w.f_copy_(&merged)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Call after changing the trained parameters in place (see
+    /// [`super::lora::Adapter::changed`]); a merged adapter is merged again.
+    pub fn parameters_changed(&mut self) -> Result<(), ModelError> {
         if let Some(a) = &self.adapter {
             a.changed();
         }
+        self.merge_adapter()
     }
 }

@@ -244,7 +244,14 @@ pub struct Adapter {
     stacked: RefCell<Option<(Kind, Vec<LayerStacked>)>>,
     /// Counts [`Adapter::changed`] calls: copies made elsewhere (a bank's) compare it.
     generation: Cell<u64>,
+    /// Merged serving ([`super::Llama::serve_merged_adapter`]): the base tensor of each
+    /// product whose weight now holds `W + s·B·A`, by layer and [`PRODUCTS`] index. The
+    /// adapter then adds no low-rank term of its own.
+    merged: RefCell<Option<Vec<MergedBases>>>,
 }
+
+/// One layer's base weights under a merged adapter, by [`PRODUCTS`] index.
+pub(super) type MergedBases = [Option<Tensor>; 4];
 
 /// One layer's [`Stacked`] products, by [`PRODUCTS`] index.
 type LayerStacked = [Option<Stacked>; 4];
@@ -304,6 +311,7 @@ impl Adapter {
             serving: Cell::new(false),
             stacked: RefCell::new(None),
             generation: Cell::new(0),
+            merged: RefCell::new(None),
         })
     }
 
@@ -431,6 +439,20 @@ impl Adapter {
         self.generation.get()
     }
 
+    /// Whether this adapter is merged into its model's weights for serving.
+    pub fn is_merged(&self) -> bool {
+        self.merged.borrow().is_some()
+    }
+
+    pub(super) fn set_merged(&self, bases: Vec<MergedBases>) {
+        self.merged.replace(Some(bases));
+    }
+
+    /// The base weights a merge replaced (see [`Adapter::is_merged`]).
+    pub(super) fn merged_bases(&self) -> std::cell::Ref<'_, Option<Vec<MergedBases>>> {
+        self.merged.borrow()
+    }
+
     /// Layer `l`'s stacked A `[n·r, in]` and block-diagonal scaled B `[out, n·r]` of
     /// product `p` (an index of [`PRODUCTS`]) in `kind`, or `None` if it has no target
     /// there.
@@ -499,7 +521,7 @@ impl Adapter {
         x: &Tensor,
         c: &LlamaConfig,
     ) -> Result<Option<Tensor>, ModelError> {
-        if !self.enabled.get() {
+        if !self.enabled.get() || self.is_merged() {
             return Ok(None);
         }
         let parts = &self.layers[l].parts;
