@@ -17,6 +17,8 @@
 //! order of a member's rounds. Never touches LibTorch (learners hand it `f32` slices),
 //! never decides what a step computes (the learner does).
 
+#[cfg(feature = "torch")]
+pub mod broadcast;
 pub mod group;
 pub mod link;
 pub mod member;

@@ -111,10 +111,15 @@ pub fn parse_tool_calls(text: &str, id_seed: u64) -> Option<(String, Vec<ToolCal
             .match_indices("</tool_call>")
             .map(|(i, _)| i)
             .collect();
+        // (The XML form's block ends at the first closing tag right after `</function>`.)
+        let xml = after.trim_start().starts_with("<function=");
         let end = ends
             .iter()
             .copied()
-            .find(|&e| serde_json::from_str::<serde::de::IgnoredAny>(after[..e].trim()).is_ok())
+            .find(|&e| match xml {
+                true => after[..e].trim_end().ends_with("</function>"),
+                false => serde_json::from_str::<serde::de::IgnoredAny>(after[..e].trim()).is_ok(),
+            })
             .or(ends.first().copied());
         let (body, next) = match end {
             Some(end) => (&after[..end], &after[end + "</tool_call>".len()..]),
@@ -171,10 +176,12 @@ pub fn parse_tool_calls(text: &str, id_seed: u64) -> Option<(String, Vec<ToolCal
 
 /// One XML-form call's body, `<function=NAME>` then `<parameter=P>\nVALUE\n</parameter>`
 /// for each argument and `</function>`: the name and the arguments as a JSON object in
-/// the model's order. A value that reads as JSON other than a string (a number, a
-/// boolean, an object, an array) is that value, as the template wrote it with `tojson`
-/// or `string`; anything else is a string, without the newline the template puts on each
-/// side. `None` if the body is not of that form.
+/// the model's order. An object or array value (the template writes them with `tojson`)
+/// is that JSON; a number, boolean or null is typed when its text is exactly how JSON
+/// writes it (so rendering the call back gives the same text: `5` is 5, `0.10` stays the
+/// string "0.10"); anything else is a string, without the newline the template puts on
+/// each side. The tool's schema is not consulted: a string parameter whose value is `42`
+/// comes back as the number 42. `None` if the body is not of that form.
 fn xml_call(body: &str) -> Option<(String, String)> {
     let body = body.trim().strip_prefix("<function=")?;
     let (name, mut rest) = body.split_once('>')?;
@@ -197,7 +204,8 @@ fn xml_call(body: &str) -> Option<(String, String)> {
         let raw = raw.strip_prefix('\n').unwrap_or(raw);
         let raw = raw.strip_suffix('\n').unwrap_or(raw);
         let value = match serde_json::from_str::<Json>(raw) {
-            Ok(v) if !v.is_string() => v,
+            Ok(v @ (Json::Object(_) | Json::Array(_))) => v,
+            Ok(v) if !v.is_string() && serde_json::to_string(&v).is_ok_and(|t| t == raw) => v,
             _ => Json::String(raw.to_string()),
         };
         args.insert(param.trim().to_string(), value);
@@ -238,6 +246,14 @@ mod tests {
         assert_eq!(calls[1].function.name, "now");
         assert_eq!(calls[1].function.arguments, "{}");
         assert_ne!(calls[0].id, calls[1].id);
+        // A value that JSON would write otherwise stays text; a closing tag inside a
+        // value does not end the block.
+        let text = "<tool_call>\n<function=f>\n<parameter=x>\n0.10\n</parameter>\n<parameter=y>\nsay </tool_call>\n</parameter>\n</function>\n</tool_call>";
+        let (_, calls) = parse_tool_calls(text, 1).unwrap();
+        assert_eq!(
+            calls[0].function.arguments,
+            "{\"x\":\"0.10\",\"y\":\"say </tool_call>\"}"
+        );
         // Not of the form: no call, the text stays content.
         assert!(parse_tool_calls(
             "<tool_call>\n<function=x>\n<parameter=a>\n1\n</function>\n</tool_call>",

@@ -268,8 +268,8 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
     }
     if serve == LoraServe::Merged && !cfg.adapters.is_empty() {
         return Err(ServerError::Config(
-            "--lora-serve merged serves one adapter merged into the base: several --adapter \
-             names share one unmerged base"
+            "--lora-serve merged serves the server's own adapter merged into the base: \
+             --adapter names share one unmerged base (use --lora-serve auto or unmerged)"
                 .into(),
         ));
     }

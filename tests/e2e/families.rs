@@ -100,6 +100,13 @@ fn every_2026_family_generates_serves_and_trains_as_a_server() {
         let mut s = named_server(dir.path(), model, "tiny", None, &args);
         let boot = s.addr();
         s.wait_serving(Duration::from_secs(120));
+        if !lora.is_empty() {
+            let how = match family {
+                "qwen3_5" => "unmerged, beside the base",
+                _ => "merged into its own copy",
+            };
+            assert!(s.log_text().contains(how), "{family}: {}", s.log_text());
+        }
         let run = dir.path().join("run");
         let mut c = Peer::start(
             "client",

@@ -2,9 +2,11 @@
 //! (`tests/fixtures/hf_family.py`): Qwen3, Qwen3-MoE (attention targets: its experts are
 //! not adapted) and Qwen3.5 (q/k/v/o on the gated full-attention layers, whose q_proj
 //! holds query and gate rows; the MLP on every layer; the Gated DeltaNet projections have
-//! none of PEFT's names). PEFT computes our adapter's logits, one loss's gradient for
-//! every adapter tensor equals autograd's through PEFT within 1e-4, we compute a
-//! PEFT-made adapter's logits, and our engine gives PEFT's greedy ids.
+//! none of PEFT's names), and the `qwen3_5` wrapper (PEFT's adapter made over
+//! `Qwen3_5ForConditionalGeneration`, whose layers are `model.language_model.layers`).
+//! PEFT computes our adapter's logits, one loss's gradient for every adapter tensor equals
+//! autograd's through PEFT within 1e-4, we compute a PEFT-made adapter's logits, and our
+//! engine gives PEFT's greedy ids, with the adapter unmerged and merged.
 
 use crate::common::*;
 use crate::families::reference;
@@ -31,7 +33,7 @@ fn logits(m: &Llama) -> Tensor {
 
 const SCRIPT: &str = r#"
 import json, sys, torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 from peft import PeftModel, LoraConfig, get_peft_model
 from safetensors.torch import save_file
 base_dir, ours_dir, theirs_dir, targets = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
@@ -47,7 +49,11 @@ loss.backward()
 save_file({n.replace(".default", ""): p.grad.contiguous() for n, p in m.named_parameters()
            if "lora_" in n}, f"{theirs_dir}.grads.safetensors")
 ours = ours.detach()
-base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+# PEFT's own adapter over the class a user would load: for a multimodal wrapper, the
+# wrapper itself (its layers named `model.language_model.layers`).
+wrapped = sys.argv[7] == "wrapped"
+cls = AutoModelForImageTextToText if wrapped else AutoModelForCausalLM
+base = cls.from_pretrained(base_dir, dtype=torch.float32).eval()
 torch.manual_seed(0)
 cfg = LoraConfig(r=2, lora_alpha=6, target_modules=targets.split(","), use_rslora=True,
                  init_lora_weights=False, lora_dropout=0.0)
@@ -146,6 +152,7 @@ fn lora_on_qwen3_qwen3_moe_and_qwen3_5_matches_peft_both_ways() {
             vec![Target::Q, Target::K, Target::V, Target::O],
         ),
         ("qwen3_5", Target::ALL.to_vec()),
+        ("qwen3_5_wrapped", Target::ALL.to_vec()),
     ] {
         let dir = tempfile::tempdir().unwrap();
         let (mut m, v) = reference(family, dir.path());
@@ -175,6 +182,11 @@ fn lora_on_qwen3_qwen3_moe_and_qwen3_5_matches_peft_both_ways() {
             .arg(names.join(","))
             .arg(serde_json::to_string(&IDS).unwrap())
             .arg(serde_json::to_string(&prompts).unwrap())
+            .arg(if family.ends_with("wrapped") {
+                "wrapped"
+            } else {
+                "text"
+            })
             .env("TRANSFORMERS_VERBOSITY", "error")
             .output()
             .unwrap();
@@ -228,5 +240,17 @@ fn lora_on_qwen3_qwen3_moe_and_qwen3_5_matches_peft_both_ways() {
         );
         let engine = spawn_engine(p, EngineConfig::default()).unwrap();
         assert_greedy_matches(&engine, &PROMPTS, &v["gen"], family);
+        // Served merged into the weights (`--lora-serve`'s float32 default): the same.
+        let mut merged = load_model(
+            &ModelSource::HfDir(dir.path().join("model")),
+            Device::Cpu,
+            DType::F32,
+        )
+        .unwrap()
+        .model;
+        load_adapter(&theirs, &mut merged).unwrap();
+        merged.serve_merged_adapter().unwrap();
+        let engine = spawn_engine(merged, EngineConfig::default()).unwrap();
+        assert_greedy_matches(&engine, &PROMPTS, &v["gen"], &format!("{family} merged"));
     }
 }

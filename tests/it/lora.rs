@@ -526,6 +526,21 @@ fn merged_serving_matches_unmerged_follows_updates_and_leaves_the_shared_base_al
         0.0,
         "the shared base moved"
     );
+    // A merged model: no twin of its merged weights; its export merges once; making it
+    // trainable takes the adapter back out of the weights (autograd sees its terms).
+    assert!(m.frozen_twin().is_err());
+    let exported = m.hf_tensors().unwrap();
+    for ((n, a), (_, b)) in exported.iter().zip(adapted(7).hf_tensors().unwrap()) {
+        assert!(
+            max_abs_diff(a, &b) < 1e-5,
+            "{n} exported differently merged"
+        );
+    }
+    let mut trained = adapted(7);
+    trained.serve_merged_adapter().unwrap();
+    trained.set_trainable(true);
+    assert!(!trained.adapter().unwrap().is_merged());
+    assert!(max_abs_diff(&logits(&trained), &with) < 1e-5);
 
     let prompts: [&[u32]; 3] = [&[5, 17, 200, 3], &[99, 42, 42, 7, 250, 1, 64], &[128, 9]];
     let unmerged = spawn_engine(adapted(7), EngineConfig::default()).unwrap();

@@ -43,6 +43,13 @@ impl Llama {
     /// served ones). Fails if this model's base is trained (it would be written under the
     /// other's reads).
     pub fn frozen_twin(&self) -> Result<Llama, ModelError> {
+        if self.adapter.as_ref().is_some_and(Adapter::is_merged) {
+            return Err(ModelError::Invalid(
+                "a model serving its adapter merged holds merged weights, not the base: make \
+                 the twin before merging"
+                    .into(),
+            ));
+        }
         if self.base_parameters().iter().any(Tensor::requires_grad) {
             return Err(ModelError::Invalid(
                 "only a model with a frozen base (an adapter attached or served) shares its \
@@ -89,7 +96,9 @@ impl Llama {
         self.adapter.as_ref()
     }
 
-    /// Runs `f` on the base alone (the adapter switched off), e.g. for a KL reference.
+    /// Runs `f` on the base alone (the adapter switched off), e.g. for a KL reference. Not
+    /// for a model serving its adapter merged ([`Llama::serve_merged_adapter`]), whose
+    /// weights hold it: such a model only serves (training it unmerges it first).
     pub fn without_adapter<R>(&self, f: impl FnOnce() -> R) -> R {
         let Some(a) = &self.adapter else {
             return f();
@@ -157,6 +166,21 @@ impl Llama {
         }
         a.set_merged(bases);
         self.merge_adapter()
+    }
+
+    /// Puts the base weights back in place of the merged copies (the adapter then adds
+    /// its low-rank terms again); nothing if the adapter is not merged.
+    pub(super) fn unmerge_adapter(&mut self) {
+        let Some(bases) = self.adapter.as_ref().and_then(Adapter::take_merged) else {
+            return;
+        };
+        for (l, per) in bases.into_iter().enumerate() {
+            for (p, base) in per.into_iter().enumerate() {
+                if let (Some(base), Some(w)) = (base, product_weight(&mut self.layers[l], p)) {
+                    *w = base;
+                }
+            }
+        }
     }
 
     /// Writes `W + s·B·A` (in float32, then the weight's kind) into every merged product.

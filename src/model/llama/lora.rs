@@ -364,6 +364,13 @@ impl Adapter {
         mut get: impl FnMut(&str) -> Option<Tensor>,
         file: &str,
     ) -> Result<(), ModelError> {
+        if self.is_merged() {
+            return Err(ModelError::Invalid(
+                "this adapter is merged into its model's weights for serving: update it \
+                 through the engine (`EngineHandle::update_weights`), which merges again"
+                    .into(),
+            ));
+        }
         let _g = tch::no_grad_guard();
         for (l, layer) in self.layers.iter().enumerate() {
             for t in Target::ALL {
@@ -373,7 +380,12 @@ impl Adapter {
                 let p = format!("base_model.model.model.layers.{l}.{}", t.module());
                 for (which, dst) in [("lora_A", a), ("lora_B", b)] {
                     let name = format!("{p}.{which}.weight");
-                    let src = get(&name).ok_or_else(|| ModelError::MissingTensor {
+                    // PEFT over a multimodal wrapper (`Qwen3_5ForConditionalGeneration`)
+                    // names the language model's layers `model.language_model.layers`.
+                    let wrapped =
+                        name.replacen(".model.layers.", ".model.language_model.layers.", 1);
+                    let src = get(&name).or_else(|| get(&wrapped));
+                    let src = src.ok_or_else(|| ModelError::MissingTensor {
                         file: file.to_string(),
                         name: name.clone(),
                     })?;
@@ -446,6 +458,11 @@ impl Adapter {
 
     pub(super) fn set_merged(&self, bases: Vec<MergedBases>) {
         self.merged.replace(Some(bases));
+    }
+
+    /// Ends merged serving: the base weights the merge replaced.
+    pub(super) fn take_merged(&self) -> Option<Vec<MergedBases>> {
+        self.merged.take()
     }
 
     /// The base weights a merge replaced (see [`Adapter::is_merged`]).

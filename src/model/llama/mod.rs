@@ -539,6 +539,10 @@ impl Llama {
 
     /// Makes every trained parameter ([`Llama::parameters`]) require gradients (or not).
     pub fn set_trainable(&mut self, on: bool) {
+        if on {
+            // A trained adapter adds its own terms (autograd must see them).
+            self.unmerge_adapter();
+        }
         for mut t in self.parameters() {
             let _ = t.requires_grad_(on);
         }
@@ -691,7 +695,12 @@ impl Llama {
         if let Some(head) = &self.lm_head {
             out.push(("lm_head.weight".to_string(), head.shallow_clone()));
         }
-        if let Some(a) = self.adapter.as_ref().filter(|a| a.enabled()) {
+        // (A model serving its adapter merged already holds W + s·B·A.)
+        if let Some(a) = self
+            .adapter
+            .as_ref()
+            .filter(|a| a.enabled() && !a.is_merged())
+        {
             // Merged: each targeted weight becomes W + s·B·A (computed in float32).
             for (name, w) in out.iter_mut() {
                 let Some((l, t)) = lora::Target::ALL.iter().find_map(|&t| {

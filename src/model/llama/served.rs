@@ -14,6 +14,11 @@ impl Llama {
     /// The adapter serves from stacked copies of its values: after changing them in place,
     /// call [`Adapter::changed`].
     pub fn add_served_adapter(&mut self, a: Adapter) -> Result<usize, ModelError> {
+        if self.adapter.as_ref().is_some_and(Adapter::is_merged) {
+            return Err(ModelError::Invalid(
+                "this model serves its own adapter merged: it serves no other adapters".into(),
+            ));
+        }
         if self.config.vocab_size >= MAX_BANK_VOCAB {
             return Err(ModelError::Invalid(format!(
                 "a vocabulary of {} tokens is too large to serve bank adapters (at most {})",

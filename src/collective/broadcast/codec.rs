@@ -1,0 +1,263 @@
+//! How a chunk travels: raw, zstd, or as a delta against the receiver's copy of the
+//! previous version's chunk (XOR, so unchanged bits are zero bytes, then zstd), with the
+//! XOR's bytes optionally regrouped by their place in an element first (all the low bytes
+//! of the bf16 values, then all the high bytes: sign and exponent rarely change, so the
+//! high plane is nearly all zero). The sender picks the smallest; the receiver rebuilds
+//! the chunk, bounded by its known length, and accepts it only if its blake3 hash is the
+//! manifest's.
+
+/// Zstd's level: fast to encode (a trainer encodes every changed chunk once per step).
+const LEVEL: i32 = 3;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Encoding {
+    Raw = 0,
+    Zstd = 1,
+    XorZstd = 2,
+    /// XOR, byte planes of an element width, zstd.
+    XorPlanesZstd = 3,
+}
+
+impl Encoding {
+    fn from_tag(t: u8) -> Option<Encoding> {
+        Some(match t {
+            0 => Encoding::Raw,
+            1 => Encoding::Zstd,
+            2 => Encoding::XorZstd,
+            3 => Encoding::XorPlanesZstd,
+            _ => return None,
+        })
+    }
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum CodecError {
+    #[error("chunk frame: {0}")]
+    Malformed(String),
+    #[error("a delta chunk needs the previous version's chunk, which this peer does not hold")]
+    NoBase,
+    #[error("the chunk's hash is not the manifest's: the sender's bytes are wrong")]
+    HashMismatch,
+}
+
+/// `new` (a chunk of `width`-byte elements) encoded against `base` (the previous
+/// version's chunk at the same place, if the receiver holds it): the smallest of the
+/// encodings. The frame is a tag byte, the plane width, then the payload.
+pub fn encode(new: &[u8], base: Option<&[u8]>, width: u8) -> Vec<u8> {
+    let frame = |e: Encoding, payload: &[u8]| {
+        let mut f = Vec::with_capacity(payload.len() + 2);
+        f.push(e as u8);
+        f.push(width);
+        f.extend_from_slice(payload);
+        f
+    };
+    let mut best = frame(Encoding::Raw, new);
+    let mut consider = |e: Encoding, payload: Option<Vec<u8>>| {
+        if let Some(p) = payload.filter(|p| p.len() + 2 < best.len()) {
+            best = frame(e, &p);
+        }
+    };
+    consider(Encoding::Zstd, zstd::bulk::compress(new, LEVEL).ok());
+    if let Some(base) = base.filter(|b| b.len() == new.len()) {
+        let x = xor(new, base);
+        consider(Encoding::XorZstd, zstd::bulk::compress(&x, LEVEL).ok());
+        if width > 1 && new.len() % width as usize == 0 {
+            let planes = to_planes(&x, width as usize);
+            consider(
+                Encoding::XorPlanesZstd,
+                zstd::bulk::compress(&planes, LEVEL).ok(),
+            );
+        }
+    }
+    best
+}
+
+/// The frame's encoding (for counting what was sent).
+pub fn encoding_of(frame: &[u8]) -> Option<Encoding> {
+    frame.first().and_then(|&t| Encoding::from_tag(t))
+}
+
+/// The chunk a frame carries: `len` bytes, rebuilt against `base` for a delta, accepted
+/// only if its blake3 hash is `want`. Never allocates more than `len` bytes for the
+/// chunk, whatever the frame claims.
+pub fn decode(
+    frame: &[u8],
+    base: Option<&[u8]>,
+    len: usize,
+    want: &[u8; 32],
+) -> Result<Vec<u8>, CodecError> {
+    let bad = |m: String| Err(CodecError::Malformed(m));
+    let (&tag, rest) = match frame.split_first() {
+        Some(x) => x,
+        None => return bad("empty".into()),
+    };
+    let Some(e) = Encoding::from_tag(tag) else {
+        return bad(format!("unknown encoding {tag}"));
+    };
+    let (&width, payload) = match rest.split_first() {
+        Some(x) => x,
+        None => return bad("no plane width".into()),
+    };
+    let unzstd = |p: &[u8]| -> Result<Vec<u8>, CodecError> {
+        let out = zstd::bulk::decompress(p, len)
+            .map_err(|e| CodecError::Malformed(format!("zstd: {e}")))?;
+        if out.len() != len {
+            return Err(CodecError::Malformed(format!(
+                "{} bytes, the chunk has {len}",
+                out.len()
+            )));
+        }
+        Ok(out)
+    };
+    let chunk = match e {
+        Encoding::Raw if payload.len() == len => payload.to_vec(),
+        Encoding::Raw => return bad(format!("{} raw bytes, the chunk has {len}", payload.len())),
+        Encoding::Zstd => unzstd(payload)?,
+        Encoding::XorZstd | Encoding::XorPlanesZstd => {
+            let base = base.filter(|b| b.len() == len).ok_or(CodecError::NoBase)?;
+            let mut x = unzstd(payload)?;
+            if e == Encoding::XorPlanesZstd {
+                if width < 2 || len % width as usize != 0 {
+                    return bad(format!("plane width {width} for {len} bytes"));
+                }
+                x = from_planes(&x, width as usize);
+            }
+            xor(&x, base)
+        }
+    };
+    if blake3::hash(&chunk).as_bytes() != want {
+        return Err(CodecError::HashMismatch);
+    }
+    Ok(chunk)
+}
+
+fn xor(a: &[u8], b: &[u8]) -> Vec<u8> {
+    a.iter().zip(b).map(|(x, y)| x ^ y).collect()
+}
+
+/// Byte `k` of every element together, for k = 0..width.
+fn to_planes(x: &[u8], width: usize) -> Vec<u8> {
+    let n = x.len() / width;
+    let mut out = vec![0u8; x.len()];
+    for (i, e) in x.chunks_exact(width).enumerate() {
+        for (k, &b) in e.iter().enumerate() {
+            out[k * n + i] = b;
+        }
+    }
+    out
+}
+
+fn from_planes(p: &[u8], width: usize) -> Vec<u8> {
+    let n = p.len() / width;
+    let mut out = vec![0u8; p.len()];
+    for k in 0..width {
+        for i in 0..n {
+            out[i * width + k] = p[k * n + i];
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// bf16 values of a smooth pseudo-random walk, and the same after a small update of
+    /// a few percent of them (what an optimizer step does to a chunk).
+    fn bf16_pair(n: usize) -> (Vec<u8>, Vec<u8>) {
+        let mut rng = crate::base::Rng::seeded(5);
+        let mut old = Vec::with_capacity(2 * n);
+        let mut new = Vec::with_capacity(2 * n);
+        for _ in 0..n {
+            let v = (rng.next_f64() as f32 - 0.5) * 0.1;
+            let u = if rng.next_f64() < 0.03 { v * 1.01 } else { v };
+            old.extend_from_slice(&((v.to_bits() >> 16) as u16).to_le_bytes());
+            new.extend_from_slice(&((u.to_bits() >> 16) as u16).to_le_bytes());
+        }
+        (old, new)
+    }
+
+    #[test]
+    fn a_small_update_goes_as_a_small_delta_and_decodes_exactly() {
+        let (old, new) = bf16_pair(1 << 19);
+        let want = *blake3::hash(&new).as_bytes();
+        let f = encode(&new, Some(&old), 2);
+        assert!(
+            matches!(
+                encoding_of(&f),
+                Some(Encoding::XorZstd | Encoding::XorPlanesZstd)
+            ),
+            "{:?}",
+            encoding_of(&f)
+        );
+        assert!(
+            f.len() * 5 < new.len(),
+            "{} bytes for {}",
+            f.len(),
+            new.len()
+        );
+        assert_eq!(decode(&f, Some(&old), new.len(), &want).unwrap(), new);
+        // Without the base a delta cannot be rebuilt; a full frame needs none.
+        assert_eq!(decode(&f, None, new.len(), &want), Err(CodecError::NoBase));
+        let full = encode(&new, None, 2);
+        assert!(matches!(
+            encoding_of(&full),
+            Some(Encoding::Raw | Encoding::Zstd)
+        ));
+        assert_eq!(decode(&full, None, new.len(), &want).unwrap(), new);
+        // Random bytes do not compress: raw.
+        let noise: Vec<u8> = (0..4096u32)
+            .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+            .collect();
+        let f = encode(&noise, None, 1);
+        let h = *blake3::hash(&noise).as_bytes();
+        assert_eq!(decode(&f, None, noise.len(), &h).unwrap(), noise);
+    }
+
+    #[test]
+    fn a_tampered_or_oversized_frame_is_refused() {
+        let (old, new) = bf16_pair(4096);
+        let want = *blake3::hash(&new).as_bytes();
+        for base in [None, Some(old.as_slice())] {
+            let f = encode(&new, base, 2);
+            let mut t = f.clone();
+            let last = t.len() - 1;
+            t[last] ^= 1;
+            let e = decode(&t, base, new.len(), &want).unwrap_err();
+            assert!(
+                matches!(e, CodecError::HashMismatch | CodecError::Malformed(_)),
+                "{e:?}"
+            );
+        }
+        // Raw bytes that are not the chunk: the hash says so.
+        let mut raw = vec![0u8, 2];
+        raw.extend_from_slice(&old);
+        assert_eq!(
+            decode(&raw, None, new.len(), &want),
+            Err(CodecError::HashMismatch)
+        );
+        // A zstd frame that inflates past the chunk's length stops at it.
+        let big = vec![0u8; 1 << 20];
+        let mut bomb = vec![Encoding::Zstd as u8, 1];
+        bomb.extend(zstd::bulk::compress(&big, 3).unwrap());
+        assert!(matches!(
+            decode(&bomb, None, 4096, &want),
+            Err(CodecError::Malformed(_))
+        ));
+        for junk in [&[][..], &[9, 1][..], &[0][..]] {
+            assert!(matches!(
+                decode(junk, None, 4, &want),
+                Err(CodecError::Malformed(_))
+            ));
+        }
+    }
+
+    #[test]
+    fn planes_round_trip() {
+        let x: Vec<u8> = (0..24u8).collect();
+        for w in [2, 4] {
+            assert_eq!(from_planes(&to_planes(&x, w), w), x);
+        }
+    }
+}
