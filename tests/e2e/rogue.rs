@@ -210,8 +210,9 @@ fn checked_by(kind: &str) -> &'static str {
 }
 
 /// Has `to` promise a ballot of `node` (the next epoch above what it promised); the
-/// epoch promised and the parameter count `to` stated.
-async fn promise(node: &SwarmHandle, to: PeerId) -> (u64, u64) {
+/// epoch promised and the parameter count `to` stated. `None` (after 20 tries, printed)
+/// when the group kept moving on first or `to` did not yet take `node` as a member.
+async fn promise(node: &SwarmHandle, to: PeerId) -> Option<(u64, u64)> {
     let me = node.peer_id.to_bytes();
     let mut members = vec![me.clone(), to.to_bytes()];
     members.sort();
@@ -237,12 +238,13 @@ async fn promise(node: &SwarmHandle, to: PeerId) -> (u64, u64) {
         };
         let r = group_request(node, to, &prepare(promised + 1)).await;
         if let Ok(Reply::State(st)) = &r {
-            return (promised + 1, st.values);
+            return Some((promised + 1, st.values));
         }
         last = Some(r);
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    panic!("no promise: {last:?}");
+    println!("ROGUE no promise: {last:?}");
+    None
 }
 
 /// Sends one group request and reads the reply.
@@ -511,7 +513,12 @@ async fn rogue_peers_change_no_honest_parameter_stop_no_training_and_are_named()
                 let mut missed = false;
                 for _ in 0..20 {
                     if let (false, Request::Start(st)) = (gate, &mut req) {
-                        let (epoch, values) = promise(node, *to).await;
+                        let Some((epoch, values)) = promise(node, *to).await else {
+                            // No promise this time: the Start would not reach the check.
+                            missed = true;
+                            r = Err("no promise".into());
+                            continue;
+                        };
                         st.ballot.epoch = epoch;
                         if kind.contains("another shape") {
                             st.values = values;
