@@ -690,6 +690,38 @@ pub fn assert_greedy_matches(
     }
 }
 
+/// Each of `theirs` (autograd's gradients, by name) against ours of the same name (after
+/// `rename`, e.g. a wrapper's prefix), within 1e-4 of the gradient's own scale (its
+/// largest entry, at least 1): float32 sums in another order differ by about 1e-6 of it.
+pub fn assert_gradients_match(
+    who: &str,
+    ours: &[(String, Tensor)],
+    theirs: &[(String, Tensor)],
+    rename: impl Fn(&str) -> String,
+) {
+    assert_eq!(
+        ours.len(),
+        theirs.len(),
+        "{who}: {} gradients against {}",
+        ours.len(),
+        theirs.len()
+    );
+    for (name, want) in theirs {
+        let name = &rename(name);
+        let got = &ours
+            .iter()
+            .find(|(n, _)| n == name)
+            .unwrap_or_else(|| panic!("{who}: no gradient for {name}"))
+            .1;
+        let d = max_abs_diff(got, want);
+        let scale = want.abs().max().double_value(&[]).max(1.0);
+        assert!(
+            d < 1e-4 * scale,
+            "{who}: the gradient of {name} is {d} from autograd's (its largest entry {scale})"
+        );
+    }
+}
+
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
     (a.to_kind(Kind::Double) - b.to_kind(Kind::Double))
         .abs()

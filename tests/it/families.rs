@@ -101,30 +101,10 @@ fn check_gradient(family: &str, mut m: Llama, v: &Value, dir: &std::path::Path) 
     });
     let ours = m.hf_tensors().unwrap();
     let theirs = Tensor::read_safetensors(dir.join("grads.safetensors")).unwrap();
-    assert_eq!(
-        ours.len(),
-        theirs.len(),
-        "{family}: {} gradients against HF's {}",
-        ours.len(),
-        theirs.len()
-    );
-    for (name, want) in &theirs {
-        // A multimodal wrapper's language model is ours under the decoder's names.
-        let name = &name.replace("model.language_model.", "model.");
-        let got = &ours
-            .iter()
-            .find(|(n, _)| n == name)
-            .unwrap_or_else(|| panic!("{family}: no gradient for {name}"))
-            .1;
-        // Within 1e-4 of the gradient's own scale (its largest entry, at least 1): float32
-        // sums in another order differ by about 1e-6 of it.
-        let d = max_abs_diff(got, want);
-        let scale = want.abs().max().double_value(&[]).max(1.0);
-        assert!(
-            d < 1e-4 * scale,
-            "{family}: the gradient of {name} is {d} from autograd's (its largest entry {scale})"
-        );
-    }
+    // A multimodal wrapper's language model is ours under the decoder's names.
+    assert_gradients_match(family, &ours, &theirs, |n| {
+        n.replace("model.language_model.", "model.")
+    });
 }
 
 fn golden(family: &str) {

@@ -127,20 +127,7 @@ fn check_adapter_gradient(
     });
     m.set_trainable(false);
     let theirs = Tensor::read_safetensors(file).unwrap();
-    assert_eq!(ours.len(), theirs.len(), "{family}: adapter tensors");
-    for (name, want) in &theirs {
-        let got = &ours
-            .iter()
-            .find(|(n, _)| n == name)
-            .unwrap_or_else(|| panic!("{family}: no gradient for {name}"))
-            .1;
-        let d = max_abs_diff(got, want);
-        let scale = want.abs().max().double_value(&[]).max(1.0);
-        assert!(
-            d < 1e-4 * scale,
-            "{family}: the gradient of {name} is {d} from autograd's (largest entry {scale})"
-        );
-    }
+    assert_gradients_match(family, &ours, &theirs, str::to_string);
 }
 
 #[test]
