@@ -722,6 +722,15 @@ pub fn assert_gradients_match(
     }
 }
 
+/// A JSON array of numbers (a reference script's output) as float32s.
+pub fn json_floats(v: &serde_json::Value) -> Vec<f32> {
+    v.as_array()
+        .expect("a JSON array")
+        .iter()
+        .map(|x| x.as_f64().expect("a number") as f32)
+        .collect()
+}
+
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
     (a.to_kind(Kind::Double) - b.to_kind(Kind::Double))
         .abs()

@@ -26,19 +26,11 @@ pub(crate) fn reference(family: &str, dir: &std::path::Path) -> (Llama, Value) {
     (m, v)
 }
 
-fn floats(v: &Value) -> Vec<f32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_f64().unwrap() as f32)
-        .collect()
-}
-
 /// Logits of `IDS` through the KV-cache path, and through the training path.
 fn check_logits(family: &str, m: &Llama, v: &Value) {
     let _g = tch::no_grad_guard();
     let vocab = v["vocab"].as_i64().unwrap();
-    let want = Tensor::from_slice(&floats(&v["logits"])).view([IDS.len() as i64, vocab]);
+    let want = Tensor::from_slice(&json_floats(&v["logits"])).view([IDS.len() as i64, vocab]);
     let mut cache = m.new_cache(1, IDS.len()).unwrap();
     let ids = Tensor::from_slice(&IDS).view([1, -1]);
     let got = m

@@ -184,15 +184,7 @@ fn lora_on_qwen3_qwen3_moe_and_qwen3_5_matches_peft_both_ways() {
         );
         let stdout = String::from_utf8_lossy(&out.stdout);
         let v: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
-        let t = |k: &str| {
-            let xs: Vec<f32> = v[k]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_f64().unwrap() as f32)
-                .collect();
-            Tensor::from_slice(&xs).view([IDS.len() as i64, vocab])
-        };
+        let t = |k: &str| Tensor::from_slice(&json_floats(&v[k])).view([IDS.len() as i64, vocab]);
         // The adapter changes the model (so the comparison is not of the base alone).
         let base = load_model(
             &ModelSource::HfDir(dir.path().join("model")),

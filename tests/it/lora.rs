@@ -411,15 +411,8 @@ print(json.dumps({{"ours": ours.flatten().tolist(), "theirs": theirs.flatten().t
     );
     let stdout = String::from_utf8_lossy(&output.stdout);
     let v: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
-    let t = |k: &str| {
-        let xs: Vec<f32> = v[k]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_f64().unwrap() as f32)
-            .collect();
-        Tensor::from_slice(&xs).view([IDS.len() as i64, tiny().vocab])
-    };
+    let t =
+        |k: &str| Tensor::from_slice(&json_floats(&v[k])).view([IDS.len() as i64, tiny().vocab]);
     let d = max_abs_diff(&logits(&m), &t("ours"));
     assert!(d < 1e-4, "PEFT computes our adapter's logits {d} apart");
     let mut p = load(&src, DType::F32);
