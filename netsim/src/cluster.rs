@@ -185,6 +185,7 @@ pub fn set_version(p: &SimPeer, version: u64) {
         train_step: version,
         group: None,
         cache: Default::default(),
+        weights: None,
     }]);
 }
 

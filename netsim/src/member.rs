@@ -162,6 +162,7 @@ fn set_group(handle: &SwarmHandle, group: Option<GroupStatus>) {
         train_step: 0,
         group,
         cache: Default::default(),
+        weights: None,
     }]);
 }
 

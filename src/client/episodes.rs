@@ -35,6 +35,7 @@ use crate::facade::reward::PostedReward;
 use crate::facade::server::Tracking;
 use crate::facade::Backend;
 use crate::rpc::SubmitReply;
+use crate::swarm::{PeerId, SwarmHandle};
 use crate::timeline::{Episode, EpisodeStatus};
 
 /// What the loop runs.
@@ -606,7 +607,7 @@ impl EpisodeRun {
             }
             let r = submit_to_model(
                 &backend.swarm,
-                || backend.router.providers(model),
+                || trainers_of(&backend.swarm, backend.router.providers(model), model),
                 &ep,
                 model,
                 self.group_size,
@@ -724,4 +725,25 @@ pub fn new_run_id() -> String {
 /// Groups by default: every task once per epoch.
 pub fn default_groups(schedule: &Schedule, epochs: usize) -> usize {
     schedule.total_tasks() * epochs.max(1)
+}
+
+/// The providers of `model` an episode is submitted to: not its followers (`--follow`
+/// servers serve the group's policy without training; the calls they signed are trained
+/// by the group's members like any others).
+fn trainers_of(swarm: &SwarmHandle, providers: Vec<PeerId>, model: &str) -> Vec<PeerId> {
+    let followers: std::collections::HashSet<PeerId> = swarm
+        .view()
+        .into_iter()
+        .filter(|e| {
+            e.status
+                .models
+                .iter()
+                .any(|m| m.name == model && m.weights.as_ref().is_some_and(|w| w.follower))
+        })
+        .map(|e| e.peer)
+        .collect();
+    providers
+        .into_iter()
+        .filter(|p| !followers.contains(p))
+        .collect()
 }

@@ -34,6 +34,13 @@ pub enum ServerEvent {
         version: u64,
         resumed: bool,
     },
+    /// An episode was stored (and synced): each signed call's signing server (peer id)
+    /// and the policy version it was sampled at.
+    EpisodeStored {
+        model: String,
+        episode: String,
+        calls: Vec<(String, u64)>,
+    },
     /// Stored episodes not trained yet were handed to the trainer again.
     Refed {
         episodes: usize,
@@ -55,6 +62,25 @@ pub enum ServerEvent {
         members: usize,
         reward_mean: f64,
         params: Option<String>,
+    },
+    /// A follower serves a policy version of its group, fetched from its holders:
+    /// `chunks` fetched, `bytes` received (by peer id), parameters hashing to
+    /// `param_hash` (hex8).
+    Followed {
+        model: String,
+        version: u64,
+        param_hash: String,
+        chunks: usize,
+        bytes: u64,
+        bytes_by_source: std::collections::BTreeMap<String, u64>,
+        seconds: f64,
+    },
+    /// A follower stopped asking `peer` for chunks: it sent a wrong or malformed one, or
+    /// failed twice in a row.
+    SourceBackedOff {
+        model: String,
+        peer: String,
+        reason: String,
     },
     /// DiLoCo: an outer step applied.
     OuterStep {

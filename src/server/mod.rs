@@ -25,6 +25,7 @@ mod calls;
 mod dash;
 mod error;
 pub mod events;
+pub mod follow;
 mod group_state;
 pub mod infer;
 mod learner;
@@ -36,6 +37,7 @@ mod settings;
 mod stored;
 pub mod submit;
 pub mod train;
+pub mod weights;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -50,11 +52,13 @@ pub use renew::CertRenewal;
 pub use served::{card_blob, ServeLimits, ServedModel};
 pub use settings::{LoraServe, TrainSettings};
 pub use submit::{read_stored_episodes, StoredEpisode, SubmitError};
+pub use weights::BroadcastSettings;
 
 use crate::base::events::Events;
 use crate::base::safe_file_name;
 use crate::base::stop::{wind_down, TaskTracker};
 use crate::base::{flush_stdout, Stop, StopMode};
+use crate::collective::broadcast::VersionStore;
 use crate::engine::{spawn_engine, EngineConfig};
 use crate::facade::http::{serve_until, spawn_serve};
 use crate::facade::server::{router, FacadeConfig};
@@ -98,12 +102,20 @@ pub struct ServerConfig {
     /// directory, a new adapter of `train.lora`'s shape. The base itself is then not
     /// served to the swarm. Empty: the model as loaded.
     pub adapters: Vec<(String, Option<PathBuf>)>,
+    /// Follow this training group's policy versions instead of training (`--follow`; then
+    /// `train` is `None`): see [`follow`].
+    pub follow: Option<String>,
+    /// How the server takes part in the weight broadcast.
+    pub broadcast: BroadcastSettings,
 }
 
 impl ServerConfig {
     /// The names the swarm knows this server's models by, each with its training group.
     fn served_names(&self) -> Vec<(String, String)> {
-        let group = self.train.as_ref().and_then(|t| t.collective.group.clone());
+        let group = match &self.follow {
+            Some(g) => Some(g.clone()),
+            None => self.train.as_ref().and_then(|t| t.collective.group.clone()),
+        };
         if self.adapters.is_empty() {
             let name = self.served_model_name.clone().unwrap_or(self.model.clone());
             return vec![(name.clone(), group.unwrap_or(name))];
@@ -152,6 +164,10 @@ pub struct Server {
     tasks: TaskTracker,
     training: Vec<train::TrainingHandle>,
 }
+
+/// Bytes of encoded chunks a server keeps to serve again (every follower at one version
+/// asks the same deltas).
+const WEIGHT_FRAME_CACHE_BYTES: usize = 256 << 20;
 
 /// Seconds what still runs after an abort gets before the stop gives up on it.
 const ABORT_GRACE: Duration = Duration::from_secs(5);
@@ -250,6 +266,13 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
                 .into(),
         ));
     }
+    if cfg.follow.is_some() && (cfg.train.is_some() || !cfg.adapters.is_empty()) {
+        return Err(ServerError::Config(
+            "--follow serves the training group's versions without training, of the whole \
+             model: following an adapter (--adapter, --lora-rank) is not built yet"
+                .into(),
+        ));
+    }
     check_trust(&cfg)?;
     let spec = cfg.model.clone();
     let train = cfg.train.is_some();
@@ -344,6 +367,23 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
     let listen_addrs = swarm.listen_addrs().await;
     println!("{}", swarm.introduction(&listen_addrs));
     println!("trust: {}", swarm.trust().describe());
+    if cfg.follow.is_some() {
+        if let Some(why) = follow::untrusted(&swarm) {
+            swarm.shutdown(Duration::from_secs(2)).await;
+            return Err(ServerError::Config(why));
+        }
+    }
+    // Every trainer and follower holds versions and serves their chunks.
+    let store = Arc::new(VersionStore::new(
+        cfg.broadcast.keep,
+        WEIGHT_FRAME_CACHE_BYTES,
+    ));
+    store
+        .tamper
+        .store(cfg.broadcast.tamper, std::sync::atomic::Ordering::Relaxed);
+    if train || cfg.follow.is_some() {
+        crate::collective::broadcast::wire::serve(&swarm, store.clone())?;
+    }
     events.emit(ServerEvent::Started {
         peer_id: swarm.peer_id.to_string(),
         listen: listen_addrs.iter().map(ToString::to_string).collect(),
@@ -370,6 +410,26 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
         )?;
         if let Some(i) = unit.adapter {
             served.set_adapter(i)?;
+        }
+        let group = cfg
+            .served_names()
+            .into_iter()
+            .find(|(n, _)| *n == unit.name)
+            .map_or(unit.name.clone(), |(_, g)| g);
+        if unit.train_model.is_some() || cfg.follow.is_some() {
+            let kind = match unit.lora {
+                Some(_) => tch::Kind::Float,
+                None => dtype.kind(),
+            };
+            let bc = weights::Broadcast::new(
+                store.clone(),
+                &unit.name,
+                &group,
+                kind,
+                cfg.broadcast.clone(),
+                cfg.follow.is_some(),
+            );
+            let _ = served.broadcast.set(bc);
         }
         let run_dir = cfg.data_dir.join("runs").join(safe_file_name(&unit.name));
         if let (Some(c), true) = (&cfg.config_json, train) {
@@ -400,6 +460,12 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
     }
     let served = models[0].clone();
     ServedModel::start_all(&models).await?;
+    for m in &models {
+        if let (Some(bc), Some(group)) = (m.broadcast.get(), &cfg.follow) {
+            println!("following the policy versions of training group {group:?}");
+            follow::spawn(m.clone(), bc.clone(), &tasks, stop.clone());
+        }
+    }
     if let Some(r) = cfg.renew.clone() {
         renew::spawn(
             r,

@@ -87,6 +87,9 @@ pub struct ServedModel {
     pub train_step: AtomicU64,
     /// Its training group as this member sees it (gossiped; none: not in a group).
     pub group: Mutex<Option<GroupStatus>>,
+    /// Its part in the weight broadcast (set before it starts: trainers publish, a
+    /// follower fetches).
+    pub broadcast: std::sync::OnceLock<Arc<super::weights::Broadcast>>,
     /// The role's stop: once asked, new calls and submissions are refused (with `retry`).
     pub(super) stop: Stop,
     /// The role's tasks: every handler holds a token of it while it runs.
@@ -180,6 +183,7 @@ impl ServedModel {
             trainer: Mutex::new(None),
             train_step: AtomicU64::new(0),
             group: Mutex::new(None),
+            broadcast: std::sync::OnceLock::new(),
             stop,
             tasks,
             events,
@@ -345,6 +349,7 @@ impl ServedModel {
                 train_step: self.train_step.load(Ordering::Relaxed),
                 group: lock(&self.group).clone(),
                 cache,
+                weights: self.broadcast.get().and_then(|b| b.current(None)),
             };
             // The server's other models (adapters on the same engine) keep their entries.
             match st.models.iter_mut().find(|m| m.name == me.name) {

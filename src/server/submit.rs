@@ -17,6 +17,7 @@ use std::sync::atomic::Ordering;
 use tracing::info;
 
 use super::calls::{content_digest, Claim};
+use super::events::ServerEvent;
 use super::served::ServedModel;
 pub use super::stored::{read_stored_episodes, StoredEpisode};
 use crate::base::files::write_atomic;
@@ -245,6 +246,7 @@ impl ServedModel {
             .collect::<Result<_, _>>()?;
         let servers = self.known_servers();
         let mut calls = Vec::new();
+        let mut signed_by = Vec::new();
         for (ti, t) in timelines.iter().enumerate() {
             for c in rebuilt_calls(t) {
                 let sig = match &m.signatures[ti][c.call as usize] {
@@ -273,6 +275,7 @@ impl ServedModel {
                 })?;
                 let signer = signed.signer;
                 calls.push((c.call, signed.nonce));
+                signed_by.push((signer.to_string(), c.version));
                 if !servers.contains(&signer) {
                     return Err(SubmitError::NotAServer {
                         call: c.call,
@@ -336,6 +339,11 @@ impl ServedModel {
         }
         self.episodes_stored.fetch_add(1, Ordering::Relaxed);
         self.train_on(stored);
+        self.events.emit(ServerEvent::EpisodeStored {
+            model: self.name.clone(),
+            episode: m.manifest.episode_id.clone(),
+            calls: signed_by,
+        });
         info!(
             fragments_received = all.len() - known,
             fragments_known = known,

@@ -70,6 +70,28 @@ pub struct ModelStatus {
     pub group: Option<GroupStatus>,
     /// The server's prefix cache for this model (clients route an episode's calls by it).
     pub cache: CacheSummary,
+    /// The policy version it holds and serves chunks of (weight broadcast), if any.
+    pub weights: Option<WeightsStatus>,
+}
+
+/// A holder of a training group's policy versions (a trainer, or a follower: `--follow`):
+/// the latest it holds, whose manifest and chunks it serves on `/agentjet/weights/1`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct WeightsStatus {
+    /// The training group the versions are of.
+    pub group: String,
+    pub version: u64,
+    /// The version's manifest id (blake3 of its bytes).
+    pub manifest: [u8; 32],
+    /// The first 8 bytes of the blake3 of the parameters it serves, hex.
+    pub param_hash: String,
+    /// A follower (serves the group's versions without training).
+    pub follower: bool,
+    /// Versions behind the newest its group announces (followers).
+    pub lag: u64,
+    /// Bytes of chunks fetched from others and served to others, since start.
+    pub fetched_bytes: u64,
+    pub served_bytes: u64,
 }
 
 /// A server's prefix cache in brief (gossiped with its status).

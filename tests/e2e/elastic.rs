@@ -12,7 +12,7 @@ use agentjet::server::ServerEvent;
 use common::peer::{metric, wait_until, Peer};
 use serde_json::Value;
 
-fn tiny_model(dir: &Path) -> PathBuf {
+pub(crate) fn tiny_model(dir: &Path) -> PathBuf {
     common::Tiny {
         max_pos: 1024,
         ..Default::default()
@@ -34,7 +34,13 @@ if [ $(( ${#content} % 2 )) -eq 0 ]; then echo '{"reward": 1.0}'; else echo '{"r
 "#;
 
 /// Server `name` of the tiny model served as "tiny" (data directory `dir/name`).
-fn server(dir: &Path, model: &Path, name: &str, boot: Option<&str>, extra: &[&str]) -> Peer {
+pub(crate) fn server(
+    dir: &Path,
+    model: &Path,
+    name: &str,
+    boot: Option<&str>,
+    extra: &[&str],
+) -> Peer {
     let mut args = vec![
         "--role",
         "server",
@@ -85,7 +91,7 @@ fn three_servers(d: &Path, model: &Path, extra: &[&str]) -> (Peer, Peer, Peer, S
 
 /// Servers a and b of the tiny model (b bootstraps from a), in one 2-member epoch; with
 /// a's address.
-fn two_servers(d: &Path, model: &Path, extra: &[&str]) -> (Peer, Peer, String) {
+pub(crate) fn two_servers(d: &Path, model: &Path, extra: &[&str]) -> (Peer, Peer, String) {
     let mut a = server(d, model, "a", None, extra);
     let boot = a.addr();
     let mut b = server(d, model, "b", Some(&boot), extra);
@@ -95,7 +101,7 @@ fn two_servers(d: &Path, model: &Path, extra: &[&str]) -> (Peer, Peer, String) {
     (a, b, boot)
 }
 
-fn client(dir: &Path, boot: &str, groups: usize, run: &str) -> Peer {
+pub(crate) fn client(dir: &Path, boot: &str, groups: usize, run: &str) -> Peer {
     client_with(dir, boot, groups, run, AGENT)
 }
 
@@ -148,7 +154,7 @@ pub(crate) fn metrics_lines(dir: &Path, name: &str) -> Vec<Value> {
 }
 
 /// The ledger of server `name`: episode ids by step.
-fn consumed(dir: &Path, name: &str) -> BTreeMap<u64, Vec<String>> {
+pub(crate) fn consumed(dir: &Path, name: &str) -> BTreeMap<u64, Vec<String>> {
     let mut by_step: BTreeMap<u64, Vec<String>> = BTreeMap::new();
     let text =
         std::fs::read_to_string(dir.join(name).join("runs/tiny/consumed.log")).unwrap_or_default();

@@ -14,6 +14,7 @@ mod crash;
 mod dashboard;
 mod elastic;
 mod families;
+mod follow;
 mod openai_api;
 mod rogue;
 mod routing;

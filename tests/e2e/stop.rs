@@ -253,6 +253,8 @@ async fn roles_run_in_process_and_a_stop_releases_them() {
             events_file: None,
             renew: None,
             adapters: Vec::new(),
+            follow: None,
+            broadcast: Default::default(),
         },
         &stop,
     )

@@ -15,7 +15,8 @@ use clap::{Parser, Subcommand, ValueEnum};
 
 pub const EXAMPLES: &str = "\
 Roles (each has its own flags: `agentjet-peer --role server --help`):
-  --role server   host a model on this machine and train it (--model, --http, --no-train, ...)
+  --role server   host a model on this machine and train it (--model, --http, --no-train,
+                  --follow, ...)
   --role client   run an agent on tasks against the swarm's models (--agent, --tasks, ...)
   --role peer     only relay gossip and the DHT (a bootstrap peer)
   Every role: --bootstrap MULTIADDR, --listen MULTIADDR, --data-dir DIR, --swarm-key FILE,
@@ -206,6 +207,19 @@ pub struct ServerCli {
     /// Serve only, do not train on submitted episodes.
     #[arg(long)]
     pub no_train: bool,
+    /// A rollout peer: serve the training group's latest policy version without training
+    /// (--train-group names the group; default: the model's). Each version the group's
+    /// members publish is fetched from every peer that holds it (members and other
+    /// followers: only the chunks that changed, as deltas) and swapped in between two
+    /// decode steps. Needs --swarm-key or --run (whom to believe).
+    #[arg(long)]
+    pub follow: bool,
+    /// Chunk size (KiB) of the policy versions this server publishes to followers.
+    #[arg(long, default_value_t = 1024)]
+    pub weights_chunk_kib: u64,
+    /// Tests only: serve every weight chunk with one byte changed (a lying peer).
+    #[arg(long, hide = true)]
+    pub test_tamper_chunks: bool,
     /// AdamW learning rate [default: 1e-5; 1e-4 with --lora-rank, since an adapter
     /// learns at about 10x full fine-tuning's rate ("LoRA Without Regret")].
     #[arg(long)]

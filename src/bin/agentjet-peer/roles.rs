@@ -61,12 +61,21 @@ mod torch {
                 .advantage
                 .parse()
                 .map_err(|e| anyhow::anyhow!("--advantage: {e}"))?;
+            if self.follow
+                && (self.no_train || self.lora_rank.is_some() || !self.adapters.is_empty())
+            {
+                anyhow::bail!(
+                    "--follow serves the training group's versions of the whole model without \
+                     training: drop --no-train (implied); following an adapter (--lora-rank, \
+                     --adapter) is not built yet"
+                );
+            }
             if self.no_train && self.lora_rank.is_some() {
                 anyhow::bail!(
                     "--lora-rank trains an adapter, and --no-train turns training off: drop one"
                 );
             }
-            let train = (!self.no_train)
+            let train = (!self.no_train && !self.follow)
                 .then(|| -> Result<TrainSettings> {
                     Ok(TrainSettings {
                         learning_rate: self.learning_rate.unwrap_or(
@@ -176,6 +185,25 @@ mod torch {
                 },
                 drain_timeout: secs("drain-timeout", self.common.swarm.drain_timeout)?,
                 events_file: self.events.clone(),
+                follow: self.follow.then(|| {
+                    self.train_group.clone().unwrap_or_else(|| {
+                        self.served_model_name
+                            .clone()
+                            .unwrap_or_else(|| self.model.clone())
+                    })
+                }),
+                broadcast: agentjet::server::BroadcastSettings {
+                    chunk_bytes: self
+                        .weights_chunk_kib
+                        .checked_mul(1024)
+                        .and_then(|b| u32::try_from(b).ok())
+                        .filter(|&b| b > 0 && b <= 64 << 20)
+                        .ok_or_else(|| {
+                            anyhow::anyhow!("--weights-chunk-kib must be in 1..=65536")
+                        })?,
+                    tamper: self.test_tamper_chunks,
+                    ..Default::default()
+                },
                 renew: match (&self.run_key, &self.common.swarm.cert) {
                     (Some(k), _) => Some(CertRenewal::RunKey(k.clone())),
                     (None, Some(f)) => Some(CertRenewal::File(f.clone())),

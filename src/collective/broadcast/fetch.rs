@@ -13,17 +13,51 @@
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use super::codec::{decode, CodecError};
 use super::manifest::Manifest;
 
-/// A peer that serves chunks of the versions it holds.
+/// Why a source gave no chunk.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Miss {
+    /// It is fetching that version itself and has not got this chunk yet (ask again
+    /// later; not held against it).
+    NotYet,
+    /// Anything else (gone, timing out, not holding the version).
+    Failed(String),
+}
+
+impl std::fmt::Display for Miss {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Miss::NotYet => write!(f, "not fetched there yet"),
+            Miss::Failed(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+/// A peer that serves chunks of the versions it holds (or is fetching).
 pub trait ChunkSource: Send + Sync {
     /// The peer's name (its id), for reports and back-off.
     fn name(&self) -> String;
     /// The frame ([`super::codec::encode`]) of chunk `index` of `version`, encoded as a
     /// delta against the same chunk of version `base` when given (the fetcher holds it).
-    fn fetch(&self, version: u64, index: usize, base: Option<u64>) -> Result<Vec<u8>, String>;
+    fn fetch(&self, version: u64, index: usize, base: Option<u64>) -> Result<Vec<u8>, Miss>;
+}
+
+/// How the followers fetching one version share the work (a swarm, as BitTorrent's): the
+/// chunks are dealt round-robin to the followers, each takes its own share from the
+/// members and the rest from their owners (or from any follower that has them), so the
+/// members send about one copy of the changed bytes whatever the number of followers.
+#[derive(Debug, Clone)]
+pub struct Share {
+    /// For each share in turn (chunk `i` is share `i % owners.len()`'s), the index in the
+    /// sources of its owner, or `None` for this fetcher's own.
+    pub owners: Vec<Option<usize>>,
+    /// How long to wait with no chunk arriving from the followers before asking the
+    /// members for the chunks of a silent owner (dead, or far behind).
+    pub patience: Duration,
 }
 
 #[derive(Debug, Clone)]
@@ -32,6 +66,12 @@ pub struct FetchConfig {
     pub parallel: usize,
     /// Tries per chunk (over all sources) before the fetch fails.
     pub attempts: usize,
+    /// The first this many sources are asked first (the chunks spread over them), the
+    /// others only for what those fail to give: a follower asks other followers before
+    /// the trainers, whose upload is what bounds a broadcast.
+    pub preferred: usize,
+    /// Share the work with the other followers fetching this version (see [`Share`]).
+    pub share: Option<Share>,
 }
 
 impl Default for FetchConfig {
@@ -39,6 +79,8 @@ impl Default for FetchConfig {
         FetchConfig {
             parallel: 4,
             attempts: 8,
+            preferred: 0,
+            share: None,
         }
     }
 }
@@ -76,6 +118,20 @@ struct Standing {
     backed_off: Mutex<Option<String>>,
 }
 
+/// What one fetch shares between its workers.
+struct Run<'a> {
+    target: &'a Manifest,
+    sources: &'a [Arc<dyn ChunkSource>],
+    standing: Vec<Standing>,
+    cfg: &'a FetchConfig,
+    report: Mutex<FetchReport>,
+    /// When a chunk last arrived from a follower (see [`Share::patience`]).
+    progress: Mutex<Instant>,
+}
+
+/// How long a worker waits before asking the followers again for a chunk not yet there.
+const POLL: Duration = Duration::from_millis(20);
+
 /// The snapshot of `target`, starting from `have` (a held version and its snapshot) when
 /// its layout is the same: the changed chunks fetched from `sources`, checked.
 pub fn fetch_version(
@@ -84,8 +140,20 @@ pub fn fetch_version(
     sources: &[Arc<dyn ChunkSource>],
     cfg: &FetchConfig,
 ) -> Result<(Vec<u8>, FetchReport), FetchError> {
+    fetch_version_with(target, have, sources, cfg, &|_, _| {})
+}
+
+/// [`fetch_version`], calling `on_chunk(i, bytes)` with each chunk once it is checked
+/// (a follower serves it from then on, before the whole version is in).
+pub fn fetch_version_with(
+    target: &Manifest,
+    have: Option<(&Manifest, &[u8])>,
+    sources: &[Arc<dyn ChunkSource>],
+    cfg: &FetchConfig,
+    on_chunk: &(dyn Fn(usize, &[u8]) + Sync),
+) -> Result<(Vec<u8>, FetchReport), FetchError> {
     let held = have.filter(|(m, b)| b.len() as u64 == m.total_bytes());
-    let (needed, base, mut out) = match held.map(|(m, b)| (target.changed_since(m), m, b)) {
+    let (mut needed, base, mut out) = match held.map(|(m, b)| (target.changed_since(m), m, b)) {
         Some((Ok(changed), m, b)) => (changed, Some((m.version, b)), b.to_vec()),
         _ => (
             (0..target.chunks.len()).collect(),
@@ -93,17 +161,28 @@ pub fn fetch_version(
             vec![0u8; target.total_bytes() as usize],
         ),
     };
-    let report = Mutex::new(FetchReport {
-        chunks: needed.len(),
-        ..Default::default()
-    });
-    let standing: Vec<Standing> = sources
-        .iter()
-        .map(|_| Standing {
-            failures_in_a_row: AtomicUsize::new(0),
-            backed_off: Mutex::new(None),
-        })
-        .collect();
+    // Our own share first: the other followers wait for it.
+    if let Some(share) = cfg.share.as_ref().filter(|s| !s.owners.is_empty()) {
+        let n = share.owners.len();
+        needed.sort_by_key(|&i| (share.owners[i % n].is_some(), i));
+    }
+    let run = Run {
+        target,
+        sources,
+        standing: sources
+            .iter()
+            .map(|_| Standing {
+                failures_in_a_row: AtomicUsize::new(0),
+                backed_off: Mutex::new(None),
+            })
+            .collect(),
+        cfg,
+        report: Mutex::new(FetchReport {
+            chunks: needed.len(),
+            ..Default::default()
+        }),
+        progress: Mutex::new(Instant::now()),
+    };
     let chunk = target.chunk_bytes as usize;
     let slots: Vec<Mutex<&mut [u8]>> = out.chunks_mut(chunk).map(Mutex::new).collect();
     let next = AtomicUsize::new(0);
@@ -119,8 +198,11 @@ pub fn fetch_version(
                 let Some(&i) = needed.get(k) else { return };
                 let range = target.chunk_range(i);
                 let base_chunk = base.map(|(v, b)| (v, &b[range.clone()]));
-                match fetch_chunk(target, i, base_chunk, sources, &standing, cfg, &report) {
-                    Ok(bytes) => lock(&slots[i]).copy_from_slice(&bytes),
+                match run.chunk(i, base_chunk) {
+                    Ok(bytes) => {
+                        on_chunk(i, &bytes);
+                        lock(&slots[i]).copy_from_slice(&bytes);
+                    }
                     Err(e) => {
                         lock(&failed).get_or_insert(e);
                         return;
@@ -133,56 +215,119 @@ pub fn fetch_version(
     if let Some(e) = lock(&failed).take() {
         return Err(e);
     }
-    let report = report.into_inner().unwrap_or_else(|p| p.into_inner());
+    let report = run.report.into_inner().unwrap_or_else(|p| p.into_inner());
     Ok((out, report))
 }
 
-/// Chunk `i` from the sources in turn (starting at `i` modulo their number, so the
-/// chunks spread over them), checked; backs off sources that lie or keep failing.
-fn fetch_chunk(
-    target: &Manifest,
-    i: usize,
-    base: Option<(u64, &[u8])>,
-    sources: &[Arc<dyn ChunkSource>],
-    standing: &[Standing],
-    cfg: &FetchConfig,
-    report: &Mutex<FetchReport>,
-) -> Result<Vec<u8>, FetchError> {
-    let len = target.chunk_range(i).len();
-    let mut why = String::from("no source");
-    let n = sources.len();
-    let mut tries = 0;
-    for k in 0..n * cfg.attempts.max(1) {
-        if tries >= cfg.attempts.max(1) {
-            break;
-        }
-        let j = (i + k) % n;
-        if lock(&standing[j].backed_off).is_some() {
-            continue;
-        }
-        tries += 1;
-        let src = &sources[j];
-        let frame = match src.fetch(target.version, i, base.map(|(v, _)| v)) {
-            Ok(f) => f,
-            Err(e) => {
-                why = format!("{}: {e}", src.name());
-                if standing[j]
-                    .failures_in_a_row
-                    .fetch_add(1, Ordering::Relaxed)
-                    + 1
-                    >= 2
-                {
-                    back_off(
-                        &standing[j],
-                        src.name(),
-                        format!("failed twice in a row: {e}"),
-                        report,
-                    );
+/// What asking one source for a chunk gave.
+enum Asked {
+    Got(Vec<u8>),
+    NotYet,
+    Failed(String),
+}
+
+impl Run<'_> {
+    fn backed_off(&self, j: usize) -> bool {
+        lock(&self.standing[j].backed_off).is_some()
+    }
+
+    /// Chunk `i`: with a share and another owner, from the followers while they make
+    /// progress; then from the sources in turn (the preferred first, from `i` on, so the
+    /// chunks spread), checked; backs off sources that lie or keep failing.
+    fn chunk(&self, i: usize, base: Option<(u64, &[u8])>) -> Result<Vec<u8>, FetchError> {
+        let n = self.sources.len();
+        let mut why = String::from("no source");
+        if let Some(share) = self.cfg.share.as_ref().filter(|s| !s.owners.is_empty()) {
+            if let Some(owner) = share.owners[i % share.owners.len()] {
+                let soft: Vec<usize> = std::iter::once(owner)
+                    .chain(
+                        share
+                            .owners
+                            .iter()
+                            .flatten()
+                            .copied()
+                            .filter(|&j| j != owner),
+                    )
+                    .filter(|&j| j < n)
+                    .collect();
+                loop {
+                    let mut asked = false;
+                    for &j in &soft {
+                        if self.backed_off(j) {
+                            continue;
+                        }
+                        asked = true;
+                        match self.ask(j, i, base) {
+                            Asked::Got(b) => {
+                                *lock(&self.progress) = Instant::now();
+                                return Ok(b);
+                            }
+                            Asked::NotYet => {}
+                            Asked::Failed(e) => why = e,
+                        }
+                    }
+                    if !asked || lock(&self.progress).elapsed() >= share.patience {
+                        break;
+                    }
+                    std::thread::sleep(POLL);
                 }
+            }
+        }
+        // The preferred sources first, from `i` on (so the chunks spread), then the others;
+        // sharing, the members first (the followers had their turn).
+        let (first, then): (Vec<usize>, Vec<usize>) = match &self.cfg.share {
+            Some(share) => (0..n).partition(|j| !share.owners.contains(&Some(*j))),
+            None => (0..n).partition(|&j| j < self.cfg.preferred),
+        };
+        let rotated =
+            |v: &[usize]| -> Vec<usize> { (0..v.len()).map(|k| v[(i + k) % v.len()]).collect() };
+        let order: Vec<usize> = rotated(&first).into_iter().chain(rotated(&then)).collect();
+        let attempts = self.cfg.attempts.max(1);
+        let mut tries = 0;
+        for k in 0..n * attempts {
+            if tries >= attempts {
+                break;
+            }
+            let j = order[k % n];
+            if self.backed_off(j) {
                 continue;
             }
+            tries += 1;
+            match self.ask(j, i, base) {
+                Asked::Got(b) => return Ok(b),
+                Asked::NotYet => why = format!("{}: not fetched there yet", self.sources[j].name()),
+                Asked::Failed(e) => why = e,
+            }
+        }
+        Err(FetchError::Unavailable {
+            version: self.target.version,
+            chunk: i,
+            why,
+        })
+    }
+
+    /// Asks source `j` for chunk `i` and checks what it sends.
+    fn ask(&self, j: usize, i: usize, base: Option<(u64, &[u8])>) -> Asked {
+        let target = self.target;
+        let len = target.chunk_range(i).len();
+        let src = &self.sources[j];
+        let standing = &self.standing[j];
+        let frame = match src.fetch(target.version, i, base.map(|(v, _)| v)) {
+            Ok(f) => f,
+            Err(Miss::NotYet) => return Asked::NotYet,
+            Err(Miss::Failed(e)) => {
+                if standing.failures_in_a_row.fetch_add(1, Ordering::Relaxed) + 1 >= 2 {
+                    back_off(
+                        standing,
+                        src.name(),
+                        format!("failed twice in a row: {e}"),
+                        &self.report,
+                    );
+                }
+                return Asked::Failed(format!("{}: {e}", src.name()));
+            }
         };
-        standing[j].failures_in_a_row.store(0, Ordering::Relaxed);
+        standing.failures_in_a_row.store(0, Ordering::Relaxed);
         // A frame is at most the chunk plus its two header bytes.
         let checked = if frame.len() > len + 2 {
             Err(CodecError::Malformed(format!(
@@ -194,25 +339,23 @@ fn fetch_chunk(
         };
         match checked {
             Ok(bytes) => {
-                *lock(report).bytes_by_source.entry(src.name()).or_default() += frame.len() as u64;
-                return Ok(bytes);
+                *lock(&self.report)
+                    .bytes_by_source
+                    .entry(src.name())
+                    .or_default() += frame.len() as u64;
+                Asked::Got(bytes)
             }
             Err(e) => {
-                why = format!("{}: {e}", src.name());
                 back_off(
-                    &standing[j],
+                    standing,
                     src.name(),
                     format!("sent chunk {i} of version {}: {e}", target.version),
-                    report,
+                    &self.report,
                 );
+                Asked::Failed(format!("{}: {e}", src.name()))
             }
         }
     }
-    Err(FetchError::Unavailable {
-        version: target.version,
-        chunk: i,
-        why,
-    })
 }
 
 fn back_off(s: &Standing, name: String, why: String, report: &Mutex<FetchReport>) {
@@ -249,12 +392,15 @@ mod tests {
         fn name(&self) -> String {
             self.name.clone()
         }
-        fn fetch(&self, version: u64, index: usize, base: Option<u64>) -> Result<Vec<u8>, String> {
+        fn fetch(&self, version: u64, index: usize, base: Option<u64>) -> Result<Vec<u8>, Miss> {
             if self.gone {
-                return Err("connection reset".into());
+                return Err(Miss::Failed("connection reset".into()));
             }
             let c = CHUNK_BYTES as usize;
-            let snap = self.versions.get(&version).ok_or("no such version")?;
+            let snap = self
+                .versions
+                .get(&version)
+                .ok_or(Miss::Failed("no such version".into()))?;
             let r = index * c..((index + 1) * c).min(snap.len());
             let b = base
                 .and_then(|v| self.versions.get(&v))
@@ -368,5 +514,95 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("no source"), "{e}");
+    }
+
+    /// A peer whose store serves what it holds and what it is fetching.
+    struct Local {
+        name: String,
+        store: Arc<crate::collective::broadcast::VersionStore>,
+        served: AtomicUsize,
+    }
+
+    impl ChunkSource for Local {
+        fn name(&self) -> String {
+            self.name.clone()
+        }
+        fn fetch(&self, version: u64, index: usize, base: Option<u64>) -> Result<Vec<u8>, Miss> {
+            let f = self.store.frame("m", version, index, base)?;
+            self.served.fetch_add(1, Ordering::Relaxed);
+            Ok(f.to_vec())
+        }
+    }
+
+    #[test]
+    fn followers_sharing_a_version_take_each_chunk_from_the_trainer_once() {
+        use crate::collective::broadcast::{Held, VersionStore};
+        let (ma, a, _, _) = versions();
+        // Every chunk changes.
+        let b: Vec<u8> = a.iter().map(|x| x ^ 1).collect();
+        let layout: Vec<_> = ma
+            .tensors
+            .iter()
+            .map(|t| (t.name.clone(), t.dtype.clone(), t.shape.clone(), t.len))
+            .collect();
+        let mb = Manifest::build("m", 2, "h2", &layout, &b).unwrap();
+        let local = |name: &str, versions: &[(&Manifest, &Vec<u8>)]| {
+            let store = Arc::new(VersionStore::new(2, 1 << 30));
+            for (m, bytes) in versions {
+                store.put(Held::new((*m).clone(), (*bytes).clone()));
+            }
+            Arc::new(Local {
+                name: name.into(),
+                store,
+                served: AtomicUsize::new(0),
+            })
+        };
+        let trainer = local("trainer", &[(&ma, &a), (&mb, &b)]);
+        let followers: Vec<Arc<Local>> = (0..3)
+            .map(|k| local(&format!("f{k}"), &[(&ma, &a)]))
+            .collect();
+        for f in &followers {
+            f.store.begin(Arc::new(mb.clone()));
+        }
+        let results: Vec<_> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..3)
+                .map(|me| {
+                    let (followers, trainer, mb, ma, a) = (&followers, &trainer, &mb, &ma, &a);
+                    s.spawn(move || {
+                        // Sources: the other followers, then the trainer.
+                        let others: Vec<usize> = (0..3).filter(|&k| k != me).collect();
+                        let mut srcs: Vec<Arc<dyn ChunkSource>> = others
+                            .iter()
+                            .map(|&k| followers[k].clone() as Arc<dyn ChunkSource>)
+                            .collect();
+                        srcs.push(trainer.clone());
+                        let cfg = FetchConfig {
+                            share: Some(Share {
+                                owners: (0..3)
+                                    .map(|k| others.iter().position(|&o| o == k))
+                                    .collect(),
+                                patience: Duration::from_secs(10),
+                            }),
+                            ..FetchConfig::default()
+                        };
+                        let store = &followers[me].store;
+                        let on = |i: usize, bytes: &[u8]| store.received("m", 2, i, bytes);
+                        fetch_version_with(mb, Some((ma, a)), &srcs, &cfg, &on).unwrap()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (got, r) in &results {
+            assert!(got == &b);
+            assert!(r.backed_off.is_empty(), "{r:?}");
+        }
+        // Six chunks: the trainer sent each once, not once per follower.
+        assert_eq!(trainer.served.load(Ordering::Relaxed), 6);
+        let from_peers: usize = followers
+            .iter()
+            .map(|f| f.served.load(Ordering::Relaxed))
+            .sum();
+        assert_eq!(from_peers, 12);
     }
 }

@@ -67,6 +67,24 @@ impl Manifest {
         layout: &[(String, String, Vec<i64>, u64)],
         snapshot: &[u8],
     ) -> Result<Manifest, ManifestError> {
+        Self::build_chunked(model, version, param_hash, layout, snapshot, CHUNK_BYTES)
+    }
+
+    /// [`Manifest::build`] with chunks of `chunk_bytes` (a multiple of 4, so no element
+    /// of a float32 or bfloat16 tensor straddles two chunks' byte planes).
+    pub fn build_chunked(
+        model: &str,
+        version: u64,
+        param_hash: &str,
+        layout: &[(String, String, Vec<i64>, u64)],
+        snapshot: &[u8],
+        chunk_bytes: u32,
+    ) -> Result<Manifest, ManifestError> {
+        if chunk_bytes == 0 || chunk_bytes % 4 != 0 {
+            return Err(ManifestError::Invalid(format!(
+                "chunk size {chunk_bytes} is not a positive multiple of 4"
+            )));
+        }
         let mut tensors = Vec::with_capacity(layout.len());
         let mut offset = 0u64;
         for (name, dtype, shape, len) in layout {
@@ -86,14 +104,14 @@ impl Manifest {
             )));
         }
         let chunks = snapshot
-            .chunks(CHUNK_BYTES as usize)
+            .chunks(chunk_bytes as usize)
             .map(|c| *blake3::hash(c).as_bytes())
             .collect();
         let m = Manifest {
             model: model.to_string(),
             version,
             param_hash: param_hash.to_string(),
-            chunk_bytes: CHUNK_BYTES,
+            chunk_bytes,
             tensors,
             chunks,
         };

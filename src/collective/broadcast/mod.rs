@@ -9,14 +9,26 @@
 //! ([`fetch_version`] over [`ChunkSource`]s), checking each and backing off a peer that
 //! sends a wrong one.
 //!
-//! Owns: the manifest's layout, limits and diff, a chunk's encodings and checks, and the
-//! multi-source fetch. Not built yet: the swarm protocol that gossips manifests and
-//! serves chunks (a [`ChunkSource`] per peer), and the follower role (`--follow`).
+//! Every holder of a version (a trainer after its step, a follower after its fetch) keeps
+//! it in its [`VersionStore`] and serves its manifest and chunks on `/agentjet/weights/1`
+//! ([`wire`]); which versions a peer holds is in its gossiped status
+//! ([`crate::swarm::WeightsStatus`]). The follower role that uses all this is the
+//! server's (`--follow`, `server::follow`).
+//!
+//! Owns: the manifest's layout, limits and diff, a chunk's encodings and checks, the held
+//! versions, the chunk protocol, and the multi-source fetch.
 
 pub mod codec;
 pub mod fetch;
 pub mod manifest;
+pub mod store;
+pub mod wire;
 
 pub use codec::{decode, encode, CodecError, Encoding};
-pub use fetch::{fetch_version, ChunkSource, FetchConfig, FetchError, FetchReport};
+pub use fetch::{
+    fetch_version, fetch_version_with, ChunkSource, FetchConfig, FetchError, FetchReport, Miss,
+    Share,
+};
 pub use manifest::{Manifest, ManifestError, TensorMeta, CHUNK_BYTES};
+pub use store::{Held, VersionStore};
+pub use wire::PeerSource;

@@ -87,6 +87,7 @@ impl ServerLearner<'_> {
         self.trainer.set_counters(v * every, v);
         self.hash = parameter_hash(&self.trainer, self.outer.as_ref())?;
         self.serve_trained()?;
+        self.publish();
         let (seconds, bytes_sent) = by.round.map_or((0.0, 0), |r| (r.seconds, r.bytes_sent));
         let members = by.members;
         let line = serde_json::json!({

@@ -226,6 +226,10 @@ impl<'a> ServerLearner<'a> {
         self.hash = parameter_hash(&self.trainer, None)?;
         m.param_hash = Some(self.hash.iter().map(|b| format!("{b:02x}")).collect());
         self.serve_trained()?;
+        if self.outer.is_none() {
+            // In DiLoCo mode a version is an outer step's (published there).
+            self.publish();
+        }
         // The metrics line first: once the ledger names an episode, the step that took it
         // is recorded (a reader of both never sees the one without the other).
         self.record(&m)?;
@@ -286,6 +290,17 @@ impl<'a> ServerLearner<'a> {
             }
         }
         Ok(())
+    }
+
+    /// The policy version the engine now serves goes to the followers (weight broadcast).
+    fn publish(&self) {
+        if let Some(b) = self.served.broadcast.get() {
+            b.publish(
+                &self.trainer.model.parameters(),
+                self.trainer.version(),
+                &self.hash,
+            );
+        }
     }
 
     /// The engine serves the trainer's weights under its version; the status says its step.
@@ -458,6 +473,7 @@ impl Learner for ServerLearner<'_> {
         }
         self.hash = parameter_hash(&self.trainer, self.outer.as_ref())?;
         self.serve_trained()?;
+        self.publish();
         self.save()?;
         Ok(())
     }

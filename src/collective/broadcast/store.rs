@@ -1,0 +1,368 @@
+//! The versions a peer holds and serves chunks of: per model, the latest few snapshots
+//! (a trainer's after each step, a follower's after each fetch), with their manifests.
+//! A chunk asked as a delta against an older version is encoded once and kept (every
+//! follower at that version asks the same frame) in a cache bounded in bytes.
+//!
+//! Owns: which versions are held, and the frames made of them. Not the transport.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use super::codec::encode;
+use super::fetch::Miss;
+use super::manifest::Manifest;
+use crate::base::lock;
+
+/// One held version: its manifest (and that manifest's bytes and id) and its snapshot.
+#[derive(Clone)]
+pub struct Held {
+    pub manifest: Arc<Manifest>,
+    pub encoded: Arc<Vec<u8>>,
+    pub id: [u8; 32],
+    pub snapshot: Arc<Vec<u8>>,
+}
+
+impl Held {
+    pub fn new(manifest: Manifest, snapshot: Vec<u8>) -> Held {
+        let encoded = manifest.encode();
+        Held {
+            id: *blake3::hash(&encoded).as_bytes(),
+            manifest: Arc::new(manifest),
+            encoded: Arc::new(encoded),
+            snapshot: Arc::new(snapshot),
+        }
+    }
+
+    pub fn version(&self) -> u64 {
+        self.manifest.version
+    }
+}
+
+/// The bytes of one element of a snapshot's dtype (the XOR planes' width).
+pub fn element_width(m: &Manifest) -> u8 {
+    match m.tensors.first().map(|t| t.dtype.as_str()) {
+        Some("BFloat16") | Some("Half") => 2,
+        Some("Double") | Some("Int64") => 8,
+        Some("Int8") | Some("Uint8") | Some("Bool") => 1,
+        _ => 4,
+    }
+}
+
+type FrameKey = (String, u64, usize, Option<u64>);
+
+/// A version being fetched: its chunks so far.
+struct Partial {
+    manifest: Arc<Manifest>,
+    chunks: Vec<OnceLock<Arc<Vec<u8>>>>,
+}
+
+/// Where a served chunk's bytes are.
+enum Chunk {
+    Held(Held),
+    /// A chunk of a version being fetched (its bytes alone).
+    Part(Arc<Vec<u8>>),
+}
+
+impl Chunk {
+    fn bytes(&self, r: std::ops::Range<usize>) -> &[u8] {
+        match self {
+            Chunk::Held(h) => &h.snapshot[r],
+            Chunk::Part(c) => c,
+        }
+    }
+}
+
+#[derive(Default)]
+struct Frames {
+    map: HashMap<FrameKey, Arc<Vec<u8>>>,
+    order: VecDeque<FrameKey>,
+    bytes: usize,
+}
+
+/// Every model's held versions (at most `keep` each) and the frames made of them.
+pub struct VersionStore {
+    keep: usize,
+    models: Mutex<HashMap<String, VecDeque<Held>>>,
+    /// Per model, the version being fetched.
+    partial: Mutex<HashMap<String, Arc<Partial>>>,
+    frames: Mutex<Frames>,
+    frame_budget: usize,
+    /// Frame bytes served to other peers, and chunks asked that were not held.
+    pub served_bytes: AtomicU64,
+    /// Tests only: serve every chunk with one byte changed (a lying peer).
+    pub tamper: AtomicBool,
+}
+
+impl VersionStore {
+    /// A store keeping the latest `keep` versions of each model (at least 1; 2 lets a
+    /// follower one version behind fetch deltas) and up to `frame_budget` bytes of frames.
+    pub fn new(keep: usize, frame_budget: usize) -> VersionStore {
+        VersionStore {
+            keep: keep.max(1),
+            models: Mutex::new(HashMap::new()),
+            partial: Mutex::new(HashMap::new()),
+            frames: Mutex::new(Frames::default()),
+            frame_budget,
+            served_bytes: AtomicU64::new(0),
+            tamper: AtomicBool::new(false),
+        }
+    }
+
+    /// Holds `held` as its model's latest version (replacing a held one of the same
+    /// version); the oldest beyond `keep` go, with their frames.
+    pub fn put(&self, held: Held) {
+        let model = held.manifest.model.clone();
+        let version = held.version();
+        self.abandon(&model, version);
+        let dropped: Vec<u64> = {
+            let mut models = lock(&self.models);
+            let list = models.entry(model.clone()).or_default();
+            list.retain(|h| h.version() != version);
+            list.push_back(held);
+            list.make_contiguous().sort_by_key(Held::version);
+            let mut gone = Vec::new();
+            while list.len() > self.keep {
+                if let Some(h) = list.pop_front() {
+                    gone.push(h.version());
+                }
+            }
+            gone.push(version);
+            gone
+        };
+        let mut f = lock(&self.frames);
+        let Frames { map, order, bytes } = &mut *f;
+        order.retain(|k| {
+            let stale = k.0 == model
+                && (dropped.contains(&k.1) || k.3.is_some_and(|b| dropped.contains(&b)));
+            if stale {
+                if let Some(v) = map.remove(k) {
+                    *bytes -= v.len();
+                }
+            }
+            !stale
+        });
+    }
+
+    /// The latest version of `model` held.
+    pub fn latest(&self, model: &str) -> Option<Held> {
+        lock(&self.models).get(model)?.back().cloned()
+    }
+
+    /// Version `version` of `model`, if held.
+    pub fn get(&self, model: &str, version: u64) -> Option<Held> {
+        lock(&self.models)
+            .get(model)?
+            .iter()
+            .find(|h| h.version() == version)
+            .cloned()
+    }
+
+    /// Starts fetching `manifest`'s version: its chunks are served as they arrive
+    /// ([`VersionStore::received`]) until [`VersionStore::put`] or
+    /// [`VersionStore::abandon`].
+    pub fn begin(&self, manifest: Arc<Manifest>) {
+        let chunks = (0..manifest.chunks.len())
+            .map(|_| OnceLock::new())
+            .collect();
+        lock(&self.partial).insert(
+            manifest.model.clone(),
+            Arc::new(Partial { manifest, chunks }),
+        );
+    }
+
+    /// Chunk `index` of the version being fetched arrived (checked).
+    pub fn received(&self, model: &str, version: u64, index: usize, bytes: &[u8]) {
+        let p = lock(&self.partial).get(model).cloned();
+        if let Some(p) = p.filter(|p| p.manifest.version == version) {
+            if let Some(c) = p.chunks.get(index) {
+                let _ = c.set(Arc::new(bytes.to_vec()));
+            }
+        }
+    }
+
+    /// The fetch of `model`'s `version` ended without it.
+    pub fn abandon(&self, model: &str, version: u64) {
+        let mut p = lock(&self.partial);
+        if p.get(model).is_some_and(|p| p.manifest.version == version) {
+            p.remove(model);
+        }
+    }
+
+    /// The frame of chunk `index` of `model`'s `version` (held, or being fetched and
+    /// that chunk in): a delta against version `base` when it is held with the same
+    /// layout, else the chunk on its own. A version newer than any held is
+    /// [`Miss::NotYet`] (this peer will fetch it).
+    pub fn frame(
+        &self,
+        model: &str,
+        version: u64,
+        index: usize,
+        base: Option<u64>,
+    ) -> Result<Arc<Vec<u8>>, Miss> {
+        let (manifest, chunk): (Arc<Manifest>, Chunk) = match self.get(model, version) {
+            Some(h) => (h.manifest.clone(), Chunk::Held(h)),
+            None => {
+                let p = lock(&self.partial).get(model).cloned();
+                match p.filter(|p| p.manifest.version == version) {
+                    Some(p) => match p.chunks.get(index).and_then(|c| c.get()).cloned() {
+                        Some(c) => (p.manifest.clone(), Chunk::Part(c)),
+                        None if index < p.chunks.len() => return Err(Miss::NotYet),
+                        None => return Err(Miss::Failed(format!("no chunk {index}"))),
+                    },
+                    None if self.latest(model).is_none_or(|h| h.version() < version) => {
+                        return Err(Miss::NotYet)
+                    }
+                    None => {
+                        return Err(Miss::Failed(format!(
+                            "version {version} of {model:?} is not held here"
+                        )))
+                    }
+                }
+            }
+        };
+        if index >= manifest.chunks.len() {
+            return Err(Miss::Failed(format!(
+                "chunk {index} of a version with {} chunks",
+                manifest.chunks.len()
+            )));
+        }
+        let r = manifest.chunk_range(index);
+        let bytes = chunk.bytes(r.clone());
+        let width = element_width(&manifest);
+        if self.tamper.load(Ordering::Relaxed) {
+            // A well-formed frame of the chunk with one byte changed: only its hash
+            // tells.
+            let mut bad = bytes.to_vec();
+            if let Some(b) = bad.first_mut() {
+                *b ^= 0x5a;
+            }
+            return Ok(Arc::new(encode(&bad, None, width)));
+        }
+        let base = base
+            .and_then(|b| self.get(model, b))
+            .filter(|b| manifest.changed_since(&b.manifest).is_ok());
+        let key: FrameKey = (
+            model.to_string(),
+            version,
+            index,
+            base.as_ref().map(Held::version),
+        );
+        let cached = lock(&self.frames).map.get(&key).cloned();
+        let frame = match cached {
+            Some(f) => f,
+            None => {
+                let f = Arc::new(encode(bytes, base.as_ref().map(|b| &b.snapshot[r]), width));
+                self.remember(key, f.clone());
+                f
+            }
+        };
+        self.served_bytes
+            .fetch_add(frame.len() as u64, Ordering::Relaxed);
+        Ok(frame)
+    }
+
+    fn remember(&self, key: FrameKey, frame: Arc<Vec<u8>>) {
+        if frame.len() > self.frame_budget {
+            return;
+        }
+        let mut f = lock(&self.frames);
+        let Frames { map, order, bytes } = &mut *f;
+        while *bytes + frame.len() > self.frame_budget {
+            let Some(k) = order.pop_front() else { break };
+            if let Some(v) = map.remove(&k) {
+                *bytes -= v.len();
+            }
+        }
+        *bytes += frame.len();
+        order.push_back(key.clone());
+        map.insert(key, frame);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::collective::broadcast::decode;
+
+    fn version(v: u64, fill: u8) -> Held {
+        let bytes: Vec<u8> = (0..40u32).map(|i| (i as u8).wrapping_mul(fill)).collect();
+        let layout = vec![("w".to_string(), "Float".to_string(), vec![10], 40)];
+        Held::new(
+            Manifest::build_chunked("m", v, "h", &layout, &bytes, 16).unwrap(),
+            bytes,
+        )
+    }
+
+    #[test]
+    fn keeps_the_latest_versions_and_serves_deltas_that_decode() {
+        let s = VersionStore::new(2, 1 << 20);
+        s.put(version(1, 3));
+        s.put(version(2, 5));
+        s.put(version(3, 7));
+        assert!(s.get("m", 1).is_none(), "only the latest 2 are kept");
+        assert_eq!(s.latest("m").unwrap().version(), 3);
+        let (old, new) = (s.get("m", 2).unwrap(), s.get("m", 3).unwrap());
+        for i in 0..new.manifest.chunks.len() {
+            let r = new.manifest.chunk_range(i);
+            let f = s.frame("m", 3, i, Some(2)).unwrap();
+            let got = decode(
+                &f,
+                Some(&old.snapshot[r.clone()]),
+                r.len(),
+                &new.manifest.chunks[i],
+            );
+            assert_eq!(got.unwrap(), new.snapshot[r.clone()].to_vec());
+            // Against a version no longer held: the chunk on its own.
+            let f = s.frame("m", 3, i, Some(1)).unwrap();
+            assert_eq!(
+                decode(&f, None, r.len(), &new.manifest.chunks[i]).unwrap(),
+                new.snapshot[r].to_vec()
+            );
+        }
+        assert!(matches!(s.frame("m", 1, 0, None), Err(Miss::Failed(e)) if e.contains("not held")));
+        assert!(
+            matches!(s.frame("m", 3, 99, None), Err(Miss::Failed(e)) if e.contains("chunk 99"))
+        );
+        // A newer version: not yet (this peer will fetch it).
+        assert_eq!(s.frame("m", 4, 0, None), Err(Miss::NotYet));
+        assert!(s.served_bytes.load(Ordering::Relaxed) > 0);
+    }
+
+    #[test]
+    fn a_tampering_store_serves_chunks_that_fail_their_hash() {
+        let s = VersionStore::new(2, 1 << 20);
+        s.put(version(1, 3));
+        s.tamper.store(true, Ordering::Relaxed);
+        let h = s.get("m", 1).unwrap();
+        let f = s.frame("m", 1, 0, None).unwrap();
+        let r = h.manifest.chunk_range(0);
+        assert_eq!(
+            decode(&f, None, r.len(), &h.manifest.chunks[0]),
+            Err(crate::collective::broadcast::CodecError::HashMismatch)
+        );
+    }
+
+    #[test]
+    fn a_version_being_fetched_serves_the_chunks_already_in() {
+        let s = VersionStore::new(2, 1 << 20);
+        s.put(version(1, 3));
+        let next = version(2, 5);
+        s.begin(next.manifest.clone());
+        assert_eq!(s.frame("m", 2, 1, Some(1)), Err(Miss::NotYet));
+        let r = next.manifest.chunk_range(1);
+        s.received("m", 2, 1, &next.snapshot[r.clone()]);
+        let f = s.frame("m", 2, 1, Some(1)).unwrap();
+        let old = s.get("m", 1).unwrap();
+        let got = decode(
+            &f,
+            Some(&old.snapshot[r.clone()]),
+            r.len(),
+            &next.manifest.chunks[1],
+        );
+        assert_eq!(got.unwrap(), next.snapshot[r].to_vec());
+        assert_eq!(s.frame("m", 2, 0, Some(1)), Err(Miss::NotYet));
+        s.put(next);
+        assert!(s.frame("m", 2, 0, Some(1)).is_ok());
+    }
+}

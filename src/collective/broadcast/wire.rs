@@ -1,0 +1,199 @@
+//! `/agentjet/weights/1`: how peers ask each other for a policy version's manifest and
+//! chunks. Every holder (trainer or follower) serves what its [`VersionStore`] holds; a
+//! fetcher keeps a few streams per peer open and asks one request at a time on each.
+//!
+//! The wire is one postcard frame per message: [`Request`] from the asker, [`Reply`] from
+//! the holder, any number of times per stream. Nothing a peer sends is trusted: a
+//! manifest is checked against the id its group member announced, a chunk against the
+//! manifest's hash (by the fetch, see [`super::fetch`]).
+//!
+//! Owns: the protocol's messages, its handler, and [`PeerSource`] (a peer as a
+//! [`ChunkSource`]).
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use super::fetch::{ChunkSource, Miss};
+use super::manifest::{Manifest, MAX_MANIFEST_BYTES};
+use super::store::VersionStore;
+use crate::base::lock;
+use crate::swarm::frame::{read_frame, write_frame, FrameError};
+use crate::swarm::{PeerId, PeerStream, StreamProtocol, SwarmError, SwarmHandle};
+
+pub const WEIGHTS: StreamProtocol = StreamProtocol::new("/agentjet/weights/1");
+
+/// The largest request frame (names and numbers).
+const REQUEST_LIMIT: usize = 4096;
+/// The largest reply: a manifest, or a chunk of at most 64 MiB and its header.
+const REPLY_LIMIT: usize = MAX_MANIFEST_BYTES + 1024;
+/// How long a served stream may sit idle between requests.
+const IDLE: Duration = Duration::from_secs(60);
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Request {
+    /// The manifest of `model`'s `version` (its postcard bytes).
+    Manifest { model: String, version: u64 },
+    /// Chunk `index` of `model`'s `version`, as a delta against `base` when held.
+    Chunk {
+        model: String,
+        version: u64,
+        index: u32,
+        base: Option<u64>,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Reply {
+    Manifest(Vec<u8>),
+    Chunk(Vec<u8>),
+    /// The holder is fetching that version itself and has not got the chunk yet.
+    NotYet,
+    NotHeld(String),
+}
+
+/// Serves `store`'s versions on this node until it stops.
+pub fn serve(swarm: &SwarmHandle, store: Arc<VersionStore>) -> Result<(), SwarmError> {
+    swarm.serve(WEIGHTS, move |peer, mut s| {
+        let store = store.clone();
+        async move {
+            loop {
+                let req: Request =
+                    match tokio::time::timeout(IDLE, read_frame(&mut s, REQUEST_LIMIT)).await {
+                        Err(_) | Ok(Err(FrameError::Closed(_))) => return Ok(()),
+                        Ok(Err(e)) => {
+                            tracing::warn!(%peer, "dropped a bad weights request: {e}");
+                            return Err(e);
+                        }
+                        Ok(Ok(r)) => r,
+                    };
+                let reply = answer(&store, req);
+                write_frame(&mut s, &reply, REPLY_LIMIT).await?;
+            }
+        }
+    })
+}
+
+fn answer(store: &VersionStore, req: Request) -> Reply {
+    match req {
+        Request::Manifest { model, version } => match store.get(&model, version) {
+            Some(h) => Reply::Manifest(h.encoded.as_ref().clone()),
+            None => Reply::NotHeld(format!("version {version} of {model:?} is not held here")),
+        },
+        Request::Chunk {
+            model,
+            version,
+            index,
+            base,
+        } => match store.frame(&model, version, index as usize, base) {
+            Ok(f) => Reply::Chunk(f.as_ref().clone()),
+            Err(Miss::NotYet) => Reply::NotYet,
+            Err(Miss::Failed(e)) => Reply::NotHeld(e),
+        },
+    }
+}
+
+/// A peer that serves `model`'s versions, as a [`ChunkSource`]: requests go on streams
+/// kept open between them (one per request in flight).
+pub struct PeerSource {
+    swarm: SwarmHandle,
+    pub peer: PeerId,
+    model: String,
+    rt: tokio::runtime::Handle,
+    streams: Mutex<Vec<PeerStream>>,
+    timeout: Duration,
+}
+
+impl PeerSource {
+    pub fn new(
+        swarm: SwarmHandle,
+        peer: PeerId,
+        model: &str,
+        rt: tokio::runtime::Handle,
+        timeout: Duration,
+    ) -> PeerSource {
+        PeerSource {
+            swarm,
+            peer,
+            model: model.to_string(),
+            rt,
+            streams: Mutex::new(Vec::new()),
+            timeout,
+        }
+    }
+
+    async fn ask(&self, req: &Request) -> Result<Reply, String> {
+        let pooled = lock(&self.streams).pop();
+        let mut s = match pooled {
+            Some(s) => s,
+            None => self
+                .swarm
+                .open(self.peer, WEIGHTS)
+                .await
+                .map_err(|e| e.to_string())?,
+        };
+        let exchange = async {
+            write_frame(&mut s, req, REQUEST_LIMIT).await?;
+            read_frame::<_, Reply>(&mut s, REPLY_LIMIT).await
+        };
+        let reply = tokio::time::timeout(self.timeout, exchange)
+            .await
+            .map_err(|_| format!("no answer in {:?}", self.timeout))?
+            .map_err(|e| e.to_string())?;
+        lock(&self.streams).push(s);
+        Ok(reply)
+    }
+
+    /// The manifest of `version`, decoded and validated, if its id is `id` (what a
+    /// member of the group announced).
+    pub async fn manifest(&self, version: u64, id: &[u8; 32]) -> Result<Manifest, String> {
+        let req = Request::Manifest {
+            model: self.model.clone(),
+            version,
+        };
+        match self.ask(&req).await? {
+            Reply::Manifest(bytes) => {
+                if blake3::hash(&bytes).as_bytes() != id {
+                    return Err(format!(
+                        "{} sent a manifest of version {version} that is not the announced one",
+                        self.peer
+                    ));
+                }
+                let m = Manifest::decode(&bytes).map_err(|e| e.to_string())?;
+                if m.model != self.model || m.version != version {
+                    return Err(format!(
+                        "the manifest is of {:?} version {}, not {:?} version {version}",
+                        m.model, m.version, self.model
+                    ));
+                }
+                Ok(m)
+            }
+            Reply::NotHeld(why) => Err(why),
+            Reply::NotYet => Err("the manifest is not held yet".into()),
+            Reply::Chunk(_) => Err("a chunk where a manifest was asked".into()),
+        }
+    }
+}
+
+impl ChunkSource for PeerSource {
+    fn name(&self) -> String {
+        self.peer.to_string()
+    }
+
+    fn fetch(&self, version: u64, index: usize, base: Option<u64>) -> Result<Vec<u8>, Miss> {
+        let req = Request::Chunk {
+            model: self.model.clone(),
+            version,
+            index: u32::try_from(index)
+                .map_err(|_| Miss::Failed(format!("chunk index {index}")))?,
+            base,
+        };
+        match self.rt.block_on(self.ask(&req)).map_err(Miss::Failed)? {
+            Reply::Chunk(f) => Ok(f),
+            Reply::NotYet => Err(Miss::NotYet),
+            Reply::NotHeld(why) => Err(Miss::Failed(why)),
+            Reply::Manifest(_) => Err(Miss::Failed("a manifest where a chunk was asked".into())),
+        }
+    }
+}

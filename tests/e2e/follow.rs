@@ -1,0 +1,266 @@
+//! Rollout peers with real processes on 127.0.0.1: servers started with `--follow` serve
+//! their training group's latest policy version without training. Each version reaches
+//! them through the weight broadcast (a manifest from a member, the changed chunks from
+//! every holder), the calls they sign are trained on by the group, a follower goes on
+//! when a trainer dies and one that starts late catches up, and a tampered chunk is
+//! rejected with its sender named.
+
+use crate::common;
+use crate::elastic::{client, consumed, server, tiny_model, two_servers};
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::Path;
+use std::time::Duration;
+
+use agentjet::server::ServerEvent;
+use common::peer::{wait_until, Peer};
+
+/// Chunks of 16 KiB: the tiny model's ~330 KB are some 20 chunks, spread over the sources.
+const CHUNKS: [&str; 2] = ["--weights-chunk-kib", "16"];
+
+fn follower(dir: &Path, model: &Path, name: &str, boot: &str, extra: &[&str]) -> Peer {
+    let mut args = vec!["--follow"];
+    args.extend(CHUNKS);
+    args.extend(extra);
+    server(dir, model, name, Some(boot), &args)
+}
+
+/// Each version a follower served: version -> (param hash, bytes by source).
+fn followed(p: &Peer) -> BTreeMap<u64, (String, BTreeMap<String, u64>)> {
+    p.events()
+        .into_iter()
+        .filter_map(|e| match e {
+            ServerEvent::Followed {
+                version,
+                param_hash,
+                bytes_by_source,
+                ..
+            } => Some((version, (param_hash, bytes_by_source))),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The group's parameter hash (hex8) after each step of a trainer: version -> hash.
+fn trained(p: &Peer) -> BTreeMap<u64, String> {
+    p.events()
+        .into_iter()
+        .filter_map(|e| match e {
+            ServerEvent::TrainStep {
+                version,
+                params: Some(h),
+                ..
+            } => Some((version, h[..16].to_string())),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Waits until `f` serves `version` (its event).
+fn wait_version(f: &mut Peer, version: u64, timeout: Duration) {
+    f.wait_event(
+        &format!("version {version} followed"),
+        timeout,
+        |e| matches!(e, ServerEvent::Followed { version: v, .. } if *v >= version),
+    );
+}
+
+/// Every version each follower served has the group's parameter hash of that version.
+fn assert_hashes_match(group: &BTreeMap<u64, String>, followers: &[(&str, &Peer)]) {
+    for (name, f) in followers {
+        for (v, (h, _)) in followed(f) {
+            if let Some(want) = group.get(&v) {
+                assert_eq!(
+                    &h, want,
+                    "follower {name} serves version {v} with parameters {h}, the group's are {want}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn followers_serve_every_step_of_their_group_and_the_calls_they_sign_are_trained() {
+    let _lane = common::light();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = tiny_model(d);
+    let mut a = server(
+        d,
+        &model,
+        "a",
+        None,
+        &[&CHUNKS[..], &["--groups-per-step", "1"]].concat(),
+    );
+    let boot = a.addr();
+    a.wait_serving(Duration::from_secs(120));
+    let mut f1 = follower(d, &model, "f1", &boot, &[]);
+    let mut f2 = follower(d, &model, "f2", &boot, &[]);
+    for f in [&mut f1, &mut f2] {
+        f.wait_serving(Duration::from_secs(120));
+        // The trainer's version at its start (0), before any step.
+        wait_version(f, 0, Duration::from_secs(60));
+    }
+    let mut c = client(d, &boot, 8, "run");
+    c.wait_client_event("the end", Duration::from_secs(300), |e| {
+        matches!(e, agentjet::client::ClientEvent::Finished { .. })
+    });
+    // Every step the trainer took is served by both followers, with its parameters.
+    wait_until(
+        "every stored episode trained",
+        Duration::from_secs(60),
+        || {
+            let stored = a
+                .events()
+                .iter()
+                .filter(|e| matches!(e, ServerEvent::EpisodeStored { .. }))
+                .count();
+            stored > 0 && consumed(d, "a").values().map(Vec::len).sum::<usize>() >= stored
+        },
+    );
+    let group = trained(&a);
+    let newest = *group.keys().max().expect("the trainer took steps");
+    assert!(newest >= 2, "the trainer took {newest} steps");
+    for f in [&mut f1, &mut f2] {
+        wait_version(f, newest, Duration::from_secs(60));
+    }
+    assert_hashes_match(&group, &[("f1", &f1), ("f2", &f2)]);
+    for (name, f) in [("f1", &f1), ("f2", &f2)] {
+        let seen = followed(f);
+        assert!(
+            seen.keys().filter(|v| group.contains_key(v)).count() >= 2,
+            "follower {name} served versions {:?} of the group's {:?}",
+            seen.keys().collect::<Vec<_>>(),
+            group.keys().collect::<Vec<_>>()
+        );
+        assert_eq!(seen.keys().max(), Some(&newest), "follower {name}");
+    }
+    // The calls the followers signed were stored and trained, with their versions.
+    let ids: HashSet<String> = [f1.peer_id(), f2.peer_id()].into_iter().collect();
+    let taken: HashSet<String> = consumed(d, "a").into_values().flatten().collect();
+    let mut on_followers = 0;
+    let mut versions = HashSet::new();
+    for e in a.events() {
+        if let ServerEvent::EpisodeStored { episode, calls, .. } = e {
+            for (signer, v) in calls {
+                if ids.contains(&signer) {
+                    assert!(
+                        taken.contains(&episode),
+                        "episode {episode} was not trained"
+                    );
+                    on_followers += 1;
+                    versions.insert(v);
+                }
+            }
+        }
+    }
+    assert!(
+        on_followers > 0,
+        "no call the trainer stored was signed by a follower; trainer log:\n{}",
+        a.log_text()
+    );
+    eprintln!("{on_followers} calls sampled on followers, at versions {versions:?}");
+    c.kill9();
+}
+
+#[test]
+fn a_follower_goes_on_when_a_trainer_dies_and_a_late_one_catches_up_from_its_peers() {
+    let _lane = common::heavy();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = tiny_model(d);
+    // One group per step; a round with a dead member fails within 4 s.
+    let extra = [
+        &CHUNKS[..],
+        &["--groups-per-step", "1", "--collective-timeout", "4"],
+    ]
+    .concat();
+    let (mut a, mut b, boot) = two_servers(d, &model, &extra);
+    let mut f1 = follower(d, &model, "f1", &boot, &[]);
+    f1.wait_serving(Duration::from_secs(120));
+    let mut c = client(d, &boot, 64, "run");
+    // A few steps, then a second follower starts: it takes the version from the members
+    // and from f1, which holds it.
+    b.wait_event(
+        "step 2",
+        Duration::from_secs(300),
+        |e| matches!(e, ServerEvent::TrainStep { version, .. } if *version >= 2),
+    );
+    let at = trained(&b).keys().max().copied().unwrap_or(0);
+    wait_version(&mut f1, at, Duration::from_secs(60));
+    let mut f2 = follower(d, &model, "f2", &boot, &[]);
+    wait_version(&mut f2, at, Duration::from_secs(120));
+    let f1_id = f1.peer_id();
+    let first = followed(&f2);
+    let (v0, (_, from)) = first.iter().next().expect("f2 followed a version");
+    assert!(
+        *v0 >= at,
+        "f2 started at version {v0}, the group was at {at}"
+    );
+    assert!(
+        from.get(&f1_id).is_some_and(|&n| n > 0),
+        "f2 fetched its first version from {from:?}, not from f1 ({f1_id})"
+    );
+    // The trainer a dies; b trains on, and both followers keep following.
+    let a_id = a.peer_id();
+    a.kill9();
+    let killed_at = trained(&b).keys().max().copied().unwrap_or(0);
+    let after = killed_at + 1;
+    b.wait_event(
+        "a step after the kill",
+        Duration::from_secs(300),
+        |e| matches!(e, ServerEvent::TrainStep { version, .. } if *version >= after),
+    );
+    for f in [&mut f1, &mut f2] {
+        wait_version(f, after, Duration::from_secs(120));
+    }
+    let group = trained(&b);
+    assert_hashes_match(&group, &[("f1", &f1), ("f2", &f2)]);
+    for (name, f) in [("f1", &f1), ("f2", &f2)] {
+        for (v, (_, from)) in followed(f).range(killed_at + 1..) {
+            assert!(
+                !from.contains_key(&a_id),
+                "follower {name} fetched version {v} from the dead trainer: {from:?}"
+            );
+        }
+    }
+    c.kill9();
+}
+
+#[test]
+fn a_tampered_chunk_is_rejected_and_its_sender_named() {
+    let _lane = common::light();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = tiny_model(d);
+    let mut a = server(d, &model, "a", None, &CHUNKS);
+    let boot = a.addr();
+    a.wait_serving(Duration::from_secs(120));
+    // A follower that serves every chunk with a byte changed; it holds version 0 first.
+    let mut liar = follower(d, &model, "liar", &boot, &["--test-tamper-chunks"]);
+    wait_version(&mut liar, 0, Duration::from_secs(120));
+    let liar_id = liar.peer_id();
+    let mut honest = follower(d, &model, "honest", &boot, &[]);
+    let backed = honest.wait_event("the liar backed off", Duration::from_secs(120), |e| {
+        matches!(e, ServerEvent::SourceBackedOff { .. })
+    });
+    match backed {
+        ServerEvent::SourceBackedOff { peer, reason, .. } => {
+            assert_eq!(
+                peer, liar_id,
+                "the backed-off source is not the liar: {reason}"
+            );
+            assert!(reason.contains("hash"), "{reason}");
+        }
+        e => unreachable!("{e:?}"),
+    }
+    // It still serves version 0, with the parameters the liar itself holds.
+    wait_version(&mut honest, 0, Duration::from_secs(60));
+    let good = followed(&honest);
+    let (hash, from) = &good[&0];
+    assert_eq!(hash, &followed(&liar)[&0].0);
+    assert!(
+        !from.contains_key(&liar_id),
+        "a chunk from the liar was kept: {from:?}"
+    );
+}
