@@ -79,6 +79,15 @@ impl DashSource for ServerDash {
                     "model": m.name,
                     "run": run.as_ref().map(|r| r.name.clone()),
                     "train_step": m.train_step.load(Ordering::Relaxed),
+                    "weights": m.broadcast.get().and_then(|b| b.current(None)).map(|w| json!({
+                        "follower": w.follower,
+                        "group": w.group,
+                        "version": w.version,
+                        "lag": w.lag,
+                        "param_hash": w.param_hash,
+                        "fetched_bytes": w.fetched_bytes,
+                        "served_bytes": w.served_bytes,
+                    })),
                 })
             })
             .collect();
@@ -104,6 +113,32 @@ impl DashSource for ServerDash {
                 &model,
                 served.train_step.load(Ordering::Relaxed) as f64,
             );
+            if let Some(w) = served.broadcast.get().and_then(|b| b.current(None)) {
+                p.gauge(
+                    "agentjet_weights_version",
+                    "The policy version this server holds and serves chunks of (weight broadcast).",
+                    &model,
+                    w.version as f64,
+                );
+                p.gauge(
+                    "agentjet_weights_lag",
+                    "Versions this follower is behind the newest its group announces.",
+                    &model,
+                    w.lag as f64,
+                );
+                p.counter(
+                    "agentjet_weights_fetched_bytes_total",
+                    "Bytes of weight chunks fetched from other peers.",
+                    &model,
+                    w.fetched_bytes as f64,
+                );
+                p.counter(
+                    "agentjet_weights_served_bytes_total",
+                    "Bytes of weight chunks served to other peers (every model of this server).",
+                    &model,
+                    w.served_bytes as f64,
+                );
+            }
             if let Some(last) = run.as_ref().and_then(last_line) {
                 for (name, help, field) in TRAIN_GAUGES {
                     if let Some(v) = last[*field].as_f64() {

@@ -298,7 +298,6 @@ async fn follow(
     let lag = newest(&served.swarm, &served.name, &bc.group)
         .map_or(0, |t| t.version.saturating_sub(version));
     bc.install(&held, &hash, lag);
-    served.train_step.store(version, Ordering::Relaxed);
     served.publish_status();
     let seconds = started.elapsed().as_secs_f64();
     let by_source: Vec<String> = report

@@ -13,7 +13,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use agentjet::server::ServerEvent;
-use common::peer::{wait_until, Peer};
+use common::peer::{metric, wait_until, Peer};
 
 /// Chunks of 16 KiB: the tiny model's ~330 KB are some 20 chunks, spread over the sources.
 const CHUNKS: [&str; 2] = ["--weights-chunk-kib", "16"];
@@ -23,6 +23,16 @@ fn follower(dir: &Path, model: &Path, name: &str, boot: &str, extra: &[&str]) ->
     args.extend(CHUNKS);
     args.extend(extra);
     server(dir, model, name, Some(boot), &args)
+}
+
+/// A server's dashboard base URL (from its event).
+fn dashboard(p: &mut Peer) -> String {
+    match p.wait_event("the dashboard", Duration::from_secs(60), |e| {
+        matches!(e, ServerEvent::Dashboard { .. })
+    }) {
+        ServerEvent::Dashboard { addr } => format!("http://{addr}"),
+        e => unreachable!("{e:?}"),
+    }
 }
 
 /// Each version a follower served: version -> (param hash, bytes by source).
@@ -125,6 +135,18 @@ fn followers_serve_every_step_of_their_group_and_the_calls_they_sign_are_trained
         wait_version(f, newest, Duration::from_secs(60));
     }
     assert_hashes_match(&group, &[("f1", &f1), ("f2", &f2)]);
+    // Their dashboards' /metrics say the version, the lag and the bytes moved; the
+    // trainer's, what it served.
+    for f in [&mut f1, &mut f2] {
+        let dash = dashboard(f);
+        wait_until("the follower's metrics", Duration::from_secs(30), || {
+            metric(&dash, "agentjet_weights_version") == Some(newest as f64)
+                && metric(&dash, "agentjet_weights_lag") == Some(0.0)
+                && metric(&dash, "agentjet_weights_fetched_bytes_total").is_some_and(|b| b > 0.0)
+        });
+    }
+    let served = metric(&dashboard(&mut a), "agentjet_weights_served_bytes_total");
+    assert!(served.is_some_and(|b| b > 0.0), "{served:?}");
     for (name, f) in [("f1", &f1), ("f2", &f2)] {
         let seen = followed(f);
         assert!(

@@ -286,6 +286,38 @@ pub async fn status(
             );
         }
     }
+    // Weight broadcast: every holder of a group's versions, members and followers.
+    let mut holders: Vec<(String, &str, &swarm::WeightsStatus)> = view
+        .iter()
+        .flat_map(|e| {
+            e.status.models.iter().filter_map(move |m| {
+                m.weights
+                    .as_ref()
+                    .map(|w| (e.peer.to_string(), m.name.as_str(), w))
+            })
+        })
+        .collect();
+    if !holders.is_empty() {
+        holders.sort_by(|a, b| (&a.2.group, a.2.follower, &a.0).cmp(&(&b.2.group, b.2.follower, &b.0)));
+        println!();
+        println!(
+            "{:<20} {:<54} {:<9} {:>7} {:>4} {:<16} {:>12} {:>12}",
+            "WEIGHTS OF GROUP", "HOLDER", "AS", "VERSION", "LAG", "PARAMS", "FETCHED", "SERVED"
+        );
+        for (peer, _model, w) in &holders {
+            println!(
+                "{:<20} {:<54} {:<9} {:>7} {:>4} {:<16} {:>10.1}MB {:>10.1}MB",
+                w.group,
+                peer,
+                if w.follower { "follower" } else { "member" },
+                w.version,
+                w.lag,
+                if w.param_hash.is_empty() { "-" } else { &w.param_hash },
+                w.fetched_bytes as f64 / 1e6,
+                w.served_bytes as f64 / 1e6
+            );
+        }
+    }
     Ok(())
 }
 
