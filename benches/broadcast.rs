@@ -1,22 +1,36 @@
-//! `cargo bench --bench broadcast`: what a training step's new policy costs to send to a
-//! rollout peer (issue 37's weight broadcast, first part: the version manifest and the
-//! chunk codec; the swarm protocol and the follower role are not built yet, so this
-//! bench measures bytes and codec speed, not the time to every follower).
+//! `cargo bench --bench broadcast`: what a training step's new policy costs to send to
+//! rollout peers (issue 37's weight broadcast), in two parts.
 //!
-//! SmolLM2 (float32 master weights) takes real GRPO steps (full fine-tuning, AdamW at the
-//! server's default lr 1e-5, on a synthetic trace). After each, the serving snapshot
-//! (HF layout, in bfloat16 and in float32) is cut into 1 MiB chunks named by blake3
-//! (`collective::broadcast::Manifest`); every chunk that changed is encoded against the
-//! previous version's (`collective::broadcast::encode`: raw, zstd, XOR + zstd, or XOR by
-//! byte planes + zstd, whichever is smallest) and decoded and checked as a follower would.
+//! **1. The codec**, in process. SmolLM2 (float32 master weights) takes real GRPO steps
+//! (full fine-tuning, AdamW at the server's default lr 1e-5, on a synthetic trace). After
+//! each, the serving snapshot (HF layout, in bfloat16 and in float32) is cut into 1 MiB
+//! chunks named by blake3 (`collective::broadcast::Manifest`); every chunk that changed is
+//! encoded against the previous version's (`collective::broadcast::encode`: raw, zstd,
+//! XOR + zstd, or XOR by byte planes + zstd, whichever is smallest) and decoded and
+//! checked as a follower would.
 //!
 //! - `delta_bytes_vs_full_{bf16,f32}`: the bytes of one step's changed chunks as encoded,
 //!   against the full snapshot (what sending the whole model costs); ratio = full / ours.
 //! - encode and decode throughput (MB of snapshot per second, one core).
 //!
+//! **2. Followers**, real processes on 127.0.0.1 (see `followers/mod.rs`): one SmolLM2
+//! trainer and 1, 3 and 7 `--follow` servers in bfloat16, a client driving steps.
+//!
+//! - `commit_to_all_serving_s_{N}f`: from the trainer's step to every follower serving it
+//!   (median over the measured steps; no peer figure);
+//! - `trainer_bytes_vs_star_{N}f`: what the trainer uploaded per version against a star
+//!   that sends the full snapshot to each follower; ratio = star / ours;
+//! - `delta_bytes_vs_full_swarm`: what a follower received per version against the full
+//!   snapshot (all runs).
+//!
 //! ```text
 //! --steps N [3]  --model SPEC [smollm2]  --lr X [1e-5]
+//! --followers 1,3,7  --follower-steps N [3]  --only codec|followers
 //! ```
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+mod followers;
 
 use std::time::Instant;
 
@@ -121,6 +135,61 @@ fn main() {
 
 fn run() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
+    let only: String = arg(&args, "--only", String::new())?;
+    if only != "followers" {
+        codec_part(&args)?;
+    }
+    if only != "codec" {
+        followers_part(&args)?;
+    }
+    Ok(())
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// Part 2: real processes (see `followers/mod.rs`).
+fn followers_part(args: &[String]) -> anyhow::Result<()> {
+    let counts: String = arg(args, "--followers", "1,3,7".to_string())?;
+    let steps: usize = arg(args, "--follower-steps", 3)?;
+    let spec: String = arg(args, "--model", "smollm2".to_string())?;
+    let (mut deltas, mut fulls) = (Vec::new(), Vec::new());
+    let mut results = Vec::new();
+    for n in counts.split(',') {
+        let n: usize = n.trim().parse()?;
+        println!("followers: 1 trainer, {n} followers ({spec}, bf16), {steps} steps measured");
+        let rows = followers::run(n, steps, &spec)?;
+        let secs = median(rows.iter().map(|r| r.seconds).collect());
+        let sent = median(rows.iter().map(|r| r.trainer_bytes as f64).collect());
+        let star = median(rows.iter().map(|r| r.star_bytes as f64).collect());
+        for r in &rows {
+            deltas.push(r.delta_bytes as f64);
+            fulls.push(r.full_bytes as f64);
+        }
+        results.push(format!(
+            "RESULT broadcast commit_to_all_serving_s_{n}f ours={secs:.3}"
+        ));
+        results.push(format!(
+            "RESULT broadcast trainer_bytes_vs_star_{n}f ours={sent:.0} peer={star:.0} ratio={:.2}",
+            star / sent.max(1.0)
+        ));
+    }
+    let (d, f) = (median(deltas), median(fulls));
+    results.push(format!(
+        "RESULT broadcast delta_bytes_vs_full_swarm ours={d:.0} peer={f:.0} ratio={:.2}",
+        f / d.max(1.0)
+    ));
+    for r in results {
+        println!("{r}");
+    }
+    Ok(())
+}
+
+/// Part 1: the codec, in process.
+fn codec_part(args: &[String]) -> anyhow::Result<()> {
+    let args = args.to_vec();
     let steps: usize = arg(&args, "--steps", 3)?;
     let lr: f64 = arg(&args, "--lr", 1e-5)?;
     let spec: String = arg(&args, "--model", "smollm2".to_string())?;

@@ -73,7 +73,11 @@ pub enum ServerEvent {
         chunks: usize,
         bytes: u64,
         bytes_by_source: std::collections::BTreeMap<String, u64>,
+        /// The whole snapshot's bytes (what sending it in full costs).
+        full_bytes: u64,
         seconds: f64,
+        /// When the engine started serving it (Unix milliseconds).
+        unix_ms: u64,
     },
     /// A follower stopped asking `peer` for chunks: it sent a wrong or malformed one, or
     /// failed twice in a row.

@@ -9,9 +9,9 @@
 //! The followers share each version's fetch (as BitTorrent peers do): its chunks are dealt
 //! round-robin to the followers in peer-id order; each takes its own share from the
 //! members and serves every chunk as soon as it has it, and takes the other shares from
-//! their owners (or any follower that has them), turning to the members only for the
-//! share of a follower that stays silent. The members so send about one copy of the
-//! changed bytes, whatever the number of followers.
+//! their owners, turning to the members only for the share of a follower that has not
+//! started the version within a second or stays silent. The members so send about one
+//! copy of the changed bytes, whatever the number of followers.
 //!
 //! A manifest is taken only from a peer the swarm's trust lets train the model in the
 //! group (certified for it, trusting a run; a key holder in a closed swarm): a follower
@@ -35,10 +35,15 @@ use crate::collective::broadcast::{
 use crate::swarm::{PeerId, Role, SwarmHandle, Trust};
 
 /// How often the follower looks at the gossip for a newer version.
-const TICK: Duration = Duration::from_millis(200);
+const TICK: Duration = Duration::from_millis(100);
 /// How long a follower waits, with no chunk coming from the other followers, before it
 /// asks the members for the chunks of a follower that went silent.
 const SHARE_PATIENCE: Duration = Duration::from_secs(3);
+/// How long a follower waits for another to start fetching a version (it heard of it
+/// later) before taking that one's share from the members.
+const SHARE_GRACE: Duration = Duration::from_secs(1);
+/// Chunk requests in flight at once.
+const FETCH_PARALLEL: usize = 16;
 /// One request's bound (a chunk of 1 MiB over a slow link takes seconds).
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -103,7 +108,7 @@ fn newest(swarm: &SwarmHandle, model: &str, group: &str) -> Option<Target> {
 }
 
 /// The followers of `model` in `group` the view shows (they fetch its versions too).
-fn followers_of(swarm: &SwarmHandle, model: &str, group: &str) -> Vec<PeerId> {
+pub(super) fn followers_of(swarm: &SwarmHandle, model: &str, group: &str) -> Vec<PeerId> {
     swarm
         .view()
         .iter()
@@ -227,7 +232,11 @@ async fn follow(
                 .map(|p| followers.iter().position(|f| f == p))
                 .collect(),
             patience: SHARE_PATIENCE,
+            grace: SHARE_GRACE,
         }),
+        // Requests are small and many (a delta chunk is a few kB): enough in flight to
+        // fill a link with a round trip of 100 ms or more.
+        parallel: FETCH_PARALLEL,
         ..FetchConfig::default()
     };
     let sources: Vec<Arc<dyn ChunkSource>> = followers
@@ -285,6 +294,7 @@ async fn follow(
         claimed
     };
     let version = manifest.version;
+    let fetch_s = started.elapsed().as_secs_f64();
     let held = Held::new(manifest, bytes);
     let install = held.clone();
     let s = served.clone();
@@ -306,7 +316,8 @@ async fn follow(
         .map(|(p, b)| format!("{}={b}", short(p)))
         .collect();
     println!(
-        "following: version {version} ({} of {} chunks, {} bytes in {seconds:.2}s from {}), params {hash}",
+        "following: version {version} ({} of {} chunks, {} bytes from {}; fetched in \
+         {fetch_s:.2}s, serving after {seconds:.2}s), params {hash}",
         report.chunks,
         held.manifest.chunks.len(),
         report.bytes(),
@@ -319,7 +330,11 @@ async fn follow(
         chunks: report.chunks,
         bytes: report.bytes(),
         bytes_by_source: report.bytes_by_source.clone(),
+        full_bytes: held.manifest.total_bytes(),
         seconds,
+        unix_ms: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64),
     });
     Ok(())
 }

@@ -422,6 +422,7 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
                 None => dtype.kind(),
             };
             let bc = weights::Broadcast::new(
+                swarm.clone(),
                 store.clone(),
                 &unit.name,
                 &group,

@@ -140,14 +140,6 @@ pub fn start_training(
         ),
     }
     served.serve_weights(&trainer.model.parameters(), trainer.version())?;
-    if let Some(b) = served.broadcast.get() {
-        let params = trainer.model.parameters();
-        b.publish(
-            &params,
-            trainer.version(),
-            &super::group_state::hash_of(&params),
-        );
-    }
     served.train_step.store(trainer.steps(), Ordering::Relaxed);
     let (tx, rx) = std::sync::mpsc::channel();
     // Episodes stored before this start that the checkpoint has not consumed (pending in

@@ -15,7 +15,7 @@ use tch::{Kind, Tensor};
 
 use crate::base::lock;
 use crate::collective::broadcast::{Held, Manifest, VersionStore};
-use crate::swarm::WeightsStatus;
+use crate::swarm::{SwarmHandle, WeightsStatus};
 
 /// How this server takes part (each a flag of `--role server`).
 #[derive(Debug, Clone)]
@@ -107,6 +107,7 @@ type Publication = (Layout, Vec<u8>, u64, String);
 
 /// One served model's broadcast state.
 pub struct Broadcast {
+    swarm: SwarmHandle,
     pub store: Arc<VersionStore>,
     pub model: String,
     /// The training group whose versions these are.
@@ -124,6 +125,7 @@ pub struct Broadcast {
 
 impl Broadcast {
     pub fn new(
+        swarm: SwarmHandle,
         store: Arc<VersionStore>,
         model: &str,
         group: &str,
@@ -139,6 +141,7 @@ impl Broadcast {
             ..Default::default()
         });
         Arc::new(Broadcast {
+            swarm,
             store,
             model: model.to_string(),
             group: group.to_string(),
@@ -209,6 +212,16 @@ impl Broadcast {
         };
         let held = Held::new(m, bytes);
         self.install(&held, &hash[..hash.len().min(16)], 0);
+        // The deltas every up-to-date follower will ask for, encoded now (in parallel).
+        let t0 = std::time::Instant::now();
+        let frames = self.store.prepare_deltas(&self.model, version);
+        tracing::info!(
+            model = self.model,
+            version,
+            frames,
+            seconds = t0.elapsed().as_secs_f64(),
+            "encoded the version's deltas"
+        );
         tracing::info!(
             model = self.model,
             version,
@@ -222,7 +235,7 @@ impl Broadcast {
     pub fn install(&self, held: &Held, param_hash: &str, lag: u64) {
         let (version, id) = (held.version(), held.id);
         self.store.put(held.clone());
-        *lock(&self.status) = Some(WeightsStatus {
+        let status = WeightsStatus {
             group: self.group.clone(),
             version,
             manifest: id,
@@ -231,7 +244,15 @@ impl Broadcast {
             lag,
             fetched_bytes: self.fetched.load(Ordering::Relaxed),
             served_bytes: self.store.served_bytes.load(Ordering::Relaxed),
+        };
+        *lock(&self.status) = Some(status.clone());
+        // Said at once: the followers wait for it.
+        self.swarm.set_status(|st| {
+            if let Some(m) = st.models.iter_mut().find(|m| m.name == self.model) {
+                m.weights = Some(status);
+            }
         });
+        self.swarm.announce();
     }
 
     /// The status with the byte counters (and `lag`, for a follower) as they are now.

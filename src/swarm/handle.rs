@@ -127,6 +127,13 @@ impl SwarmHandle {
         f(&mut lock(&self.shared.status));
     }
 
+    /// Gossips this peer's status now instead of at the next `status_interval` (news that
+    /// others wait for: a new policy version to fetch). Never blocks; skipped if the
+    /// node's queue is full (the next regular status carries it).
+    pub fn announce(&self) {
+        let _ = self.cmd.try_send(Command::Announce);
+    }
+
     pub fn set_models(&self, models: Vec<ModelStatus>) {
         self.set_status(|s| s.models = models);
     }

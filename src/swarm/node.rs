@@ -586,6 +586,7 @@ impl EventLoop {
             Command::AddressesOf(peer, reply) => {
                 let _ = reply.send(self.addr_book.get(&peer).cloned().unwrap_or_default());
             }
+            Command::Announce => self.publish_status(),
             Command::Shutdown => {}
         }
     }

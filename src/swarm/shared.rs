@@ -82,6 +82,8 @@ pub(super) enum Command {
     Addresses(PeerId, Vec<Multiaddr>),
     /// The addresses the address book holds for a peer.
     AddressesOf(PeerId, oneshot::Sender<Vec<Multiaddr>>),
+    /// Gossip this peer's status now (see [`SwarmHandle::announce`]).
+    Announce,
     /// End the loop now (see [`SwarmHandle::shutdown`]).
     Shutdown,
 }

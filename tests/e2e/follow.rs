@@ -95,12 +95,14 @@ fn followers_serve_every_step_of_their_group_and_the_calls_they_sign_are_trained
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let model = tiny_model(d);
+    // The trainer runs 2 calls at once: with more, its gossiped load sends new groups to
+    // the followers.
     let mut a = server(
         d,
         &model,
         "a",
         None,
-        &[&CHUNKS[..], &["--groups-per-step", "1"]].concat(),
+        &[&CHUNKS[..], &["--groups-per-step", "1", "--max-batch", "2"]].concat(),
     );
     let boot = a.addr();
     a.wait_serving(Duration::from_secs(120));
@@ -111,7 +113,9 @@ fn followers_serve_every_step_of_their_group_and_the_calls_they_sign_are_trained
         // The trainer's version at its start (0), before any step.
         wait_version(f, 0, Duration::from_secs(60));
     }
-    let mut c = client(d, &boot, 8, "run");
+    // Enough groups to outlast the client's first provider lookups (it routes to the
+    // followers once its refreshed list names them).
+    let mut c = client(d, &boot, 24, "run");
     c.wait_client_event("the end", Duration::from_secs(300), |e| {
         matches!(e, agentjet::client::ClientEvent::Finished { .. })
     });

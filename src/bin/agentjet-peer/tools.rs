@@ -298,7 +298,9 @@ pub async fn status(
         })
         .collect();
     if !holders.is_empty() {
-        holders.sort_by(|a, b| (&a.2.group, a.2.follower, &a.0).cmp(&(&b.2.group, b.2.follower, &b.0)));
+        holders.sort_by(|a, b| {
+            (&a.2.group, a.2.follower, &a.0).cmp(&(&b.2.group, b.2.follower, &b.0))
+        });
         println!();
         println!(
             "{:<20} {:<54} {:<9} {:>7} {:>4} {:<16} {:>12} {:>12}",
@@ -312,7 +314,11 @@ pub async fn status(
                 if w.follower { "follower" } else { "member" },
                 w.version,
                 w.lag,
-                if w.param_hash.is_empty() { "-" } else { &w.param_hash },
+                if w.param_hash.is_empty() {
+                    "-"
+                } else {
+                    &w.param_hash
+                },
                 w.fetched_bytes as f64 / 1e6,
                 w.served_bytes as f64 / 1e6
             );

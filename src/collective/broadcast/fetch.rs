@@ -24,6 +24,9 @@ pub enum Miss {
     /// It is fetching that version itself and has not got this chunk yet (ask again
     /// later; not held against it).
     NotYet,
+    /// It holds an earlier version and has not started fetching this one (it may soon:
+    /// it saw the version later than the asker).
+    NotStarted,
     /// Anything else (gone, timing out, not holding the version).
     Failed(String),
 }
@@ -32,6 +35,7 @@ impl std::fmt::Display for Miss {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Miss::NotYet => write!(f, "not fetched there yet"),
+            Miss::NotStarted => write!(f, "that version's fetch has not started there"),
             Miss::Failed(e) => write!(f, "{e}"),
         }
     }
@@ -48,8 +52,8 @@ pub trait ChunkSource: Send + Sync {
 
 /// How the followers fetching one version share the work (a swarm, as BitTorrent's): the
 /// chunks are dealt round-robin to the followers, each takes its own share from the
-/// members and the rest from their owners (or from any follower that has them), so the
-/// members send about one copy of the changed bytes whatever the number of followers.
+/// members and the rest from their owners, so the members send about one copy of the
+/// changed bytes whatever the number of followers.
 #[derive(Debug, Clone)]
 pub struct Share {
     /// For each share in turn (chunk `i` is share `i % owners.len()`'s), the index in the
@@ -58,6 +62,10 @@ pub struct Share {
     /// How long to wait with no chunk arriving from the followers before asking the
     /// members for the chunks of a silent owner (dead, or far behind).
     pub patience: Duration,
+    /// How long after this fetch starts an owner that has not started fetching the
+    /// version is waited for (it heard of it later); after it, its share comes from the
+    /// members.
+    pub grace: Duration,
 }
 
 #[derive(Debug, Clone)]
@@ -127,6 +135,9 @@ struct Run<'a> {
     report: Mutex<FetchReport>,
     /// When a chunk last arrived from a follower (see [`Share::patience`]).
     progress: Mutex<Instant>,
+    started: Instant,
+    /// Owners found not fetching this version after the grace (see [`Share::grace`]).
+    absent: Vec<std::sync::atomic::AtomicBool>,
 }
 
 /// How long a worker waits before asking the followers again for a chunk not yet there.
@@ -182,6 +193,11 @@ pub fn fetch_version_with(
             ..Default::default()
         }),
         progress: Mutex::new(Instant::now()),
+        started: Instant::now(),
+        absent: sources
+            .iter()
+            .map(|_| std::sync::atomic::AtomicBool::new(false))
+            .collect(),
     };
     let chunk = target.chunk_bytes as usize;
     let slots: Vec<Mutex<&mut [u8]>> = out.chunks_mut(chunk).map(Mutex::new).collect();
@@ -223,6 +239,7 @@ pub fn fetch_version_with(
 enum Asked {
     Got(Vec<u8>),
     NotYet,
+    NotStarted,
     Failed(String),
 }
 
@@ -238,35 +255,26 @@ impl Run<'_> {
         let n = self.sources.len();
         let mut why = String::from("no source");
         if let Some(share) = self.cfg.share.as_ref().filter(|s| !s.owners.is_empty()) {
-            if let Some(owner) = share.owners[i % share.owners.len()] {
-                let soft: Vec<usize> = std::iter::once(owner)
-                    .chain(
-                        share
-                            .owners
-                            .iter()
-                            .flatten()
-                            .copied()
-                            .filter(|&j| j != owner),
-                    )
-                    .filter(|&j| j < n)
-                    .collect();
+            // Another follower's share: from that follower, while it makes progress.
+            if let Some(owner) = share.owners[i % share.owners.len()].filter(|&j| j < n) {
                 loop {
-                    let mut asked = false;
-                    for &j in &soft {
-                        if self.backed_off(j) {
-                            continue;
-                        }
-                        asked = true;
-                        match self.ask(j, i, base) {
-                            Asked::Got(b) => {
-                                *lock(&self.progress) = Instant::now();
-                                return Ok(b);
-                            }
-                            Asked::NotYet => {}
-                            Asked::Failed(e) => why = e,
-                        }
+                    if self.backed_off(owner) || self.absent[owner].load(Ordering::Relaxed) {
+                        break;
                     }
-                    if !asked || lock(&self.progress).elapsed() >= share.patience {
+                    match self.ask(owner, i, base) {
+                        Asked::Got(b) => {
+                            *lock(&self.progress) = Instant::now();
+                            return Ok(b);
+                        }
+                        Asked::NotYet => {}
+                        Asked::NotStarted if self.started.elapsed() >= share.grace => {
+                            self.absent[owner].store(true, Ordering::Relaxed);
+                            break;
+                        }
+                        Asked::NotStarted => {}
+                        Asked::Failed(e) => why = e,
+                    }
+                    if lock(&self.progress).elapsed() >= share.patience {
                         break;
                     }
                     std::thread::sleep(POLL);
@@ -295,7 +303,9 @@ impl Run<'_> {
             tries += 1;
             match self.ask(j, i, base) {
                 Asked::Got(b) => return Ok(b),
-                Asked::NotYet => why = format!("{}: not fetched there yet", self.sources[j].name()),
+                Asked::NotYet | Asked::NotStarted => {
+                    why = format!("{}: not fetched there yet", self.sources[j].name())
+                }
                 Asked::Failed(e) => why = e,
             }
         }
@@ -315,6 +325,7 @@ impl Run<'_> {
         let frame = match src.fetch(target.version, i, base.map(|(v, _)| v)) {
             Ok(f) => f,
             Err(Miss::NotYet) => return Asked::NotYet,
+            Err(Miss::NotStarted) => return Asked::NotStarted,
             Err(Miss::Failed(e)) => {
                 if standing.failures_in_a_row.fetch_add(1, Ordering::Relaxed) + 1 >= 2 {
                     back_off(
@@ -582,6 +593,7 @@ mod tests {
                                     .map(|k| others.iter().position(|&o| o == k))
                                     .collect(),
                                 patience: Duration::from_secs(10),
+                                grace: Duration::from_secs(10),
                             }),
                             ..FetchConfig::default()
                         };

@@ -75,7 +75,9 @@ impl Chunk {
 
 #[derive(Default)]
 struct Frames {
-    map: HashMap<FrameKey, Arc<Vec<u8>>>,
+    /// A frame, or the cell one thread fills while the others asking for it wait (each
+    /// frame is encoded once).
+    map: HashMap<FrameKey, Arc<OnceLock<Arc<Vec<u8>>>>>,
     order: VecDeque<FrameKey>,
     bytes: usize,
 }
@@ -132,16 +134,18 @@ impl VersionStore {
         };
         let mut f = lock(&self.frames);
         let Frames { map, order, bytes } = &mut *f;
+        let stale = |k: &FrameKey| {
+            k.0 == model && (dropped.contains(&k.1) || k.3.is_some_and(|b| dropped.contains(&b)))
+        };
         order.retain(|k| {
-            let stale = k.0 == model
-                && (dropped.contains(&k.1) || k.3.is_some_and(|b| dropped.contains(&b)));
-            if stale {
-                if let Some(v) = map.remove(k) {
-                    *bytes -= v.len();
+            if stale(k) {
+                if let Some(v) = map.remove(k).and_then(|c| c.get().map(|f| f.len())) {
+                    *bytes -= v;
                 }
             }
-            !stale
+            !stale(k)
         });
+        map.retain(|k, _| !stale(k));
     }
 
     /// The latest version of `model` held.
@@ -191,8 +195,9 @@ impl VersionStore {
 
     /// The frame of chunk `index` of `model`'s `version` (held, or being fetched and
     /// that chunk in): a delta against version `base` when it is held with the same
-    /// layout, else the chunk on its own. A version newer than any held is
-    /// [`Miss::NotYet`] (this peer will fetch it).
+    /// layout, else the chunk on its own. A chunk of the version being fetched that is not
+    /// in yet is [`Miss::NotYet`]; a version newer than any held or fetched,
+    /// [`Miss::NotStarted`].
     pub fn frame(
         &self,
         model: &str,
@@ -211,7 +216,7 @@ impl VersionStore {
                         None => return Err(Miss::Failed(format!("no chunk {index}"))),
                     },
                     None if self.latest(model).is_none_or(|h| h.version() < version) => {
-                        return Err(Miss::NotYet)
+                        return Err(Miss::NotStarted)
                     }
                     None => {
                         return Err(Miss::Failed(format!(
@@ -248,35 +253,83 @@ impl VersionStore {
             index,
             base.as_ref().map(Held::version),
         );
-        let cached = lock(&self.frames).map.get(&key).cloned();
-        let frame = match cached {
-            Some(f) => f,
-            None => {
-                let f = Arc::new(encode(bytes, base.as_ref().map(|b| &b.snapshot[r]), width));
-                self.remember(key, f.clone());
-                f
-            }
-        };
+        let frame = self.cached(key, || {
+            encode(bytes, base.as_ref().map(|b| &b.snapshot[r]), width)
+        });
         self.served_bytes
             .fetch_add(frame.len() as u64, Ordering::Relaxed);
         Ok(frame)
     }
 
-    fn remember(&self, key: FrameKey, frame: Arc<Vec<u8>>) {
-        if frame.len() > self.frame_budget {
-            return;
-        }
-        let mut f = lock(&self.frames);
-        let Frames { map, order, bytes } = &mut *f;
-        while *bytes + frame.len() > self.frame_budget {
-            let Some(k) = order.pop_front() else { break };
-            if let Some(v) = map.remove(&k) {
-                *bytes -= v.len();
+    /// Encodes now, on every core, each chunk of `model`'s `version` that changed since
+    /// the version held before it, as the delta against it (what a follower that holds
+    /// that one asks for): the frames wait in the cache. Returns how many.
+    pub fn prepare_deltas(&self, model: &str, version: u64) -> usize {
+        let (Some(new), Some(old)) = (self.get(model, version), {
+            let models = lock(&self.models);
+            models
+                .get(model)
+                .and_then(|l| l.iter().rev().find(|h| h.version() < version).cloned())
+        }) else {
+            return 0;
+        };
+        let Ok(changed) = new.manifest.changed_since(&old.manifest) else {
+            return 0;
+        };
+        let width = element_width(&new.manifest);
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        std::thread::scope(|s| {
+            for _ in 0..threads.min(changed.len()) {
+                s.spawn(|| loop {
+                    let k = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(&i) = changed.get(k) else { return };
+                    let r = new.manifest.chunk_range(i);
+                    let key = (model.to_string(), version, i, Some(old.version()));
+                    self.cached(key, || {
+                        encode(&new.snapshot[r.clone()], Some(&old.snapshot[r]), width)
+                    });
+                });
+            }
+        });
+        changed.len()
+    }
+
+    /// The frame of `key`, made by `make` once: a thread asking while another makes it
+    /// waits for that one. Kept within the byte budget, oldest out first.
+    fn cached(&self, key: FrameKey, make: impl FnOnce() -> Vec<u8>) -> Arc<Vec<u8>> {
+        let cell = lock(&self.frames)
+            .map
+            .entry(key.clone())
+            .or_insert_with(|| Arc::new(OnceLock::new()))
+            .clone();
+        let mut made = false;
+        let frame = cell
+            .get_or_init(|| {
+                made = true;
+                Arc::new(make())
+            })
+            .clone();
+        if made {
+            let mut f = lock(&self.frames);
+            let Frames { map, order, bytes } = &mut *f;
+            if frame.len() > self.frame_budget {
+                map.remove(&key);
+                return frame;
+            }
+            while *bytes + frame.len() > self.frame_budget {
+                let Some(k) = order.pop_front() else { break };
+                if let Some(v) = map.remove(&k).and_then(|c| c.get().map(|f| f.len())) {
+                    *bytes -= v;
+                }
+            }
+            // Still wanted (a newer version may have dropped it meanwhile).
+            if map.get(&key).is_some_and(|c| Arc::ptr_eq(c, &cell)) {
+                *bytes += frame.len();
+                order.push_back(key);
             }
         }
-        *bytes += frame.len();
-        order.push_back(key.clone());
-        map.insert(key, frame);
+        frame
     }
 }
 
@@ -325,7 +378,7 @@ mod tests {
             matches!(s.frame("m", 3, 99, None), Err(Miss::Failed(e)) if e.contains("chunk 99"))
         );
         // A newer version: not yet (this peer will fetch it).
-        assert_eq!(s.frame("m", 4, 0, None), Err(Miss::NotYet));
+        assert_eq!(s.frame("m", 4, 0, None), Err(Miss::NotStarted));
         assert!(s.served_bytes.load(Ordering::Relaxed) > 0);
     }
 

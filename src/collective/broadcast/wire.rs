@@ -50,6 +50,8 @@ pub enum Reply {
     Chunk(Vec<u8>),
     /// The holder is fetching that version itself and has not got the chunk yet.
     NotYet,
+    /// The holder has not started fetching that version.
+    NotStarted,
     NotHeld(String),
 }
 
@@ -89,6 +91,7 @@ fn answer(store: &VersionStore, req: Request) -> Reply {
         } => match store.frame(&model, version, index as usize, base) {
             Ok(f) => Reply::Chunk(f.as_ref().clone()),
             Err(Miss::NotYet) => Reply::NotYet,
+            Err(Miss::NotStarted) => Reply::NotStarted,
             Err(Miss::Failed(e)) => Reply::NotHeld(e),
         },
     }
@@ -170,7 +173,7 @@ impl PeerSource {
                 Ok(m)
             }
             Reply::NotHeld(why) => Err(why),
-            Reply::NotYet => Err("the manifest is not held yet".into()),
+            Reply::NotYet | Reply::NotStarted => Err("the manifest is not held yet".into()),
             Reply::Chunk(_) => Err("a chunk where a manifest was asked".into()),
         }
     }
@@ -192,6 +195,7 @@ impl ChunkSource for PeerSource {
         match self.rt.block_on(self.ask(&req)).map_err(Miss::Failed)? {
             Reply::Chunk(f) => Ok(f),
             Reply::NotYet => Err(Miss::NotYet),
+            Reply::NotStarted => Err(Miss::NotStarted),
             Reply::NotHeld(why) => Err(Miss::Failed(why)),
             Reply::Manifest(_) => Err(Miss::Failed("a manifest where a chunk was asked".into())),
         }

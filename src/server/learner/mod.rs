@@ -53,6 +53,8 @@ pub(super) struct ServerLearner<'a> {
     report: ReadyReport,
     stop: Option<StopMode>,
     hash: [u8; 32],
+    /// The version (and parameter hash) last published to followers.
+    published: Option<(u64, [u8; 32])>,
     last_saved: u64,
     /// Every episode id the ledger held at start, until the first epoch settles it.
     unsettled: Option<HashSet<String>>,
@@ -118,6 +120,7 @@ impl<'a> ServerLearner<'a> {
             report: ReadyReport::default(),
             stop: None,
             hash,
+            published: None,
             last_saved,
             unsettled: Some(ledger),
             outer,
@@ -292,15 +295,35 @@ impl<'a> ServerLearner<'a> {
         Ok(())
     }
 
-    /// The policy version the engine now serves goes to the followers (weight broadcast).
-    fn publish(&self) {
-        if let Some(b) = self.served.broadcast.get() {
-            b.publish(
-                &self.trainer.model.parameters(),
-                self.trainer.version(),
-                &self.hash,
-            );
+    /// The group's current version goes to the followers (weight broadcast), once per
+    /// version, while the view shows followers of the model: a trainer nobody follows
+    /// spends nothing on it (a follower that appears gets the version at the next
+    /// heartbeat). In DiLoCo mode a version is the outer step's anchor.
+    fn publish(&mut self) {
+        let Some(b) = self.served.broadcast.get() else {
+            return;
+        };
+        let version = self.trainer.version();
+        // In DiLoCo mode `hash` follows the inner steps; a version is the anchor's.
+        let same = match &self.outer {
+            Some(_) => self.published.is_some_and(|(v, _)| v == version),
+            None => self.published == Some((version, self.hash)),
+        };
+        if same
+            || crate::server::follow::followers_of(&self.served.swarm, &self.served.name, &b.group)
+                .is_empty()
+        {
+            return;
         }
+        let (params, hash): (Vec<tch::Tensor>, [u8; 32]) = match &self.outer {
+            Some(o) => (
+                o.anchor().iter().map(tch::Tensor::shallow_clone).collect(),
+                super::group_state::hash_of(o.anchor()),
+            ),
+            None => (self.trainer.model.parameters(), self.hash),
+        };
+        b.publish(&params, version, &hash);
+        self.published = Some((version, hash));
     }
 
     /// The engine serves the trainer's weights under its version; the status says its step.
@@ -357,6 +380,7 @@ impl Learner for ServerLearner<'_> {
     }
 
     fn feed(&mut self, wait: Duration, how: Wait) {
+        self.publish();
         match how {
             Wait::Full => self.pump(wait),
             Wait::UntilInput => self.pump_until_input(wait),
