@@ -48,7 +48,7 @@ const FETCH_PARALLEL: usize = 16;
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Why a server cannot follow in this swarm, if it cannot.
-pub fn untrusted(swarm: &SwarmHandle) -> Option<String> {
+pub fn untrusted(swarm: &SwarmHandle, model: &str) -> Option<String> {
     match swarm.trust() {
         Trust::Open => Some(
             "--follow takes weights only from the training group's members, and in an open \
@@ -56,6 +56,10 @@ pub fn untrusted(swarm: &SwarmHandle) -> Option<String> {
              or --run"
                 .into(),
         ),
+        _ if !swarm.may_sign_self(model) => Some(format!(
+            "--follow serves {model:?} for the group to train on, and this server's \
+             certificate does not let it serve {model:?}: its calls would be trained nowhere"
+        )),
         _ => None,
     }
 }
@@ -112,7 +116,7 @@ pub(super) fn followers_of(swarm: &SwarmHandle, model: &str, group: &str) -> Vec
     swarm
         .view()
         .iter()
-        .filter(|e| !e.is_self && e.status.role == Role::Server)
+        .filter(|e| !e.is_self && e.status.role == Role::Server && swarm.may_sign(e, model))
         .filter(|e| {
             e.status.models.iter().any(|m| {
                 m.name == model
@@ -123,6 +127,20 @@ pub(super) fn followers_of(swarm: &SwarmHandle, model: &str, group: &str) -> Vec
         })
         .map(|e| e.peer)
         .collect()
+}
+
+/// Why a version was not followed.
+enum Failure {
+    /// A transfer failed: try again.
+    Again(String),
+    /// The version itself cannot be served here (another layout, a wrong hash).
+    Refused(String),
+}
+
+impl From<String> for Failure {
+    fn from(e: String) -> Failure {
+        Failure::Again(e)
+    }
 }
 
 /// Starts following: the loop runs until the role stops.
@@ -138,6 +156,8 @@ pub fn spawn(served: Arc<ServedModel>, bc: Arc<Broadcast>, tasks: &TaskTracker, 
         let mut tick = tokio::time::interval(TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut failures = 0u32;
+        // Versions this follower cannot serve (fetched again, they would be refused again).
+        let mut refused = std::collections::HashSet::new();
         loop {
             tokio::select! {
                 _ = tick.tick() => {}
@@ -150,15 +170,21 @@ pub fn spawn(served: Arc<ServedModel>, bc: Arc<Broadcast>, tasks: &TaskTracker, 
             let at = held.as_ref().map(Held::version);
             let lag = target.version.saturating_sub(at.unwrap_or(0));
             bc.current(Some(lag));
-            if held
-                .as_ref()
-                .is_some_and(|h| h.id == target.id || h.version() > target.version)
-            {
+            if held.as_ref().is_some_and(|h| h.id == target.id) || refused.contains(&target.id) {
                 continue;
             }
             match follow(&served, &bc, &target, held, &rt).await {
                 Ok(()) => failures = 0,
-                Err(e) => {
+                Err(Failure::Refused(why)) => {
+                    tracing::warn!(
+                        model = served.name,
+                        version = target.version,
+                        "following: not serving this version: {why}"
+                    );
+                    eprintln!("following: version {} not served: {why}", target.version);
+                    refused.insert(target.id);
+                }
+                Err(Failure::Again(e)) => {
                     failures += 1;
                     tracing::warn!(
                         model = served.name,
@@ -184,7 +210,7 @@ async fn follow(
     target: &Target,
     held: Option<Held>,
     rt: &tokio::runtime::Handle,
-) -> Result<(), String> {
+) -> Result<(), Failure> {
     let source = |p: PeerId| {
         Arc::new(PeerSource::new(
             served.swarm.clone(),
@@ -278,16 +304,14 @@ async fn follow(
         .get(..16)
         .unwrap_or(&manifest.param_hash)
         .to_string();
-    let hash = if bc.kind == tch::Kind::Float {
+    let float32 = manifest.tensors.iter().all(|t| t.dtype == "Float");
+    let hash = if float32 {
         let own = hex8(blake3::hash(&bytes).as_bytes());
         if own != claimed {
-            tracing::warn!(
-                model = served.name,
-                version = manifest.version,
-                own,
-                claimed,
-                "the version's parameters do not hash to what its manifest says"
-            );
+            return Err(Failure::Refused(format!(
+                "version {}'s parameters hash to {own}, not to the {claimed} its manifest says",
+                manifest.version
+            )));
         }
         own
     } else {
@@ -299,12 +323,12 @@ async fn follow(
     let install = held.clone();
     let s = served.clone();
     tokio::task::spawn_blocking(move || {
-        let params = tensors_of(&install.manifest, &install.snapshot)?;
+        let params = tensors_of(&install.manifest, &install.snapshot).map_err(Failure::Refused)?;
         s.serve_weights(&params, install.version())
-            .map_err(|e| format!("the engine refused the weights: {e}"))
+            .map_err(|e| Failure::Refused(format!("the engine refused the weights: {e}")))
     })
     .await
-    .map_err(|e| e.to_string())??;
+    .map_err(|e| Failure::Again(e.to_string()))??;
     let lag = newest(&served.swarm, &served.name, &bc.group)
         .map_or(0, |t| t.version.saturating_sub(version));
     bc.install(&held, &hash, lag);

@@ -368,7 +368,11 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
     println!("{}", swarm.introduction(&listen_addrs));
     println!("trust: {}", swarm.trust().describe());
     if cfg.follow.is_some() {
-        if let Some(why) = follow::untrusted(&swarm) {
+        if let Some(why) = cfg
+            .served_names()
+            .iter()
+            .find_map(|(name, _)| follow::untrusted(&swarm, name))
+        {
             swarm.shutdown(Duration::from_secs(2)).await;
             return Err(ServerError::Config(why));
         }

@@ -8,7 +8,7 @@
 //! model's [`WeightsStatus`].
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{channel, Sender};
+use std::sync::mpsc::{sync_channel, SyncSender};
 use std::sync::{Arc, Mutex};
 
 use tch::{Kind, Tensor};
@@ -85,8 +85,13 @@ pub fn tensors_of(m: &Manifest, bytes: &[u8]) -> Result<Vec<Tensor>, String> {
             let kind = kind_of(&t.dtype)
                 .ok_or_else(|| format!("tensor {} has dtype {:?}", t.name, t.dtype))?;
             let r = t.offset as usize..(t.offset + t.len) as usize;
-            let want: i64 = t.shape.iter().product::<i64>() * kind.elt_size_in_bytes() as i64;
-            if want != t.len as i64 {
+            let want = t
+                .shape
+                .iter()
+                .try_fold(kind.elt_size_in_bytes() as u64, |n, &d| {
+                    u64::try_from(d).ok().and_then(|d| n.checked_mul(d))
+                });
+            if want != Some(t.len) {
                 return Err(format!(
                     "tensor {} of shape {:?} is said to have {} bytes",
                     t.name, t.shape, t.len
@@ -120,7 +125,7 @@ pub struct Broadcast {
     pub fetched: AtomicU64,
     /// What the model's status says of it (gossiped).
     pub status: Mutex<Option<WeightsStatus>>,
-    publisher: Mutex<Option<Sender<Publication>>>,
+    publisher: Mutex<Option<SyncSender<Publication>>>,
 }
 
 impl Broadcast {
@@ -168,7 +173,9 @@ impl Broadcast {
         let hex: String = hash.iter().map(|b| format!("{b:02x}")).collect();
         let mut p = lock(&self.publisher);
         if p.is_none() {
-            let (tx, rx) = channel::<Publication>();
+            // Room for one waiting snapshot: memory stays bounded (a trainer faster than
+            // the hashing waits for it).
+            let (tx, rx) = sync_channel::<Publication>(1);
             let me = self.clone();
             let spawned = std::thread::Builder::new()
                 .name(format!("publish-{}", self.model))

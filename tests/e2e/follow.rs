@@ -186,6 +186,11 @@ fn followers_serve_every_step_of_their_group_and_the_calls_they_sign_are_trained
         a.log_text()
     );
     eprintln!("{on_followers} calls sampled on followers, at versions {versions:?}");
+    // Some at a version the followers fetched (not only the one they started from).
+    assert!(
+        versions.iter().any(|&v| v >= 1),
+        "the followers' calls were all at versions {versions:?}"
+    );
     c.kill9();
 }
 

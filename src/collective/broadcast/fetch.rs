@@ -7,8 +7,8 @@
 //! timing out) is backed off too, and the chunk is asked again elsewhere. Memory is the
 //! target snapshot plus one frame per worker, whatever the sources send.
 //!
-//! The transport is a [`ChunkSource`]: the swarm's chunk protocol implements it for a
-//! peer (not built yet); the tests use sources in memory.
+//! The transport is a [`ChunkSource`]: [`super::wire::PeerSource`] is a peer over the
+//! swarm's chunk protocol; the tests use sources in memory.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -46,8 +46,15 @@ pub trait ChunkSource: Send + Sync {
     /// The peer's name (its id), for reports and back-off.
     fn name(&self) -> String;
     /// The frame ([`super::codec::encode`]) of chunk `index` of `version`, encoded as a
-    /// delta against the same chunk of version `base` when given (the fetcher holds it).
-    fn fetch(&self, version: u64, index: usize, base: Option<u64>) -> Result<Vec<u8>, Miss>;
+    /// delta against the same chunk of version `base` when given: the version the fetcher
+    /// holds and the hash of its chunk there (a delta is made only against a chunk of that
+    /// hash; version numbers may repeat after a restart).
+    fn fetch(
+        &self,
+        version: u64,
+        index: usize,
+        base: Option<(u64, [u8; 32])>,
+    ) -> Result<Vec<u8>, Miss>;
 }
 
 /// How the followers fetching one version share the work (a swarm, as BitTorrent's): the
@@ -59,8 +66,8 @@ pub struct Share {
     /// For each share in turn (chunk `i` is share `i % owners.len()`'s), the index in the
     /// sources of its owner, or `None` for this fetcher's own.
     pub owners: Vec<Option<usize>>,
-    /// How long to wait with no chunk arriving from the followers before asking the
-    /// members for the chunks of a silent owner (dead, or far behind).
+    /// How long to wait for an owner that gives no chunk (since it was first asked, or
+    /// last gave one) before asking the members for its share (it is dead, or stuck).
     pub patience: Duration,
     /// How long after this fetch starts an owner that has not started fetching the
     /// version is waited for (it heard of it later); after it, its share comes from the
@@ -74,9 +81,8 @@ pub struct FetchConfig {
     pub parallel: usize,
     /// Tries per chunk (over all sources) before the fetch fails.
     pub attempts: usize,
-    /// The first this many sources are asked first (the chunks spread over them), the
-    /// others only for what those fail to give: a follower asks other followers before
-    /// the trainers, whose upload is what bounds a broadcast.
+    /// Without a [`Share`]: the first this many sources are asked first (the chunks
+    /// spread over them), the others only for what those fail to give.
     pub preferred: usize,
     /// Share the work with the other followers fetching this version (see [`Share`]).
     pub share: Option<Share>,
@@ -133,8 +139,9 @@ struct Run<'a> {
     standing: Vec<Standing>,
     cfg: &'a FetchConfig,
     report: Mutex<FetchReport>,
-    /// When a chunk last arrived from a follower (see [`Share::patience`]).
-    progress: Mutex<Instant>,
+    /// Per source: when it was first asked, or last gave a chunk (see
+    /// [`Share::patience`]).
+    progress: Vec<Mutex<Option<Instant>>>,
     started: Instant,
     /// Owners found not fetching this version after the grace (see [`Share::grace`]).
     absent: Vec<std::sync::atomic::AtomicBool>,
@@ -165,7 +172,7 @@ pub fn fetch_version_with(
 ) -> Result<(Vec<u8>, FetchReport), FetchError> {
     let held = have.filter(|(m, b)| b.len() as u64 == m.total_bytes());
     let (mut needed, base, mut out) = match held.map(|(m, b)| (target.changed_since(m), m, b)) {
-        Some((Ok(changed), m, b)) => (changed, Some((m.version, b)), b.to_vec()),
+        Some((Ok(changed), m, b)) => (changed, Some((m, b)), b.to_vec()),
         _ => (
             (0..target.chunks.len()).collect(),
             None,
@@ -192,7 +199,7 @@ pub fn fetch_version_with(
             chunks: needed.len(),
             ..Default::default()
         }),
-        progress: Mutex::new(Instant::now()),
+        progress: sources.iter().map(|_| Mutex::new(None)).collect(),
         started: Instant::now(),
         absent: sources
             .iter()
@@ -213,7 +220,7 @@ pub fn fetch_version_with(
                 let k = next.fetch_add(1, Ordering::Relaxed);
                 let Some(&i) = needed.get(k) else { return };
                 let range = target.chunk_range(i);
-                let base_chunk = base.map(|(v, b)| (v, &b[range.clone()]));
+                let base_chunk = base.map(|(m, b)| (m.version, m.chunks[i], &b[range.clone()]));
                 match run.chunk(i, base_chunk) {
                     Ok(bytes) => {
                         on_chunk(i, &bytes);
@@ -235,6 +242,9 @@ pub fn fetch_version_with(
     Ok((out, report))
 }
 
+/// The fetcher's copy of a chunk: its version, its hash and its bytes.
+type Base<'a> = (u64, [u8; 32], &'a [u8]);
+
 /// What asking one source for a chunk gave.
 enum Asked {
     Got(Vec<u8>),
@@ -251,7 +261,7 @@ impl Run<'_> {
     /// Chunk `i`: with a share and another owner, from the followers while they make
     /// progress; then from the sources in turn (the preferred first, from `i` on, so the
     /// chunks spread), checked; backs off sources that lie or keep failing.
-    fn chunk(&self, i: usize, base: Option<(u64, &[u8])>) -> Result<Vec<u8>, FetchError> {
+    fn chunk(&self, i: usize, base: Option<Base<'_>>) -> Result<Vec<u8>, FetchError> {
         let n = self.sources.len();
         let mut why = String::from("no source");
         if let Some(share) = self.cfg.share.as_ref().filter(|s| !s.owners.is_empty()) {
@@ -263,7 +273,7 @@ impl Run<'_> {
                     }
                     match self.ask(owner, i, base) {
                         Asked::Got(b) => {
-                            *lock(&self.progress) = Instant::now();
+                            *lock(&self.progress[owner]) = Some(Instant::now());
                             return Ok(b);
                         }
                         Asked::NotYet => {}
@@ -274,7 +284,8 @@ impl Run<'_> {
                         Asked::NotStarted => {}
                         Asked::Failed(e) => why = e,
                     }
-                    if lock(&self.progress).elapsed() >= share.patience {
+                    let since = *lock(&self.progress[owner]).get_or_insert_with(Instant::now);
+                    if since.elapsed() >= share.patience {
                         break;
                     }
                     std::thread::sleep(POLL);
@@ -317,12 +328,12 @@ impl Run<'_> {
     }
 
     /// Asks source `j` for chunk `i` and checks what it sends.
-    fn ask(&self, j: usize, i: usize, base: Option<(u64, &[u8])>) -> Asked {
+    fn ask(&self, j: usize, i: usize, base: Option<Base<'_>>) -> Asked {
         let target = self.target;
         let len = target.chunk_range(i).len();
         let src = &self.sources[j];
         let standing = &self.standing[j];
-        let frame = match src.fetch(target.version, i, base.map(|(v, _)| v)) {
+        let frame = match src.fetch(target.version, i, base.map(|(v, h, _)| (v, h))) {
             Ok(f) => f,
             Err(Miss::NotYet) => return Asked::NotYet,
             Err(Miss::NotStarted) => return Asked::NotStarted,
@@ -346,7 +357,7 @@ impl Run<'_> {
                 frame.len()
             )))
         } else {
-            decode(&frame, base.map(|(_, b)| b), len, &target.chunks[i])
+            decode(&frame, base.map(|(_, _, b)| b), len, &target.chunks[i])
         };
         match checked {
             Ok(bytes) => {
@@ -403,7 +414,12 @@ mod tests {
         fn name(&self) -> String {
             self.name.clone()
         }
-        fn fetch(&self, version: u64, index: usize, base: Option<u64>) -> Result<Vec<u8>, Miss> {
+        fn fetch(
+            &self,
+            version: u64,
+            index: usize,
+            base: Option<(u64, [u8; 32])>,
+        ) -> Result<Vec<u8>, Miss> {
             if self.gone {
                 return Err(Miss::Failed("connection reset".into()));
             }
@@ -414,7 +430,7 @@ mod tests {
                 .ok_or(Miss::Failed("no such version".into()))?;
             let r = index * c..((index + 1) * c).min(snap.len());
             let b = base
-                .and_then(|v| self.versions.get(&v))
+                .and_then(|(v, _)| self.versions.get(&v))
                 .map(|b| &b[r.clone()]);
             let mut f = encode(&snap[r], b, 2);
             if self.tamper {
@@ -538,7 +554,12 @@ mod tests {
         fn name(&self) -> String {
             self.name.clone()
         }
-        fn fetch(&self, version: u64, index: usize, base: Option<u64>) -> Result<Vec<u8>, Miss> {
+        fn fetch(
+            &self,
+            version: u64,
+            index: usize,
+            base: Option<(u64, [u8; 32])>,
+        ) -> Result<Vec<u8>, Miss> {
             let f = self.store.frame("m", version, index, base)?;
             self.served.fetch_add(1, Ordering::Relaxed);
             Ok(f.to_vec())

@@ -90,7 +90,7 @@ pub struct VersionStore {
     partial: Mutex<HashMap<String, Arc<Partial>>>,
     frames: Mutex<Frames>,
     frame_budget: usize,
-    /// Frame bytes served to other peers, and chunks asked that were not held.
+    /// Frame bytes served to other peers.
     pub served_bytes: AtomicU64,
     /// Tests only: serve every chunk with one byte changed (a lying peer).
     pub tamper: AtomicBool,
@@ -116,7 +116,6 @@ impl VersionStore {
     pub fn put(&self, held: Held) {
         let model = held.manifest.model.clone();
         let version = held.version();
-        self.abandon(&model, version);
         let dropped: Vec<u64> = {
             let mut models = lock(&self.models);
             let list = models.entry(model.clone()).or_default();
@@ -132,6 +131,8 @@ impl VersionStore {
             gone.push(version);
             gone
         };
+        // After it is held: an asker never finds it neither held nor being fetched.
+        self.abandon(&model, version);
         let mut f = lock(&self.frames);
         let Frames { map, order, bytes } = &mut *f;
         let stale = |k: &FrameKey| {
@@ -166,9 +167,20 @@ impl VersionStore {
     /// ([`VersionStore::received`]) until [`VersionStore::put`] or
     /// [`VersionStore::abandon`].
     pub fn begin(&self, manifest: Arc<Manifest>) {
-        let chunks = (0..manifest.chunks.len())
+        let chunks: Vec<OnceLock<Arc<Vec<u8>>>> = (0..manifest.chunks.len())
             .map(|_| OnceLock::new())
             .collect();
+        // The chunks it keeps from the version it holds are in from the start.
+        if let Some(held) = self.latest(&manifest.model) {
+            if held.manifest.changed_since(&manifest).is_ok() {
+                for (i, c) in chunks.iter().enumerate() {
+                    if held.manifest.chunks[i] == manifest.chunks[i] {
+                        let r = held.manifest.chunk_range(i);
+                        let _ = c.set(Arc::new(held.snapshot[r].to_vec()));
+                    }
+                }
+            }
+        }
         lock(&self.partial).insert(
             manifest.model.clone(),
             Arc::new(Partial { manifest, chunks }),
@@ -203,7 +215,7 @@ impl VersionStore {
         model: &str,
         version: u64,
         index: usize,
-        base: Option<u64>,
+        base: Option<(u64, [u8; 32])>,
     ) -> Result<Arc<Vec<u8>>, Miss> {
         let (manifest, chunk): (Arc<Manifest>, Chunk) = match self.get(model, version) {
             Some(h) => (h.manifest.clone(), Chunk::Held(h)),
@@ -244,8 +256,13 @@ impl VersionStore {
             }
             return Ok(Arc::new(encode(&bad, None, width)));
         }
+        // Against the asker's chunk only if this peer holds the same bytes under that
+        // version (numbers may repeat after a restart).
         let base = base
-            .and_then(|b| self.get(model, b))
+            .and_then(|(b, hash)| {
+                self.get(model, b)
+                    .filter(|h| h.manifest.chunks.get(index) == Some(&hash))
+            })
             .filter(|b| manifest.changed_since(&b.manifest).is_ok());
         let key: FrameKey = (
             model.to_string(),
@@ -358,7 +375,9 @@ mod tests {
         let (old, new) = (s.get("m", 2).unwrap(), s.get("m", 3).unwrap());
         for i in 0..new.manifest.chunks.len() {
             let r = new.manifest.chunk_range(i);
-            let f = s.frame("m", 3, i, Some(2)).unwrap();
+            let f = s
+                .frame("m", 3, i, Some((2, old.manifest.chunks[i])))
+                .unwrap();
             let got = decode(
                 &f,
                 Some(&old.snapshot[r.clone()]),
@@ -367,7 +386,7 @@ mod tests {
             );
             assert_eq!(got.unwrap(), new.snapshot[r.clone()].to_vec());
             // Against a version no longer held: the chunk on its own.
-            let f = s.frame("m", 3, i, Some(1)).unwrap();
+            let f = s.frame("m", 3, i, Some((1, [0; 32]))).unwrap();
             assert_eq!(
                 decode(&f, None, r.len(), &new.manifest.chunks[i]).unwrap(),
                 new.snapshot[r].to_vec()
@@ -402,10 +421,11 @@ mod tests {
         s.put(version(1, 3));
         let next = version(2, 5);
         s.begin(next.manifest.clone());
-        assert_eq!(s.frame("m", 2, 1, Some(1)), Err(Miss::NotYet));
+        let base = |i: usize| Some((1, s.get("m", 1).unwrap().manifest.chunks[i]));
+        assert_eq!(s.frame("m", 2, 1, base(1)), Err(Miss::NotYet));
         let r = next.manifest.chunk_range(1);
         s.received("m", 2, 1, &next.snapshot[r.clone()]);
-        let f = s.frame("m", 2, 1, Some(1)).unwrap();
+        let f = s.frame("m", 2, 1, base(1)).unwrap();
         let old = s.get("m", 1).unwrap();
         let got = decode(
             &f,
@@ -414,8 +434,8 @@ mod tests {
             &next.manifest.chunks[1],
         );
         assert_eq!(got.unwrap(), next.snapshot[r].to_vec());
-        assert_eq!(s.frame("m", 2, 0, Some(1)), Err(Miss::NotYet));
+        assert_eq!(s.frame("m", 2, 0, base(0)), Err(Miss::NotYet));
         s.put(next);
-        assert!(s.frame("m", 2, 0, Some(1)).is_ok());
+        assert!(s.frame("m", 2, 0, base(0)).is_ok());
     }
 }

@@ -40,7 +40,8 @@ pub enum Request {
         model: String,
         version: u64,
         index: u32,
-        base: Option<u64>,
+        /// The asker's version of the chunk and its hash.
+        base: Option<(u64, [u8; 32])>,
     },
 }
 
@@ -70,7 +71,12 @@ pub fn serve(swarm: &SwarmHandle, store: Arc<VersionStore>) -> Result<(), SwarmE
                         }
                         Ok(Ok(r)) => r,
                     };
-                let reply = answer(&store, req);
+                // Encoding (or waiting for another request's encoding of the same frame)
+                // is CPU work: off the async threads.
+                let st = store.clone();
+                let reply = tokio::task::spawn_blocking(move || answer(&st, req))
+                    .await
+                    .unwrap_or_else(|e| Reply::NotHeld(format!("the handler failed: {e}")));
                 write_frame(&mut s, &reply, REPLY_LIMIT).await?;
             }
         }
@@ -184,7 +190,12 @@ impl ChunkSource for PeerSource {
         self.peer.to_string()
     }
 
-    fn fetch(&self, version: u64, index: usize, base: Option<u64>) -> Result<Vec<u8>, Miss> {
+    fn fetch(
+        &self,
+        version: u64,
+        index: usize,
+        base: Option<(u64, [u8; 32])>,
+    ) -> Result<Vec<u8>, Miss> {
         let req = Request::Chunk {
             model: self.model.clone(),
             version,
