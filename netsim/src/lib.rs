@@ -13,8 +13,9 @@
 //! a figure measured while the lag is high is an upper bound.
 //!
 //! Layers: `net` (links) -> `pipe` (one shaped connection) -> `transport` (libp2p) and
-//! `links` (the collective's data plane) -> `cluster` (peers) and `member` (a training-group
-//! member) -> `scenario` (the measurements) -> `report`.
+//! `links` (the collective's data plane) and `weights` (the weight broadcast's) -> `cluster`
+//! (peers) and `member` (a training-group member) -> `scenario` (the measurements) ->
+//! `report`.
 
 pub mod cluster;
 pub mod links;
@@ -24,6 +25,7 @@ pub mod pipe;
 pub mod report;
 pub mod scenario;
 pub mod transport;
+pub mod weights;
 
 pub use cluster::{Cluster, PeerTiming, SimPeer, MODEL};
 pub use net::{NetConfig, Network, NodeId};

@@ -6,10 +6,10 @@ use std::time::Duration;
 
 use agentjet::collective::Wire;
 use agentjet_netsim::member::Mode;
-use agentjet_netsim::scenario::{churn, discovery, gossip, partition, training, Env};
+use agentjet_netsim::scenario::{broadcast, churn, discovery, gossip, partition, training, Env};
 use agentjet_netsim::NetConfig;
 
-const USAGE: &str = "usage: netsim <discovery|gossip|churn|partition|training> [--peers N,N,..] [--servers N] [--clients N]
+const USAGE: &str = "usage: netsim <discovery|gossip|churn|partition|training|broadcast> [--peers N,N,..] [--servers N] [--clients N]
   [--seed N] [--latency-ms LO-HI] [--bandwidth-mbit X] [--loss P] [--out DIR]
   [--rates R,R,.. (churn: crashes per server per hour)] [--seconds S (churn: per rate; gossip: window)]
   [--hold S (partition)] [--idle-s S (discovery: idle connection timeout, default 120)]
@@ -17,7 +17,9 @@ const USAGE: &str = "usage: netsim <discovery|gossip|churn|partition|training> [
   [--max-conns N (discovery: connection trimmer's high mark, default 96)] [--grace-s S (discovery: trimmer's grace, default 30)]
   [--ping-s S (discovery: default 5)]
   training: [--members N] [--peers N (plain peers besides them)] [--modes sync,diloco/H,..] [--seconds S (per mode)] [--values N]
-  [--model-values N] [--step-s X] [--crashes N] [--wire f32|bf16] [--timeout-s S]";
+  [--model-values N] [--step-s X] [--crashes N] [--wire f32|bf16] [--timeout-s S]
+  broadcast: [--followers N] [--model-mb X (bfloat16 bytes it stands for, default 500)] [--scale X (default 100)]
+  [--chunk-kib N (default 1024)] [--versions N] [--lr X] [--parallel N (requests in flight per follower)] [--timeout-s S]";
 
 fn main() -> std::process::ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -74,6 +76,13 @@ fn run(args: Vec<String>) -> anyhow::Result<()> {
         "--crashes",
         "--wire",
         "--timeout-s",
+        "--followers",
+        "--model-mb",
+        "--scale",
+        "--chunk-kib",
+        "--versions",
+        "--lr",
+        "--parallel",
     ];
     let mut i = 1;
     while i < args.len() {
@@ -237,6 +246,25 @@ fn run(args: Vec<String>) -> anyhow::Result<()> {
                     "--values must be within 1..=--model-values"
                 );
                 training::run(&env, &a, &command).await.map(drop)
+            }
+            "broadcast" => {
+                let a = broadcast::Args {
+                    followers: one("--followers", get("--followers"), 100)?,
+                    model_bytes: (one("--model-mb", get("--model-mb"), 500.0f64)? * 1e6) as u64,
+                    scale: one("--scale", get("--scale"), 100.0)?,
+                    chunk: one("--chunk-kib", get("--chunk-kib"), 1024u64)? * 1024,
+                    versions: one("--versions", get("--versions"), 3)?,
+                    lr: one("--lr", get("--lr"), broadcast::DEFAULT_LR)?,
+                    parallel: one(
+                        "--parallel",
+                        get("--parallel"),
+                        agentjet::collective::broadcast::FollowConfig::default().parallel,
+                    )?,
+                    limit: Duration::from_secs(one("--timeout-s", get("--timeout-s"), 120)?),
+                };
+                anyhow::ensure!(a.scale >= 1.0, "--scale must be at least 1");
+                anyhow::ensure!(a.parallel >= 1, "--parallel must be at least 1");
+                broadcast::run(&env, &a, &command).await.map(drop)
             }
             other => anyhow::bail!("no scenario {other:?}\n{USAGE}"),
         }

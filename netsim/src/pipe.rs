@@ -63,10 +63,23 @@ pub fn weighted_pair(
     listener: NodeId,
     weight: f64,
 ) -> (SimStream, SimStream) {
+    weighted_pair_each_way(net, dialer, listener, weight, weight)
+}
+
+/// A pair whose dialer's bytes count as `dialer_weight` bytes each, the listener's as
+/// `listener_weight` (requests at their size, scaled-down replies at the size they stand
+/// for).
+pub fn weighted_pair_each_way(
+    net: &Network,
+    dialer: NodeId,
+    listener: NodeId,
+    dialer_weight: f64,
+    listener_weight: f64,
+) -> (SimStream, SimStream) {
     let (a_tx, a_rx) = mpsc::channel(WINDOW);
     let (b_tx, b_rx) = mpsc::channel(WINDOW);
     let now = Instant::now();
-    let end = |local, remote, tx, rx| SimStream {
+    let end = |local, remote, tx, rx, weight| SimStream {
         net: net.clone(),
         local,
         remote,
@@ -82,8 +95,8 @@ pub fn weighted_pair(
         weight,
     };
     (
-        end(dialer, listener, a_tx, b_rx),
-        end(listener, dialer, b_tx, a_rx),
+        end(dialer, listener, a_tx, b_rx, dialer_weight),
+        end(listener, dialer, b_tx, a_rx, listener_weight),
     )
 }
 

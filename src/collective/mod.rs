@@ -17,7 +17,7 @@
 //! order of a member's rounds. Never touches LibTorch (learners hand it `f32` slices),
 //! never decides what a step computes (the learner does).
 
-#[cfg(feature = "torch")]
+#[cfg(feature = "broadcast")]
 pub mod broadcast;
 pub mod group;
 pub mod link;

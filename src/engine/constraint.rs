@@ -57,6 +57,9 @@ enum Esc {
     Backslash,
     /// Hex digits still expected after `\u`.
     Hex(u8),
+    /// `\uD` or `\ud` so far: the next digit must keep it out of the UTF-16 surrogates
+    /// (`\uD800`..`\uDFFF`, which serde_json and most parsers refuse unpaired).
+    HexD,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -367,12 +370,17 @@ impl JsonState {
                 b'u' => (Esc::Hex(4), 0),
                 _ => return false,
             },
+            (Esc::Hex(4), _) if b == b'd' || b == b'D' => (Esc::HexD, 0),
             (Esc::Hex(n), _) => {
                 if !b.is_ascii_hexdigit() {
                     return false;
                 }
                 (if n > 1 { Esc::Hex(n - 1) } else { Esc::No }, 0)
             }
+            (Esc::HexD, _) => match b {
+                b'0'..=b'7' => (Esc::Hex(2), 0),
+                _ => return false,
+            },
             (Esc::No, _)
                 if b != b'"' && self.depth == 0 && {
                     self.chars += 1;
@@ -985,6 +993,24 @@ mod tests {
         assert!(accepts(&c, r#"{"s": "é\nx"}"#));
         assert!(accepts(&c, r#"{"s": ""}"#));
         assert!(!accepts(&c, r#"{"s": "abcd"}"#));
+        // Escapes: what serde_json parses. A UTF-16 surrogate escape is refused (unpaired,
+        // serde_json refuses it; a model writes the character itself instead).
+        let any = Constraint::json_object(vocab(&[]));
+        for ok in [
+            r#"{"s": "\u00e9\u0041\uD7FF\uE000"}"#,
+            r#"{"s": "\n\t\"\/"}"#,
+        ] {
+            assert!(accepts(&any, ok), "{ok}");
+            serde_json::from_str::<serde_json::Value>(ok).unwrap();
+        }
+        for bad in [
+            r#"{"s": "\ud83d"}"#,
+            r#"{"s": "\uDC00"}"#,
+            r#"{"s": "\ud83d\ude00"}"#,
+        ] {
+            assert!(!accepts(&any, bad), "{bad}");
+        }
+        assert!(serde_json::from_str::<serde_json::Value>(r#"{"s": "\ud83d"}"#).is_err());
         // A tool call with a schema: the arguments follow the chosen tool's parameters.
         let tools = [
             ToolSpec {

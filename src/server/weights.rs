@@ -4,18 +4,17 @@
 //! gossiped); a follower (`--follow`, [`super::follow`]) installs the versions it fetches
 //! the same way, so it serves them on in turn.
 //!
-//! Owns: turning parameters into a snapshot and back, the publishing thread, and the
-//! model's [`WeightsStatus`].
+//! Owns: turning parameters into a snapshot and back, and the publishing thread (the
+//! held versions and their gossiped status are the model's [`Holder`]).
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender};
 use std::sync::{Arc, Mutex};
 
 use tch::{Kind, Tensor};
 
 use crate::base::lock;
-use crate::collective::broadcast::{Held, Manifest, VersionStore};
-use crate::swarm::{SwarmHandle, WeightsStatus};
+use crate::collective::broadcast::{Holder, Manifest, VersionStore};
+use crate::swarm::SwarmHandle;
 
 /// How this server takes part (each a flag of `--role server`).
 #[derive(Debug, Clone)]
@@ -102,30 +101,24 @@ pub fn tensors_of(m: &Manifest, bytes: &[u8]) -> Result<Vec<Tensor>, String> {
         .collect()
 }
 
-/// The first 8 bytes of a hash, hex (as the group gossips parameter hashes).
-pub fn hex8(h: &[u8]) -> String {
-    h.iter().take(8).map(|b| format!("{b:02x}")).collect()
-}
-
 /// A snapshot to publish: its layout and bytes, version and parameter hash (hex).
 type Publication = (Layout, Vec<u8>, u64, String);
 
-/// One served model's broadcast state.
+/// One served model's broadcast state: its [`Holder`] (held versions, status), and how
+/// it publishes a version from the model's tensors.
 pub struct Broadcast {
-    swarm: SwarmHandle,
-    pub store: Arc<VersionStore>,
-    pub model: String,
-    /// The training group whose versions these are.
-    pub group: String,
+    pub holder: Arc<Holder>,
     /// The snapshot's dtype (the serving dtype; float32 for an adapter).
     pub kind: Kind,
     pub settings: BroadcastSettings,
-    pub follower: bool,
-    /// Chunk bytes fetched from other peers.
-    pub fetched: AtomicU64,
-    /// What the model's status says of it (gossiped).
-    pub status: Mutex<Option<WeightsStatus>>,
     publisher: Mutex<Option<SyncSender<Publication>>>,
+}
+
+impl std::ops::Deref for Broadcast {
+    type Target = Holder;
+    fn deref(&self) -> &Holder {
+        &self.holder
+    }
 }
 
 impl Broadcast {
@@ -138,23 +131,11 @@ impl Broadcast {
         settings: BroadcastSettings,
         follower: bool,
     ) -> Arc<Broadcast> {
-        // A follower says so from its start (it holds no version yet): the others count
-        // it in when they share a version's chunks out.
-        let status = follower.then(|| WeightsStatus {
-            group: group.to_string(),
-            follower: true,
-            ..Default::default()
-        });
+        let holder = Holder::new(swarm, store, model, group, settings.chunk_bytes, follower);
         Arc::new(Broadcast {
-            swarm,
-            store,
-            model: model.to_string(),
-            group: group.to_string(),
+            holder: Arc::new(holder),
             kind,
             settings,
-            follower,
-            fetched: AtomicU64::new(0),
-            status: Mutex::new(status),
             publisher: Mutex::new(None),
         })
     }
@@ -176,7 +157,7 @@ impl Broadcast {
             // Room for one waiting snapshot: memory stays bounded (a trainer faster than
             // the hashing waits for it).
             let (tx, rx) = sync_channel::<Publication>(1);
-            let me = self.clone();
+            let holder = self.holder.clone();
             let spawned = std::thread::Builder::new()
                 .name(format!("publish-{}", self.model))
                 .spawn(move || {
@@ -185,7 +166,9 @@ impl Broadcast {
                             job = newer;
                         }
                         let (layout, bytes, version, hash) = job;
-                        me.hold(&layout, bytes, version, &hash);
+                        if let Err(e) = holder.hold(&layout, bytes, version, &hash) {
+                            tracing::warn!(model = holder.model, "weights not published: {e}");
+                        }
                     }
                 });
             match spawned {
@@ -199,79 +182,6 @@ impl Broadcast {
         if let Some(tx) = p.as_ref() {
             let _ = tx.send((layout, bytes, version, hex));
         }
-    }
-
-    /// Holds a snapshot as `version` and gossips it.
-    fn hold(&self, layout: &Layout, bytes: Vec<u8>, version: u64, hash: &str) {
-        let m = match Manifest::build_chunked(
-            &self.model,
-            version,
-            hash,
-            layout,
-            &bytes,
-            self.settings.chunk_bytes,
-        ) {
-            Ok(m) => m,
-            Err(e) => {
-                tracing::warn!(model = self.model, "weights not published: {e}");
-                return;
-            }
-        };
-        let held = Held::new(m, bytes);
-        self.install(&held, &hash[..hash.len().min(16)], 0);
-        // The deltas every up-to-date follower will ask for, encoded now (in parallel).
-        let t0 = std::time::Instant::now();
-        let frames = self.store.prepare_deltas(&self.model, version);
-        tracing::info!(
-            model = self.model,
-            version,
-            frames,
-            seconds = t0.elapsed().as_secs_f64(),
-            "encoded the version's deltas"
-        );
-        tracing::info!(
-            model = self.model,
-            version,
-            chunks = held.manifest.chunks.len(),
-            "published policy version"
-        );
-    }
-
-    /// Holds `held` (serves its chunks) and says so in the status: it serves parameters
-    /// hashing to `param_hash` (hex8), `lag` versions behind its group.
-    pub fn install(&self, held: &Held, param_hash: &str, lag: u64) {
-        let (version, id) = (held.version(), held.id);
-        self.store.put(held.clone());
-        let status = WeightsStatus {
-            group: self.group.clone(),
-            version,
-            manifest: id,
-            param_hash: param_hash.to_string(),
-            follower: self.follower,
-            lag,
-            fetched_bytes: self.fetched.load(Ordering::Relaxed),
-            served_bytes: self.store.served_bytes.load(Ordering::Relaxed),
-        };
-        *lock(&self.status) = Some(status.clone());
-        // Said at once: the followers wait for it.
-        self.swarm.set_status(|st| {
-            if let Some(m) = st.models.iter_mut().find(|m| m.name == self.model) {
-                m.weights = Some(status);
-            }
-        });
-        self.swarm.announce();
-    }
-
-    /// The status with the byte counters (and `lag`, for a follower) as they are now.
-    pub fn current(&self, lag: Option<u64>) -> Option<WeightsStatus> {
-        let mut s = lock(&self.status);
-        let st = s.as_mut()?;
-        st.fetched_bytes = self.fetched.load(Ordering::Relaxed);
-        st.served_bytes = self.store.served_bytes.load(Ordering::Relaxed);
-        if let Some(l) = lag {
-            st.lag = l;
-        }
-        Some(st.clone())
     }
 }
 

@@ -731,13 +731,22 @@ fn a_diloco_joiner_fetches_the_outer_state_and_matches_from_the_next_outer_step(
     for s in [&mut a, &mut b, &mut c] {
         s.wait_epoch(3, Duration::from_secs(60));
     }
-    let mut cl2 = client(d, &boot, 24, "run2");
+    // 48 groups: each of the three members holds at least 2 with a signal (an outer step
+    // waits for every member's 2 inner steps; with 24, one member in CI once had too few).
+    let mut cl2 = client(d, &boot, 48, "run2");
     assert!(cl2.child.wait().unwrap().success(), "{}", cl2.log_text());
-    wait_until(
-        "an outer step with three members",
-        Duration::from_secs(60),
-        || outer_lines(d, "c").iter().any(|o| o.2 == 3),
-    );
+    let t0 = std::time::Instant::now();
+    while !outer_lines(d, "c").iter().any(|o| o.2 == 3) {
+        if t0.elapsed() > Duration::from_secs(120) {
+            panic!(
+                "no outer step with three members:\n{}\n-----\n{}\n-----\n{}",
+                a.log_text(),
+                b.log_text(),
+                c.log_text()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
     std::thread::sleep(Duration::from_secs(1));
     let (oa, oc) = (outer_lines(d, "a"), outer_lines(d, "c"));
     println!("a: {oa:?}\nc: {oc:?}");

@@ -1,6 +1,7 @@
 //! The scenarios, each one command (`netsim <name> [flags]`, see `main.rs`), each writing
 //! its table, JSON and plot into the results folder.
 
+pub mod broadcast;
 pub mod churn;
 pub mod discovery;
 pub mod gossip;

@@ -1,7 +1,8 @@
 //! netsim's tests (one binary): a small simulated swarm of about 50 peers over
-//! internet-like links (`small`), and the training group's protocol in process, in seconds
+//! internet-like links (`small`), the weight broadcast to 6 followers (`broadcast`), and the training group's protocol in process, in seconds
 //! (`member_loop`).
 
+mod broadcast;
 mod member_loop;
 mod small;
 

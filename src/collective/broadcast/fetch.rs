@@ -179,10 +179,13 @@ pub fn fetch_version_with(
             vec![0u8; target.total_bytes() as usize],
         ),
     };
-    // Our own share first: the other followers wait for it.
+    // Our own share first: the other followers wait for it. Then the others' in rounds
+    // (one chunk of each owner per round), each round starting at the owner after us: the
+    // followers' requests spread over every owner instead of all asking the same first.
     if let Some(share) = cfg.share.as_ref().filter(|s| !s.owners.is_empty()) {
         let n = share.owners.len();
-        needed.sort_by_key(|&i| (share.owners[i % n].is_some(), i));
+        let me = share.owners.iter().position(Option::is_none).unwrap_or(0);
+        needed.sort_by_key(|&i| (share.owners[i % n].is_some(), i / n, (i % n + n - me) % n));
     }
     let run = Run {
         target,

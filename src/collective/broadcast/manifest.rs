@@ -57,6 +57,9 @@ pub enum ManifestError {
     LayoutChanged(String),
 }
 
+/// A snapshot's layout: per tensor its name, dtype, shape and bytes, in order.
+pub type Layout = [(String, String, Vec<i64>, u64)];
+
 impl Manifest {
     /// The manifest of `snapshot` (the tensors of `layout` back to back, each given as
     /// name, dtype and shape with its byte length) at `version`.
@@ -64,7 +67,7 @@ impl Manifest {
         model: &str,
         version: u64,
         param_hash: &str,
-        layout: &[(String, String, Vec<i64>, u64)],
+        layout: &Layout,
         snapshot: &[u8],
     ) -> Result<Manifest, ManifestError> {
         Self::build_chunked(model, version, param_hash, layout, snapshot, CHUNK_BYTES)
@@ -76,7 +79,7 @@ impl Manifest {
         model: &str,
         version: u64,
         param_hash: &str,
-        layout: &[(String, String, Vec<i64>, u64)],
+        layout: &Layout,
         snapshot: &[u8],
         chunk_bytes: u32,
     ) -> Result<Manifest, ManifestError> {

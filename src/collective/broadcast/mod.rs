@@ -12,14 +12,18 @@
 //! Every holder of a version (a trainer after its step, a follower after its fetch) keeps
 //! it in its [`VersionStore`] and serves its manifest and chunks on `/agentjet/weights/1`
 //! ([`wire`]); which versions a peer holds is in its gossiped status
-//! ([`crate::swarm::WeightsStatus`]). The follower role that uses all this is the
-//! server's (`--follow`, `server::follow`).
+//! ([`crate::swarm::WeightsStatus`], see [`Holder`]). A follower's loop ([`Follower`]:
+//! which version to follow, from whom, sharing the work with the other followers) is
+//! here too, without the model: the server's `--follow` installs each fetched version in
+//! its engine, netsim's followers hold them.
 //!
 //! Owns: the manifest's layout, limits and diff, a chunk's encodings and checks, the held
 //! versions, the chunk protocol, and the multi-source fetch.
 
 pub mod codec;
 pub mod fetch;
+pub mod follow;
+pub mod holder;
 pub mod manifest;
 pub mod store;
 pub mod wire;
@@ -29,6 +33,8 @@ pub use fetch::{
     fetch_version, fetch_version_with, ChunkSource, FetchConfig, FetchError, FetchReport, Miss,
     Share,
 };
-pub use manifest::{Manifest, ManifestError, TensorMeta, CHUNK_BYTES};
+pub use follow::{FollowConfig, Follower};
+pub use holder::Holder;
+pub use manifest::{Layout, Manifest, ManifestError, TensorMeta, CHUNK_BYTES};
 pub use store::{Held, VersionStore};
-pub use wire::PeerSource;
+pub use wire::{PeerSource, WeightsNet};

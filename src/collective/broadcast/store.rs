@@ -8,6 +8,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
 
 use super::codec::encode;
 use super::fetch::Miss;
@@ -55,6 +56,17 @@ type FrameKey = (String, u64, usize, Option<u64>);
 struct Partial {
     manifest: Arc<Manifest>,
     chunks: Vec<OnceLock<Arc<Vec<u8>>>>,
+    /// Per chunk: wakes the requests waiting for it (see [`VersionStore::wait_chunk`]).
+    arrived: Vec<tokio::sync::Notify>,
+}
+
+impl Partial {
+    /// Wakes every waiting request (the fetch ended).
+    fn wake_all(&self) {
+        self.arrived
+            .iter()
+            .for_each(tokio::sync::Notify::notify_waiters);
+    }
 }
 
 /// Where a served chunk's bytes are.
@@ -181,10 +193,42 @@ impl VersionStore {
                 }
             }
         }
-        lock(&self.partial).insert(
+        let arrived = chunks.iter().map(|_| tokio::sync::Notify::new()).collect();
+        let old = lock(&self.partial).insert(
             manifest.model.clone(),
-            Arc::new(Partial { manifest, chunks }),
+            Arc::new(Partial {
+                manifest,
+                chunks,
+                arrived,
+            }),
         );
+        old.iter().for_each(|p| p.wake_all());
+    }
+
+    /// Waits at most `wait` for chunk `index` of `model`'s `version` while this store is
+    /// fetching that version and the chunk is not in: a request for it is answered the
+    /// moment it arrives (a long poll: no round trips of asking again).
+    pub async fn wait_chunk(&self, model: &str, version: u64, index: usize, wait: Duration) {
+        let p = lock(&self.partial).get(model).cloned();
+        let Some(p) = p.filter(|p| p.manifest.version == version) else {
+            return;
+        };
+        let (Some(cell), Some(n)) = (p.chunks.get(index), p.arrived.get(index)) else {
+            return;
+        };
+        let notified = n.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        if cell.get().is_none() && self.fetching(model, version) {
+            let _ = tokio::time::timeout(wait, notified).await;
+        }
+    }
+
+    /// Whether `model`'s `version` is the one being fetched.
+    fn fetching(&self, model: &str, version: u64) -> bool {
+        lock(&self.partial)
+            .get(model)
+            .is_some_and(|p| p.manifest.version == version)
     }
 
     /// Chunk `index` of the version being fetched arrived (checked).
@@ -193,16 +237,21 @@ impl VersionStore {
         if let Some(p) = p.filter(|p| p.manifest.version == version) {
             if let Some(c) = p.chunks.get(index) {
                 let _ = c.set(Arc::new(bytes.to_vec()));
+                p.arrived[index].notify_waiters();
             }
         }
     }
 
     /// The fetch of `model`'s `version` ended without it.
     pub fn abandon(&self, model: &str, version: u64) {
-        let mut p = lock(&self.partial);
-        if p.get(model).is_some_and(|p| p.manifest.version == version) {
-            p.remove(model);
-        }
+        let gone = {
+            let mut p = lock(&self.partial);
+            match p.get(model).is_some_and(|p| p.manifest.version == version) {
+                true => p.remove(model),
+                false => None,
+            }
+        };
+        gone.iter().for_each(|p| p.wake_all());
     }
 
     /// The frame of chunk `index` of `model`'s `version` (held, or being fetched and
@@ -437,5 +486,39 @@ mod tests {
         assert_eq!(s.frame("m", 2, 0, base(0)), Err(Miss::NotYet));
         s.put(next);
         assert!(s.frame("m", 2, 0, base(0)).is_ok());
+    }
+
+    /// A request for a chunk not in yet waits for it (a long poll), and is let go when
+    /// the chunk arrives or the fetch ends, not at the end of its wait.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_wait_for_a_chunk_ends_when_it_arrives_or_the_fetch_ends() {
+        let s = Arc::new(VersionStore::new(2, 1 << 20));
+        s.put(version(1, 3));
+        let next = version(2, 5);
+        s.begin(next.manifest.clone());
+        let long = Duration::from_secs(600);
+        let waiting = |i: usize| {
+            let s = s.clone();
+            tokio::spawn(async move { s.wait_chunk("m", 2, i, long).await })
+        };
+        let (w1, w0) = (waiting(1), waiting(0));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!w1.is_finished() && !w0.is_finished());
+        s.received("m", 2, 1, &next.snapshot[next.manifest.chunk_range(1)]);
+        tokio::time::timeout(Duration::from_secs(60), w1)
+            .await
+            .expect("the wait ends when its chunk arrives")
+            .unwrap();
+        assert!(!w0.is_finished(), "another chunk's wait goes on");
+        s.abandon("m", 2);
+        tokio::time::timeout(Duration::from_secs(60), w0)
+            .await
+            .expect("the wait ends with the fetch")
+            .unwrap();
+        assert_eq!(s.frame("m", 2, 0, None), Err(Miss::NotStarted));
+        // Nothing to wait for: at once.
+        tokio::time::timeout(Duration::from_secs(60), s.wait_chunk("m", 7, 0, long))
+            .await
+            .unwrap();
     }
 }

@@ -7,12 +7,23 @@
 //! manifest is checked against the id its group member announced, a chunk against the
 //! manifest's hash (by the fetch, see [`super::fetch`]).
 //!
-//! Owns: the protocol's messages, its handler, and [`PeerSource`] (a peer as a
-//! [`ChunkSource`]).
+//! A request for a chunk the holder is still fetching waits there for it (up to
+//! [`WAIT`]) instead of coming back empty: the asker gets it the moment it arrives,
+//! without a round trip of asking again (on 100 ms links those round trips, not the
+//! bytes, would bound a follower's fetch).
+//!
+//! The streams come from a [`WeightsNet`]: the swarm's (`/agentjet/weights/1` streams,
+//! what servers use), or another byte network (netsim hands in simulated links weighted
+//! as a bigger model's, as it does for the training group's links).
+//!
+//! Owns: the protocol's messages, its handler, [`WeightsNet`], and [`PeerSource`] (a peer
+//! as a [`ChunkSource`]).
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use futures::future::BoxFuture;
+use futures::io::{AsyncRead, AsyncWrite};
 use serde::{Deserialize, Serialize};
 
 use super::fetch::{ChunkSource, Miss};
@@ -20,7 +31,7 @@ use super::manifest::{Manifest, MAX_MANIFEST_BYTES};
 use super::store::VersionStore;
 use crate::base::lock;
 use crate::swarm::frame::{read_frame, write_frame, FrameError};
-use crate::swarm::{PeerId, PeerStream, StreamProtocol, SwarmError, SwarmHandle};
+use crate::swarm::{PeerId, StreamProtocol, SwarmError, SwarmHandle};
 
 pub const WEIGHTS: StreamProtocol = StreamProtocol::new("/agentjet/weights/1");
 
@@ -30,6 +41,38 @@ const REQUEST_LIMIT: usize = 4096;
 const REPLY_LIMIT: usize = MAX_MANIFEST_BYTES + 1024;
 /// How long a served stream may sit idle between requests.
 const IDLE: Duration = Duration::from_secs(60);
+/// How long a request for a chunk the holder is fetching waits there for it.
+pub const WAIT: Duration = Duration::from_secs(2);
+
+/// A byte stream of the chunk protocol.
+pub trait WeightsStream: AsyncRead + AsyncWrite + Send + Unpin {}
+impl<T: AsyncRead + AsyncWrite + Send + Unpin> WeightsStream for T {}
+
+/// Where a fetcher's streams to a peer come from (see the module docs).
+pub trait WeightsNet: Send + Sync {
+    /// A new stream to `peer`'s chunk protocol; `bulk`: for chunks (else for manifests,
+    /// which netsim does not scale as it scales a model's chunks).
+    fn open(
+        &self,
+        peer: PeerId,
+        bulk: bool,
+    ) -> BoxFuture<'_, Result<Box<dyn WeightsStream>, String>>;
+}
+
+impl WeightsNet for SwarmHandle {
+    fn open(
+        &self,
+        peer: PeerId,
+        _bulk: bool,
+    ) -> BoxFuture<'_, Result<Box<dyn WeightsStream>, String>> {
+        Box::pin(async move {
+            let s = SwarmHandle::open(self, peer, WEIGHTS)
+                .await
+                .map_err(|e| e.to_string())?;
+            Ok(Box::new(s) as Box<dyn WeightsStream>)
+        })
+    }
+}
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Request {
@@ -58,29 +101,53 @@ pub enum Reply {
 
 /// Serves `store`'s versions on this node until it stops.
 pub fn serve(swarm: &SwarmHandle, store: Arc<VersionStore>) -> Result<(), SwarmError> {
-    swarm.serve(WEIGHTS, move |peer, mut s| {
-        let store = store.clone();
-        async move {
-            loop {
-                let req: Request =
-                    match tokio::time::timeout(IDLE, read_frame(&mut s, REQUEST_LIMIT)).await {
-                        Err(_) | Ok(Err(FrameError::Closed(_))) => return Ok(()),
-                        Ok(Err(e)) => {
-                            tracing::warn!(%peer, "dropped a bad weights request: {e}");
-                            return Err(e);
-                        }
-                        Ok(Ok(r)) => r,
-                    };
-                // Encoding (or waiting for another request's encoding of the same frame)
-                // is CPU work: off the async threads.
-                let st = store.clone();
-                let reply = tokio::task::spawn_blocking(move || answer(&st, req))
-                    .await
-                    .unwrap_or_else(|e| Reply::NotHeld(format!("the handler failed: {e}")));
-                write_frame(&mut s, &reply, REPLY_LIMIT).await?;
+    swarm.serve(WEIGHTS, move |peer, s| serve_stream(store.clone(), peer, s))
+}
+
+/// Answers the requests of one inbound stream of the chunk protocol until the asker
+/// closes it or leaves it idle.
+pub async fn serve_stream<S: AsyncRead + AsyncWrite + Unpin>(
+    store: Arc<VersionStore>,
+    peer: PeerId,
+    mut s: S,
+) -> Result<(), FrameError> {
+    loop {
+        let req: Request = match tokio::time::timeout(IDLE, read_frame(&mut s, REQUEST_LIMIT)).await
+        {
+            Err(_) | Ok(Err(FrameError::Closed(_))) => return Ok(()),
+            Ok(Err(e)) => {
+                tracing::warn!(%peer, "dropped a bad weights request: {e}");
+                return Err(e);
             }
+            Ok(Ok(r)) => r,
+        };
+        let mut reply = answered(&store, req.clone()).await;
+        if let (
+            Reply::NotYet,
+            Request::Chunk {
+                model,
+                version,
+                index,
+                ..
+            },
+        ) = (&reply, &req)
+        {
+            store
+                .wait_chunk(model, *version, *index as usize, WAIT)
+                .await;
+            reply = answered(&store, req).await;
         }
-    })
+        write_frame(&mut s, &reply, REPLY_LIMIT).await?;
+    }
+}
+
+/// The reply to `req`. Encoding (or waiting for another request's encoding of the same
+/// frame) is CPU work: off the async threads.
+async fn answered(store: &Arc<VersionStore>, req: Request) -> Reply {
+    let st = store.clone();
+    tokio::task::spawn_blocking(move || answer(&st, req))
+        .await
+        .unwrap_or_else(|e| Reply::NotHeld(format!("the handler failed: {e}")))
 }
 
 fn answer(store: &VersionStore, req: Request) -> Reply {
@@ -106,52 +173,71 @@ fn answer(store: &VersionStore, req: Request) -> Reply {
 /// A peer that serves `model`'s versions, as a [`ChunkSource`]: requests go on streams
 /// kept open between them (one per request in flight).
 pub struct PeerSource {
-    swarm: SwarmHandle,
+    net: Arc<dyn WeightsNet>,
     pub peer: PeerId,
     model: String,
     rt: tokio::runtime::Handle,
-    streams: Mutex<Vec<PeerStream>>,
+    /// Open streams waiting for a request: for chunks, and for manifests.
+    streams: Mutex<Vec<Box<dyn WeightsStream>>>,
+    small: Mutex<Vec<Box<dyn WeightsStream>>>,
     timeout: Duration,
 }
 
 impl PeerSource {
     pub fn new(
-        swarm: SwarmHandle,
+        net: Arc<dyn WeightsNet>,
         peer: PeerId,
         model: &str,
         rt: tokio::runtime::Handle,
         timeout: Duration,
     ) -> PeerSource {
         PeerSource {
-            swarm,
+            net,
             peer,
             model: model.to_string(),
             rt,
             streams: Mutex::new(Vec::new()),
+            small: Mutex::new(Vec::new()),
             timeout,
         }
     }
 
     async fn ask(&self, req: &Request) -> Result<Reply, String> {
-        let pooled = lock(&self.streams).pop();
-        let mut s = match pooled {
-            Some(s) => s,
-            None => self
-                .swarm
-                .open(self.peer, WEIGHTS)
-                .await
-                .map_err(|e| e.to_string())?,
-        };
-        let exchange = async {
-            write_frame(&mut s, req, REQUEST_LIMIT).await?;
-            read_frame::<_, Reply>(&mut s, REPLY_LIMIT).await
-        };
-        let reply = tokio::time::timeout(self.timeout, exchange)
-            .await
-            .map_err(|_| format!("no answer in {:?}", self.timeout))?
-            .map_err(|e| e.to_string())?;
-        lock(&self.streams).push(s);
+        let bulk = matches!(req, Request::Chunk { .. });
+        let pool = if bulk { &self.streams } else { &self.small };
+        let pooled = lock(pool).pop();
+        if let Some(mut s) = pooled {
+            match self.exchange(&mut s, req).await {
+                Ok(reply) => {
+                    lock(pool).push(s);
+                    return Ok(reply);
+                }
+                // The holder closed a stream left idle (or went away): once more, on a
+                // new stream.
+                Err((false, _)) => {}
+                Err((true, e)) => return Err(e),
+            }
+        }
+        let mut s = self.net.open(self.peer, bulk).await?;
+        let reply = self.exchange(&mut s, req).await.map_err(|(_, e)| e)?;
+        lock(pool).push(s);
         Ok(reply)
+    }
+
+    /// One request and its reply on `s`; an error says whether it timed out.
+    async fn exchange(
+        &self,
+        s: &mut Box<dyn WeightsStream>,
+        req: &Request,
+    ) -> Result<Reply, (bool, String)> {
+        let exchange = async {
+            write_frame(s, req, REQUEST_LIMIT).await?;
+            read_frame::<_, Reply>(s, REPLY_LIMIT).await
+        };
+        tokio::time::timeout(self.timeout, exchange)
+            .await
+            .map_err(|_| (true, format!("no answer in {:?}", self.timeout)))?
+            .map_err(|e| (false, e.to_string()))
     }
 
     /// The manifest of `version`, decoded and validated, if its id is `id` (what a

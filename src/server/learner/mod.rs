@@ -310,8 +310,12 @@ impl<'a> ServerLearner<'a> {
             None => self.published == Some((version, self.hash)),
         };
         if same
-            || crate::server::follow::followers_of(&self.served.swarm, &self.served.name, &b.group)
-                .is_empty()
+            || crate::collective::broadcast::follow::followers_of(
+                &self.served.swarm,
+                &self.served.name,
+                &b.group,
+            )
+            .is_empty()
         {
             return;
         }

@@ -1,0 +1,366 @@
+//! A follower's loop, without the model: it watches the gossip for the versions its
+//! training group's members announce, takes a new version's manifest from a member
+//! (checked against the id the member announced), fetches the changed chunks
+//! ([`fetch_version_with`]) and hands the version to its installer (the server's swaps it
+//! into the engine between two decode steps; netsim's holds it). It then holds and
+//! serves the version itself.
+//!
+//! The followers share each version's fetch (as BitTorrent peers do): its chunks are dealt
+//! round-robin to the followers in peer-id order; each takes its own share from the
+//! members and serves every chunk as soon as it has it, and takes the other shares from
+//! their owners, turning to the members only for the share of a follower that has not
+//! started the version within [`FollowConfig::grace`] or stays silent. The members so send
+//! about one copy of the changed bytes, whatever the number of followers.
+//!
+//! A manifest is taken only from a peer the swarm's trust lets train the model in the
+//! group (certified for it, trusting a run; a key holder in a closed swarm).
+//!
+//! Owns: choosing the version to follow and its sources, and the retry rules.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::future::Future;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::fetch::{fetch_version_with, ChunkSource, FetchConfig, FetchReport, Share};
+use super::holder::Holder;
+use super::manifest::Manifest;
+use super::store::Held;
+use super::wire::{PeerSource, WeightsNet};
+use crate::base::{lock, Stop};
+use crate::collective::member::hex8;
+use crate::swarm::{PeerId, Role, SwarmHandle};
+
+/// A follower's timing and parallelism (the binary's defaults).
+#[derive(Debug, Clone)]
+pub struct FollowConfig {
+    /// How often the follower looks at the gossip for a newer version.
+    pub tick: Duration,
+    /// How long a follower waits, with no chunk coming from another follower, before it
+    /// asks the members for the chunks of that follower's share.
+    pub patience: Duration,
+    /// How long a follower waits for another to start fetching a version (it heard of it
+    /// later) before taking that one's share from the members.
+    pub grace: Duration,
+    /// Chunk requests in flight at once.
+    pub parallel: usize,
+    /// One request's bound (a chunk of 1 MiB over a slow link takes seconds).
+    pub request_timeout: Duration,
+}
+
+impl Default for FollowConfig {
+    fn default() -> Self {
+        FollowConfig {
+            tick: Duration::from_millis(100),
+            patience: Duration::from_secs(3),
+            grace: Duration::from_secs(1),
+            // Requests are small and many (a delta chunk is a few kB): enough in flight
+            // to fill a link with a round trip of 100 ms or more.
+            parallel: 16,
+            request_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// The newest version the group announces: its number and manifest id, the members that
+/// announce it (whose manifest is believed), and every peer holding it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Target {
+    pub version: u64,
+    pub id: [u8; 32],
+    pub members: Vec<PeerId>,
+    pub holders: Vec<PeerId>,
+}
+
+/// What the view says of `model`'s versions in `group`.
+pub fn newest(swarm: &SwarmHandle, model: &str, group: &str) -> Option<Target> {
+    let view = swarm.view();
+    // (version, id) -> members announcing it
+    let mut announced: BTreeMap<(u64, [u8; 32]), Vec<PeerId>> = BTreeMap::new();
+    let mut holders: BTreeMap<(u64, [u8; 32]), Vec<PeerId>> = BTreeMap::new();
+    for e in view
+        .iter()
+        .filter(|e| !e.is_self && e.status.role == Role::Server)
+    {
+        let Some(m) = e.status.models.iter().find(|m| m.name == model) else {
+            continue;
+        };
+        let Some(w) = m.weights.as_ref().filter(|w| w.group == group) else {
+            continue;
+        };
+        let key = (w.version, w.manifest);
+        holders.entry(key).or_default().push(e.peer);
+        let member = !w.follower
+            && m.group.as_ref().is_some_and(|g| g.name == group)
+            && swarm.may_train_with(e, model, group);
+        if member {
+            announced.entry(key).or_default().push(e.peer);
+        }
+    }
+    // The newest version; of two manifests of one version, the one more members announce.
+    let ((version, id), members) = announced
+        .into_iter()
+        .max_by_key(|((v, _), m)| (*v, m.len()))?;
+    Some(Target {
+        version,
+        id,
+        members,
+        holders: holders.remove(&(version, id)).unwrap_or_default(),
+    })
+}
+
+/// The followers of `model` in `group` the view shows (they fetch its versions too).
+pub fn followers_of(swarm: &SwarmHandle, model: &str, group: &str) -> Vec<PeerId> {
+    swarm
+        .view()
+        .iter()
+        .filter(|e| !e.is_self && e.status.role == Role::Server && swarm.may_sign(e, model))
+        .filter(|e| {
+            e.status.models.iter().any(|m| {
+                m.name == model
+                    && m.weights
+                        .as_ref()
+                        .is_some_and(|w| w.follower && w.group == group)
+            })
+        })
+        .map(|e| e.peer)
+        .collect()
+}
+
+/// Why a version was not followed.
+#[derive(Debug)]
+pub enum Failure {
+    /// A transfer failed: try again.
+    Again(String),
+    /// The version itself cannot be served here (another layout, a wrong hash): it is
+    /// not fetched again.
+    Refused(String),
+}
+
+impl From<String> for Failure {
+    fn from(e: String) -> Failure {
+        Failure::Again(e)
+    }
+}
+
+/// A version fetched and checked, for the installer.
+pub struct Fetched {
+    pub held: Held,
+    /// Its parameter hash (hex8): computed here for a float32 snapshot, else the
+    /// manifest's claim.
+    pub param_hash: String,
+    pub report: FetchReport,
+    /// When the fetch started, and how long it took.
+    pub started: Instant,
+    pub fetch_s: f64,
+}
+
+/// One model's follower.
+pub struct Follower {
+    holder: Arc<Holder>,
+    net: Arc<dyn WeightsNet>,
+    cfg: FollowConfig,
+    /// Every peer asked so far, with its open streams (kept from one version to the next:
+    /// a new stream costs a round trip).
+    sources: Mutex<HashMap<PeerId, Arc<PeerSource>>>,
+}
+
+impl Follower {
+    pub fn new(holder: Arc<Holder>, net: Arc<dyn WeightsNet>, cfg: FollowConfig) -> Follower {
+        Follower {
+            holder,
+            net,
+            cfg,
+            sources: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// `peer` as a source (the same one each time).
+    fn source(&self, peer: PeerId, rt: &tokio::runtime::Handle) -> Arc<PeerSource> {
+        lock(&self.sources)
+            .entry(peer)
+            .or_insert_with(|| {
+                Arc::new(PeerSource::new(
+                    self.net.clone(),
+                    peer,
+                    &self.holder.model,
+                    rt.clone(),
+                    self.cfg.request_timeout,
+                ))
+            })
+            .clone()
+    }
+
+    /// Follows until `stop`: each new version is fetched and handed to `install`, which
+    /// serves it (then [`Holder::install`]s it) or refuses it.
+    pub async fn run<F, Fut>(&self, stop: Stop, mut install: F)
+    where
+        F: FnMut(Fetched) -> Fut,
+        Fut: Future<Output = Result<(), Failure>>,
+    {
+        let h = &self.holder;
+        let rt = tokio::runtime::Handle::current();
+        // Hear every peer's status once before the first fetch: a starting follower then
+        // knows the other holders of the version, not only the members.
+        tokio::select! {
+            _ = tokio::time::sleep(h.swarm().cfg.status_interval * 2) => {}
+            _ = stop.requested() => return,
+        }
+        let mut tick = tokio::time::interval(self.cfg.tick);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut failures = 0u32;
+        // Versions this follower cannot serve (fetched again, they would be refused again).
+        let mut refused = HashSet::new();
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = stop.requested() => return,
+            }
+            let Some(target) = newest(h.swarm(), &h.model, &h.group) else {
+                continue;
+            };
+            let held = h.store.latest(&h.model);
+            let at = held.as_ref().map(Held::version);
+            h.current(Some(target.version.saturating_sub(at.unwrap_or(0))));
+            if held.as_ref().is_some_and(|x| x.id == target.id) || refused.contains(&target.id) {
+                continue;
+            }
+            let done = match self.fetch(&target, held, &rt).await {
+                Ok(f) => install(f).await,
+                Err(e) => Err(e),
+            };
+            if done.is_err() {
+                // Its chunks are not served on (a no-op once it is held).
+                h.store.abandon(&h.model, target.version);
+            }
+            match done {
+                Ok(()) => failures = 0,
+                Err(Failure::Refused(why)) => {
+                    tracing::warn!(
+                        model = h.model,
+                        version = target.version,
+                        "following: not serving this version: {why}"
+                    );
+                    eprintln!("following: version {} not served: {why}", target.version);
+                    refused.insert(target.id);
+                }
+                Err(Failure::Again(e)) => {
+                    failures += 1;
+                    tracing::warn!(model = h.model, version = target.version, "following: {e}");
+                    // Wait a little longer after each failure (at most 25 ticks).
+                    let pause = self.cfg.tick * (1u32 << failures.min(5)).min(25);
+                    tokio::select! {
+                        _ = tokio::time::sleep(pause) => {}
+                        _ = stop.requested() => return,
+                    }
+                }
+            }
+        }
+    }
+
+    /// Fetches `target` (from `held` on) and checks it.
+    async fn fetch(
+        &self,
+        target: &Target,
+        held: Option<Held>,
+        rt: &tokio::runtime::Handle,
+    ) -> Result<Fetched, Failure> {
+        let h = &self.holder;
+        let source = |p: PeerId| self.source(p, rt);
+        let mut manifest: Option<Manifest> = None;
+        let mut why = Vec::new();
+        for &p in &target.members {
+            match source(p).manifest(target.version, &target.id).await {
+                Ok(m) => {
+                    manifest = Some(m);
+                    break;
+                }
+                Err(e) => why.push(format!("{p}: {e}")),
+            }
+        }
+        let manifest = manifest.ok_or_else(|| {
+            format!(
+                "no member gave the manifest of version {}: {}",
+                target.version,
+                why.join("; ")
+            )
+        })?;
+        // The followers share the work (each takes its share of the chunks from the
+        // members, the rest from each other): the members' upload bounds the broadcast.
+        let me = h.swarm().peer_id;
+        let mut followers = followers_of(h.swarm(), &h.model, &h.group);
+        followers.retain(|p| *p != me);
+        let members: Vec<PeerId> = target
+            .members
+            .iter()
+            .copied()
+            .filter(|p| target.holders.contains(p))
+            .collect();
+        let mut ranked: Vec<PeerId> = followers.iter().copied().chain([me]).collect();
+        ranked.sort_by_key(|p| p.to_bytes());
+        let cfg = FetchConfig {
+            share: Some(Share {
+                owners: ranked
+                    .iter()
+                    .map(|p| followers.iter().position(|f| f == p))
+                    .collect(),
+                patience: self.cfg.patience,
+                grace: self.cfg.grace,
+            }),
+            parallel: self.cfg.parallel,
+            ..FetchConfig::default()
+        };
+        let sources: Vec<Arc<dyn ChunkSource>> = followers
+            .iter()
+            .chain(&members)
+            .map(|&p| source(p) as Arc<dyn ChunkSource>)
+            .collect();
+        let started = Instant::now();
+        let store = h.store.clone();
+        store.begin(Arc::new(manifest.clone()));
+        let fetched = tokio::task::spawn_blocking(move || {
+            let have = held
+                .as_ref()
+                .map(|h| (h.manifest.as_ref(), h.snapshot.as_slice()));
+            let model = manifest.model.clone();
+            let version = manifest.version;
+            let on_chunk = |i: usize, b: &[u8]| store.received(&model, version, i, b);
+            let r = fetch_version_with(&manifest, have, &sources, &cfg, &on_chunk);
+            if r.is_err() {
+                store.abandon(&model, version);
+            }
+            r.map(|(b, r)| (b, r, manifest))
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+        let (bytes, report, manifest) = fetched.map_err(|e| e.to_string())?;
+        h.fetched.fetch_add(report.bytes(), Ordering::Relaxed);
+        // A float32 snapshot is hashed as the group hashes its parameters: check the claim.
+        let claimed = manifest
+            .param_hash
+            .get(..16)
+            .unwrap_or(&manifest.param_hash)
+            .to_string();
+        let float32 = manifest.tensors.iter().all(|t| t.dtype == "Float");
+        let param_hash = if float32 {
+            let own = hex8(blake3::hash(&bytes).as_bytes());
+            if own != claimed {
+                return Err(Failure::Refused(format!(
+                    "version {}'s parameters hash to {own}, not to the {claimed} its manifest says",
+                    manifest.version
+                )));
+            }
+            own
+        } else {
+            claimed
+        };
+        Ok(Fetched {
+            held: Held::new(manifest, bytes),
+            param_hash,
+            report,
+            fetch_s: started.elapsed().as_secs_f64(),
+            started,
+        })
+    }
+}
