@@ -19,7 +19,8 @@ const USAGE: &str = "usage: netsim <discovery|gossip|churn|partition|training|br
   training: [--members N] [--peers N (plain peers besides them)] [--modes sync,diloco/H,..] [--seconds S (per mode)] [--values N]
   [--model-values N] [--step-s X] [--crashes N] [--wire f32|bf16] [--timeout-s S]
   broadcast: [--followers N] [--model-mb X (bfloat16 bytes it stands for, default 500)] [--scale X (default 100)]
-  [--chunk-kib N (default 1024)] [--versions N] [--lr X] [--parallel N (requests in flight per follower)] [--timeout-s S]";
+  [--chunk-kib N (default 1024)] [--versions N] [--lr X] [--parallel N (requests in flight per follower)] [--timeout-s S]
+  [--status-s S (regular status interval; default n^2/1250 s)]";
 
 fn main() -> std::process::ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -83,6 +84,7 @@ fn run(args: Vec<String>) -> anyhow::Result<()> {
         "--versions",
         "--lr",
         "--parallel",
+        "--status-s",
     ];
     let mut i = 1;
     while i < args.len() {
@@ -261,6 +263,10 @@ fn run(args: Vec<String>) -> anyhow::Result<()> {
                         agentjet::collective::broadcast::FollowConfig::default().parallel,
                     )?,
                     limit: Duration::from_secs(one("--timeout-s", get("--timeout-s"), 120)?),
+                    status_interval: get("--status-s")
+                        .map(|s| one("--status-s", Some(s), 0.0f64))
+                        .transpose()?
+                        .map(Duration::from_secs_f64),
                 };
                 anyhow::ensure!(a.scale >= 1.0, "--scale must be at least 1");
                 anyhow::ensure!(a.parallel >= 1, "--parallel must be at least 1");

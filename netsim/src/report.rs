@@ -31,6 +31,20 @@ pub fn rss_bytes() -> u64 {
         .map_or(0, |kb| kb * 1024)
 }
 
+/// CPU seconds this process has used (user + system; Linux, 0 elsewhere).
+pub fn cpu_seconds() -> f64 {
+    std::fs::read_to_string("/proc/self/stat")
+        .ok()
+        .and_then(|s| {
+            // Fields after the command name (which may hold spaces) in parentheses.
+            let rest = &s[s.rfind(')')? + 2..];
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            let ticks = f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?;
+            Some(ticks / 100.0)
+        })
+        .unwrap_or(0.0)
+}
+
 /// A markdown table.
 pub struct Table {
     pub header: Vec<String>,

@@ -33,7 +33,7 @@ use serde_json::json;
 use super::{gossip_interval, start_many, Env};
 use crate::cluster::{Cluster, LagProbe, PeerTiming, SimPeer, MODEL};
 use crate::net::{lock, Network};
-use crate::report::{quantile, rss_bytes, svg_plot, write_results, Series, Table};
+use crate::report::{cpu_seconds, quantile, rss_bytes, svg_plot, write_results, Series, Table};
 use crate::weights::{SimWeights, WeightsPorts};
 
 /// The default step: about the bytes a SmolLM2 step changes (see netsim/README.md).
@@ -60,6 +60,11 @@ pub struct Args {
     pub parallel: usize,
     /// A version not everywhere by then is reported as such.
     pub limit: Duration,
+    /// Every peer's regular status interval (`None`: [`gossip_interval`] of the size).
+    /// The peers announce themselves until every view is complete, and the trainer
+    /// announces each version at once, so a long interval only spares the process the
+    /// statuses nobody waits for.
+    pub status_interval: Option<Duration>,
 }
 
 /// One version's figures.
@@ -81,6 +86,15 @@ pub struct VersionOutcome {
     pub chunks: usize,
     /// Followers that hold it under another manifest than the trainer's.
     pub wrong: usize,
+    /// Per follower: seconds from the trainer holding it to the follower's fetch starting
+    /// (the gossip, and the manifest), and the fetch's own seconds (sorted each).
+    pub heard: Vec<f64>,
+    pub fetching: Vec<f64>,
+    /// How late a 100 ms timer fired during it (p99).
+    pub lag_p99: Duration,
+    /// Cores the process kept busy from the trainer holding it to the last follower
+    /// holding it (CPU seconds / seconds; the machine has two).
+    pub busy_cores: f64,
 }
 
 #[derive(Debug, Clone)]
@@ -88,6 +102,7 @@ pub struct Outcome {
     pub followers: usize,
     pub versions: Vec<VersionOutcome>,
     pub settle_s: f64,
+    pub quiet_s: f64,
     pub lag_p99: Duration,
     pub rss: u64,
 }
@@ -95,6 +110,8 @@ pub struct Outcome {
 /// What a follower did with a version: when it held it, and what it fetched from whom.
 struct Arrival {
     version: u64,
+    /// When its fetch started (it had heard of the version and taken the manifest).
+    started: Instant,
     id: [u8; 32],
     at: Instant,
     bytes: u64,
@@ -168,9 +185,15 @@ pub async fn run_once(env: &Env, a: &Args) -> anyhow::Result<Outcome> {
     );
     let weight = a.model_bytes as f64 / real as f64;
     let n = a.followers + 3;
-    let interval = gossip_interval(n);
+    let interval = a.status_interval.unwrap_or_else(|| gossip_interval(n));
+    // Pings every 30 s and a DHT walk every 600 s, as scenario 1 sets them: a hundred
+    // peers' keep-alives every 5 s, or their walks every 30 s, keep both cores of one
+    // process busy for seconds (a version timed then measures the CPU; nothing here
+    // looks anything up in the DHT).
     let timing = PeerTiming {
         status_interval: interval,
+        ping_interval: Duration::from_secs(30),
+        rebootstrap_interval: Duration::from_secs(600),
         ..Default::default()
     };
     let t_start = Instant::now();
@@ -215,6 +238,9 @@ pub async fn run_once(env: &Env, a: &Args) -> anyhow::Result<Outcome> {
     let mut tasks = Vec::new();
     for (k, p) in followers.iter().enumerate() {
         let h = holder(p, true);
+        // Their statuses wait for the next interval (see `Holder::announce_followed`).
+        h.announce_followed
+            .store(false, std::sync::atomic::Ordering::Relaxed);
         h.install(&v0, &v0.manifest.param_hash[..16], 0);
         let net: Arc<dyn WeightsNet> = Arc::new(SimWeights {
             net: c.net.clone(),
@@ -223,8 +249,10 @@ pub async fn run_once(env: &Env, a: &Args) -> anyhow::Result<Outcome> {
             ports: ports.clone(),
             weight,
         });
+        // The scenario waits for complete views itself before the first version.
         let cfg = FollowConfig {
             parallel: a.parallel,
+            listen: Some(Duration::ZERO),
             ..FollowConfig::default()
         };
         let f = Follower::new(h.clone(), net, cfg);
@@ -242,6 +270,7 @@ pub async fn run_once(env: &Env, a: &Args) -> anyhow::Result<Outcome> {
                     k,
                     Arrival {
                         version: got.held.version(),
+                        started: got.started,
                         id: got.held.id,
                         at: Instant::now(),
                         bytes: got.report.bytes(),
@@ -253,9 +282,16 @@ pub async fn run_once(env: &Env, a: &Args) -> anyhow::Result<Outcome> {
             .await
         }));
     }
-    // Settled: every follower sees the trainer's version 0 and every other follower.
-    let settle_limit = Duration::from_secs(300).max(interval * 20);
+    // Settled: every follower sees the trainer's version 0 and every other follower
+    // (every peer says who it is every 10 s until then).
+    let settle_limit = Duration::from_secs(300);
+    let mut said = Instant::now() - Duration::from_secs(60);
     loop {
+        if said.elapsed() >= Duration::from_secs(10) {
+            trainer.handle.announce();
+            followers.iter().for_each(|p| p.handle.announce());
+            said = Instant::now();
+        }
         let ready = followers.iter().all(|p| {
             followers_of(&p.handle, MODEL, GROUP).len() == a.followers - 1
                 && agentjet::collective::broadcast::follow::newest(&p.handle, MODEL, GROUP)
@@ -270,14 +306,26 @@ pub async fn run_once(env: &Env, a: &Args) -> anyhow::Result<Outcome> {
         );
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    // Past the followers' first listen (two status intervals).
-    tokio::time::sleep(interval * 2).await;
     let settle_s = t_start.elapsed().as_secs_f64();
+    // Then until the process is quiet (timers at most 50 ms late at p99 in 3 windows of
+    // 2 s in a row, or 120 s): the gossip of the announcements can keep both cores busy
+    // for a while, and a version timed then measures the CPU.
+    let lag = LagProbe::start(Duration::from_millis(100));
+    let t1 = Instant::now();
+    let mut quiet_in_a_row = 0;
+    while quiet_in_a_row < 3 && t1.elapsed() < Duration::from_secs(120) {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        match lag.take_p99() <= Duration::from_millis(50) {
+            true => quiet_in_a_row += 1,
+            false => quiet_in_a_row = 0,
+        }
+    }
+    let quiet_s = t1.elapsed().as_secs_f64();
+    lag.take();
     println!(
-        "broadcast: {} followers settled in {settle_s:.1} s",
+        "broadcast: {} followers settled in {settle_s:.1} s, quiet {quiet_s:.1} s later",
         a.followers
     );
-    let lag = LagProbe::start(Duration::from_millis(100));
     let mut versions = Vec::new();
     for v in 1..=a.versions as u64 {
         model.step(a.lr);
@@ -286,6 +334,8 @@ pub async fn run_once(env: &Env, a: &Args) -> anyhow::Result<Outcome> {
             .store
             .served_bytes
             .load(std::sync::atomic::Ordering::Relaxed);
+        lag.take();
+        let cpu0 = cpu_seconds();
         let t0 = Instant::now();
         let hash = hash_hex(&bytes);
         let (h, layout) = (trainer_holder.clone(), model.layout.clone());
@@ -306,6 +356,7 @@ pub async fn run_once(env: &Env, a: &Args) -> anyhow::Result<Outcome> {
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
+        let busy_cores = (cpu_seconds() - cpu0) / t0.elapsed().as_secs_f64().max(1e-3);
         // The deltas a late request for them would still take.
         tokio::time::sleep(Duration::from_secs(1)).await;
         let sent = trainer_holder
@@ -324,6 +375,16 @@ pub async fn run_once(env: &Env, a: &Args) -> anyhow::Result<Outcome> {
             .map(|r| r.at.saturating_duration_since(t0).as_secs_f64())
             .collect();
         times.sort_by(f64::total_cmp);
+        let mut heard: Vec<f64> = mine
+            .iter()
+            .map(|r| r.started.saturating_duration_since(t0).as_secs_f64())
+            .collect();
+        heard.sort_by(f64::total_cmp);
+        let mut fetching: Vec<f64> = mine
+            .iter()
+            .map(|r| r.at.saturating_duration_since(r.started).as_secs_f64())
+            .collect();
+        fetching.sort_by(f64::total_cmp);
         let mut copies: Vec<f64> = mine.iter().map(|r| r.bytes as f64).collect();
         copies.sort_by(f64::total_cmp);
         let fetched: u64 = mine.iter().map(|r| r.bytes).sum();
@@ -337,16 +398,26 @@ pub async fn run_once(env: &Env, a: &Args) -> anyhow::Result<Outcome> {
             changed,
             chunks: held.manifest.chunks.len(),
             wrong: mine.iter().filter(|r| r.id != held.id).count(),
+            heard,
+            fetching,
+            lag_p99: lag.take_p99(),
+            busy_cores,
         };
         println!(
-            "broadcast: version {v}: {}/{} followers, 50% {:.2} s, 99% {:.2} s, one copy {:.1} MB, trainer sent {:.1} MB ({:.2} copies)",
+            "broadcast: version {v}: {}/{} followers, 50% {:.2} s, 99% {:.2} s (fetch started p50/p99 {:.2}/{:.2} s, took {:.2}/{:.2} s), one copy {:.1} MB, trainer sent {:.1} MB ({:.2} copies), timer lag p99 {} ms, {:.2} cores busy",
             o.times.len(),
             a.followers,
             quantile(&o.times, 0.5),
             quantile(&o.times, 0.99),
+            quantile(&o.heard, 0.5),
+            quantile(&o.heard, 0.99),
+            quantile(&o.fetching, 0.5),
+            quantile(&o.fetching, 0.99),
             o.copy_bytes / 1e6,
             o.trainer_bytes / 1e6,
-            o.trainer_bytes / o.copy_bytes.max(1.0)
+            o.trainer_bytes / o.copy_bytes.max(1.0),
+            o.lag_p99.as_millis(),
+            o.busy_cores
         );
         versions.push(o);
         tokio::time::sleep(Duration::from_secs(2)).await;
@@ -355,11 +426,13 @@ pub async fn run_once(env: &Env, a: &Args) -> anyhow::Result<Outcome> {
     for t in tasks {
         let _ = t.await;
     }
+    let lag_p99 = versions.iter().map(|v| v.lag_p99).max().unwrap_or_default();
     let out = Outcome {
         followers: a.followers,
         versions,
         settle_s,
-        lag_p99: lag.take_p99(),
+        quiet_s,
+        lag_p99,
         rss: rss_bytes(),
     };
     c.shutdown().await;
@@ -378,6 +451,8 @@ pub async fn run(env: &Env, a: &Args, command: &str) -> anyhow::Result<Outcome> 
         "version",
         "followers at it",
         "50% / 99% / all (s)",
+        "fetch started, p50 / p99 (s)",
+        "fetch took, p50 / p99 (s)",
         "one copy of the changed bytes (MB; chunks changed)",
         "one copy over one link (s)",
         "99% / one copy's time",
@@ -386,6 +461,7 @@ pub async fn run(env: &Env, a: &Args, command: &str) -> anyhow::Result<Outcome> 
         "star (MB)",
         "star / trainer",
         "followers' bytes from followers",
+        "timer lag p99 (ms); cores busy",
     ]);
     let one_copy_s = |v: &VersionOutcome| match rate > 0.0 {
         true => v.copy_bytes / rate,
@@ -402,6 +478,16 @@ pub async fn run(env: &Env, a: &Args, command: &str) -> anyhow::Result<Outcome> 
             v.version.to_string(),
             format!("{} / {}", t.len(), o.followers),
             format!("{:.2} / {:.2} / {all}", quantile(t, 0.5), quantile(t, 0.99)),
+            format!(
+                "{:.2} / {:.2}",
+                quantile(&v.heard, 0.5),
+                quantile(&v.heard, 0.99)
+            ),
+            format!(
+                "{:.2} / {:.2}",
+                quantile(&v.fetching, 0.5),
+                quantile(&v.fetching, 0.99)
+            ),
             format!("{:.1} ({} of {})", v.copy_bytes / 1e6, v.changed, v.chunks),
             format!("{:.2}", one_copy_s(v)),
             format!("{:.2}", quantile(t, 0.99) / one_copy_s(v).max(1e-9)),
@@ -410,10 +496,11 @@ pub async fn run(env: &Env, a: &Args, command: &str) -> anyhow::Result<Outcome> 
             format!("{:.0}", star / 1e6),
             format!("{:.1}", star / v.trainer_bytes.max(1.0)),
             format!("{:.1}%", 100.0 * v.from_followers),
+            format!("{}; {:.2}", v.lag_p99.as_millis(), v.busy_cores),
         ]);
     }
     let md = format!(
-        "{}{}\nA {:.2} GB bfloat16 model scaled 1:{} (a {:.1} MB snapshot whose chunk-protocol replies count {}x on the links; chunks of {} KiB standing for {} KiB), 1 trainer and {} followers that start at version 0; each version moves every value of an f32 master copy by {} (a synthetic Adam-like step) and publishes its bfloat16 rounding. Times: from the trainer holding the version (its manifest made and announced; the deltas are encoded after) to each follower holding it (fetched, checked, served). One copy: the changed chunks as one follower fetched them (deltas), median over followers. Star: the trainer sending that copy to every follower. {} chunk requests in flight per follower. Settled after {:.0} s (every follower's view shows the trainer's version and every other follower); timer lag p99 {} ms; RSS {:.0} MB.\n",
+        "{}{}\nA {:.2} GB bfloat16 model scaled 1:{} (a {:.1} MB snapshot whose chunk-protocol replies count {}x on the links; chunks of {} KiB standing for {} KiB), 1 trainer and {} followers that start at version 0; each version moves every value of an f32 master copy by {} (a synthetic Adam-like step) and publishes its bfloat16 rounding. Times: from the trainer holding the version (its manifest made and announced; the deltas are encoded after) to each follower holding it (fetched, checked, served). One copy: the changed chunks as one follower fetched them (deltas), median over followers. Star: the trainer sending that copy to every follower. {} chunk requests in flight per follower. Settled after {:.0} s (every follower's view shows the trainer's version and every other follower), quiet {:.0} s later; timer lag p99 over the versions {} ms; RSS {:.0} MB.\n",
         env.preamble("Scenario 6: weight broadcast to rollout peers", command),
         table.markdown(),
         a.model_bytes as f64 / 1e9,
@@ -426,6 +513,7 @@ pub async fn run(env: &Env, a: &Args, command: &str) -> anyhow::Result<Outcome> 
         a.lr,
         a.parallel,
         o.settle_s,
+        o.quiet_s,
         o.lag_p99.as_millis(),
         o.rss as f64 / 1e6,
     );
@@ -437,6 +525,7 @@ pub async fn run(env: &Env, a: &Args, command: &str) -> anyhow::Result<Outcome> 
         "lr": a.lr,
         "parallel": a.parallel,
         "settle_s": o.settle_s,
+        "quiet_s": o.quiet_s,
         "lag_p99_ms": o.lag_p99.as_millis() as u64,
         "rss_bytes": o.rss,
         "versions": o.versions.iter().map(|v| json!({
@@ -444,12 +533,16 @@ pub async fn run(env: &Env, a: &Args, command: &str) -> anyhow::Result<Outcome> 
             "times_s": v.times,
             "t50_s": quantile(&v.times, 0.5),
             "t99_s": quantile(&v.times, 0.99),
+            "fetch_started_s": v.heard,
+            "fetch_took_s": v.fetching,
             "copy_bytes": v.copy_bytes,
             "one_copy_s": one_copy_s(v),
             "trainer_bytes": v.trainer_bytes,
             "from_followers": v.from_followers,
             "changed_chunks": v.changed,
             "chunks": v.chunks,
+            "lag_p99_ms": v.lag_p99.as_millis() as u64,
+            "busy_cores": v.busy_cores,
         })).collect::<Vec<_>>(),
     });
     let series = o

@@ -34,6 +34,7 @@ async fn six_followers_reach_every_version_and_the_trainer_sends_about_one_copy(
         lr: broadcast::DEFAULT_LR,
         parallel: 16,
         limit: Duration::from_secs(60),
+        status_interval: None,
     };
     let o = broadcast::run_once(&env, &a).await.unwrap();
     assert_eq!(o.versions.len(), 2);

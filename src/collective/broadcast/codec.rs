@@ -62,21 +62,56 @@ pub fn encode(new: &[u8], base: Option<&[u8]>, width: u8) -> Vec<u8> {
         }
     };
     let Some(base) = base.filter(|b| b.len() == new.len()) else {
-        consider(Encoding::Zstd, zstd::bulk::compress(new, LEVEL).ok());
+        consider(Encoding::Zstd, compress(new).ok());
         return best;
     };
     {
         let x = xor(new, base);
-        consider(Encoding::XorZstd, zstd::bulk::compress(&x, LEVEL).ok());
+        consider(Encoding::XorZstd, compress(&x).ok());
         if width > 1 && new.len() % width as usize == 0 {
             let planes = to_planes(&x, width as usize);
-            consider(
-                Encoding::XorPlanesZstd,
-                zstd::bulk::compress(&planes, LEVEL).ok(),
-            );
+            consider(Encoding::XorPlanesZstd, compress(&planes).ok());
         }
     }
     best
+}
+
+thread_local! {
+    /// Each thread's zstd contexts, made once (a context costs more to make than a small
+    /// chunk costs to code, and a follower codes hundreds of chunks per version).
+    static CONTEXTS: std::cell::RefCell<Option<(zstd::bulk::Compressor<'static>, zstd::bulk::Decompressor<'static>)>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// Runs `f` with this thread's zstd contexts.
+fn with_contexts<T>(
+    f: impl FnOnce(
+        &mut zstd::bulk::Compressor<'static>,
+        &mut zstd::bulk::Decompressor<'static>,
+    ) -> std::io::Result<T>,
+) -> std::io::Result<T> {
+    CONTEXTS.with(|c| {
+        let mut c = c.borrow_mut();
+        if c.is_none() {
+            *c = Some((
+                zstd::bulk::Compressor::new(LEVEL)?,
+                zstd::bulk::Decompressor::new()?,
+            ));
+        }
+        match c.as_mut() {
+            Some((z, d)) => f(z, d),
+            None => Err(std::io::Error::other("no zstd context")),
+        }
+    })
+}
+
+fn compress(data: &[u8]) -> std::io::Result<Vec<u8>> {
+    with_contexts(|z, _| z.compress(data))
+}
+
+/// At most `len` bytes out, whatever the frame claims.
+fn decompress(data: &[u8], len: usize) -> std::io::Result<Vec<u8>> {
+    with_contexts(|_, d| d.decompress(data, len))
 }
 
 /// The frame's encoding (for counting what was sent).
@@ -106,8 +141,7 @@ pub fn decode(
         None => return bad("no plane width".into()),
     };
     let unzstd = |p: &[u8]| -> Result<Vec<u8>, CodecError> {
-        let out = zstd::bulk::decompress(p, len)
-            .map_err(|e| CodecError::Malformed(format!("zstd: {e}")))?;
+        let out = decompress(p, len).map_err(|e| CodecError::Malformed(format!("zstd: {e}")))?;
         if out.len() != len {
             return Err(CodecError::Malformed(format!(
                 "{} bytes, the chunk has {len}",

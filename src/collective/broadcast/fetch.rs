@@ -5,7 +5,11 @@
 //! before it is kept; a source that sends a wrong or malformed chunk is backed off for
 //! the rest of the fetch and named in the report, one that fails twice in a row (gone,
 //! timing out) is backed off too, and the chunk is asked again elsewhere. Memory is the
-//! target snapshot plus one frame per worker, whatever the sources send.
+//! target snapshot plus one frame per request in flight, whatever the sources send.
+//!
+//! The requests in flight are futures on the calling thread, not threads: a follower
+//! keeps dozens in flight (on 100 ms links round trips, not bytes, bound a fetch), and
+//! netsim runs a hundred followers in one process.
 //!
 //! The transport is a [`ChunkSource`]: [`super::wire::PeerSource`] is a peer over the
 //! swarm's chunk protocol; the tests use sources in memory.
@@ -14,6 +18,8 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+use futures::future::BoxFuture;
 
 use super::codec::{decode, CodecError};
 use super::manifest::Manifest;
@@ -54,7 +60,7 @@ pub trait ChunkSource: Send + Sync {
         version: u64,
         index: usize,
         base: Option<(u64, [u8; 32])>,
-    ) -> Result<Vec<u8>, Miss>;
+    ) -> BoxFuture<'_, Result<Vec<u8>, Miss>>;
 }
 
 /// How the followers fetching one version share the work (a swarm, as BitTorrent's): the
@@ -73,6 +79,11 @@ pub struct Share {
     /// version is waited for (it heard of it later); after it, its share comes from the
     /// members.
     pub grace: Duration,
+    /// Requests in flight to one member at most: each follower asking a few of its share
+    /// at a time, a member's upload serves every follower's first chunks before anyone's
+    /// last (a follower that has one serves it on at once), not one follower's whole
+    /// share after another's.
+    pub member_in_flight: usize,
 }
 
 #[derive(Debug, Clone)]
@@ -145,6 +156,9 @@ struct Run<'a> {
     started: Instant,
     /// Owners found not fetching this version after the grace (see [`Share::grace`]).
     absent: Vec<std::sync::atomic::AtomicBool>,
+    /// Per source, sharing: a member's room for requests in flight (see
+    /// [`Share::member_in_flight`]); `None` for owners and without a share.
+    room: Vec<Option<tokio::sync::Semaphore>>,
 }
 
 /// How long a worker waits before asking the followers again for a chunk not yet there.
@@ -162,8 +176,32 @@ pub fn fetch_version(
 }
 
 /// [`fetch_version`], calling `on_chunk(i, bytes)` with each chunk once it is checked
-/// (a follower serves it from then on, before the whole version is in).
+/// (a follower serves it from then on, before the whole version is in). Blocks: on the
+/// tokio runtime of the calling thread's context (a `spawn_blocking` thread's), else on
+/// a small runtime of its own.
 pub fn fetch_version_with(
+    target: &Manifest,
+    have: Option<(&Manifest, &[u8])>,
+    sources: &[Arc<dyn ChunkSource>],
+    cfg: &FetchConfig,
+    on_chunk: &(dyn Fn(usize, &[u8]) + Sync),
+) -> Result<(Vec<u8>, FetchReport), FetchError> {
+    let fut = fetch_async(target, have, sources, cfg, on_chunk);
+    match tokio::runtime::Handle::try_current() {
+        Ok(rt) => rt.block_on(fut),
+        Err(_) => tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .map_err(|e| FetchError::Unavailable {
+                version: target.version,
+                chunk: 0,
+                why: format!("no runtime for the fetch: {e}"),
+            })?
+            .block_on(fut),
+    }
+}
+
+async fn fetch_async(
     target: &Manifest,
     have: Option<(&Manifest, &[u8])>,
     sources: &[Arc<dyn ChunkSource>],
@@ -208,35 +246,42 @@ pub fn fetch_version_with(
             .iter()
             .map(|_| std::sync::atomic::AtomicBool::new(false))
             .collect(),
+        room: (0..sources.len())
+            .map(|j| match &cfg.share {
+                Some(s) if !s.owners.contains(&Some(j)) => {
+                    Some(tokio::sync::Semaphore::new(s.member_in_flight.max(1)))
+                }
+                _ => None,
+            })
+            .collect(),
     };
     let chunk = target.chunk_bytes as usize;
     let slots: Vec<Mutex<&mut [u8]>> = out.chunks_mut(chunk).map(Mutex::new).collect();
     let next = AtomicUsize::new(0);
     let failed: Mutex<Option<FetchError>> = Mutex::new(None);
     let workers = cfg.parallel.clamp(1, needed.len().max(1));
-    std::thread::scope(|s| {
-        for _ in 0..workers {
-            s.spawn(|| loop {
-                if lock(&failed).is_some() {
+    let worker = || async {
+        loop {
+            if lock(&failed).is_some() {
+                return;
+            }
+            let k = next.fetch_add(1, Ordering::Relaxed);
+            let Some(&i) = needed.get(k) else { return };
+            let range = target.chunk_range(i);
+            let base_chunk = base.map(|(m, b)| (m.version, m.chunks[i], &b[range.clone()]));
+            match run.chunk(i, base_chunk).await {
+                Ok(bytes) => {
+                    on_chunk(i, &bytes);
+                    lock(&slots[i]).copy_from_slice(&bytes);
+                }
+                Err(e) => {
+                    lock(&failed).get_or_insert(e);
                     return;
                 }
-                let k = next.fetch_add(1, Ordering::Relaxed);
-                let Some(&i) = needed.get(k) else { return };
-                let range = target.chunk_range(i);
-                let base_chunk = base.map(|(m, b)| (m.version, m.chunks[i], &b[range.clone()]));
-                match run.chunk(i, base_chunk) {
-                    Ok(bytes) => {
-                        on_chunk(i, &bytes);
-                        lock(&slots[i]).copy_from_slice(&bytes);
-                    }
-                    Err(e) => {
-                        lock(&failed).get_or_insert(e);
-                        return;
-                    }
-                }
-            });
+            }
         }
-    });
+    };
+    futures::future::join_all((0..workers).map(|_| worker())).await;
     drop(slots);
     if let Some(e) = lock(&failed).take() {
         return Err(e);
@@ -264,7 +309,7 @@ impl Run<'_> {
     /// Chunk `i`: with a share and another owner, from the followers while they make
     /// progress; then from the sources in turn (the preferred first, from `i` on, so the
     /// chunks spread), checked; backs off sources that lie or keep failing.
-    fn chunk(&self, i: usize, base: Option<Base<'_>>) -> Result<Vec<u8>, FetchError> {
+    async fn chunk(&self, i: usize, base: Option<Base<'_>>) -> Result<Vec<u8>, FetchError> {
         let n = self.sources.len();
         let mut why = String::from("no source");
         if let Some(share) = self.cfg.share.as_ref().filter(|s| !s.owners.is_empty()) {
@@ -274,7 +319,7 @@ impl Run<'_> {
                     if self.backed_off(owner) || self.absent[owner].load(Ordering::Relaxed) {
                         break;
                     }
-                    match self.ask(owner, i, base) {
+                    match self.ask(owner, i, base).await {
                         Asked::Got(b) => {
                             *lock(&self.progress[owner]) = Some(Instant::now());
                             return Ok(b);
@@ -291,7 +336,7 @@ impl Run<'_> {
                     if since.elapsed() >= share.patience {
                         break;
                     }
-                    std::thread::sleep(POLL);
+                    tokio::time::sleep(POLL).await;
                 }
             }
         }
@@ -315,7 +360,11 @@ impl Run<'_> {
                 continue;
             }
             tries += 1;
-            match self.ask(j, i, base) {
+            let _room = match &self.room[j] {
+                Some(r) => r.acquire().await.ok(),
+                None => None,
+            };
+            match self.ask(j, i, base).await {
                 Asked::Got(b) => return Ok(b),
                 Asked::NotYet | Asked::NotStarted => {
                     why = format!("{}: not fetched there yet", self.sources[j].name())
@@ -331,12 +380,15 @@ impl Run<'_> {
     }
 
     /// Asks source `j` for chunk `i` and checks what it sends.
-    fn ask(&self, j: usize, i: usize, base: Option<Base<'_>>) -> Asked {
+    async fn ask(&self, j: usize, i: usize, base: Option<Base<'_>>) -> Asked {
         let target = self.target;
         let len = target.chunk_range(i).len();
         let src = &self.sources[j];
         let standing = &self.standing[j];
-        let frame = match src.fetch(target.version, i, base.map(|(v, h, _)| (v, h))) {
+        let frame = match src
+            .fetch(target.version, i, base.map(|(v, h, _)| (v, h)))
+            .await
+        {
             Ok(f) => f,
             Err(Miss::NotYet) => return Asked::NotYet,
             Err(Miss::NotStarted) => return Asked::NotStarted,
@@ -418,6 +470,17 @@ mod tests {
             self.name.clone()
         }
         fn fetch(
+            &self,
+            version: u64,
+            index: usize,
+            base: Option<(u64, [u8; 32])>,
+        ) -> BoxFuture<'_, Result<Vec<u8>, Miss>> {
+            Box::pin(std::future::ready(self.serve(version, index, base)))
+        }
+    }
+
+    impl Peer {
+        fn serve(
             &self,
             version: u64,
             index: usize,
@@ -562,10 +625,12 @@ mod tests {
             version: u64,
             index: usize,
             base: Option<(u64, [u8; 32])>,
-        ) -> Result<Vec<u8>, Miss> {
-            let f = self.store.frame("m", version, index, base)?;
-            self.served.fetch_add(1, Ordering::Relaxed);
-            Ok(f.to_vec())
+        ) -> BoxFuture<'_, Result<Vec<u8>, Miss>> {
+            let f = self.store.frame("m", version, index, base).map(|f| {
+                self.served.fetch_add(1, Ordering::Relaxed);
+                f.to_vec()
+            });
+            Box::pin(std::future::ready(f))
         }
     }
 
@@ -618,6 +683,7 @@ mod tests {
                                     .collect(),
                                 patience: Duration::from_secs(10),
                                 grace: Duration::from_secs(10),
+                                member_in_flight: 2,
                             }),
                             ..FetchConfig::default()
                         };

@@ -47,6 +47,9 @@ pub struct FollowConfig {
     pub parallel: usize,
     /// One request's bound (a chunk of 1 MiB over a slow link takes seconds).
     pub request_timeout: Duration,
+    /// How long to hear the others' statuses before the first fetch (`None`: two status
+    /// intervals, so a starting follower knows the other holders, not only the members).
+    pub listen: Option<Duration>,
 }
 
 impl Default for FollowConfig {
@@ -56,9 +59,12 @@ impl Default for FollowConfig {
             patience: Duration::from_secs(3),
             grace: Duration::from_secs(1),
             // Requests are small and many (a delta chunk is a few kB): enough in flight
-            // to fill a link with a round trip of 100 ms or more.
-            parallel: 16,
+            // to fill a link with a round trip of 100 ms or more (netsim's scenario 6,
+            // 100 followers on 50-150 ms links: with 16 a follower's fetch took 8.3-9.6 s,
+            // with 64 4.4-4.8 s). They are futures, not threads.
+            parallel: 64,
             request_timeout: Duration::from_secs(30),
+            listen: None,
         }
     }
 }
@@ -177,7 +183,7 @@ impl Follower {
     }
 
     /// `peer` as a source (the same one each time).
-    fn source(&self, peer: PeerId, rt: &tokio::runtime::Handle) -> Arc<PeerSource> {
+    fn source(&self, peer: PeerId) -> Arc<PeerSource> {
         lock(&self.sources)
             .entry(peer)
             .or_insert_with(|| {
@@ -185,7 +191,6 @@ impl Follower {
                     self.net.clone(),
                     peer,
                     &self.holder.model,
-                    rt.clone(),
                     self.cfg.request_timeout,
                 ))
             })
@@ -200,11 +205,11 @@ impl Follower {
         Fut: Future<Output = Result<(), Failure>>,
     {
         let h = &self.holder;
-        let rt = tokio::runtime::Handle::current();
         // Hear every peer's status once before the first fetch: a starting follower then
         // knows the other holders of the version, not only the members.
+        let listen = self.cfg.listen.unwrap_or(h.swarm().cfg.status_interval * 2);
         tokio::select! {
-            _ = tokio::time::sleep(h.swarm().cfg.status_interval * 2) => {}
+            _ = tokio::time::sleep(listen) => {}
             _ = stop.requested() => return,
         }
         let mut tick = tokio::time::interval(self.cfg.tick);
@@ -226,7 +231,7 @@ impl Follower {
             if held.as_ref().is_some_and(|x| x.id == target.id) || refused.contains(&target.id) {
                 continue;
             }
-            let done = match self.fetch(&target, held, &rt).await {
+            let done = match self.fetch(&target, held).await {
                 Ok(f) => install(f).await,
                 Err(e) => Err(e),
             };
@@ -260,14 +265,9 @@ impl Follower {
     }
 
     /// Fetches `target` (from `held` on) and checks it.
-    async fn fetch(
-        &self,
-        target: &Target,
-        held: Option<Held>,
-        rt: &tokio::runtime::Handle,
-    ) -> Result<Fetched, Failure> {
+    async fn fetch(&self, target: &Target, held: Option<Held>) -> Result<Fetched, Failure> {
         let h = &self.holder;
-        let source = |p: PeerId| self.source(p, rt);
+        let source = |p: PeerId| self.source(p);
         let mut manifest: Option<Manifest> = None;
         let mut why = Vec::new();
         for &p in &target.members {
@@ -307,6 +307,9 @@ impl Follower {
                     .collect(),
                 patience: self.cfg.patience,
                 grace: self.cfg.grace,
+                // The members' upload in flight stays about `parallel` requests whatever
+                // the number of followers, a few from each.
+                member_in_flight: self.cfg.parallel.div_ceil(ranked.len()).max(2),
             }),
             parallel: self.cfg.parallel,
             ..FetchConfig::default()

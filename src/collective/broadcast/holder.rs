@@ -31,6 +31,11 @@ pub struct Holder {
     pub fetched: AtomicU64,
     /// What the model's status says of it (gossiped).
     pub status: Mutex<Option<WeightsStatus>>,
+    /// Whether a follower gossips each version it holds at once (a member always does:
+    /// the followers wait for it). Yes in the binary; netsim's hundred followers in one
+    /// process leave it to their next status (one process verifies every copy of every
+    /// message, what a hundred machines would share).
+    pub announce_followed: std::sync::atomic::AtomicBool,
 }
 
 impl Holder {
@@ -58,6 +63,7 @@ impl Holder {
             follower,
             fetched: AtomicU64::new(0),
             status: Mutex::new(status),
+            announce_followed: std::sync::atomic::AtomicBool::new(true),
         }
     }
 
@@ -92,8 +98,9 @@ impl Holder {
         Ok(held)
     }
 
-    /// Holds `held` (serves its chunks) and says so in the status, at once: it serves
-    /// parameters hashing to `param_hash` (hex8), `lag` versions behind its group.
+    /// Holds `held` (serves its chunks) and says so in the status, at once (see
+    /// [`Holder::announce_followed`]): it serves parameters hashing to `param_hash`
+    /// (hex8), `lag` versions behind its group.
     pub fn install(&self, held: &Held, param_hash: &str, lag: u64) {
         let (version, id) = (held.version(), held.id);
         self.store.put(held.clone());
@@ -108,13 +115,15 @@ impl Holder {
             served_bytes: self.store.served_bytes.load(Ordering::Relaxed),
         };
         *lock(&self.status) = Some(status.clone());
-        // Said at once: the followers wait for it.
         self.swarm.set_status(|st| {
             if let Some(m) = st.models.iter_mut().find(|m| m.name == self.model) {
                 m.weights = Some(status);
             }
         });
-        self.swarm.announce();
+        // Said at once (a member's: the followers wait for it).
+        if !self.follower || self.announce_followed.load(Ordering::Relaxed) {
+            self.swarm.announce();
+        }
     }
 
     /// The status with the byte counters (and `lag`, for a follower) as they are now.

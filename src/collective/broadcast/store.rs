@@ -104,6 +104,8 @@ pub struct VersionStore {
     frame_budget: usize,
     /// Frame bytes served to other peers.
     pub served_bytes: AtomicU64,
+    /// Wakes the requests waiting for a version to be started.
+    began: tokio::sync::Notify,
     /// Tests only: serve every chunk with one byte changed (a lying peer).
     pub tamper: AtomicBool,
 }
@@ -119,6 +121,7 @@ impl VersionStore {
             frames: Mutex::new(Frames::default()),
             frame_budget,
             served_bytes: AtomicU64::new(0),
+            began: tokio::sync::Notify::new(),
             tamper: AtomicBool::new(false),
         }
     }
@@ -203,15 +206,29 @@ impl VersionStore {
             }),
         );
         old.iter().for_each(|p| p.wake_all());
+        self.began.notify_waiters();
     }
 
     /// Waits at most `wait` for chunk `index` of `model`'s `version` while this store is
-    /// fetching that version and the chunk is not in: a request for it is answered the
-    /// moment it arrives (a long poll: no round trips of asking again).
+    /// fetching that version and the chunk is not in, or the version is newer than any
+    /// held or fetched (this peer may start it any moment): a request for it is answered
+    /// the moment it arrives (a long poll: no round trips of asking again).
     pub async fn wait_chunk(&self, model: &str, version: u64, index: usize, wait: Duration) {
-        let p = lock(&self.partial).get(model).cloned();
-        let Some(p) = p.filter(|p| p.manifest.version == version) else {
-            return;
+        let deadline = tokio::time::Instant::now() + wait;
+        let p = loop {
+            let began = self.began.notified();
+            tokio::pin!(began);
+            began.as_mut().enable();
+            let p = lock(&self.partial).get(model).cloned();
+            match p.filter(|p| p.manifest.version == version) {
+                Some(p) => break p,
+                None if self.latest(model).is_none_or(|h| h.version() < version) => {
+                    if tokio::time::timeout_at(deadline, began).await.is_err() {
+                        return;
+                    }
+                }
+                None => return,
+            }
         };
         let (Some(cell), Some(n)) = (p.chunks.get(index), p.arrived.get(index)) else {
             return;
@@ -220,7 +237,7 @@ impl VersionStore {
         tokio::pin!(notified);
         notified.as_mut().enable();
         if cell.get().is_none() && self.fetching(model, version) {
-            let _ = tokio::time::timeout(wait, notified).await;
+            let _ = tokio::time::timeout_at(deadline, notified).await;
         }
     }
 
@@ -489,7 +506,8 @@ mod tests {
     }
 
     /// A request for a chunk not in yet waits for it (a long poll), and is let go when
-    /// the chunk arrives or the fetch ends, not at the end of its wait.
+    /// the chunk arrives or the fetch ends, not at the end of its wait; one for a version
+    /// not started yet waits for its start too.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_wait_for_a_chunk_ends_when_it_arrives_or_the_fetch_ends() {
         let s = Arc::new(VersionStore::new(2, 1 << 20));
@@ -516,9 +534,25 @@ mod tests {
             .expect("the wait ends with the fetch")
             .unwrap();
         assert_eq!(s.frame("m", 2, 0, None), Err(Miss::NotStarted));
-        // Nothing to wait for: at once.
-        tokio::time::timeout(Duration::from_secs(60), s.wait_chunk("m", 7, 0, long))
+        // A version this peer has not started (it heard of it later than the asker): the
+        // wait goes on through its start to the chunk's arrival.
+        let w = waiting(0);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!w.is_finished());
+        s.begin(next.manifest.clone());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!w.is_finished(), "begun, but chunk 0 is not in");
+        s.received("m", 2, 0, &next.snapshot[next.manifest.chunk_range(0)]);
+        tokio::time::timeout(Duration::from_secs(60), w)
             .await
+            .expect("the wait ends when its chunk arrives")
             .unwrap();
+        // Nothing to wait for (a version held, or older): at once.
+        s.put(next);
+        for v in [1, 2] {
+            tokio::time::timeout(Duration::from_secs(60), s.wait_chunk("m", v, 0, long))
+                .await
+                .unwrap();
+        }
     }
 }

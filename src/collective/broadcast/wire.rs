@@ -7,7 +7,8 @@
 //! manifest is checked against the id its group member announced, a chunk against the
 //! manifest's hash (by the fetch, see [`super::fetch`]).
 //!
-//! A request for a chunk the holder is still fetching waits there for it (up to
+//! A request for a chunk the holder is still fetching, or of a newer version it has not
+//! started (it heard of the version later than the asker), waits there for it (up to
 //! [`WAIT`]) instead of coming back empty: the asker gets it the moment it arrives,
 //! without a round trip of asking again (on 100 ms links those round trips, not the
 //! bytes, would bound a follower's fetch).
@@ -122,15 +123,16 @@ pub async fn serve_stream<S: AsyncRead + AsyncWrite + Unpin>(
             Ok(Ok(r)) => r,
         };
         let mut reply = answered(&store, req.clone()).await;
+        let waits = matches!(reply, Reply::NotYet | Reply::NotStarted);
         if let (
-            Reply::NotYet,
+            true,
             Request::Chunk {
                 model,
                 version,
                 index,
                 ..
             },
-        ) = (&reply, &req)
+        ) = (waits, &req)
         {
             store
                 .wait_chunk(model, *version, *index as usize, WAIT)
@@ -175,8 +177,9 @@ fn answer(store: &VersionStore, req: Request) -> Reply {
 pub struct PeerSource {
     net: Arc<dyn WeightsNet>,
     pub peer: PeerId,
+    /// The peer id as text (reports name sources by it).
+    name: String,
     model: String,
-    rt: tokio::runtime::Handle,
     /// Open streams waiting for a request: for chunks, and for manifests.
     streams: Mutex<Vec<Box<dyn WeightsStream>>>,
     small: Mutex<Vec<Box<dyn WeightsStream>>>,
@@ -188,14 +191,13 @@ impl PeerSource {
         net: Arc<dyn WeightsNet>,
         peer: PeerId,
         model: &str,
-        rt: tokio::runtime::Handle,
         timeout: Duration,
     ) -> PeerSource {
         PeerSource {
             net,
             peer,
+            name: peer.to_string(),
             model: model.to_string(),
-            rt,
             streams: Mutex::new(Vec::new()),
             small: Mutex::new(Vec::new()),
             timeout,
@@ -273,10 +275,21 @@ impl PeerSource {
 
 impl ChunkSource for PeerSource {
     fn name(&self) -> String {
-        self.peer.to_string()
+        self.name.clone()
     }
 
     fn fetch(
+        &self,
+        version: u64,
+        index: usize,
+        base: Option<(u64, [u8; 32])>,
+    ) -> BoxFuture<'_, Result<Vec<u8>, Miss>> {
+        Box::pin(self.chunk(version, index, base))
+    }
+}
+
+impl PeerSource {
+    async fn chunk(
         &self,
         version: u64,
         index: usize,
@@ -289,7 +302,7 @@ impl ChunkSource for PeerSource {
                 .map_err(|_| Miss::Failed(format!("chunk index {index}")))?,
             base,
         };
-        match self.rt.block_on(self.ask(&req)).map_err(Miss::Failed)? {
+        match self.ask(&req).await.map_err(Miss::Failed)? {
             Reply::Chunk(f) => Ok(f),
             Reply::NotYet => Err(Miss::NotYet),
             Reply::NotStarted => Err(Miss::NotStarted),
