@@ -79,10 +79,10 @@ pub struct Share {
     /// version is waited for (it heard of it later); after it, its share comes from the
     /// members.
     pub grace: Duration,
-    /// Requests in flight to one member at most: each follower asking a few of its share
-    /// at a time, a member's upload serves every follower's first chunks before anyone's
-    /// last (a follower that has one serves it on at once), not one follower's whole
-    /// share after another's.
+    /// Requests for this follower's own share in flight to one member at most: each
+    /// follower asking a few of its share at a time, a member's upload serves every
+    /// follower's first chunks before anyone's last (a follower that has one serves it on
+    /// at once), not one follower's whole share after another's.
     pub member_in_flight: usize,
 }
 
@@ -360,9 +360,16 @@ impl Run<'_> {
                 continue;
             }
             tries += 1;
-            let _room = match &self.room[j] {
-                Some(r) => r.acquire().await.ok(),
-                None => None,
+            // Only this follower's own share waits for room at a member: the shares of
+            // owners found absent or silent come as fast as the members give them.
+            let own = self
+                .cfg
+                .share
+                .as_ref()
+                .is_some_and(|s| s.owners[i % s.owners.len()].is_none());
+            let _room = match (&self.room[j], own) {
+                (Some(r), true) => r.acquire().await.ok(),
+                _ => None,
             };
             match self.ask(j, i, base).await {
                 Asked::Got(b) => return Ok(b),

@@ -41,7 +41,9 @@ pub struct FollowConfig {
     /// asks the members for the chunks of that follower's share.
     pub patience: Duration,
     /// How long a follower waits for another to start fetching a version (it heard of it
-    /// later) before taking that one's share from the members.
+    /// later) before taking that one's share from the members. In effect at least the
+    /// holder's own wait for the version ([`super::wire::WAIT`], 2 s): it answers that it
+    /// has not started only after it.
     pub grace: Duration,
     /// Chunk requests in flight at once.
     pub parallel: usize,
@@ -317,8 +319,14 @@ impl Follower {
         let sources: Vec<Arc<dyn ChunkSource>> = followers
             .iter()
             .chain(&members)
-            .map(|&p| source(p) as Arc<dyn ChunkSource>)
+            .map(|&p| {
+                let s = source(p);
+                s.limit_chunks(manifest.chunk_bytes as usize);
+                s as Arc<dyn ChunkSource>
+            })
             .collect();
+        // Peers no longer in view are forgotten, with their streams.
+        lock(&self.sources).retain(|p, _| followers.contains(p) || target.members.contains(p));
         let started = Instant::now();
         let store = h.store.clone();
         store.begin(Arc::new(manifest.clone()));

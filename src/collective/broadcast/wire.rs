@@ -20,8 +20,9 @@
 //! Owns: the protocol's messages, its handler, [`WeightsNet`], and [`PeerSource`] (a peer
 //! as a [`ChunkSource`]).
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
 use futures::io::{AsyncRead, AsyncWrite};
@@ -42,6 +43,9 @@ const REQUEST_LIMIT: usize = 4096;
 const REPLY_LIMIT: usize = MAX_MANIFEST_BYTES + 1024;
 /// How long a served stream may sit idle between requests.
 const IDLE: Duration = Duration::from_secs(60);
+/// A fetcher drops a pooled stream idle this long (before the holder's [`IDLE`]: while it
+/// exists the swarm keeps its connection open, and the trimmer spares it).
+const POOLED: Duration = Duration::from_secs(45);
 /// How long a request for a chunk the holder is fetching waits there for it.
 pub const WAIT: Duration = Duration::from_secs(2);
 
@@ -180,10 +184,14 @@ pub struct PeerSource {
     /// The peer id as text (reports name sources by it).
     name: String,
     model: String,
-    /// Open streams waiting for a request: for chunks, and for manifests.
-    streams: Mutex<Vec<Box<dyn WeightsStream>>>,
-    small: Mutex<Vec<Box<dyn WeightsStream>>>,
+    /// Open streams waiting for a request (and since when): for chunks, and for
+    /// manifests.
+    streams: Mutex<Vec<(Box<dyn WeightsStream>, Instant)>>,
+    small: Mutex<Vec<(Box<dyn WeightsStream>, Instant)>>,
     timeout: Duration,
+    /// The largest chunk reply read (a chunk of the version fetched, its header; a lying
+    /// peer cannot make a fetch hold more per request in flight).
+    chunk_limit: AtomicUsize,
 }
 
 impl PeerSource {
@@ -201,17 +209,28 @@ impl PeerSource {
             streams: Mutex::new(Vec::new()),
             small: Mutex::new(Vec::new()),
             timeout,
+            chunk_limit: AtomicUsize::new(REPLY_LIMIT),
         }
+    }
+
+    /// Chunks asked from now on are at most `chunk_bytes` (the manifest's chunk size).
+    pub fn limit_chunks(&self, chunk_bytes: usize) {
+        self.chunk_limit
+            .store(chunk_bytes.saturating_add(1024), Ordering::Relaxed);
     }
 
     async fn ask(&self, req: &Request) -> Result<Reply, String> {
         let bulk = matches!(req, Request::Chunk { .. });
         let pool = if bulk { &self.streams } else { &self.small };
-        let pooled = lock(pool).pop();
-        if let Some(mut s) = pooled {
+        let pooled = {
+            let mut p = lock(pool);
+            p.retain(|(_, since)| since.elapsed() < POOLED);
+            p.pop()
+        };
+        if let Some((mut s, _)) = pooled {
             match self.exchange(&mut s, req).await {
                 Ok(reply) => {
-                    lock(pool).push(s);
+                    lock(pool).push((s, Instant::now()));
                     return Ok(reply);
                 }
                 // The holder closed a stream left idle (or went away): once more, on a
@@ -222,7 +241,7 @@ impl PeerSource {
         }
         let mut s = self.net.open(self.peer, bulk).await?;
         let reply = self.exchange(&mut s, req).await.map_err(|(_, e)| e)?;
-        lock(pool).push(s);
+        lock(pool).push((s, Instant::now()));
         Ok(reply)
     }
 
@@ -232,9 +251,13 @@ impl PeerSource {
         s: &mut Box<dyn WeightsStream>,
         req: &Request,
     ) -> Result<Reply, (bool, String)> {
+        let limit = match req {
+            Request::Chunk { .. } => self.chunk_limit.load(Ordering::Relaxed),
+            Request::Manifest { .. } => REPLY_LIMIT,
+        };
         let exchange = async {
             write_frame(s, req, REQUEST_LIMIT).await?;
-            read_frame::<_, Reply>(s, REPLY_LIMIT).await
+            read_frame::<_, Reply>(s, limit).await
         };
         tokio::time::timeout(self.timeout, exchange)
             .await
