@@ -38,12 +38,22 @@ pub fn untrusted(swarm: &SwarmHandle, model: &str) -> Option<String> {
     }
 }
 
-/// Starts following: the loop runs until the role stops.
-pub fn spawn(served: Arc<ServedModel>, bc: Arc<Broadcast>, tasks: &TaskTracker, stop: Stop) {
+/// Starts following: the loop runs until the role stops. A version whose tensors do not
+/// have `shapes` (the served model's, or its adapter's) is refused before it is fetched.
+pub fn spawn(
+    served: Arc<ServedModel>,
+    bc: Arc<Broadcast>,
+    shapes: Vec<Vec<i64>>,
+    tasks: &TaskTracker,
+    stop: Stop,
+) {
     let follower = Follower::new(
         bc.holder.clone(),
         Arc::new(served.swarm.clone()) as Arc<dyn WeightsNet>,
-        FollowConfig::default(),
+        FollowConfig {
+            shapes: Some(shapes),
+            ..FollowConfig::default()
+        },
     );
     tasks.spawn(async move {
         follower

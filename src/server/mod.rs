@@ -50,7 +50,7 @@ pub use events::ServerEvent;
 pub use infer::{BadCall, InferError};
 pub use renew::CertRenewal;
 pub use served::{card_blob, ServeLimits, ServedModel};
-pub use settings::{LoraServe, TrainSettings};
+pub use settings::{FollowSettings, LoraServe, TrainSettings};
 pub use submit::{read_stored_episodes, StoredEpisode, SubmitError};
 pub use weights::BroadcastSettings;
 
@@ -102,9 +102,9 @@ pub struct ServerConfig {
     /// directory, a new adapter of `train.lora`'s shape. The base itself is then not
     /// served to the swarm. Empty: the model as loaded.
     pub adapters: Vec<(String, Option<PathBuf>)>,
-    /// Follow this training group's policy versions instead of training (`--follow`; then
+    /// Follow a training group's policy versions instead of training (`--follow`; then
     /// `train` is `None`): see [`follow`].
-    pub follow: Option<String>,
+    pub follow: Option<FollowSettings>,
     /// How the server takes part in the weight broadcast.
     pub broadcast: BroadcastSettings,
 }
@@ -113,7 +113,7 @@ impl ServerConfig {
     /// The names the swarm knows this server's models by, each with its training group.
     fn served_names(&self) -> Vec<(String, String)> {
         let group = match &self.follow {
-            Some(g) => Some(g.clone()),
+            Some(f) => Some(f.group.clone()),
             None => self.train.as_ref().and_then(|t| t.collective.group.clone()),
         };
         if self.adapters.is_empty() {
@@ -140,6 +140,9 @@ struct Unit {
     /// The trainer's model (with training on).
     train_model: Option<crate::model::llama::Llama>,
     lora: Option<crate::model::llama::lora::LoraConfig>,
+    /// The shapes of the tensors its versions carry (the weight broadcast's layout: the
+    /// whole model's, or its adapter's).
+    shapes: Vec<Vec<i64>>,
 }
 
 /// A running server.
@@ -266,18 +269,22 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
                 .into(),
         ));
     }
-    if cfg.follow.is_some() && (cfg.train.is_some() || !cfg.adapters.is_empty()) {
+    if cfg.follow.is_some() && cfg.train.is_some() {
         return Err(ServerError::Config(
-            "--follow serves the training group's versions without training, of the whole \
-             model: following an adapter (--adapter, --lora-rank) is not built yet"
+            "--follow serves the training group's versions without training: no training \
+             settings with it"
                 .into(),
         ));
     }
     check_trust(&cfg)?;
     let spec = cfg.model.clone();
     let train = cfg.train.is_some();
-    let lora = cfg.train.as_ref().and_then(|t| t.lora.clone());
-    let serve = cfg.train.as_ref().map_or(LoraServe::Auto, |t| t.lora_serve);
+    // The adapter trained here, or the one the followed group trains.
+    let (lora, serve) = match (&cfg.train, &cfg.follow) {
+        (Some(t), _) => (t.lora.clone(), t.lora_serve),
+        (None, Some(f)) => (f.lora.clone(), f.lora_serve),
+        (None, None) => (None, LoraServe::Auto),
+    };
     let merged = match serve {
         LoraServe::Merged => true,
         LoraServe::Unmerged => false,
@@ -314,7 +321,28 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
         // The trainer's own float32 copy (the engine serves from the other), or with an
         // adapter the engine's frozen base, shared.
         let train_model = match (train, &lora) {
-            (false, _) => None,
+            (false, None) => None,
+            // Following a group that trains an adapter: the engine's own (seed 0, as the
+            // members'), which each fetched version updates.
+            (false, Some(c)) => {
+                loaded
+                    .model
+                    .attach_adapter(c.clone(), 0)
+                    .map_err(model_err)?;
+                if merged {
+                    loaded.model.serve_merged_adapter().map_err(model_err)?;
+                }
+                tracing::info!(
+                    merged,
+                    "the engine serves the followed adapter {}",
+                    if merged {
+                        "merged into its own copy of the base's weights"
+                    } else {
+                        "unmerged, beside the base"
+                    }
+                );
+                None
+            }
             (true, None) => Some(
                 load_model(&source, device, crate::model::llama::DType::F32)
                     .map_err(model_err)?
@@ -351,6 +379,7 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
             adapter: None,
             train_model,
             lora,
+            shapes: loaded.model.parameters().iter().map(|t| t.size()).collect(),
         };
         Ok::<_, ServerError>((loaded, vec![unit]))
     })
@@ -393,6 +422,8 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
         listen: listen_addrs.iter().map(ToString::to_string).collect(),
     });
     let mut models = Vec::with_capacity(units.len());
+    // Each model's layout, which a followed version must have.
+    let mut shapes = Vec::with_capacity(units.len());
     let mut training = Vec::new();
     let bank: Vec<(String, usize)> = units
         .iter()
@@ -462,13 +493,17 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
             );
         }
         models.push(served);
+        shapes.push(unit.shapes);
     }
     let served = models[0].clone();
     ServedModel::start_all(&models).await?;
-    for m in &models {
-        if let (Some(bc), Some(group)) = (m.broadcast.get(), &cfg.follow) {
-            println!("following the policy versions of training group {group:?}");
-            follow::spawn(m.clone(), bc.clone(), &tasks, stop.clone());
+    for (m, shapes) in models.iter().zip(shapes) {
+        if let (Some(bc), Some(_)) = (m.broadcast.get(), &cfg.follow) {
+            println!(
+                "following the policy versions of training group {:?}",
+                bc.group
+            );
+            follow::spawn(m.clone(), bc.clone(), shapes, &tasks, stop.clone());
         }
     }
     if let Some(r) = cfg.renew.clone() {
@@ -672,7 +707,11 @@ fn bank_units(
         let _ = t.requires_grad_(false);
     }
     // (name, bank index, (directory, shape, seed)) of each adapter added.
-    type Added = (String, usize, (Option<PathBuf>, LoraConfig, u64));
+    type Added = (
+        String,
+        usize,
+        (Option<PathBuf>, LoraConfig, u64, Vec<Vec<i64>>),
+    );
     let mut pending: Vec<Added> = Vec::new();
     for (name, dir) in adapters {
         if let Some((other, _, _)) = pending
@@ -695,11 +734,12 @@ fn bank_units(
             }
         };
         let cfg = a.cfg.clone();
+        let shapes = a.tensors().iter().map(|t| t.size()).collect();
         let i = model.add_served_adapter(a)?;
-        pending.push((name.clone(), i, (dir.clone(), cfg, seed)));
+        pending.push((name.clone(), i, (dir.clone(), cfg, seed, shapes)));
     }
     let mut units = Vec::with_capacity(pending.len());
-    for (name, i, (dir, cfg, seed)) in pending {
+    for (name, i, (dir, cfg, seed, shapes)) in pending {
         let train_model = if train {
             let mut m = model.frozen_twin()?;
             m.attach_adapter(cfg.clone(), seed)?;
@@ -715,6 +755,7 @@ fn bank_units(
             adapter: Some(i),
             train_model,
             lora: Some(cfg),
+            shapes,
         });
     }
     Ok(units)

@@ -59,6 +59,17 @@ pub struct TrainSettings {
     pub lora_serve: LoraServe,
 }
 
+/// How a rollout peer follows (`--follow`): the training group, and the adapter its
+/// members train if they train one (then only the adapter's versions travel, and the
+/// engine serves them over its own frozen base).
+#[derive(Debug, Clone)]
+pub struct FollowSettings {
+    pub group: String,
+    /// The members' adapter shape (`--lora-rank` and friends, as the members pass them).
+    pub lora: Option<LoraConfig>,
+    pub lora_serve: LoraServe,
+}
+
 /// How the engine serves a trained LoRA adapter (`--lora-serve`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum LoraServe {

@@ -194,6 +194,137 @@ fn followers_serve_every_step_of_their_group_and_the_calls_they_sign_are_trained
     c.kill9();
 }
 
+/// A greedy answer's tokens and logprobs from a server's HTTP API.
+fn greedy(p: &mut Peer) -> Vec<(String, f64)> {
+    let base = p.http_url(Duration::from_secs(60));
+    let req = serde_json::json!({
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 8,
+        "temperature": 0.0,
+        "logprobs": true,
+    });
+    let (status, body) = common::peer::http(&base, "POST", "/v1/chat/completions", Some(&req));
+    assert_eq!(status, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    v["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no logprobs: {body}"))
+        .iter()
+        .map(|t| {
+            (
+                t["token"].as_str().unwrap().to_string(),
+                t["logprob"].as_f64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn a_follower_of_an_adapter_group_fetches_only_the_adapter_and_answers_as_the_trainer() {
+    let _lane = common::light();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = tiny_model(d);
+    let lora = ["--lora-rank", "4"];
+    let mut a = server(
+        d,
+        &model,
+        "a",
+        None,
+        &[
+            &CHUNKS[..],
+            &lora,
+            &["--groups-per-step", "1", "--max-batch", "2"],
+        ]
+        .concat(),
+    );
+    let boot = a.addr();
+    a.wait_serving(Duration::from_secs(120));
+    let mut f = follower(d, &model, "f", &boot, &lora);
+    // A follower whose adapter has another rank than the group's refuses its versions
+    // before fetching them, and says why.
+    let mut other = follower(d, &model, "other", &boot, &["--lora-rank", "8"]);
+    f.wait_serving(Duration::from_secs(120));
+    wait_version(&mut f, 0, Duration::from_secs(60));
+    wait_until("the refusal", Duration::from_secs(120), || {
+        other.log_text().contains("version 0 not served")
+    });
+    let log = other.log_text();
+    assert!(
+        log.contains("tensor 0 is [4, 64] there and [8, 64] here") && log.contains("--lora-rank"),
+        "{log}"
+    );
+    let mut c = client(d, &boot, 12, "run");
+    c.wait_client_event("the end", Duration::from_secs(300), |e| {
+        matches!(e, agentjet::client::ClientEvent::Finished { .. })
+    });
+    wait_until(
+        "every stored episode trained",
+        Duration::from_secs(60),
+        || {
+            let stored = a
+                .events()
+                .iter()
+                .filter(|e| matches!(e, ServerEvent::EpisodeStored { .. }))
+                .count();
+            stored > 0 && consumed(d, "a").values().map(Vec::len).sum::<usize>() >= stored
+        },
+    );
+    let group = trained(&a);
+    let newest = *group.keys().max().expect("the trainer took steps");
+    assert!(newest >= 2, "the trainer took {newest} steps");
+    wait_version(&mut f, newest, Duration::from_secs(60));
+    assert_hashes_match(&group, &[("f", &f)]);
+    // Only the adapter travelled: rank 4 on q, k, v, o, gate, up and down of the tiny
+    // model's 2 layers, in float32 (the whole model is some 324 KB).
+    let t = common::Tiny::default();
+    let (h, q, kv, i) = (t.hidden, t.hidden, t.kv_heads * t.head_dim(), t.inter);
+    let per_layer = (h + q) * 2 + (h + kv) * 2 + (h + i) * 3;
+    let adapter_bytes = (4 * per_layer * t.layers * 4) as u64;
+    let sizes: Vec<u64> = f
+        .events()
+        .into_iter()
+        .filter_map(|e| match e {
+            ServerEvent::Followed { full_bytes, .. } => Some(full_bytes),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        !sizes.is_empty() && sizes.iter().all(|&b| b == adapter_bytes),
+        "versions of {sizes:?} bytes, the adapter has {adapter_bytes}"
+    );
+    // The follower answers as the trainer does (both at the newest version), and the
+    // adapter moved the answer away from the base's (which the other follower serves).
+    let (ours, theirs, base) = (greedy(&mut f), greedy(&mut a), greedy(&mut other));
+    let tokens = |x: &[(String, f64)]| x.iter().map(|t| t.0.clone()).collect::<Vec<_>>();
+    assert_eq!(tokens(&ours), tokens(&theirs));
+    let gap = |x: &[(String, f64)], y: &[(String, f64)]| {
+        x.iter()
+            .zip(y)
+            .map(|(a, b)| (a.1 - b.1).abs())
+            .fold(0.0f64, f64::max)
+    };
+    assert!(
+        gap(&ours, &theirs) < 1e-5,
+        "{ours:?} vs the trainer's {theirs:?}"
+    );
+    eprintln!(
+        "follower vs trainer: {:e}; trainer vs base: {:e}",
+        gap(&ours, &theirs),
+        gap(&theirs, &base)
+    );
+    assert!(
+        tokens(&theirs) != tokens(&base) || gap(&theirs, &base) > 1e-4,
+        "the trained adapter answers as the base: {theirs:?} vs {base:?}"
+    );
+    assert!(
+        followed(&other).is_empty(),
+        "the other rank's follower served a version"
+    );
+    c.kill9();
+}
+
 #[test]
 fn a_follower_goes_on_when_a_trainer_dies_and_a_late_one_catches_up_from_its_peers() {
     let _lane = common::heavy();

@@ -211,7 +211,10 @@ pub struct ServerCli {
     /// (--train-group names the group; default: the model's). Each version the group's
     /// members publish is fetched from every peer that holds it (members and other
     /// followers: only the chunks that changed, as deltas) and swapped in between two
-    /// decode steps. Needs --swarm-key or --run (whom to believe).
+    /// decode steps. Needs --swarm-key or --run (whom to believe). A group that trains a
+    /// LoRA adapter is followed with the members' --lora-rank (and --lora-alpha,
+    /// --lora-targets, --rslora), or with --adapter NAME for each adapter group: only the
+    /// adapter's versions travel.
     #[arg(long)]
     pub follow: bool,
     /// Chunk size (KiB) of the policy versions this server publishes to followers.
@@ -260,7 +263,8 @@ pub struct ServerCli {
     pub entropy_coef: f64,
     /// Train a LoRA adapter of this rank on the frozen base (which stays in --dtype)
     /// instead of every weight: the optimizer, all-reduces and checkpoints hold only the
-    /// adapter (checkpoints in PEFT's format).
+    /// adapter (checkpoints in PEFT's format). With --follow: the adapter the followed
+    /// group trains (pass the members' --lora-* flags); only its versions travel.
     #[arg(long)]
     pub lora_rank: Option<usize>,
     /// The adapter's alpha (scale alpha / rank). Default: 2 x rank.

@@ -39,7 +39,7 @@ mod torch {
     use agentjet::collective::Wire;
     use agentjet::model::llama::lora::{LoraConfig, Target};
     use agentjet::server::train::CollectiveSettings;
-    use agentjet::server::{CertRenewal, ServeLimits, ServerConfig, TrainSettings};
+    use agentjet::server::{CertRenewal, FollowSettings, ServeLimits, ServerConfig, TrainSettings};
     use agentjet::train::groups::AdvantageKind;
     use agentjet::train::outer::OuterConfig;
     use std::time::Duration;
@@ -51,6 +51,32 @@ mod torch {
     const LORA_LEARNING_RATE: f64 = 1e-4;
 
     impl ServerCli {
+        /// The adapter `--lora-rank` and its flags shape (trained here, or followed).
+        fn lora(&self) -> Result<Option<LoraConfig>> {
+            self.lora_rank
+                .map(|rank| -> Result<LoraConfig> {
+                    let c = LoraConfig {
+                        rank,
+                        alpha: self.lora_alpha.unwrap_or(2.0 * rank as f64),
+                        targets: Target::parse_list(&self.lora_targets)
+                            .map_err(|e| anyhow::anyhow!("--lora-targets: {e}"))?,
+                        rslora: self.rslora,
+                    };
+                    c.validate()
+                        .map_err(|e| anyhow::anyhow!("--lora-rank: {e}"))?;
+                    Ok(c)
+                })
+                .transpose()
+        }
+
+        fn lora_serve(&self) -> agentjet::server::LoraServe {
+            match self.lora_serve {
+                LoraServe::Auto => agentjet::server::LoraServe::Auto,
+                LoraServe::Merged => agentjet::server::LoraServe::Merged,
+                LoraServe::Unmerged => agentjet::server::LoraServe::Unmerged,
+            }
+        }
+
         pub fn config(&self) -> Result<ServerConfig> {
             let data_dir = self.common.swarm.data_dir("server");
             let mut swarm = self.common.swarm.config(WireRole::Server, &data_dir)?;
@@ -61,13 +87,10 @@ mod torch {
                 .advantage
                 .parse()
                 .map_err(|e| anyhow::anyhow!("--advantage: {e}"))?;
-            if self.follow
-                && (self.no_train || self.lora_rank.is_some() || !self.adapters.is_empty())
-            {
+            if self.follow && self.no_train {
                 anyhow::bail!(
-                    "--follow serves the training group's versions of the whole model without \
-                     training: drop --no-train (implied); following an adapter (--lora-rank, \
-                     --adapter) is not built yet"
+                    "--follow serves the training group's versions without training: drop \
+                     --no-train (implied)"
                 );
             }
             if self.no_train && self.lora_rank.is_some() {
@@ -132,25 +155,8 @@ mod torch {
                         ppo_epochs: self.ppo_epochs.max(1),
                         mini_batches: self.mini_batches.max(1),
                         entropy_coef: self.entropy_coef,
-                        lora: self
-                            .lora_rank
-                            .map(|rank| -> Result<LoraConfig> {
-                                let c = LoraConfig {
-                                    rank,
-                                    alpha: self.lora_alpha.unwrap_or(2.0 * rank as f64),
-                                    targets: Target::parse_list(&self.lora_targets)
-                                        .map_err(|e| anyhow::anyhow!("--lora-targets: {e}"))?,
-                                    rslora: self.rslora,
-                                };
-                                c.validate().map_err(|e| anyhow::anyhow!("--lora-rank: {e}"))?;
-                                Ok(c)
-                            })
-                            .transpose()?,
-                        lora_serve: match self.lora_serve {
-                            LoraServe::Auto => agentjet::server::LoraServe::Auto,
-                            LoraServe::Merged => agentjet::server::LoraServe::Merged,
-                            LoraServe::Unmerged => agentjet::server::LoraServe::Unmerged,
-                        },
+                        lora: self.lora()?,
+                        lora_serve: self.lora_serve(),
                     })
                 })
                 .transpose()?;
@@ -185,13 +191,20 @@ mod torch {
                 },
                 drain_timeout: secs("drain-timeout", self.common.swarm.drain_timeout)?,
                 events_file: self.events.clone(),
-                follow: self.follow.then(|| {
-                    self.train_group.clone().unwrap_or_else(|| {
-                        self.served_model_name
-                            .clone()
-                            .unwrap_or_else(|| self.model.clone())
+                follow: self
+                    .follow
+                    .then(|| -> Result<FollowSettings> {
+                        Ok(FollowSettings {
+                            group: self.train_group.clone().unwrap_or_else(|| {
+                                self.served_model_name
+                                    .clone()
+                                    .unwrap_or_else(|| self.model.clone())
+                            }),
+                            lora: self.lora()?,
+                            lora_serve: self.lora_serve(),
+                        })
                     })
-                }),
+                    .transpose()?,
                 broadcast: agentjet::server::BroadcastSettings {
                     chunk_bytes: self
                         .weights_chunk_kib

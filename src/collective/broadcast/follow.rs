@@ -52,6 +52,10 @@ pub struct FollowConfig {
     /// How long to hear the others' statuses before the first fetch (`None`: two status
     /// intervals, so a starting follower knows the other holders, not only the members).
     pub listen: Option<Duration>,
+    /// The shapes of the tensors this follower can serve (`None`: any): a version of
+    /// another layout (another model, another adapter shape) is refused before it is
+    /// fetched.
+    pub shapes: Option<Vec<Vec<i64>>>,
 }
 
 impl Default for FollowConfig {
@@ -67,6 +71,7 @@ impl Default for FollowConfig {
             parallel: 64,
             request_timeout: Duration::from_secs(30),
             listen: None,
+            shapes: None,
         }
     }
 }
@@ -134,6 +139,41 @@ pub fn followers_of(swarm: &SwarmHandle, model: &str, group: &str) -> Vec<PeerId
         })
         .map(|e| e.peer)
         .collect()
+}
+
+/// Whether `m`'s tensors have the shapes `want` (the follower's model): the first
+/// difference, if not.
+pub fn layout_matches(m: &Manifest, want: &[Vec<i64>]) -> Result<(), String> {
+    let theirs: Vec<&[i64]> = m.tensors.iter().map(|t| t.shape.as_slice()).collect();
+    let first = theirs
+        .iter()
+        .zip(want)
+        .position(|(a, b)| *a != b.as_slice());
+    if theirs.len() == want.len() && first.is_none() {
+        return Ok(());
+    }
+    let values =
+        |shapes: &[&[i64]]| -> i64 { shapes.iter().map(|s| s.iter().product::<i64>()).sum() };
+    let mine: Vec<&[i64]> = want.iter().map(Vec::as_slice).collect();
+    let mut detail = format!(
+        "the group's version {} has {} tensors ({} values), this server's model {} ({} \
+         values)",
+        m.version,
+        theirs.len(),
+        values(&theirs),
+        want.len(),
+        values(&mine),
+    );
+    if let Some(i) = first {
+        detail += &format!(
+            "; tensor {i} is {:?} there and {:?} here",
+            theirs[i], want[i]
+        );
+    }
+    Err(format!(
+        "{detail}: another model, or another adapter (a follower of a group that trains \
+         one passes the members' --lora-rank, --lora-alpha and --lora-targets)"
+    ))
 }
 
 /// Why a version was not followed.
@@ -288,6 +328,9 @@ impl Follower {
                 why.join("; ")
             )
         })?;
+        if let Some(want) = &self.cfg.shapes {
+            layout_matches(&manifest, want).map_err(Failure::Refused)?;
+        }
         // The followers share the work (each takes its share of the chunks from the
         // members, the rest from each other): the members' upload bounds the broadcast.
         let me = h.swarm().peer_id;
@@ -373,5 +416,33 @@ impl Follower {
             fetch_s: started.elapsed().as_secs_f64(),
             started,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_version_of_another_layout_is_refused_with_the_first_difference() {
+        let layout = vec![
+            ("p0".to_string(), "Float".to_string(), vec![4, 2], 32),
+            ("p1".to_string(), "Float".to_string(), vec![2, 4], 32),
+        ];
+        let m = Manifest::build_chunked("m", 3, "h", &layout, &[0u8; 64], 16).unwrap();
+        assert!(layout_matches(&m, &[vec![4, 2], vec![2, 4]]).is_ok());
+        // Another rank: the second tensor differs.
+        let e = layout_matches(&m, &[vec![4, 2], vec![4, 4]]).unwrap_err();
+        assert!(
+            e.contains("tensor 1 is [2, 4] there and [4, 4] here"),
+            "{e}"
+        );
+        assert!(e.contains("--lora-rank"), "{e}");
+        // Fewer tensors (other targets): the counts are said.
+        let e = layout_matches(&m, &[vec![4, 2]]).unwrap_err();
+        assert!(
+            e.contains("has 2 tensors (16 values), this server's model 1 (8 values)"),
+            "{e}"
+        );
     }
 }
