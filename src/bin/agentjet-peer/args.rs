@@ -213,8 +213,8 @@ pub struct ServerCli {
     /// followers: only the chunks that changed, as deltas) and swapped in between two
     /// decode steps. Needs --swarm-key or --run (whom to believe). A group that trains a
     /// LoRA adapter is followed with the members' --lora-rank (and --lora-alpha,
-    /// --lora-targets, --rslora), or with --adapter NAME for each adapter group: only the
-    /// adapter's versions travel.
+    /// --lora-targets, --rslora); adapter groups (--adapter NAME, with that --lora-rank,
+    /// or NAME=DIR) each by their name: only the adapter's versions travel.
     #[arg(long)]
     pub follow: bool,
     /// Chunk size (KiB) of the policy versions this server publishes to followers.

@@ -152,8 +152,12 @@ pub fn layout_matches(m: &Manifest, want: &[Vec<i64>]) -> Result<(), String> {
     if theirs.len() == want.len() && first.is_none() {
         return Ok(());
     }
-    let values =
-        |shapes: &[&[i64]]| -> i64 { shapes.iter().map(|s| s.iter().product::<i64>()).sum() };
+    // Saturating: a peer's manifest may claim any shape.
+    let values = |shapes: &[&[i64]]| -> i64 {
+        shapes.iter().fold(0i64, |n, s| {
+            n.saturating_add(s.iter().fold(1i64, |m, &d| m.saturating_mul(d)))
+        })
+    };
     let mine: Vec<&[i64]> = want.iter().map(Vec::as_slice).collect();
     let mut detail = format!(
         "the group's version {} has {} tensors ({} values), this server's model {} ({} \
