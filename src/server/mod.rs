@@ -322,42 +322,28 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
         // adapter the engine's frozen base, shared.
         let train_model = match (train, &lora) {
             (false, None) => None,
-            // Following a group that trains an adapter: the engine's own (seed 0, as the
-            // members'), which each fetched version updates.
-            (false, Some(c)) => {
-                loaded
-                    .model
-                    .attach_adapter(c.clone(), 0)
-                    .map_err(model_err)?;
-                if merged {
-                    loaded.model.serve_merged_adapter().map_err(model_err)?;
-                }
-                tracing::info!(
-                    merged,
-                    "the engine serves the followed adapter {}",
-                    if merged {
-                        "merged into its own copy of the base's weights"
-                    } else {
-                        "unmerged, beside the base"
-                    }
-                );
-                None
-            }
             (true, None) => Some(
                 load_model(&source, device, crate::model::llama::DType::F32)
                     .map_err(model_err)?
                     .model,
             ),
-            // The frozen base is shared with the engine (one copy in the process); each
-            // side has its own adapter. Seed 0 everywhere: every member of a group starts
-            // from one adapter.
-            (true, Some(c)) => {
+            // Training, the frozen base is shared with the engine (one copy in the
+            // process); each side has its own adapter. Following, the engine's adapter is
+            // updated by each fetched version. Seed 0 everywhere: every member of a group
+            // (and its followers) starts from one adapter.
+            (_, Some(c)) => {
                 loaded
                     .model
                     .attach_adapter(c.clone(), 0)
                     .map_err(model_err)?;
-                let mut m = loaded.model.frozen_twin().map_err(model_err)?;
-                m.attach_adapter(c.clone(), 0).map_err(model_err)?;
+                let twin = match train {
+                    true => {
+                        let mut m = loaded.model.frozen_twin().map_err(model_err)?;
+                        m.attach_adapter(c.clone(), 0).map_err(model_err)?;
+                        Some(m)
+                    }
+                    false => None,
+                };
                 if merged {
                     // After the twin: it keeps the base, the engine its merged copy.
                     loaded.model.serve_merged_adapter().map_err(model_err)?;
@@ -365,13 +351,13 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
                 tracing::info!(
                     merged,
                     "the engine serves the adapter {}",
-                    if merged {
-                        "merged into its own copy of the base's weights"
-                    } else {
-                        "unmerged, beside the base it shares with the trainer"
+                    match (merged, train) {
+                        (true, _) => "merged into its own copy of the base's weights",
+                        (false, true) => "unmerged, beside the base it shares with the trainer",
+                        (false, false) => "unmerged, beside the base",
                     }
                 );
-                Some(m)
+                twin
             }
         };
         let unit = Unit {

@@ -75,6 +75,22 @@ fn wait_version(f: &mut Peer, version: u64, timeout: Duration) {
     );
 }
 
+/// Waits until trainer `a` (data directory `d/a`) trained every episode it stored.
+fn wait_all_trained(a: &Peer, d: &Path) {
+    wait_until(
+        "every stored episode trained",
+        Duration::from_secs(60),
+        || {
+            let stored = a
+                .events()
+                .iter()
+                .filter(|e| matches!(e, ServerEvent::EpisodeStored { .. }))
+                .count();
+            stored > 0 && consumed(d, "a").values().map(Vec::len).sum::<usize>() >= stored
+        },
+    );
+}
+
 /// Every version each follower served has the group's parameter hash of that version.
 fn assert_hashes_match(group: &BTreeMap<u64, String>, followers: &[(&str, &Peer)]) {
     for (name, f) in followers {
@@ -120,18 +136,7 @@ fn followers_serve_every_step_of_their_group_and_the_calls_they_sign_are_trained
         matches!(e, agentjet::client::ClientEvent::Finished { .. })
     });
     // Every step the trainer took is served by both followers, with its parameters.
-    wait_until(
-        "every stored episode trained",
-        Duration::from_secs(60),
-        || {
-            let stored = a
-                .events()
-                .iter()
-                .filter(|e| matches!(e, ServerEvent::EpisodeStored { .. }))
-                .count();
-            stored > 0 && consumed(d, "a").values().map(Vec::len).sum::<usize>() >= stored
-        },
-    );
+    wait_all_trained(&a, d);
     let group = trained(&a);
     let newest = *group.keys().max().expect("the trainer took steps");
     assert!(newest >= 2, "the trainer took {newest} steps");
@@ -259,18 +264,7 @@ fn a_follower_of_an_adapter_group_fetches_only_the_adapter_and_answers_as_the_tr
     c.wait_client_event("the end", Duration::from_secs(300), |e| {
         matches!(e, agentjet::client::ClientEvent::Finished { .. })
     });
-    wait_until(
-        "every stored episode trained",
-        Duration::from_secs(60),
-        || {
-            let stored = a
-                .events()
-                .iter()
-                .filter(|e| matches!(e, ServerEvent::EpisodeStored { .. }))
-                .count();
-            stored > 0 && consumed(d, "a").values().map(Vec::len).sum::<usize>() >= stored
-        },
-    );
+    wait_all_trained(&a, d);
     let group = trained(&a);
     let newest = *group.keys().max().expect("the trainer took steps");
     assert!(newest >= 2, "the trainer took {newest} steps");
