@@ -35,7 +35,7 @@ use crate::facade::{Backend, ChoiceEvent, ChoiceStream, Route, SignedPart};
 use crate::model::{ModelCard, ModelError};
 use crate::rpc::{CardBlob, CardReply, CardRequest, InferFrame, InferRequest, CARD, INFER};
 use crate::swarm::frame::{read_frame, write_frame, FrameError};
-use crate::swarm::{PeerId, SwarmError, SwarmHandle};
+use crate::swarm::{PeerId, Role, SwarmError, SwarmHandle};
 
 /// Why a model card could not be had from a provider.
 #[derive(Debug, thiserror::Error)]
@@ -283,6 +283,7 @@ impl SwarmBackend {
                     .await
                     .map(|l| l.providers)
                     .unwrap_or_default();
+                let found = with_seen(&swarm, model, found);
                 let all = found.len();
                 let found = trusted_providers(&swarm, model, found);
                 router.set_providers(model, found.clone());
@@ -334,7 +335,7 @@ impl SwarmBackend {
                     _ = refresh_stop.requested() => return,
                 }
                 for m in &ms {
-                    if let Ok(p) = s.providers(m).await {
+                    if let Ok(p) = s.providers(m).await.map(|p| with_seen(&s, m, p)) {
                         // Trusting a run, a list the filter emptied is the truth (a
                         // certificate expired): no call goes to the old providers.
                         let run = matches!(s.trust(), crate::swarm::Trust::Run(_));
@@ -373,6 +374,21 @@ impl SwarmBackend {
             })
             .collect()
     }
+}
+
+/// `found` (the DHT's providers of `model`) and every server the view shows serving it:
+/// a server's gossiped status can reach this client before its provider record does (a
+/// first lookup stops at the first provider), and the calls would all go to the few found.
+fn with_seen(swarm: &SwarmHandle, model: &str, mut found: Vec<PeerId>) -> Vec<PeerId> {
+    for e in swarm.view() {
+        let serves = !e.is_self
+            && e.status.role == Role::Server
+            && e.status.models.iter().any(|m| m.name == model);
+        if serves && !found.contains(&e.peer) {
+            found.push(e.peer);
+        }
+    }
+    found
 }
 
 /// The providers a client may send calls of `model` to (trusting a run: its certified

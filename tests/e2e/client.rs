@@ -250,7 +250,7 @@ fn a_shell_agent_trains_the_server_and_bad_agents_are_aborted() {
 }
 
 /// Two models in one episode: each call's reward is its reply's length parity.
-const TWO_MODEL_AGENT: &str = r#"#!/bin/sh
+pub(crate) const TWO_MODEL_AGENT: &str = r#"#!/bin/sh
 set -eu
 call() {
   curl -sS --fail-with-body "$OPENAI_BASE_URL/chat/completions" \

@@ -969,12 +969,30 @@ fn lora_servers_train_one_adapter_as_a_group_and_export_it_merged() {
         s.wait_epoch(3, Duration::from_secs(60));
     }
     full.wait_serving(Duration::from_secs(60));
-    let mut cl = client(d, &boot, 8, "run2");
-    assert!(cl.child.wait().unwrap().success(), "{}", cl.log_text());
-    wait_all_consumed(d, &["a", "b", "c"], &[&a, &b, &c]);
+    // The client may route every group of a short run to the full fine-tuning server (the
+    // one it found first, or the fastest): another run then, at most three in all.
+    let mut client_log = String::new();
+    for run in ["run2", "run3", "run4"] {
+        let mut cl = client(d, &boot, 8, run);
+        assert!(cl.child.wait().unwrap().success(), "{}", cl.log_text());
+        wait_all_consumed(d, &["a", "b", "c"], &[&a, &b, &c]);
+        client_log = cl.log_text();
+        if !hashes(&metrics_lines(d, "c")).is_empty() {
+            break;
+        }
+    }
     let (la, hc) = (metrics_lines(d, "a"), hashes(&metrics_lines(d, "c")));
     let ha = hashes(&la);
-    assert!(!hc.is_empty(), "the joiner took no step");
+    if hc.is_empty() {
+        let after: Vec<&u64> = ha.keys().filter(|s| **s > k).collect();
+        let full_steps = hashes(&metrics_lines(d, "full")).len();
+        panic!(
+            "the joiner took no step (a's steps after {k}: {after:?}; the full server's \
+             steps: {full_steps}); the client's log:\n{}\nthe joiner's log:\n{}",
+            client_log,
+            c.log_text()
+        );
+    }
     for (step, h) in &hc {
         assert!(*step > k);
         assert_eq!(ha.get(step), Some(h), "step {step}");

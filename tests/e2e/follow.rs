@@ -35,32 +35,45 @@ fn dashboard(p: &mut Peer) -> String {
     }
 }
 
-/// Each version a follower served: version -> (param hash, bytes by source).
+/// Each version a follower served of model `tiny`: version -> (param hash, bytes by source).
 fn followed(p: &Peer) -> BTreeMap<u64, (String, BTreeMap<String, u64>)> {
+    followed_of(p, "tiny")
+}
+
+/// Each version a follower served of `model`.
+fn followed_of(p: &Peer, model: &str) -> BTreeMap<u64, (String, BTreeMap<String, u64>)> {
     p.events()
         .into_iter()
         .filter_map(|e| match e {
             ServerEvent::Followed {
+                model: m,
                 version,
                 param_hash,
                 bytes_by_source,
                 ..
-            } => Some((version, (param_hash, bytes_by_source))),
+            } if m == model => Some((version, (param_hash, bytes_by_source))),
             _ => None,
         })
         .collect()
 }
 
-/// The group's parameter hash (hex8) after each step of a trainer: version -> hash.
+/// The group's parameter hash (hex8) after each step of a trainer of model `tiny`:
+/// version -> hash.
 fn trained(p: &Peer) -> BTreeMap<u64, String> {
+    trained_of(p, "tiny")
+}
+
+/// The same for `model`.
+fn trained_of(p: &Peer, model: &str) -> BTreeMap<u64, String> {
     p.events()
         .into_iter()
         .filter_map(|e| match e {
             ServerEvent::TrainStep {
+                model: m,
                 version,
                 params: Some(h),
                 ..
-            } => Some((version, h[..16].to_string())),
+            } if m == model => Some((version, h[..16].to_string())),
             _ => None,
         })
         .collect()
@@ -77,16 +90,26 @@ fn wait_version(f: &mut Peer, version: u64, timeout: Duration) {
 
 /// Waits until trainer `a` (data directory `d/a`) trained every episode it stored.
 fn wait_all_trained(a: &Peer, d: &Path) {
+    wait_all_trained_of(a, d, "tiny")
+}
+
+/// The same for `model` (its ledger is `d/a/runs/MODEL/consumed.log`).
+fn wait_all_trained_of(a: &Peer, d: &Path, model: &str) {
+    let ledger = d.join("a/runs").join(model).join("consumed.log");
     wait_until(
-        "every stored episode trained",
+        &format!("every stored episode of {model} trained"),
         Duration::from_secs(60),
         || {
             let stored = a
                 .events()
                 .iter()
-                .filter(|e| matches!(e, ServerEvent::EpisodeStored { .. }))
+                .filter(|e| matches!(e, ServerEvent::EpisodeStored { model: m, .. } if m == model))
                 .count();
-            stored > 0 && consumed(d, "a").values().map(Vec::len).sum::<usize>() >= stored
+            let used = std::fs::read_to_string(&ledger)
+                .unwrap_or_default()
+                .lines()
+                .count();
+            stored > 0 && used >= stored
         },
     );
 }
@@ -156,13 +179,23 @@ fn followers_serve_every_step_of_their_group_and_the_calls_they_sign_are_trained
     }
     let served = metric(&dashboard(&mut a), "agentjet_weights_served_bytes_total");
     assert!(served.is_some_and(|b| b > 0.0), "{served:?}");
-    for (name, f) in [("f1", &f1), ("f2", &f2)] {
+    let published: Vec<String> = a
+        .log_text()
+        .lines()
+        .filter(|l| l.contains("published policy version") || l.contains("weights source"))
+        .map(String::from)
+        .collect();
+    for (name, f) in [("f1", &mut f1), ("f2", &mut f2)] {
         let seen = followed(f);
         assert!(
             seen.keys().filter(|v| group.contains_key(v)).count() >= 2,
-            "follower {name} served versions {:?} of the group's {:?}",
+            "follower {name} served versions {:?} of the group's {:?}; its stdout:\n{}\n\
+             its log:\n{}\nthe trainer's versions:\n{}",
             seen.keys().collect::<Vec<_>>(),
-            group.keys().collect::<Vec<_>>()
+            group.keys().collect::<Vec<_>>(),
+            f.stdout_so_far().join("\n"),
+            f.log_text(),
+            published.join("\n")
         );
         assert_eq!(seen.keys().max(), Some(&newest), "follower {name}");
     }
@@ -199,11 +232,16 @@ fn followers_serve_every_step_of_their_group_and_the_calls_they_sign_are_trained
     c.kill9();
 }
 
-/// A greedy answer's tokens and logprobs from a server's HTTP API.
+/// A greedy answer's tokens and logprobs from a server's HTTP API (model `tiny`).
 fn greedy(p: &mut Peer) -> Vec<(String, f64)> {
+    greedy_of(p, "tiny")
+}
+
+/// The same for `model`.
+fn greedy_of(p: &mut Peer, model: &str) -> Vec<(String, f64)> {
     let base = p.http_url(Duration::from_secs(60));
     let req = serde_json::json!({
-        "model": "tiny",
+        "model": model,
         "messages": [{"role": "user", "content": "hello"}],
         "max_tokens": 8,
         "temperature": 0.0,
@@ -317,6 +355,126 @@ fn a_follower_of_an_adapter_group_fetches_only_the_adapter_and_answers_as_the_tr
         "the other rank's follower served a version"
     );
     c.kill9();
+}
+
+/// A server training several adapters on one base (`--adapter`) and a follower of the same
+/// adapters: each adapter is a model of its own with its own training group, and the
+/// follower follows each group, serving every adapter as its trainer does. (A swarm key:
+/// a run's certificate names one model.)
+#[test]
+fn a_follower_of_several_adapters_follows_each_adapters_group() {
+    let _lane = common::light();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = tiny_model(d);
+    let key = d.join("swarm.key");
+    std::fs::write(&key, agentjet::swarm::SwarmKey::generate().to_file_text()).unwrap();
+    let key = key.to_str().unwrap();
+    let bank = [
+        "--lora-rank",
+        "4",
+        "--adapter",
+        "tiny-a",
+        "--adapter",
+        "tiny-b",
+        "--swarm-key",
+        key,
+    ];
+    let mut a = server(
+        d,
+        &model,
+        "a",
+        None,
+        &[
+            &CHUNKS[..],
+            &bank,
+            &["--groups-per-step", "1", "--max-batch", "2"],
+        ]
+        .concat(),
+    );
+    let boot = a.addr();
+    a.wait_serving(Duration::from_secs(120));
+    let mut f = follower(d, &model, "f", &boot, &bank);
+    f.wait_serving(Duration::from_secs(120));
+    let models = ["tiny-a", "tiny-b"];
+    wait_until("both adapters' version 0", Duration::from_secs(60), || {
+        models.iter().all(|m| !followed_of(&f, m).is_empty())
+    });
+    // A client whose agent calls both adapters and rewards each.
+    let agent = d.join("agent-duo.sh");
+    std::fs::write(&agent, crate::client::TWO_MODEL_AGENT).unwrap();
+    let tasks = d.join("tasks-duo.jsonl");
+    let lines: Vec<String> = (0..6)
+        .map(|i| format!("{{\"id\": \"t{i}\", \"data\": {{\"i\": {i}}}}}"))
+        .collect();
+    std::fs::write(&tasks, lines.join("\n") + "\n").unwrap();
+    let (agent_cmd, run_dir) = (format!("sh {}", agent.display()), d.join("duo"));
+    let mut c = Peer::start(
+        "duo",
+        d,
+        &[
+            "--role",
+            "client",
+            "--bootstrap",
+            &boot,
+            "--model",
+            "tiny-a",
+            "--model",
+            "tiny-b",
+            "--agent",
+            &agent_cmd,
+            "--tasks",
+            tasks.to_str().unwrap(),
+            "--num-repeat",
+            "4",
+            "--concurrency",
+            "4",
+            "--run-dir",
+            run_dir.to_str().unwrap(),
+            "--swarm-key",
+            key,
+        ],
+    );
+    assert!(c.child.wait().unwrap().success(), "{}", c.log_text());
+    for m in models {
+        wait_all_trained_of(&a, d, m);
+    }
+    // Each adapter trained, and the follower serves each one's newest version with the
+    // trainer's parameters (and every version it served had them).
+    wait_until(
+        "the follower at each adapter's newest version",
+        Duration::from_secs(120),
+        || {
+            models.iter().all(|m| {
+                let group = trained_of(&a, m);
+                let seen = followed_of(&f, m);
+                group
+                    .keys()
+                    .max()
+                    .is_some_and(|v| *v >= 1 && seen.get(v).map(|x| &x.0) == group.get(v))
+            })
+        },
+    );
+    for m in models {
+        let group = trained_of(&a, m);
+        eprintln!(
+            "{m}: trained versions {:?}, followed {:?}",
+            group.keys().collect::<Vec<_>>(),
+            followed_of(&f, m).keys().collect::<Vec<_>>()
+        );
+        for (v, (h, _)) in followed_of(&f, m) {
+            if let Some(want) = group.get(&v) {
+                assert_eq!(&h, want, "{m}: version {v}");
+            }
+        }
+        // Both serve the adapter alike (the trainer's engine swaps its versions in too).
+        let (ours, theirs) = (greedy_of(&mut f, m), greedy_of(&mut a, m));
+        let tokens = |x: &[(String, f64)]| x.iter().map(|t| t.0.clone()).collect::<Vec<_>>();
+        assert_eq!(tokens(&ours), tokens(&theirs), "{m}");
+    }
+    // The two adapters trained apart: their newest parameters differ.
+    let newest = |m: &str| trained_of(&a, m).into_iter().next_back().map(|x| x.1);
+    assert_ne!(newest("tiny-a"), newest("tiny-b"));
 }
 
 #[test]

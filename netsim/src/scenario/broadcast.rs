@@ -202,7 +202,9 @@ pub async fn run_once(env: &Env, a: &Args) -> anyhow::Result<Outcome> {
     let followers = start_many(&c, Role::Server, a.followers).await?;
     let ports = Arc::new(WeightsPorts::default());
     let holder = |p: &Arc<SimPeer>, follower: bool| {
-        let store = Arc::new(VersionStore::new(2, FRAME_CACHE));
+        // The latest 2 versions alone: a hundred followers' extra snapshots would share
+        // this one process's memory (one machine each would hold them).
+        let store = Arc::new(VersionStore::new(2, FRAME_CACHE).with_young(Duration::ZERO));
         ports.serve(p.peer_id, p.node, store.clone());
         p.handle.set_models(vec![ModelStatus {
             name: MODEL.into(),

@@ -297,8 +297,15 @@ impl Follower {
                     refused.insert(target.id);
                 }
                 Err(Failure::Again(e)) => {
-                    failures += 1;
                     tracing::warn!(model = h.model, version = target.version, "following: {e}");
+                    // The group moved on meanwhile: the newer version is fetched at once
+                    // (its members hold it), not after a pause.
+                    let newer = newest(h.swarm(), &h.model, &h.group)
+                        .is_some_and(|t| t.version > target.version);
+                    if newer {
+                        continue;
+                    }
+                    failures += 1;
                     // Wait a little longer after each failure (at most 25 ticks).
                     let pause = self.cfg.tick * (1u32 << failures.min(5)).min(25);
                     tokio::select! {

@@ -1,5 +1,10 @@
 //! The versions a peer holds and serves chunks of: per model, the latest few snapshots
 //! (a trainer's after each step, a follower's after each fetch), with their manifests.
+//! Beyond the latest `keep`, a version held for less than [`YOUNG`] stays while such
+//! extra versions take at most [`YOUNG_BYTES`] (and [`MAX_VERSIONS`] in all): when steps
+//! come faster than a loaded follower fetches (a small model or an adapter), the version
+//! it is fetching is still there when it asks for its last chunks. A big model's
+//! snapshots exceed the budget, and only `keep` are held.
 //! A chunk asked as a delta against an older version is encoded once and kept (every
 //! follower at that version asks the same frame) in a cache bounded in bytes.
 //!
@@ -8,7 +13,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::codec::encode;
 use super::fetch::Miss;
@@ -50,7 +55,20 @@ pub fn element_width(m: &Manifest) -> u8 {
     }
 }
 
+/// How long a version stays held beyond `keep` (see the module docs).
+pub const YOUNG: Duration = Duration::from_secs(15);
+/// The snapshot bytes of the versions held beyond `keep`, at most.
+pub const YOUNG_BYTES: usize = 64 << 20;
+/// Versions held per model, at most.
+pub const MAX_VERSIONS: usize = 8;
+
 type FrameKey = (String, u64, usize, Option<u64>);
+
+/// A held version and when it was put.
+struct Kept {
+    held: Held,
+    at: Instant,
+}
 
 /// A version being fetched: its chunks so far.
 struct Partial {
@@ -97,7 +115,9 @@ struct Frames {
 /// Every model's held versions (at most `keep` each) and the frames made of them.
 pub struct VersionStore {
     keep: usize,
-    models: Mutex<HashMap<String, VecDeque<Held>>>,
+    /// How long a version stays held beyond `keep` ([`YOUNG`]; see the module docs).
+    young: Duration,
+    models: Mutex<HashMap<String, VecDeque<Kept>>>,
     /// Per model, the version being fetched.
     partial: Mutex<HashMap<String, Arc<Partial>>>,
     frames: Mutex<Frames>,
@@ -116,6 +136,7 @@ impl VersionStore {
     pub fn new(keep: usize, frame_budget: usize) -> VersionStore {
         VersionStore {
             keep: keep.max(1),
+            young: YOUNG,
             models: Mutex::new(HashMap::new()),
             partial: Mutex::new(HashMap::new()),
             frames: Mutex::new(Frames::default()),
@@ -126,21 +147,40 @@ impl VersionStore {
         }
     }
 
+    /// The same store, holding a version beyond `keep` for `young` at most (zero: the
+    /// latest `keep` alone; netsim's hundred followers share one process's memory).
+    pub fn with_young(mut self, young: Duration) -> VersionStore {
+        self.young = young;
+        self
+    }
+
     /// Holds `held` as its model's latest version (replacing a held one of the same
-    /// version); the oldest beyond `keep` go, with their frames.
+    /// version); the oldest beyond `keep` go, with their frames, unless young (see the
+    /// module docs).
     pub fn put(&self, held: Held) {
         let model = held.manifest.model.clone();
         let version = held.version();
         let dropped: Vec<u64> = {
             let mut models = lock(&self.models);
             let list = models.entry(model.clone()).or_default();
-            list.retain(|h| h.version() != version);
-            list.push_back(held);
-            list.make_contiguous().sort_by_key(Held::version);
+            list.retain(|k| k.held.version() != version);
+            list.push_back(Kept {
+                held,
+                at: Instant::now(),
+            });
+            list.make_contiguous().sort_by_key(|k| k.held.version());
             let mut gone = Vec::new();
             while list.len() > self.keep {
-                if let Some(h) = list.pop_front() {
-                    gone.push(h.version());
+                let extra = list.len() - self.keep;
+                let extra_bytes: usize =
+                    list.iter().take(extra).map(|k| k.held.snapshot.len()).sum();
+                // The oldest is the first: if it is young, so are the others.
+                let young = list.front().is_some_and(|k| k.at.elapsed() < self.young);
+                if young && list.len() <= MAX_VERSIONS && extra_bytes <= YOUNG_BYTES {
+                    break;
+                }
+                if let Some(k) = list.pop_front() {
+                    gone.push(k.held.version());
                 }
             }
             gone.push(version);
@@ -166,7 +206,10 @@ impl VersionStore {
 
     /// The latest version of `model` held.
     pub fn latest(&self, model: &str) -> Option<Held> {
-        lock(&self.models).get(model)?.back().cloned()
+        lock(&self.models)
+            .get(model)?
+            .back()
+            .map(|k| k.held.clone())
     }
 
     /// Version `version` of `model`, if held.
@@ -174,8 +217,8 @@ impl VersionStore {
         lock(&self.models)
             .get(model)?
             .iter()
-            .find(|h| h.version() == version)
-            .cloned()
+            .find(|k| k.held.version() == version)
+            .map(|k| k.held.clone())
     }
 
     /// Starts fetching `manifest`'s version: its chunks are served as they arrive
@@ -350,9 +393,12 @@ impl VersionStore {
     pub fn prepare_deltas(&self, model: &str, version: u64) -> usize {
         let (Some(new), Some(old)) = (self.get(model, version), {
             let models = lock(&self.models);
-            models
-                .get(model)
-                .and_then(|l| l.iter().rev().find(|h| h.version() < version).cloned())
+            models.get(model).and_then(|l| {
+                l.iter()
+                    .rev()
+                    .find(|k| k.held.version() < version)
+                    .map(|k| k.held.clone())
+            })
         }) else {
             return 0;
         };
@@ -432,7 +478,7 @@ mod tests {
 
     #[test]
     fn keeps_the_latest_versions_and_serves_deltas_that_decode() {
-        let s = VersionStore::new(2, 1 << 20);
+        let s = VersionStore::new(2, 1 << 20).with_young(Duration::ZERO);
         s.put(version(1, 3));
         s.put(version(2, 5));
         s.put(version(3, 7));
@@ -465,6 +511,51 @@ mod tests {
         // A newer version: not yet (this peer will fetch it).
         assert_eq!(s.frame("m", 4, 0, None), Err(Miss::NotStarted));
         assert!(s.served_bytes.load(Ordering::Relaxed) > 0);
+    }
+
+    #[test]
+    fn young_versions_stay_beyond_keep_within_the_budget_and_the_count() {
+        // Small snapshots put in a burst: all stay, up to MAX_VERSIONS.
+        let s = VersionStore::new(2, 1 << 20);
+        for v in 1..=10 {
+            s.put(version(v, v as u8));
+        }
+        let held: Vec<u64> = (1..=10).filter(|&v| s.get("m", v).is_some()).collect();
+        assert_eq!(held, (3..=10).collect::<Vec<_>>());
+        // Once they are older than `young`, the next put leaves the latest `keep`.
+        let s = VersionStore::new(2, 1 << 20).with_young(Duration::from_millis(50));
+        for v in 1..=4 {
+            s.put(version(v, v as u8));
+        }
+        assert!(
+            s.get("m", 1).is_some(),
+            "a young version is held beyond keep"
+        );
+        std::thread::sleep(Duration::from_millis(60));
+        s.put(version(5, 5));
+        let held: Vec<u64> = (1..=5).filter(|&v| s.get("m", v).is_some()).collect();
+        assert_eq!(held, vec![4, 5]);
+        // Snapshots bigger than the budget: only `keep`, however young.
+        let big = |v: u64| {
+            let bytes = vec![v as u8; YOUNG_BYTES / 2 + 8];
+            let layout = vec![(
+                "w".to_string(),
+                "Uint8".to_string(),
+                vec![bytes.len() as i64],
+                bytes.len() as u64,
+            )];
+            Held::new(
+                Manifest::build("m", v, "h", &layout, &bytes).unwrap(),
+                bytes,
+            )
+        };
+        let s = VersionStore::new(1, 1 << 20);
+        for v in 1..=3 {
+            s.put(big(v));
+        }
+        // (One extra of half the budget fits, a second does not.)
+        let held: Vec<u64> = (1..=3).filter(|&v| s.get("m", v).is_some()).collect();
+        assert_eq!(held, vec![2, 3]);
     }
 
     #[test]
