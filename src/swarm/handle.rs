@@ -139,6 +139,15 @@ impl SwarmHandle {
     }
 
     /// The live view: every peer heard from within three status intervals (this one too).
+    /// How many statuses the view has taken in so far: while it stays the same, only
+    /// age changes the view (an entry expires after three status intervals). A loop
+    /// that reads the view often reads it again only when this moved.
+    pub fn view_changes(&self) -> u64 {
+        self.shared
+            .view_changes
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     pub fn view(&self) -> Vec<ViewEntry> {
         let expiry = self.cfg.status_interval * 3;
         let v = lock(&self.shared.view);

@@ -219,6 +219,7 @@ pub async fn spawn_node(cfg: SwarmConfig) -> Result<SwarmHandle, SwarmError> {
         cfg: cfg.clone(),
         auth: auth.clone(),
         view: Mutex::new(HashMap::new()),
+        view_changes: Default::default(),
         status: Mutex::new(PeerStatus {
             role: cfg.role,
             models: Vec::new(),
@@ -471,6 +472,9 @@ impl EventLoop {
                 received_unix_ms: env.unix_ms,
             },
         );
+        self.shared
+            .view_changes
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let Ok(bytes) = postcard::to_allocvec(&env) else {
             return;
         };
@@ -841,6 +845,9 @@ impl EventLoop {
                     received_unix_ms: unix_ms(),
                 },
             );
+            self.shared
+                .view_changes
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
         Ok(())
     }

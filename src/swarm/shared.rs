@@ -96,6 +96,8 @@ pub(super) struct Shared {
     pub(super) cfg: Arc<SwarmConfig>,
     pub(super) auth: Arc<AuthTable>,
     pub(super) view: Mutex<HashMap<PeerId, ViewSlot>>,
+    /// Statuses taken into the view so far (see [`super::SwarmHandle::view_changes`]).
+    pub(super) view_changes: std::sync::atomic::AtomicU64,
     pub(super) status: Mutex<PeerStatus>,
     /// This peer's certificate (`cfg.cert` at start; [`super::SwarmHandle::renew_cert`]
     /// replaces it). Its encoding rides in `status`.

@@ -163,7 +163,8 @@ pub fn decode(
                 }
                 x = from_planes(&x, width as usize);
             }
-            xor(&x, base)
+            x.iter_mut().zip(base).for_each(|(a, b)| *a ^= b);
+            x
         }
     };
     if blake3::hash(&chunk).as_bytes() != want {
@@ -176,24 +177,69 @@ fn xor(a: &[u8], b: &[u8]) -> Vec<u8> {
     a.iter().zip(b).map(|(x, y)| x ^ y).collect()
 }
 
-/// Byte `k` of every element together, for k = 0..width.
+/// Byte `k` of every element together, for k = 0..width (`x.len()` a multiple of
+/// `width`). Widths 2 and 4 (bf16, f32) without index arithmetic: a follower turns
+/// every chunk it takes through [`from_planes`].
 fn to_planes(x: &[u8], width: usize) -> Vec<u8> {
-    let n = x.len() / width;
     let mut out = vec![0u8; x.len()];
-    for (i, e) in x.chunks_exact(width).enumerate() {
-        for (k, &b) in e.iter().enumerate() {
-            out[k * n + i] = b;
+    if x.is_empty() || width == 0 {
+        return out;
+    }
+    let n = x.len() / width;
+    match width {
+        2 => {
+            let (a, b) = out.split_at_mut(n);
+            for ((e, p), q) in x.chunks_exact(2).zip(a).zip(b) {
+                (*p, *q) = (e[0], e[1]);
+            }
+        }
+        4 => {
+            let (a, rest) = out.split_at_mut(n);
+            let (b, rest) = rest.split_at_mut(n);
+            let (c, d) = rest.split_at_mut(n);
+            for ((((e, p), q), r), t) in x.chunks_exact(4).zip(a).zip(b).zip(c).zip(d) {
+                (*p, *q, *r, *t) = (e[0], e[1], e[2], e[3]);
+            }
+        }
+        _ => {
+            for (i, e) in x.chunks_exact(width).enumerate() {
+                for (k, &v) in e.iter().enumerate() {
+                    out[k * n + i] = v;
+                }
+            }
         }
     }
     out
 }
 
+/// The inverse of [`to_planes`].
 fn from_planes(p: &[u8], width: usize) -> Vec<u8> {
-    let n = p.len() / width;
     let mut out = vec![0u8; p.len()];
-    for k in 0..width {
-        for i in 0..n {
-            out[i * width + k] = p[k * n + i];
+    if p.is_empty() || width == 0 {
+        return out;
+    }
+    let n = p.len() / width;
+    match width {
+        2 => {
+            let (a, b) = p.split_at(n);
+            for ((e, &x), &y) in out.chunks_exact_mut(2).zip(a).zip(b) {
+                (e[0], e[1]) = (x, y);
+            }
+        }
+        4 => {
+            let (a, rest) = p.split_at(n);
+            let (b, rest) = rest.split_at(n);
+            let (c, d) = rest.split_at(n);
+            for ((((e, &w), &x), &y), &z) in out.chunks_exact_mut(4).zip(a).zip(b).zip(c).zip(d) {
+                (e[0], e[1], e[2], e[3]) = (w, x, y, z);
+            }
+        }
+        _ => {
+            for (k, plane) in p.chunks_exact(n).enumerate() {
+                for (i, &v) in plane.iter().enumerate() {
+                    out[i * width + k] = v;
+                }
+            }
         }
     }
     out
@@ -202,6 +248,23 @@ fn from_planes(p: &[u8], width: usize) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn planes_go_there_and_back_at_every_width() {
+        let x: Vec<u8> = (0..48u8).collect();
+        for width in [1, 2, 3, 4, 8] {
+            let p = to_planes(&x, width);
+            // Byte k of element i sits at k * n + i.
+            let n = x.len() / width;
+            for (i, e) in x.chunks_exact(width).enumerate() {
+                for (k, &v) in e.iter().enumerate() {
+                    assert_eq!(p[k * n + i], v, "width {width}");
+                }
+            }
+            assert_eq!(from_planes(&p, width), x, "width {width}");
+        }
+        assert!(from_planes(&[], 2).is_empty());
+    }
 
     /// bf16 values of a smooth pseudo-random walk, and the same after a small update of
     /// a few percent of them (what an optimizer step does to a chunk).

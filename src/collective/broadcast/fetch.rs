@@ -7,9 +7,15 @@
 //! timing out) is backed off too, and the chunk is asked again elsewhere. Memory is the
 //! target snapshot plus one frame per request in flight, whatever the sources send.
 //!
-//! The requests in flight are futures on the calling thread, not threads: a follower
-//! keeps dozens in flight (on 100 ms links round trips, not bytes, bound a fetch), and
-//! netsim runs a hundred followers in one process.
+//! Sharing a version with other followers, the chunks of each other follower's share
+//! are asked of it in one batch request (it sends each the moment it has it, see
+//! [`super::wire::Request::Chunks`]): on 100 ms links a follower taking 500 chunks
+//! one request at a time is bound by round trips, not bytes (with 64 requests in flight
+//! and 0.4 s per request, 160 chunks a second). What a batch does not give goes to the
+//! single requests, which also take the follower's own share from the members.
+//!
+//! The requests in flight are futures on the calling thread, not threads: netsim runs a
+//! hundred followers in one process.
 //!
 //! The transport is a [`ChunkSource`]: [`super::wire::PeerSource`] is a peer over the
 //! swarm's chunk protocol; the tests use sources in memory.
@@ -47,6 +53,10 @@ impl std::fmt::Display for Miss {
     }
 }
 
+/// The version a fetcher holds a chunk at and that chunk's hash (a delta is made
+/// against it), if it holds one.
+pub type ChunkBase = Option<(u64, [u8; 32])>;
+
 /// A peer that serves chunks of the versions it holds (or is fetching).
 pub trait ChunkSource: Send + Sync {
     /// The peer's name (its id), for reports and back-off.
@@ -61,6 +71,23 @@ pub trait ChunkSource: Send + Sync {
         index: usize,
         base: Option<(u64, [u8; 32])>,
     ) -> BoxFuture<'_, Result<Vec<u8>, Miss>>;
+
+    /// Several chunks of `version` at once, each with its base as in [`Self::fetch`]:
+    /// each answer goes to `each` as it comes (the wire asks them in one request and the
+    /// holder sends each when it has it). By default one after another.
+    fn fetch_many<'a>(
+        &'a self,
+        version: u64,
+        asked: Vec<(usize, ChunkBase)>,
+        each: &'a mut (dyn FnMut(usize, Result<Vec<u8>, Miss>) + Send),
+    ) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            for (i, base) in asked {
+                let r = self.fetch(version, i, base).await;
+                each(i, r);
+            }
+        })
+    }
 }
 
 /// How the followers fetching one version share the work (a swarm, as BitTorrent's): the
@@ -201,7 +228,10 @@ pub fn fetch_version_with(
     }
 }
 
-async fn fetch_async(
+/// [`fetch_version_with`] as a future on the caller's task: every chunk is decoded and
+/// checked on it, so callers use it for small chunks (see
+/// [`super::manifest::INLINE_CHUNK_BYTES`]) and run bigger ones on a thread of their own.
+pub async fn fetch_async(
     target: &Manifest,
     have: Option<(&Manifest, &[u8])>,
     sources: &[Arc<dyn ChunkSource>],
@@ -257,23 +287,101 @@ async fn fetch_async(
     };
     let chunk = target.chunk_bytes as usize;
     let slots: Vec<Mutex<&mut [u8]>> = out.chunks_mut(chunk).map(Mutex::new).collect();
-    let next = AtomicUsize::new(0);
+    let base_of = |i: usize| -> Option<Base<'_>> {
+        base.map(|(m, b)| (m.version, m.chunks[i], &b[target.chunk_range(i)]))
+    };
+    let keep = |i: usize, bytes: &[u8]| {
+        on_chunk(i, bytes);
+        lock(&slots[i]).copy_from_slice(bytes);
+    };
+    let total = needed.len();
+    // Sharing, each other owner's chunks are asked of it in batches (it sends each the
+    // moment it has it), and this follower's own share of the members, dealt over them;
+    // what a batch does not give joins the queue of single requests.
+    let mut batches: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+    if let Some(share) = cfg.share.as_ref().filter(|s| !s.owners.is_empty()) {
+        let n = share.owners.len();
+        let members: Vec<usize> = (0..sources.len())
+            .filter(|j| !share.owners.contains(&Some(*j)))
+            .collect();
+        let mut own = 0;
+        needed.retain(
+            |&i| match share.owners[i % n].filter(|&j| j < sources.len()) {
+                Some(j) => {
+                    batches.entry(j).or_default().push(i);
+                    false
+                }
+                None if !members.is_empty() => {
+                    batches
+                        .entry(members[own % members.len()])
+                        .or_default()
+                        .push(i);
+                    own += 1;
+                    false
+                }
+                None => true,
+            },
+        );
+    }
+    let queue: Mutex<std::collections::VecDeque<usize>> = Mutex::new(needed.into());
+    let batching = AtomicUsize::new(batches.len());
+    let more = tokio::sync::Notify::new();
     let failed: Mutex<Option<FetchError>> = Mutex::new(None);
-    let workers = cfg.parallel.clamp(1, needed.len().max(1));
+    let batch = |j: usize, chunks: Vec<usize>| {
+        let (run, queue, more, batching, keep) = (&run, &queue, &more, &batching, &keep);
+        async move {
+            let asked: Vec<_> = chunks
+                .iter()
+                .map(|&i| (i, base_of(i).map(|(v, h, _)| (v, h))))
+                .collect();
+            let mut each = |i: usize, r: Result<Vec<u8>, Miss>| {
+                // An owner that has not started the version after the batch's wait (at
+                // least the grace) is absent: its share comes from the members at once.
+                let grace = run.cfg.share.as_ref().map_or(Duration::ZERO, |s| s.grace);
+                if matches!(r, Err(Miss::NotStarted)) && run.started.elapsed() >= grace {
+                    run.absent[j].store(true, Ordering::Relaxed);
+                }
+                let got = match r {
+                    Ok(f) if !run.backed_off(j) => run.checked(j, i, base_of(i), Ok(f)),
+                    _ => Asked::NotYet,
+                };
+                match got {
+                    Asked::Got(bytes) => {
+                        *lock(&run.progress[j]) = Some(Instant::now());
+                        keep(i, &bytes);
+                    }
+                    _ => {
+                        lock(queue).push_back(i);
+                        more.notify_waiters();
+                    }
+                }
+            };
+            run.sources[j]
+                .fetch_many(run.target.version, asked, &mut each)
+                .await;
+            batching.fetch_sub(1, Ordering::Relaxed);
+            more.notify_waiters();
+        }
+    };
+    let workers = cfg.parallel.clamp(1, total.max(1));
     let worker = || async {
         loop {
             if lock(&failed).is_some() {
                 return;
             }
-            let k = next.fetch_add(1, Ordering::Relaxed);
-            let Some(&i) = needed.get(k) else { return };
-            let range = target.chunk_range(i);
-            let base_chunk = base.map(|(m, b)| (m.version, m.chunks[i], &b[range.clone()]));
-            match run.chunk(i, base_chunk).await {
-                Ok(bytes) => {
-                    on_chunk(i, &bytes);
-                    lock(&slots[i]).copy_from_slice(&bytes);
+            let wait = more.notified();
+            tokio::pin!(wait);
+            wait.as_mut().enable();
+            let next = lock(&queue).pop_front();
+            let Some(i) = next else {
+                if batching.load(Ordering::Relaxed) == 0 {
+                    return;
                 }
+                wait.await;
+                continue;
+            };
+            match run.chunk(i, base_of(i)).await {
+                Ok(bytes) => keep(i, &bytes),
                 Err(e) => {
                     lock(&failed).get_or_insert(e);
                     return;
@@ -281,7 +389,9 @@ async fn fetch_async(
             }
         }
     };
-    futures::future::join_all((0..workers).map(|_| worker())).await;
+    let batches = futures::future::join_all(batches.into_iter().map(|(j, c)| batch(j, c)));
+    let workers = futures::future::join_all((0..workers).map(|_| worker()));
+    futures::future::join(batches, workers).await;
     drop(slots);
     if let Some(e) = lock(&failed).take() {
         return Err(e);
@@ -371,7 +481,8 @@ impl Run<'_> {
                 (Some(r), true) => r.acquire().await.ok(),
                 _ => None,
             };
-            match self.ask(j, i, base).await {
+            let asked = self.ask(j, i, base).await;
+            match asked {
                 Asked::Got(b) => return Ok(b),
                 Asked::NotYet | Asked::NotStarted => {
                     why = format!("{}: not fetched there yet", self.sources[j].name())
@@ -388,14 +499,25 @@ impl Run<'_> {
 
     /// Asks source `j` for chunk `i` and checks what it sends.
     async fn ask(&self, j: usize, i: usize, base: Option<Base<'_>>) -> Asked {
+        let r = self.sources[j]
+            .fetch(self.target.version, i, base.map(|(v, h, _)| (v, h)))
+            .await;
+        self.checked(j, i, base, r)
+    }
+
+    /// What source `j` answered for chunk `i`, checked (a wrong chunk backs it off).
+    fn checked(
+        &self,
+        j: usize,
+        i: usize,
+        base: Option<Base<'_>>,
+        answer: Result<Vec<u8>, Miss>,
+    ) -> Asked {
         let target = self.target;
         let len = target.chunk_range(i).len();
         let src = &self.sources[j];
         let standing = &self.standing[j];
-        let frame = match src
-            .fetch(target.version, i, base.map(|(v, h, _)| (v, h)))
-            .await
-        {
+        let frame = match answer {
             Ok(f) => f,
             Err(Miss::NotYet) => return Asked::NotYet,
             Err(Miss::NotStarted) => return Asked::NotStarted,

@@ -23,9 +23,10 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::fetch::{fetch_version_with, ChunkSource, FetchConfig, FetchReport, Share};
+use super::fetch::{fetch_async, fetch_version_with, ChunkSource, FetchConfig, FetchReport, Share};
 use super::holder::Holder;
 use super::manifest::Manifest;
+use super::manifest::INLINE_CHUNK_BYTES;
 use super::store::Held;
 use super::wire::{PeerSource, WeightsNet};
 use crate::base::{lock, Stop};
@@ -263,12 +264,27 @@ impl Follower {
         let mut failures = 0u32;
         // Versions this follower cannot serve (fetched again, they would be refused again).
         let mut refused = HashSet::new();
+        // The newest version, read again from the view when it took in a status, or a
+        // second later (entries age out): a hundred followers each building the whole
+        // view ten times a second kept netsim's two cores busy.
+        let mut known: Option<(u64, Instant, Option<Target>)> = None;
         loop {
             tokio::select! {
                 _ = tick.tick() => {}
                 _ = stop.requested() => return,
             }
-            let Some(target) = newest(h.swarm(), &h.model, &h.group) else {
+            let changes = h.swarm().view_changes();
+            let stale = known
+                .as_ref()
+                .is_none_or(|(c, at, _)| *c != changes || at.elapsed() >= Duration::from_secs(1));
+            if stale {
+                known = Some((
+                    changes,
+                    Instant::now(),
+                    newest(h.swarm(), &h.model, &h.group),
+                ));
+            }
+            let Some(target) = known.as_ref().and_then(|k| k.2.clone()) else {
                 continue;
             };
             let held = h.store.latest(&h.model);
@@ -363,9 +379,11 @@ impl Follower {
                     .collect(),
                 patience: self.cfg.patience,
                 grace: self.cfg.grace,
-                // The members' upload in flight stays about `parallel` requests whatever
-                // the number of followers, a few from each.
-                member_in_flight: self.cfg.parallel.div_ceil(ranked.len()).max(2),
+                // For single requests of the own share (a batch's failures): the members'
+                // upload in flight stays about 4 x `parallel` requests whatever the number
+                // of followers, a few from each (enough to cover a 300 ms round trip at
+                // 100 Mbit/s with delta chunks of some 30 kB).
+                member_in_flight: (4 * self.cfg.parallel).div_ceil(ranked.len()).max(2),
             }),
             parallel: self.cfg.parallel,
             ..FetchConfig::default()
@@ -384,21 +402,35 @@ impl Follower {
         let started = Instant::now();
         let store = h.store.clone();
         store.begin(Arc::new(manifest.clone()));
-        let fetched = tokio::task::spawn_blocking(move || {
+        let fetched = if manifest.chunk_bytes as usize <= INLINE_CHUNK_BYTES {
+            // Decoded on this task (see INLINE_CHUNK_BYTES).
             let have = held
                 .as_ref()
                 .map(|h| (h.manifest.as_ref(), h.snapshot.as_slice()));
-            let model = manifest.model.clone();
-            let version = manifest.version;
+            let (model, version) = (manifest.model.clone(), manifest.version);
             let on_chunk = |i: usize, b: &[u8]| store.received(&model, version, i, b);
-            let r = fetch_version_with(&manifest, have, &sources, &cfg, &on_chunk);
+            let r = fetch_async(&manifest, have, &sources, &cfg, &on_chunk).await;
             if r.is_err() {
                 store.abandon(&model, version);
             }
             r.map(|(b, r)| (b, r, manifest))
-        })
-        .await
-        .map_err(|e| e.to_string())?;
+        } else {
+            tokio::task::spawn_blocking(move || {
+                let have = held
+                    .as_ref()
+                    .map(|h| (h.manifest.as_ref(), h.snapshot.as_slice()));
+                let model = manifest.model.clone();
+                let version = manifest.version;
+                let on_chunk = |i: usize, b: &[u8]| store.received(&model, version, i, b);
+                let r = fetch_version_with(&manifest, have, &sources, &cfg, &on_chunk);
+                if r.is_err() {
+                    store.abandon(&model, version);
+                }
+                r.map(|(b, r)| (b, r, manifest))
+            })
+            .await
+            .map_err(|e| e.to_string())?
+        };
         let (bytes, report, manifest) = fetched.map_err(|e| e.to_string())?;
         h.fetched.fetch_add(report.bytes(), Ordering::Relaxed);
         // A float32 snapshot is hashed as the group hashes its parameters: check the claim.

@@ -60,6 +60,12 @@ pub enum ManifestError {
 /// A snapshot's layout: per tensor its name, dtype, shape and bytes, in order.
 pub type Layout = [(String, String, Vec<i64>, u64)];
 
+/// Chunks up to this size are encoded, decoded and hashed on the async thread that
+/// moves them (tens of microseconds); bigger ones (the default 1 MiB: about a
+/// millisecond) on blocking threads. netsim's scaled-down chunks take the first way: a
+/// hundred followers' fetches on threads of their own kept its two cores switching.
+pub const INLINE_CHUNK_BYTES: usize = 64 << 10;
+
 impl Manifest {
     /// The manifest of `snapshot` (the tensors of `layout` back to back, each given as
     /// name, dtype and shape with its byte length) at `version`.

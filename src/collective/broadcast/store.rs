@@ -212,6 +212,19 @@ impl VersionStore {
             .map(|k| k.held.clone())
     }
 
+    /// Whether the chunks of `model`'s `version` (held or being fetched) are small
+    /// enough to encode on an async thread (see [`super::manifest::INLINE_CHUNK_BYTES`]).
+    pub fn small_chunks(&self, model: &str, version: u64) -> bool {
+        let bytes = match self.get(model, version) {
+            Some(h) => Some(h.manifest.chunk_bytes),
+            None => lock(&self.partial)
+                .get(model)
+                .filter(|p| p.manifest.version == version)
+                .map(|p| p.manifest.chunk_bytes),
+        };
+        bytes.is_some_and(|b| b as usize <= super::manifest::INLINE_CHUNK_BYTES)
+    }
+
     /// Version `version` of `model`, if held.
     pub fn get(&self, model: &str, version: u64) -> Option<Held> {
         lock(&self.models)

@@ -28,7 +28,7 @@ use futures::future::BoxFuture;
 use futures::io::{AsyncRead, AsyncWrite};
 use serde::{Deserialize, Serialize};
 
-use super::fetch::{ChunkSource, Miss};
+use super::fetch::{ChunkBase, ChunkSource, Miss};
 use super::manifest::{Manifest, MAX_MANIFEST_BYTES};
 use super::store::VersionStore;
 use crate::base::lock;
@@ -46,8 +46,12 @@ const IDLE: Duration = Duration::from_secs(60);
 /// A fetcher drops a pooled stream idle this long (before the holder's [`IDLE`]: while it
 /// exists the swarm keeps its connection open, and the trimmer spares it).
 const POOLED: Duration = Duration::from_secs(45);
-/// How long a request for a chunk the holder is fetching waits there for it.
+/// How long a request for a chunk the holder is fetching waits there for it (for a
+/// [`Request::Chunks`], for the next of its chunks).
 pub const WAIT: Duration = Duration::from_secs(2);
+/// The most chunks one [`Request::Chunks`] asks (its frame stays under the request
+/// limit: an index, a version and a hash each).
+pub const MAX_BATCH: usize = 64;
 
 /// A byte stream of the chunk protocol.
 pub trait WeightsStream: AsyncRead + AsyncWrite + Send + Unpin {}
@@ -91,6 +95,17 @@ pub enum Request {
         /// The asker's version of the chunk and its hash.
         base: Option<(u64, [u8; 32])>,
     },
+    /// Several chunks of `model`'s `version` (at most [`MAX_BATCH`]), each with the
+    /// asker's base as in [`Request::Chunk`]. Answered by one [`Reply::Of`] per chunk, in
+    /// the order they are ready: a chunk the holder is still fetching goes the moment it
+    /// arrives, and those still missing [`WAIT`] after the last one went are answered
+    /// with what is missing. A follower asks another for that one's whole share so: the
+    /// chunks come at the links' pace, not one round trip per request in flight.
+    Chunks {
+        model: String,
+        version: u64,
+        asked: Vec<(u32, ChunkBase)>,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -102,6 +117,8 @@ pub enum Reply {
     /// The holder has not started fetching that version.
     NotStarted,
     NotHeld(String),
+    /// The reply for chunk `.0` of a [`Request::Chunks`] (a `Chunk`, or why not).
+    Of(u32, Box<Reply>),
 }
 
 /// Serves `store`'s versions on this node until it stops.
@@ -126,6 +143,15 @@ pub async fn serve_stream<S: AsyncRead + AsyncWrite + Unpin>(
             }
             Ok(Ok(r)) => r,
         };
+        if let Request::Chunks {
+            model,
+            version,
+            asked,
+        } = req
+        {
+            serve_batch(&store, &mut s, model, version, asked).await?;
+            continue;
+        }
         let mut reply = answered(&store, req.clone()).await;
         let waits = matches!(reply, Reply::NotYet | Reply::NotStarted);
         if let (
@@ -147,9 +173,93 @@ pub async fn serve_stream<S: AsyncRead + AsyncWrite + Unpin>(
     }
 }
 
+/// Answers a [`Request::Chunks`]: each chunk as it is ready (see there).
+async fn serve_batch<S: AsyncRead + AsyncWrite + Unpin>(
+    store: &Arc<VersionStore>,
+    s: &mut S,
+    model: String,
+    version: u64,
+    mut pending: Vec<(u32, ChunkBase)>,
+) -> Result<(), FrameError> {
+    if pending.len() > MAX_BATCH {
+        let why = format!(
+            "{} chunks asked at once (at most {MAX_BATCH})",
+            pending.len()
+        );
+        for (i, _) in pending {
+            let r = Reply::Of(i, Box::new(Reply::NotHeld(why.clone())));
+            write_frame(s, &r, REPLY_LIMIT).await?;
+        }
+        return Ok(());
+    }
+    let mut deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        // Every chunk ready now (for big chunks, one trip off the async threads for all).
+        let (st, m, asked) = (store.clone(), model.clone(), pending.clone());
+        let all = move || {
+            asked
+                .into_iter()
+                .map(|(i, base)| {
+                    let r = answer(
+                        &st,
+                        Request::Chunk {
+                            model: m.clone(),
+                            version,
+                            index: i,
+                            base,
+                        },
+                    );
+                    (i, r)
+                })
+                .collect::<Vec<_>>()
+        };
+        let ready = if store.small_chunks(&model, version) {
+            all()
+        } else {
+            tokio::task::spawn_blocking(all).await.unwrap_or_default()
+        };
+        let last_chance = tokio::time::Instant::now() >= deadline;
+        let mut sent = false;
+        for (i, r) in ready {
+            let waits = matches!(r, Reply::NotYet | Reply::NotStarted);
+            if waits && !last_chance {
+                continue;
+            }
+            pending.retain(|(j, _)| *j != i);
+            write_frame(s, &Reply::Of(i, Box::new(r)), REPLY_LIMIT).await?;
+            sent = true;
+            // The other batches this holder serves write theirs in between: its upload
+            // goes round-robin over the askers (each follower gets its first chunks
+            // early and serves them on), not one asker's whole batch after another's.
+            tokio::task::yield_now().await;
+        }
+        if pending.is_empty() {
+            return Ok(());
+        }
+        if sent {
+            deadline = tokio::time::Instant::now() + WAIT;
+        }
+        // Until one of the others arrives (or the fetch there ends), at most to the
+        // deadline.
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let waits: Vec<_> = pending
+            .iter()
+            .map(|(i, _)| Box::pin(store.wait_chunk(&model, version, *i as usize, left)))
+            .collect();
+        futures::future::select_all(waits).await;
+    }
+}
+
 /// The reply to `req`. Encoding (or waiting for another request's encoding of the same
 /// frame) is CPU work: off the async threads.
 async fn answered(store: &Arc<VersionStore>, req: Request) -> Reply {
+    let small = match &req {
+        Request::Chunk { model, version, .. } => store.small_chunks(model, *version),
+        Request::Manifest { .. } | Request::Chunks { .. } => false,
+    };
+    if small {
+        return answer(store, req);
+    }
     let st = store.clone();
     tokio::task::spawn_blocking(move || answer(&st, req))
         .await
@@ -173,6 +283,8 @@ fn answer(store: &VersionStore, req: Request) -> Reply {
             Err(Miss::NotStarted) => Reply::NotStarted,
             Err(Miss::Failed(e)) => Reply::NotHeld(e),
         },
+        // Answered chunk by chunk (`serve_batch`).
+        Request::Chunks { .. } => Reply::NotHeld("a batch inside a batch".into()),
     }
 }
 
@@ -252,7 +364,9 @@ impl PeerSource {
         req: &Request,
     ) -> Result<Reply, (bool, String)> {
         let limit = match req {
-            Request::Chunk { .. } => self.chunk_limit.load(Ordering::Relaxed),
+            Request::Chunk { .. } | Request::Chunks { .. } => {
+                self.chunk_limit.load(Ordering::Relaxed)
+            }
             Request::Manifest { .. } => REPLY_LIMIT,
         };
         let exchange = async {
@@ -291,7 +405,7 @@ impl PeerSource {
             }
             Reply::NotHeld(why) => Err(why),
             Reply::NotYet | Reply::NotStarted => Err("the manifest is not held yet".into()),
-            Reply::Chunk(_) => Err("a chunk where a manifest was asked".into()),
+            Reply::Chunk(_) | Reply::Of(..) => Err("a chunk where a manifest was asked".into()),
         }
     }
 }
@@ -299,6 +413,19 @@ impl PeerSource {
 impl ChunkSource for PeerSource {
     fn name(&self) -> String {
         self.name.clone()
+    }
+
+    fn fetch_many<'a>(
+        &'a self,
+        version: u64,
+        asked: Vec<(usize, ChunkBase)>,
+        each: &'a mut (dyn FnMut(usize, Result<Vec<u8>, Miss>) + Send),
+    ) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            for batch in asked.chunks(MAX_BATCH) {
+                self.chunks(version, batch, each).await;
+            }
+        })
     }
 
     fn fetch(
@@ -329,8 +456,114 @@ impl PeerSource {
             Reply::Chunk(f) => Ok(f),
             Reply::NotYet => Err(Miss::NotYet),
             Reply::NotStarted => Err(Miss::NotStarted),
-            Reply::NotHeld(why) => Err(Miss::Failed(why)),
-            Reply::Manifest(_) => Err(Miss::Failed("a manifest where a chunk was asked".into())),
+            other => Err(miss(other)),
         }
+    }
+
+    /// Asks for the chunks `asked` of `version` in one [`Request::Chunks`] (at most
+    /// [`MAX_BATCH`]) and hands each reply to `each` as it comes: a frame, or why not
+    /// (every chunk not answered when the stream fails is a `Failed`).
+    pub async fn chunks(
+        &self,
+        version: u64,
+        asked: &[(usize, ChunkBase)],
+        each: &mut (dyn FnMut(usize, Result<Vec<u8>, Miss>) + Send),
+    ) {
+        let mut left: Vec<usize> = asked.iter().map(|(i, _)| *i).collect();
+        let req = Request::Chunks {
+            model: self.model.clone(),
+            version,
+            asked: asked
+                .iter()
+                .filter_map(|(i, b)| Some((u32::try_from(*i).ok()?, *b)))
+                .collect(),
+        };
+        let why = match self.batch(&req, &mut left, each).await {
+            Ok(()) => return,
+            Err(e) => e,
+        };
+        for i in left {
+            each(i, Err(Miss::Failed(why.clone())));
+        }
+    }
+
+    async fn batch(
+        &self,
+        req: &Request,
+        left: &mut Vec<usize>,
+        each: &mut (dyn FnMut(usize, Result<Vec<u8>, Miss>) + Send),
+    ) -> Result<(), String> {
+        let pooled = {
+            let mut p = lock(&self.streams);
+            p.retain(|(_, since)| since.elapsed() < POOLED);
+            p.pop()
+        };
+        if let Some((mut s, _)) = pooled {
+            let asked = left.len();
+            match self.batch_on(&mut s, req, left, each).await {
+                Ok(()) => {
+                    lock(&self.streams).push((s, Instant::now()));
+                    return Ok(());
+                }
+                // The holder closed a stream left idle (or went away) before answering:
+                // once more, on a new stream.
+                Err(e) if left.len() == asked && !e.starts_with("no answer") => {}
+                Err(e) => return Err(e),
+            }
+        }
+        let mut s = self.net.open(self.peer, true).await?;
+        self.batch_on(&mut s, req, left, each).await?;
+        lock(&self.streams).push((s, Instant::now()));
+        Ok(())
+    }
+
+    /// [`Self::batch`] on stream `s`: `left` keeps the chunks not answered yet.
+    async fn batch_on(
+        &self,
+        s: &mut Box<dyn WeightsStream>,
+        req: &Request,
+        left: &mut Vec<usize>,
+        each: &mut (dyn FnMut(usize, Result<Vec<u8>, Miss>) + Send),
+    ) -> Result<(), String> {
+        let limit = self.chunk_limit.load(Ordering::Relaxed);
+        let late = || format!("no answer in {:?}", self.timeout);
+        tokio::time::timeout(self.timeout, write_frame(s, req, REQUEST_LIMIT))
+            .await
+            .map_err(|_| late())?
+            .map_err(|e| e.to_string())?;
+        while !left.is_empty() {
+            let reply = tokio::time::timeout(self.timeout, read_frame::<_, Reply>(s, limit))
+                .await
+                .map_err(|_| late())?
+                .map_err(|e| e.to_string())?;
+            let Reply::Of(i, r) = reply else {
+                return Err("a batch answered with something else".into());
+            };
+            let i = i as usize;
+            let Some(k) = left.iter().position(|&j| j == i) else {
+                return Err(format!("chunk {i} was not asked, or answered twice"));
+            };
+            left.swap_remove(k);
+            each(
+                i,
+                match *r {
+                    Reply::Chunk(f) => Ok(f),
+                    other => Err(miss(other)),
+                },
+            );
+        }
+        Ok(())
+    }
+}
+
+/// What a reply other than a chunk says.
+fn miss(r: Reply) -> Miss {
+    match r {
+        Reply::NotYet => Miss::NotYet,
+        Reply::NotStarted => Miss::NotStarted,
+        Reply::NotHeld(why) => Miss::Failed(why),
+        Reply::Chunk(_) => Miss::Failed("a chunk where none was expected".into()),
+        Reply::Manifest(_) => Miss::Failed("a manifest where a chunk was asked".into()),
+        Reply::Of(..) => Miss::Failed("a batch's reply where a chunk was asked".into()),
     }
 }
