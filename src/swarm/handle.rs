@@ -138,7 +138,6 @@ impl SwarmHandle {
         self.set_status(|s| s.models = models);
     }
 
-    /// The live view: every peer heard from within three status intervals (this one too).
     /// How many statuses the view has taken in so far: while it stays the same, only
     /// age changes the view (an entry expires after three status intervals). A loop
     /// that reads the view often reads it again only when this moved.
@@ -148,6 +147,7 @@ impl SwarmHandle {
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// The live view: every peer heard from within three status intervals (this one too).
     pub fn view(&self) -> Vec<ViewEntry> {
         let expiry = self.cfg.status_interval * 3;
         let v = lock(&self.shared.view);

@@ -106,10 +106,9 @@ pub struct Share {
     /// version is waited for (it heard of it later); after it, its share comes from the
     /// members.
     pub grace: Duration,
-    /// Requests for this follower's own share in flight to one member at most: each
-    /// follower asking a few of its share at a time, a member's upload serves every
-    /// follower's first chunks before anyone's last (a follower that has one serves it on
-    /// at once), not one follower's whole share after another's.
+    /// Single requests for this follower's own share (what its batches to the members
+    /// did not give) in flight to one member at most: each follower asking a few at a
+    /// time, a member's upload serves every follower's first chunks before anyone's last.
     pub member_in_flight: usize,
 }
 
@@ -248,8 +247,8 @@ pub async fn fetch_async(
         ),
     };
     // Our own share first: the other followers wait for it. Then the others' in rounds
-    // (one chunk of each owner per round), each round starting at the owner after us: the
-    // followers' requests spread over every owner instead of all asking the same first.
+    // (one chunk of each owner per round), each round starting at the owner after us
+    // (the order of the batches' chunks, and of single requests without batches).
     if let Some(share) = cfg.share.as_ref().filter(|s| !s.owners.is_empty()) {
         let n = share.owners.len();
         let me = share.owners.iter().position(Option::is_none).unwrap_or(0);
@@ -328,13 +327,14 @@ pub async fn fetch_async(
     let more = tokio::sync::Notify::new();
     let failed: Mutex<Option<FetchError>> = Mutex::new(None);
     let batch = |j: usize, chunks: Vec<usize>| {
-        let (run, queue, more, batching, keep) = (&run, &queue, &more, &batching, &keep);
+        let (run, queue, more, batching, keep, failed) =
+            (&run, &queue, &more, &batching, &keep, &failed);
         async move {
             let asked: Vec<_> = chunks
                 .iter()
                 .map(|&i| (i, base_of(i).map(|(v, h, _)| (v, h))))
                 .collect();
-            let mut each = |i: usize, r: Result<Vec<u8>, Miss>| {
+            let take = |i: usize, r: Result<Vec<u8>, Miss>| {
                 // An owner that has not started the version after the batch's wait (at
                 // least the grace) is absent: its share comes from the members at once.
                 let grace = run.cfg.share.as_ref().map_or(Duration::ZERO, |s| s.grace);
@@ -356,9 +356,44 @@ pub async fn fetch_async(
                     }
                 }
             };
-            run.sources[j]
-                .fetch_many(run.target.version, asked, &mut each)
-                .await;
+            let handled: Mutex<Vec<usize>> = Mutex::new(Vec::new());
+            let mut each = |i: usize, r: Result<Vec<u8>, Miss>| {
+                lock(&handled).push(i);
+                take(i, r);
+            };
+            // The batch ends early when its source is backed off (a wrong chunk), an
+            // owner makes no progress for the patience, or the fetch failed: what it has
+            // not handed back joins the queue.
+            let started = Instant::now();
+            let owner = run
+                .cfg
+                .share
+                .as_ref()
+                .filter(|s| s.owners.contains(&Some(j)));
+            let watch = async {
+                loop {
+                    tokio::time::sleep(POLL * 5).await;
+                    let stalled = owner.is_some_and(|s| {
+                        let last = lock(&run.progress[j]).map_or(started, |t| t.max(started));
+                        last.elapsed() >= s.patience
+                    });
+                    if stalled || run.backed_off(j) || lock(failed).is_some() {
+                        return;
+                    }
+                }
+            };
+            {
+                let asked_all = run.sources[j].fetch_many(run.target.version, asked, &mut each);
+                futures::future::select(asked_all, Box::pin(watch)).await;
+            }
+            let handled = lock(&handled).clone();
+            let left: Vec<usize> = chunks
+                .into_iter()
+                .filter(|i| !handled.contains(i))
+                .collect();
+            if !left.is_empty() {
+                lock(queue).extend(left);
+            }
             batching.fetch_sub(1, Ordering::Relaxed);
             more.notify_waiters();
         }

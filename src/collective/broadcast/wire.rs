@@ -117,8 +117,30 @@ pub enum Reply {
     /// The holder has not started fetching that version.
     NotStarted,
     NotHeld(String),
-    /// The reply for chunk `.0` of a [`Request::Chunks`] (a `Chunk`, or why not).
-    Of(u32, Box<Reply>),
+    /// The reply for chunk `.0` of a [`Request::Chunks`].
+    Of(u32, ChunkReply),
+}
+
+/// One chunk's answer inside a batch (not a [`Reply`]: a type that nests itself would
+/// let a peer send a frame whose decoding overflows the stack).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum ChunkReply {
+    Chunk(Vec<u8>),
+    NotYet,
+    NotStarted,
+    NotHeld(String),
+}
+
+impl From<Reply> for ChunkReply {
+    fn from(r: Reply) -> ChunkReply {
+        match r {
+            Reply::Chunk(f) => ChunkReply::Chunk(f),
+            Reply::NotYet => ChunkReply::NotYet,
+            Reply::NotStarted => ChunkReply::NotStarted,
+            Reply::NotHeld(why) => ChunkReply::NotHeld(why),
+            Reply::Manifest(_) | Reply::Of(..) => ChunkReply::NotHeld("not a chunk".into()),
+        }
+    }
 }
 
 /// Serves `store`'s versions on this node until it stops.
@@ -173,7 +195,8 @@ pub async fn serve_stream<S: AsyncRead + AsyncWrite + Unpin>(
     }
 }
 
-/// Answers a [`Request::Chunks`]: each chunk as it is ready (see there).
+/// Answers a [`Request::Chunks`]: each chunk as it is ready (see there). One frame is
+/// made and written at a time (a batch holds no more than a single request does).
 async fn serve_batch<S: AsyncRead + AsyncWrite + Unpin>(
     store: &Arc<VersionStore>,
     s: &mut S,
@@ -181,52 +204,39 @@ async fn serve_batch<S: AsyncRead + AsyncWrite + Unpin>(
     version: u64,
     mut pending: Vec<(u32, ChunkBase)>,
 ) -> Result<(), FrameError> {
+    pending.sort_by_key(|(i, _)| *i);
+    pending.dedup_by_key(|(i, _)| *i);
     if pending.len() > MAX_BATCH {
         let why = format!(
             "{} chunks asked at once (at most {MAX_BATCH})",
             pending.len()
         );
         for (i, _) in pending {
-            let r = Reply::Of(i, Box::new(Reply::NotHeld(why.clone())));
+            let r = Reply::Of(i, ChunkReply::NotHeld(why.clone()));
             write_frame(s, &r, REPLY_LIMIT).await?;
         }
         return Ok(());
     }
     let mut deadline = tokio::time::Instant::now() + WAIT;
     loop {
-        // Every chunk ready now (for big chunks, one trip off the async threads for all).
-        let (st, m, asked) = (store.clone(), model.clone(), pending.clone());
-        let all = move || {
-            asked
-                .into_iter()
-                .map(|(i, base)| {
-                    let r = answer(
-                        &st,
-                        Request::Chunk {
-                            model: m.clone(),
-                            version,
-                            index: i,
-                            base,
-                        },
-                    );
-                    (i, r)
-                })
-                .collect::<Vec<_>>()
-        };
-        let ready = if store.small_chunks(&model, version) {
-            all()
-        } else {
-            tokio::task::spawn_blocking(all).await.unwrap_or_default()
-        };
         let last_chance = tokio::time::Instant::now() >= deadline;
         let mut sent = false;
-        for (i, r) in ready {
-            let waits = matches!(r, Reply::NotYet | Reply::NotStarted);
-            if waits && !last_chance {
+        let mut k = 0;
+        while k < pending.len() {
+            let (i, base) = pending[k];
+            let req = Request::Chunk {
+                model: model.clone(),
+                version,
+                index: i,
+                base,
+            };
+            let r = answered(store, req).await;
+            if matches!(r, Reply::NotYet | Reply::NotStarted) && !last_chance {
+                k += 1;
                 continue;
             }
-            pending.retain(|(j, _)| *j != i);
-            write_frame(s, &Reply::Of(i, Box::new(r)), REPLY_LIMIT).await?;
+            pending.remove(k);
+            write_frame(s, &Reply::Of(i, ChunkReply::from(r)), REPLY_LIMIT).await?;
             sent = true;
             // The other batches this holder serves write theirs in between: its upload
             // goes round-robin over the askers (each follower gets its first chunks
@@ -546,9 +556,11 @@ impl PeerSource {
             left.swap_remove(k);
             each(
                 i,
-                match *r {
-                    Reply::Chunk(f) => Ok(f),
-                    other => Err(miss(other)),
+                match r {
+                    ChunkReply::Chunk(f) => Ok(f),
+                    ChunkReply::NotYet => Err(Miss::NotYet),
+                    ChunkReply::NotStarted => Err(Miss::NotStarted),
+                    ChunkReply::NotHeld(why) => Err(Miss::Failed(why)),
                 },
             );
         }
