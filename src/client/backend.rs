@@ -1,8 +1,10 @@
 //! The swarm as the facade's backend: chat rendering and tokenisation happen in the
 //! client's proxy (with the model card fetched from any provider), generation on a server
-//! found through the DHT.
+//! found through the DHT or the swarm's view.
 //!
-//! Routing: each model's providers come from the DHT (re-queried every couple of seconds).
+//! Routing: each model's providers come from the DHT (re-queried every couple of seconds)
+//! and from the view (every server whose gossiped status serves the model and is not
+//! stopping).
 //! An episode's calls repeat each other's context, so they go where its first call ran
 //! while that server is healthy (its prefix cache holds the context), and the episodes of
 //! one group (one task prompt) go to the server their group started on while its gossiped
@@ -114,7 +116,7 @@ impl Router {
         let old = lock(&self.providers).insert(model.to_string(), peers.clone());
         if old.as_ref() != Some(&peers) {
             let list: Vec<String> = peers.iter().map(|p| p.to_string()).collect();
-            info!(model, providers = ?list, "providers of the model (from the DHT)");
+            info!(model, providers = ?list, "providers of the model (the DHT's and the view's)");
         }
     }
 
@@ -379,10 +381,12 @@ impl SwarmBackend {
 /// `found` (the DHT's providers of `model`) and every server the view shows serving it:
 /// a server's gossiped status can reach this client before its provider record does (a
 /// first lookup stops at the first provider), and the calls would all go to the few found.
+/// A stopping server (its status says so, as it withdraws its records) is not added.
 fn with_seen(swarm: &SwarmHandle, model: &str, mut found: Vec<PeerId>) -> Vec<PeerId> {
     for e in swarm.view() {
         let serves = !e.is_self
             && e.status.role == Role::Server
+            && !e.status.extra.contains_key(crate::swarm::STOPPING_FIELD)
             && e.status.models.iter().any(|m| m.name == model);
         if serves && !found.contains(&e.peer) {
             found.push(e.peer);

@@ -634,6 +634,12 @@ impl Server {
         self.events.emit(ServerEvent::Stopping {
             drain: mode == StopMode::Drain,
         });
+        // Clients see it in the status too (they take servers from their view as well).
+        self.swarm.set_status(|st| {
+            st.extra
+                .insert(crate::swarm::STOPPING_FIELD.to_string(), "1".to_string());
+        });
+        self.swarm.announce();
         for m in &self.models {
             if let Err(e) = self.swarm.stop_providing(&m.name).await {
                 tracing::warn!("withdrawing the provider record of {}: {e}", m.name);

@@ -28,7 +28,9 @@ pub use libp2p::multiaddr::Protocol;
 pub use libp2p::{identity::Keypair, Multiaddr, PeerId, Stream, StreamProtocol};
 pub use limits::Refusal;
 pub use node::spawn_node;
-pub use protocol::{CacheSummary, GroupStatus, ModelStatus, PeerStatus, Role, WeightsStatus};
+pub use protocol::{
+    CacheSummary, GroupStatus, ModelStatus, PeerStatus, Role, WeightsStatus, STOPPING_FIELD,
+};
 pub use shared::{ProviderLookup, ViewEntry};
 pub use trust::{Certificate, Certified, Grant, RunId, RunKey, Trust, TrustError};
 pub use usage::PeerStream;

@@ -134,6 +134,10 @@ pub struct GroupStatus {
     pub mode: String,
 }
 
+/// The [`PeerStatus::extra`] field a server sets when it stops (it withdraws its provider
+/// records then): clients route no new calls to it.
+pub const STOPPING_FIELD: &str = "stopping";
+
 /// What every peer gossips about itself every few seconds.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PeerStatus {

@@ -980,6 +980,7 @@ fn lora_servers_train_one_adapter_as_a_group_and_export_it_merged() {
         if !hashes(&metrics_lines(d, "c")).is_empty() {
             break;
         }
+        eprintln!("{run}: every group went to the full fine-tuning server; another run");
     }
     let (la, hc) = (metrics_lines(d, "a"), hashes(&metrics_lines(d, "c")));
     let ha = hashes(&la);

@@ -86,14 +86,37 @@ fn clients_find_servers_through_the_dht_and_survive_a_killed_server() {
     let mut c2 = Peer::start("client2", dir.path(), &client_args);
     let p1 = c1.proxy_url(Duration::from_secs(120));
     let p2 = c2.proxy_url(Duration::from_secs(120));
-    // Every peer knew only the plain peer; each client finds both servers in the DHT.
+    // Every peer knew only the plain peer; each client finds both servers (in the DHT and
+    // in its view of the swarm).
     for (c, p) in [(&c1, &p1), (&c2, &p2)] {
-        wait_until("two providers in the DHT", Duration::from_secs(60), || {
+        wait_until("two providers", Duration::from_secs(60), || {
             metric(p, "agentjet_swarm_providers{model=\"tiny\"}") == Some(2.0)
         });
         let log = c.log_text();
         assert!(log.contains(&id1) && log.contains(&id2), "{log}");
     }
+    // The DHT itself lists both: a lookup from another node that knows only the plain peer.
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let listed: Vec<String> = rt.block_on(async {
+        let n = library::node(&boot, None).await;
+        let t0 = std::time::Instant::now();
+        loop {
+            let found: Vec<String> = n
+                .lookup_providers("tiny", false)
+                .await
+                .map(|l| l.providers.iter().map(ToString::to_string).collect())
+                .unwrap_or_default();
+            if found.contains(&id1) && found.contains(&id2) || t0.elapsed().as_secs() > 60 {
+                return found;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    });
+    assert!(
+        listed.contains(&id1) && listed.contains(&id2),
+        "the DHT lists {listed:?}"
+    );
+    drop(rt);
     // Calls work through both clients.
     for p in [&p1, &p2] {
         let (st, v) = long_call(p, 8, 1);

@@ -262,6 +262,9 @@ impl Follower {
         let mut tick = tokio::time::interval(self.cfg.tick);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut failures = 0u32;
+        // Whether the last failure was retried at once (the group had moved on): a second
+        // failure in a row pauses whatever the group did (see below).
+        let mut retried_at_once = false;
         // Versions this follower cannot serve (fetched again, they would be refused again).
         let mut refused = HashSet::new();
         // The newest version, read again from the view when it took in a status, or a
@@ -302,7 +305,10 @@ impl Follower {
                 h.store.abandon(&h.model, target.version);
             }
             match done {
-                Ok(()) => failures = 0,
+                Ok(()) => {
+                    failures = 0;
+                    retried_at_once = false;
+                }
                 Err(Failure::Refused(why)) => {
                     tracing::warn!(
                         model = h.model,
@@ -311,16 +317,23 @@ impl Follower {
                     );
                     eprintln!("following: version {} not served: {why}", target.version);
                     refused.insert(target.id);
+                    if h.store.latest(&h.model).is_none() {
+                        h.withdraw();
+                    }
                 }
                 Err(Failure::Again(e)) => {
                     tracing::warn!(model = h.model, version = target.version, "following: {e}");
                     // The group moved on meanwhile: the newer version is fetched at once
-                    // (its members hold it), not after a pause.
+                    // (its members hold it), not after a pause; once, so that a follower
+                    // whose fetches fail for another reason (members out of reach) does
+                    // not ask again every tick while the group steps.
                     let newer = newest(h.swarm(), &h.model, &h.group)
                         .is_some_and(|t| t.version > target.version);
-                    if newer {
+                    if newer && !retried_at_once {
+                        retried_at_once = true;
                         continue;
                     }
+                    retried_at_once = false;
                     failures += 1;
                     // Wait a little longer after each failure (at most 25 ticks).
                     let pause = self.cfg.tick * (1u32 << failures.min(5)).min(25);

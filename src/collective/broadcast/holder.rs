@@ -126,6 +126,18 @@ impl Holder {
         }
     }
 
+    /// Says no more that this peer follows the group: a follower that holds no version
+    /// and refused the group's (another layout) has no share to give, and the others
+    /// would wait for it each version. Its next installed version says so again.
+    pub fn withdraw(&self) {
+        *lock(&self.status) = None;
+        self.swarm.set_status(|st| {
+            if let Some(m) = st.models.iter_mut().find(|m| m.name == self.model) {
+                m.weights = None;
+            }
+        });
+    }
+
     /// The status with the byte counters (and `lag`, for a follower) as they are now.
     pub fn current(&self, lag: Option<u64>) -> Option<WeightsStatus> {
         let mut s = lock(&self.status);

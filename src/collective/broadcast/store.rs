@@ -1,7 +1,8 @@
 //! The versions a peer holds and serves chunks of: per model, the latest few snapshots
 //! (a trainer's after each step, a follower's after each fetch), with their manifests.
 //! Beyond the latest `keep`, a version held for less than [`YOUNG`] stays while such
-//! extra versions take at most [`YOUNG_BYTES`] (and [`MAX_VERSIONS`] in all): when steps
+//! extra versions of the model take at most [`YOUNG_BYTES`] (and [`MAX_VERSIONS`] in all;
+//! they go at the model's next version, so a group that stopped stepping leaves them): when steps
 //! come faster than a loaded follower fetches (a small model or an adapter), the version
 //! it is fetching is still there when it asks for its last chunks. A big model's
 //! snapshots exceed the budget, and only `keep` are held.
@@ -536,7 +537,7 @@ mod tests {
         let held: Vec<u64> = (1..=10).filter(|&v| s.get("m", v).is_some()).collect();
         assert_eq!(held, (3..=10).collect::<Vec<_>>());
         // Once they are older than `young`, the next put leaves the latest `keep`.
-        let s = VersionStore::new(2, 1 << 20).with_young(Duration::from_millis(50));
+        let s = VersionStore::new(2, 1 << 20).with_young(Duration::from_secs(1));
         for v in 1..=4 {
             s.put(version(v, v as u8));
         }
@@ -544,7 +545,7 @@ mod tests {
             s.get("m", 1).is_some(),
             "a young version is held beyond keep"
         );
-        std::thread::sleep(Duration::from_millis(60));
+        std::thread::sleep(Duration::from_millis(1100));
         s.put(version(5, 5));
         let held: Vec<u64> = (1..=5).filter(|&v| s.get("m", v).is_some()).collect();
         assert_eq!(held, vec![4, 5]);
