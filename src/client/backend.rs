@@ -381,12 +381,19 @@ impl SwarmBackend {
 /// `found` (the DHT's providers of `model`) and every server the view shows serving it:
 /// a server's gossiped status can reach this client before its provider record does (a
 /// first lookup stops at the first provider), and the calls would all go to the few found.
-/// A stopping server (its status says so, as it withdraws its records) is not added.
+/// A stopping server (its status says so, as it withdraws its records) is left out, even
+/// while other nodes' copies of its provider record live on.
 fn with_seen(swarm: &SwarmHandle, model: &str, mut found: Vec<PeerId>) -> Vec<PeerId> {
-    for e in swarm.view() {
+    let view = swarm.view();
+    let stopping = |p: &PeerId| {
+        view.iter()
+            .any(|e| e.peer == *p && e.status.extra.contains_key(crate::swarm::STOPPING_FIELD))
+    };
+    found.retain(|p| !stopping(p));
+    for e in &view {
         let serves = !e.is_self
             && e.status.role == Role::Server
-            && !e.status.extra.contains_key(crate::swarm::STOPPING_FIELD)
+            && !stopping(&e.peer)
             && e.status.models.iter().any(|m| m.name == model);
         if serves && !found.contains(&e.peer) {
             found.push(e.peer);

@@ -317,6 +317,7 @@ impl Follower {
                     );
                     eprintln!("following: version {} not served: {why}", target.version);
                     refused.insert(target.id);
+                    retried_at_once = false;
                     if h.store.latest(&h.model).is_none() {
                         h.withdraw();
                     }

@@ -127,15 +127,22 @@ impl Holder {
     }
 
     /// Says no more that this peer follows the group: a follower that holds no version
-    /// and refused the group's (another layout) has no share to give, and the others
-    /// would wait for it each version. Its next installed version says so again.
+    /// and refused the group's (another layout, a wrong hash) has no share to give, and
+    /// the others would wait for it each version. It still says it is a follower (of no
+    /// group): clients submit no episodes to it, as to any follower. Its next installed
+    /// version says the group again.
     pub fn withdraw(&self) {
-        *lock(&self.status) = None;
+        let status = WeightsStatus {
+            follower: true,
+            ..Default::default()
+        };
+        *lock(&self.status) = Some(status.clone());
         self.swarm.set_status(|st| {
             if let Some(m) = st.models.iter_mut().find(|m| m.name == self.model) {
-                m.weights = None;
+                m.weights = Some(status);
             }
         });
+        self.swarm.announce();
     }
 
     /// The status with the byte counters (and `lag`, for a follower) as they are now.
