@@ -53,6 +53,8 @@
 //! - [`dash`]: the dashboard every peer serves (live view, curves, episodes, logs) and
 //!   its Prometheus `/metrics`; run directories as the dashboard and `runs` read them.
 //! - [`server`] and [`client`]: the roles.
+//! - [`study`]: studies of many arms that a driver runs, watches and reports on
+//!   (it runs the roles as processes).
 //!
 //! Only `model`, `engine`, `train`, `server` and `agentjet-kernels` touch LibTorch, and
 //! only behind the `torch` cargo feature (on by default): `cargo build
@@ -68,6 +70,7 @@ pub mod model;
 pub mod rpc;
 #[cfg(feature = "torch")]
 pub mod server;
+pub mod study;
 pub mod swarm;
 pub mod timeline;
 #[cfg(feature = "torch")]

@@ -199,6 +199,14 @@ fn followers_serve_every_step_of_their_group_and_the_calls_they_sign_are_trained
         );
         assert_eq!(seen.keys().max(), Some(&newest), "follower {name}");
     }
+    // A second run, now that the followers serve a fetched version (the first run's
+    // calls may all have reached them before their first fetch, when the load sent the
+    // client there early).
+    let mut c2 = client(d, &boot, 8, "run2");
+    c2.wait_client_event("the end", Duration::from_secs(300), |e| {
+        matches!(e, agentjet::client::ClientEvent::Finished { .. })
+    });
+    wait_all_trained(&a, d);
     // The calls the followers signed were stored and trained, with their versions.
     let ids: HashSet<String> = [f1.peer_id(), f2.peer_id()].into_iter().collect();
     let taken: HashSet<String> = consumed(d, "a").into_values().flatten().collect();
@@ -230,6 +238,7 @@ fn followers_serve_every_step_of_their_group_and_the_calls_they_sign_are_trained
         "the followers' calls were all at versions {versions:?}"
     );
     c.kill9();
+    c2.kill9();
 }
 
 /// A greedy answer's tokens and logprobs from a server's HTTP API (model `tiny`).

@@ -19,4 +19,5 @@ mod openai_api;
 mod rogue;
 mod routing;
 mod stop;
+mod study;
 mod swarm;

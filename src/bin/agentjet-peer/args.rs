@@ -612,12 +612,39 @@ pub enum Command {
         #[arg(long = "data-dir")]
         data_dirs: Vec<PathBuf>,
     },
+    /// Run a study: many arms of one training setup (a grid, or successive halving),
+    /// launched, watched, repaired and reported on by a driver (`study run`,
+    /// `study status`, `study report`).
+    Study {
+        #[command(subcommand)]
+        action: StudyAction,
+    },
     /// Print what a model is: architecture, sizes, special tokens, chat template.
     Info {
         /// `smollm2`, a GGUF file, or an HF model directory.
         #[arg(long, default_value = "smollm2")]
         model: String,
     },
+}
+
+/// What `agentjet-peer study` does.
+#[derive(Debug, Subcommand)]
+pub enum StudyAction {
+    /// Run the study (or go on with it: its journal says where it was).
+    Run(StudyArgs),
+    /// Print where the study is: each arm's state and figures, the last decisions.
+    Status(StudyArgs),
+    /// Write the study's report (report.md and curves.svg in its directory).
+    Report(StudyArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct StudyArgs {
+    /// The study file (TOML; see examples/study/).
+    pub file: PathBuf,
+    /// The study's directory: its journal, arms and report (default: runs/<name>).
+    #[arg(long)]
+    pub dir: Option<PathBuf>,
 }
 
 /// A positive number of seconds.

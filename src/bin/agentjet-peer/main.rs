@@ -10,6 +10,7 @@
 
 mod args;
 mod roles;
+mod study;
 mod tools;
 
 use agentjet::base::{Stop, StopMode};
@@ -229,6 +230,7 @@ fn run_tool(cli: Cli) -> Result<()> {
             println!("wrote a new swarm key to {}", out.display());
             Ok(())
         }
+        Some(Command::Study { action }) => study::run(action),
         Some(Command::Info { model }) => tools::info(&model),
         Some(Command::Runs { data_dirs }) => tools::runs(&data_dirs),
         #[cfg(feature = "torch")]

@@ -1,0 +1,367 @@
+//! The study's journal (`journal.jsonl` in the study directory): every fact the driver
+//! acted on and every decision, one JSON line each, synced before the driver acts on it.
+//! A driver killed at any moment and started again reads the journal back into the same
+//! [`State`] and goes on from there: an arm that reached a rung is never run to it again,
+//! and a decision once written is never taken again.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use super::arms::Arm;
+use super::error::StudyError;
+
+/// What the policy decided about an arm that reached its target.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Action {
+    /// Run on to the decision's `steps`.
+    Continue,
+    /// Run no more (its figures ranked it out, or it failed).
+    Stop,
+    /// It ran the whole budget.
+    Finish,
+}
+
+/// One line of the journal.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "t", rename_all = "snake_case")]
+pub enum Record {
+    /// The first line: which study (the hash of its file as parsed) and its arms.
+    Study {
+        name: String,
+        hash: String,
+        seed: u64,
+        arms: Vec<Arm>,
+        unix_ms: u64,
+    },
+    /// A driver started again on this journal.
+    Resumed { unix_ms: u64 },
+    /// An arm's processes start, to run to `steps` training steps (`attempt` 1 for a new
+    /// target, one more after each restart).
+    Launch {
+        arm: usize,
+        steps: u64,
+        attempt: u32,
+        unix_ms: u64,
+    },
+    /// An arm got to its target (its processes stopped, its checkpoint saved); its score
+    /// there (none when no step had the metric).
+    Reached {
+        arm: usize,
+        steps: u64,
+        score: Option<f64>,
+        unix_ms: u64,
+    },
+    /// Something went wrong with a running arm; `restart`: it is started again from its
+    /// checkpoint (otherwise it stops).
+    Failure {
+        arm: usize,
+        kind: String,
+        detail: String,
+        restart: bool,
+        unix_ms: u64,
+    },
+    /// The policy's decision about an arm, and why.
+    Decision {
+        arm: usize,
+        action: Action,
+        steps: u64,
+        reason: String,
+        unix_ms: u64,
+    },
+    /// The study ended: its winner (best score at the furthest rung) and why it ended.
+    End {
+        winner: Option<usize>,
+        reason: String,
+        unix_ms: u64,
+    },
+}
+
+/// Where an arm is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    /// To be launched towards its target.
+    Waiting,
+    Running,
+    /// At its target, waiting for the policy.
+    Reached,
+    Stopped,
+    Finished,
+}
+
+/// An arm as the journal tells it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ArmState {
+    pub arm: Arm,
+    pub phase: Phase,
+    /// The steps it runs (or ran) to now.
+    pub target: u64,
+    /// Launches towards the current target.
+    pub attempt: u32,
+    /// Launches in all (restarts and resumes included).
+    pub launches: u32,
+    /// Its score at each target it reached.
+    pub scores: BTreeMap<u64, Option<f64>>,
+    /// Its failures: (kind, detail).
+    pub failures: Vec<(String, String)>,
+    /// Why it stopped, or the last decision about it.
+    pub reason: Option<String>,
+}
+
+/// The study as its journal tells it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct State {
+    pub name: String,
+    pub hash: String,
+    pub seed: u64,
+    pub arms: Vec<ArmState>,
+    pub started_unix_ms: u64,
+    pub resumes: u32,
+    /// (winner, why), once the study ended.
+    pub ended: Option<(Option<usize>, String)>,
+    pub decisions: Vec<Record>,
+}
+
+impl State {
+    /// Replays `records` (the first must be the study's); each new arm's first target
+    /// is `first`.
+    pub fn replay(records: &[Record], first: u64) -> Result<State, String> {
+        let Some(Record::Study {
+            name,
+            hash,
+            seed,
+            arms,
+            unix_ms,
+        }) = records.first()
+        else {
+            return Err("the first line is not the study's".into());
+        };
+        let mut s = State {
+            name: name.clone(),
+            hash: hash.clone(),
+            seed: *seed,
+            arms: arms
+                .iter()
+                .map(|a| ArmState {
+                    arm: a.clone(),
+                    phase: Phase::Waiting,
+                    target: first,
+                    attempt: 0,
+                    launches: 0,
+                    scores: BTreeMap::new(),
+                    failures: Vec::new(),
+                    reason: None,
+                })
+                .collect(),
+            started_unix_ms: *unix_ms,
+            resumes: 0,
+            ended: None,
+            decisions: Vec::new(),
+        };
+        for (i, r) in records.iter().enumerate().skip(1) {
+            s.apply(r).map_err(|e| format!("line {}: {e}", i + 1))?;
+        }
+        Ok(s)
+    }
+
+    fn arm_mut(&mut self, arm: usize) -> Result<&mut ArmState, String> {
+        let n = self.arms.len();
+        self.arms
+            .get_mut(arm)
+            .ok_or_else(|| format!("arm {arm} of {n}"))
+    }
+
+    /// Applies one record (after the study's).
+    pub fn apply(&mut self, r: &Record) -> Result<(), String> {
+        match r {
+            Record::Study { .. } => return Err("a second study line".into()),
+            Record::Resumed { .. } => self.resumes += 1,
+            Record::Launch {
+                arm,
+                steps,
+                attempt,
+                ..
+            } => {
+                let a = self.arm_mut(*arm)?;
+                a.phase = Phase::Running;
+                a.target = *steps;
+                a.attempt = *attempt;
+                a.launches += 1;
+            }
+            Record::Reached {
+                arm, steps, score, ..
+            } => {
+                let a = self.arm_mut(*arm)?;
+                a.phase = Phase::Reached;
+                a.target = *steps;
+                a.scores.insert(*steps, *score);
+            }
+            Record::Failure {
+                arm,
+                kind,
+                detail,
+                restart,
+                ..
+            } => {
+                let a = self.arm_mut(*arm)?;
+                a.failures.push((kind.clone(), detail.clone()));
+                if !restart {
+                    a.phase = Phase::Stopped;
+                    a.reason = Some(format!("failed: {kind}: {detail}"));
+                }
+            }
+            Record::Decision {
+                arm,
+                action,
+                steps,
+                reason,
+                ..
+            } => {
+                let a = self.arm_mut(*arm)?;
+                a.reason = Some(reason.clone());
+                match action {
+                    Action::Continue => {
+                        a.phase = Phase::Waiting;
+                        a.target = *steps;
+                        a.attempt = 0;
+                    }
+                    Action::Stop => a.phase = Phase::Stopped,
+                    Action::Finish => a.phase = Phase::Finished,
+                }
+                self.decisions.push(r.clone());
+            }
+            Record::End { winner, reason, .. } => {
+                self.ended = Some((*winner, reason.clone()));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The journal file.
+pub struct Journal {
+    pub path: PathBuf,
+}
+
+impl Journal {
+    pub fn at(dir: &Path) -> Journal {
+        Journal {
+            path: dir.join("journal.jsonl"),
+        }
+    }
+
+    /// Appends `r` and syncs it to disk.
+    pub fn append(&self, r: &Record) -> Result<(), StudyError> {
+        let line = serde_json::to_string(r).map_err(|e| StudyError::io(&self.path, e))?;
+        crate::base::files::append_durable(&self.path, format!("{line}\n").as_bytes())
+            .map_err(|e| StudyError::io(&self.path, e))
+    }
+
+    /// Every whole line (none when there is no journal yet). A torn last line (a kill
+    /// mid-append) is not a record: what it said was not acted on.
+    pub fn read(&self) -> Result<Vec<Record>, StudyError> {
+        let text = match std::fs::read_to_string(&self.path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(StudyError::io(&self.path, e)),
+        };
+        crate::base::files::whole_lines(&text)
+            .lines()
+            .enumerate()
+            .filter(|(_, l)| !l.trim().is_empty())
+            .map(|(i, l)| {
+                serde_json::from_str(l).map_err(|e| StudyError::Journal {
+                    path: self.path.clone(),
+                    msg: format!("line {}: {e}", i + 1),
+                })
+            })
+            .collect()
+    }
+}
+
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn arm(id: usize) -> Arm {
+        Arm {
+            id,
+            name: format!("a{id}"),
+            values: BTreeMap::new(),
+        }
+    }
+
+    #[test]
+    fn a_journal_torn_mid_line_reads_back_to_the_state_before_the_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let j = Journal::at(dir.path());
+        let study = Record::Study {
+            name: "s".into(),
+            hash: "h".into(),
+            seed: 1,
+            arms: vec![arm(0), arm(1)],
+            unix_ms: 5,
+        };
+        j.append(&study).unwrap();
+        j.append(&Record::Launch {
+            arm: 1,
+            steps: 2,
+            attempt: 1,
+            unix_ms: 6,
+        })
+        .unwrap();
+        let whole = std::fs::read_to_string(&j.path).unwrap();
+        // A kill in the middle of the next line.
+        std::fs::write(
+            &j.path,
+            format!("{whole}{{\"t\":\"reached\",\"arm\":1,\"st"),
+        )
+        .unwrap();
+        let records = j.read().unwrap();
+        assert_eq!(records.len(), 2);
+        let s = State::replay(&records, 2).unwrap();
+        assert_eq!(s.arms[1].phase, Phase::Running);
+        assert_eq!(s.arms[0].phase, Phase::Waiting);
+        // The next append replaces the torn line.
+        j.append(&Record::Reached {
+            arm: 1,
+            steps: 2,
+            score: Some(0.5),
+            unix_ms: 7,
+        })
+        .unwrap();
+        let s = State::replay(&j.read().unwrap(), 2).unwrap();
+        assert_eq!(s.arms[1].phase, Phase::Reached);
+        assert_eq!(s.arms[1].scores[&2], Some(0.5));
+    }
+
+    #[test]
+    fn a_journal_of_an_unknown_arm_is_refused_with_its_line() {
+        let records = vec![
+            Record::Study {
+                name: "s".into(),
+                hash: "h".into(),
+                seed: 1,
+                arms: vec![arm(0)],
+                unix_ms: 5,
+            },
+            Record::Launch {
+                arm: 3,
+                steps: 2,
+                attempt: 1,
+                unix_ms: 6,
+            },
+        ];
+        let e = State::replay(&records, 2).unwrap_err();
+        assert!(e.contains("line 2") && e.contains("arm 3"), "{e}");
+    }
+}

@@ -1,0 +1,396 @@
+//! An arm's processes: its server (`agentjet-peer --role server`, its own data directory
+//! and its own swarm key, so arms never train as one group) and, once the server serves,
+//! its client. Each arm lives in its own directory of the study's:
+//!
+//! - `server/`: the server's data directory (its run directory, `runs/<model>/`, holds
+//!   `metrics.jsonl` and the checkpoint a restarted server resumes from);
+//! - `client/`, `client-run/`: the client's data and run directories;
+//! - `server.out`, `server.log`, `client.out`, `client.log`: stdout and stderr;
+//! - `server.events.jsonl`, `client.events.jsonl`: their typed events (`--events`);
+//! - `swarm.key`, `pids.json`.
+//!
+//! The processes run in their own process group (a Ctrl-C at the terminal reaches the
+//! driver alone, which stops them in order) and get SIGTERM if the driver dies (Linux's
+//! parent-death signal), so a killed driver's servers drain and save their checkpoints.
+
+use std::io::Write as _;
+use std::os::unix::process::CommandExt as _;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use super::arms::ArmArgs;
+use super::error::StudyError;
+
+/// How long a server may take to drain and save its checkpoint before it is killed.
+const SERVER_DRAIN: Duration = Duration::from_secs(300);
+/// How long a client may take to stop before it is killed (its running episodes are
+/// beyond the arm's target: nothing of them is needed).
+const CLIENT_DRAIN: Duration = Duration::from_secs(20);
+
+/// An arm's directory.
+#[derive(Debug, Clone)]
+pub struct ArmDir {
+    pub dir: PathBuf,
+}
+
+impl ArmDir {
+    pub fn new(study_dir: &Path, arm: usize) -> ArmDir {
+        ArmDir {
+            dir: study_dir.join("arms").join(format!("{arm:03}")),
+        }
+    }
+
+    fn server_data(&self) -> PathBuf {
+        self.dir.join("server")
+    }
+
+    /// The server's run directory (`server/runs/<model>`), once it has one.
+    pub fn run_dir(&self) -> Option<PathBuf> {
+        let runs = self.server_data().join("runs");
+        let mut dirs: Vec<PathBuf> = std::fs::read_dir(&runs)
+            .ok()?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.is_dir())
+            .collect();
+        dirs.sort();
+        dirs.into_iter()
+            .find(|d| d.join("metrics.jsonl").exists() || d.join("checkpoint").exists())
+    }
+
+    pub fn metrics_path(&self) -> Option<PathBuf> {
+        self.run_dir().map(|d| d.join("metrics.jsonl"))
+    }
+
+    /// The server's saved checkpoint (what a restart resumes from).
+    pub fn checkpoint(&self) -> Option<PathBuf> {
+        self.run_dir()
+            .map(|d| d.join("checkpoint"))
+            .filter(|c| c.join("state.json").is_file())
+    }
+
+    /// The step of the server's saved checkpoint.
+    pub fn checkpoint_step(&self) -> Option<u64> {
+        let text = std::fs::read_to_string(self.checkpoint()?.join("state.json")).ok()?;
+        serde_json::from_str::<Value>(&text).ok()?["step"].as_u64()
+    }
+
+    fn pids_path(&self) -> PathBuf {
+        self.dir.join("pids.json")
+    }
+}
+
+/// What to run an arm with.
+pub struct Launch<'a> {
+    /// The `agentjet-peer` binary.
+    pub exe: &'a Path,
+    /// The servers' `--model`.
+    pub model: &'a str,
+    pub args: &'a ArmArgs,
+}
+
+/// An arm's running processes.
+pub struct Procs {
+    pub dir: ArmDir,
+    server: Child,
+    client: Option<Child>,
+    /// The served model's name, once the server serves.
+    served: Option<String>,
+    pub started: Instant,
+}
+
+/// A process of the arm that exited without being asked to.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Exited {
+    /// The server, with its status and the end of its log; `usage`: it refused its
+    /// command line (exit code 2), which no restart mends.
+    Server {
+        detail: String,
+        usage: bool,
+    },
+    Client(ExitStatus),
+}
+
+fn has_flag(args: &[String], flag: &str) -> bool {
+    args.iter()
+        .any(|a| a == flag || a.starts_with(&format!("{flag}=")))
+}
+
+fn open_append(path: &Path) -> Result<std::fs::File, StudyError> {
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .map_err(|e| StudyError::io(path, e))
+}
+
+/// A command in its own process group that gets SIGTERM when the driver dies.
+fn command(exe: &Path, out: &Path, err: &Path) -> Result<Command, StudyError> {
+    let mut c = Command::new(exe);
+    c.stdin(Stdio::null())
+        .stdout(open_append(out)?)
+        .stderr(open_append(err)?)
+        .process_group(0);
+    let parent = std::process::id();
+    // SAFETY: between fork and exec only async-signal-safe calls (prctl, getppid, raise),
+    // no allocation.
+    unsafe {
+        c.pre_exec(move || {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+            if libc::getppid() as u32 != parent {
+                libc::raise(libc::SIGTERM);
+            }
+            Ok(())
+        });
+    }
+    Ok(c)
+}
+
+/// The lines of an events file that parse.
+fn events(path: &Path) -> Vec<Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+impl Procs {
+    /// Starts the arm's server (the client follows once it serves: [`Procs::poll`]).
+    pub fn start(l: &Launch, dir: ArmDir) -> Result<Procs, StudyError> {
+        std::fs::create_dir_all(&dir.dir).map_err(|e| StudyError::io(&dir.dir, e))?;
+        let key = dir.dir.join("swarm.key");
+        if !key.exists() {
+            crate::base::files::write_secret(
+                &key,
+                crate::swarm::SwarmKey::generate().to_file_text().as_bytes(),
+            )
+            .map_err(|e| StudyError::io(&key, e))?;
+        }
+        let events = dir.dir.join("server.events.jsonl");
+        let _ = std::fs::remove_file(&events);
+        let mut c = command(
+            l.exe,
+            &dir.dir.join("server.out"),
+            &dir.dir.join("server.log"),
+        )?;
+        c.args(["--role", "server", "--model", l.model])
+            .arg("--data-dir")
+            .arg(dir.server_data())
+            .arg("--events")
+            .arg(&events)
+            .arg("--swarm-key")
+            .arg(&key);
+        if !has_flag(&l.args.server, "--listen") {
+            c.args(["--listen", "/ip4/127.0.0.1/udp/0/quic-v1"]);
+        }
+        c.args(&l.args.server);
+        let server = c.spawn().map_err(|e| StudyError::Launch {
+            arm: dir.dir.display().to_string(),
+            msg: format!("{}: {e}", l.exe.display()),
+        })?;
+        let p = Procs {
+            dir,
+            server,
+            client: None,
+            served: None,
+            started: Instant::now(),
+        };
+        p.write_pids()?;
+        Ok(p)
+    }
+
+    fn write_pids(&self) -> Result<(), StudyError> {
+        let v = serde_json::json!({
+            "server": self.server.id(),
+            "client": self.client.as_ref().map(Child::id),
+        });
+        let path = self.dir.pids_path();
+        crate::base::files::write_atomic(&path, format!("{v}\n").as_bytes())
+            .map_err(|e| StudyError::io(&path, e))
+    }
+
+    /// Whether the client runs (the server served).
+    pub fn serving(&self) -> bool {
+        self.client.is_some()
+    }
+
+    /// Starts the client once the server serves; says which process exited on its own.
+    pub fn poll(&mut self, l: &Launch) -> Result<Option<Exited>, StudyError> {
+        if let Some(st) = self
+            .server
+            .try_wait()
+            .map_err(|e| StudyError::io(&self.dir.dir, e))?
+        {
+            return Ok(Some(Exited::Server {
+                detail: format!(
+                    "{st}; the end of its log: {}",
+                    tail(&self.dir.dir.join("server.log"))
+                ),
+                usage: st.code() == Some(2),
+            }));
+        }
+        if let Some(c) = &mut self.client {
+            if let Some(st) = c.try_wait().map_err(|e| StudyError::io(&self.dir.dir, e))? {
+                self.client = None;
+                return Ok(Some(Exited::Client(st)));
+            }
+            return Ok(None);
+        }
+        let ev = events(&self.dir.dir.join("server.events.jsonl"));
+        let addr = ev
+            .iter()
+            .filter(|e| e["event"] == "started")
+            .flat_map(|e| e["listen"].as_array().cloned().unwrap_or_default())
+            .filter_map(|a| a.as_str().map(str::to_string))
+            .min_by_key(|a| !a.contains("/127.0.0.1/"));
+        let served = ev
+            .iter()
+            .find(|e| e["event"] == "serving")
+            .and_then(|e| e["model"].as_str().map(str::to_string));
+        if let (Some(addr), Some(served)) = (addr, served) {
+            self.start_client(l, &addr, &served)?;
+            self.served = Some(served);
+        }
+        Ok(None)
+    }
+
+    fn start_client(&mut self, l: &Launch, addr: &str, served: &str) -> Result<(), StudyError> {
+        let d = &self.dir.dir;
+        let events = d.join("client.events.jsonl");
+        let _ = std::fs::remove_file(&events);
+        let mut c = command(l.exe, &d.join("client.out"), &d.join("client.log"))?;
+        c.args(["--role", "client", "--model", served, "--bootstrap", addr])
+            .arg("--data-dir")
+            .arg(d.join("client"))
+            .arg("--run-dir")
+            .arg(d.join("client-run"))
+            .arg("--events")
+            .arg(&events)
+            .arg("--swarm-key")
+            .arg(d.join("swarm.key"));
+        if !has_flag(&l.args.client, "--listen") {
+            c.args(["--listen", "/ip4/127.0.0.1/udp/0/quic-v1"]);
+        }
+        c.args(&l.args.client).envs(&l.args.env);
+        self.client = Some(c.spawn().map_err(|e| StudyError::Launch {
+            arm: d.display().to_string(),
+            msg: format!("client: {e}"),
+        })?);
+        self.write_pids()
+    }
+
+    /// Starts the client again (it ran its tasks to the end).
+    pub fn restart_client(&mut self, l: &Launch) -> Result<(), StudyError> {
+        self.client = None;
+        let ev = events(&self.dir.dir.join("server.events.jsonl"));
+        let addr = ev
+            .iter()
+            .filter(|e| e["event"] == "started")
+            .flat_map(|e| e["listen"].as_array().cloned().unwrap_or_default())
+            .filter_map(|a| a.as_str().map(str::to_string))
+            .min_by_key(|a| !a.contains("/127.0.0.1/"));
+        match (addr, self.served.clone()) {
+            (Some(a), Some(s)) => self.start_client(l, &a, &s),
+            _ => Ok(()),
+        }
+    }
+
+    /// Stops the client, then the server (which drains and saves its checkpoint).
+    pub fn stop(mut self) {
+        if let Some(c) = &mut self.client {
+            stop_child(c, CLIENT_DRAIN);
+        }
+        stop_child(&mut self.server, SERVER_DRAIN);
+        let _ = std::fs::remove_file(self.dir.pids_path());
+    }
+}
+
+/// The last lines of a log, on one line.
+fn tail(path: &Path) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().rev().take(3).collect();
+    lines.into_iter().rev().collect::<Vec<_>>().join(" | ")
+}
+
+/// SIGTERM, up to `drain` for the process to exit, then SIGKILL.
+fn stop_child(c: &mut Child, drain: Duration) {
+    if matches!(c.try_wait(), Ok(Some(_))) {
+        return;
+    }
+    // SAFETY: kill(2) on our own child's pid (not yet waited for, so not reused).
+    unsafe {
+        libc::kill(c.id() as i32, libc::SIGTERM);
+    }
+    let deadline = Instant::now() + drain;
+    while Instant::now() < deadline {
+        if matches!(c.try_wait(), Ok(Some(_))) {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let _ = c.kill();
+    let _ = c.wait();
+}
+
+/// Whether `pid` runs (a zombie does not) with `needle` on its command line.
+fn alive_with(pid: i32, needle: &str) -> bool {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // The state follows the command's closing parenthesis.
+    let state = stat.rsplit_once(')').map(|(_, r)| r.trim_start());
+    if state.is_none_or(|s| s.starts_with('Z') || s.starts_with('X')) {
+        return false;
+    }
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    String::from_utf8_lossy(&cmdline).contains(needle)
+}
+
+/// Stops what a previous driver left of an arm (its `pids.json`): a driver killed
+/// mid-arm leaves its processes draining, and two servers must never share a data
+/// directory. Returns how many it stopped.
+pub fn stop_leftovers(dir: &ArmDir) -> usize {
+    let Ok(text) = std::fs::read_to_string(dir.pids_path()) else {
+        return 0;
+    };
+    let v: Value = serde_json::from_str(&text).unwrap_or_default();
+    let needle = dir.dir.display().to_string();
+    let mut stopped = 0;
+    // The client first: it feeds the server.
+    for (key, drain) in [("client", CLIENT_DRAIN), ("server", SERVER_DRAIN)] {
+        let Some(pid) = v[key].as_u64().map(|p| p as i32) else {
+            continue;
+        };
+        if !alive_with(pid, &needle) {
+            continue;
+        }
+        stopped += 1;
+        // SAFETY: kill(2); the pid was checked to be this arm's process just now.
+        unsafe {
+            libc::kill(pid, libc::SIGTERM);
+        }
+        let deadline = Instant::now() + drain;
+        while alive_with(pid, &needle) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        if alive_with(pid, &needle) {
+            // SAFETY: as above.
+            unsafe {
+                libc::kill(pid, libc::SIGKILL);
+            }
+            while alive_with(pid, &needle) {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+    let _ = std::fs::remove_file(dir.pids_path());
+    stopped
+}
+
+/// Appends a line to the arm's own record of what the driver did to it.
+pub fn note(dir: &ArmDir, line: &str) {
+    if let Ok(mut f) = open_append(&dir.dir.join("driver.log")) {
+        let _ = writeln!(f, "{} {line}", super::journal::unix_ms());
+    }
+}

@@ -1,0 +1,847 @@
+//! The study file (TOML): the base configuration every arm shares, the arms (a list or a
+//! search space), the budget, the policy that decides, and what the driver watches for.
+//! Every mistake is refused before anything runs, with the field named
+//! (`budget.steps: ...`, `space.lr: ...`).
+//!
+//! ```toml
+//! name = "addition"
+//! seed = 7
+//! policy = "asha"            # grid | asha (pbt and researcher: not built yet)
+//! metric = "reward_mean"     # a field of the arm's metrics.jsonl
+//! goal = "max"               # or "min"
+//! window = 3                 # an arm's score: the metric's mean over its last 3 steps
+//!
+//! [base]
+//! model = "smollm2"          # the servers' --model
+//! server = ["--groups-per-step", "4", "--checkpoint-every", "2"]
+//! client = ["--agent", "python3 examples/math_agent/plain_agent.py",
+//!           "--tasks", "examples/math_agent/tasks.jsonl", "--num-repeat", "8"]
+//! env = { AGENT_MAX_TOKENS = "32" }   # the agent's environment
+//!
+//! [budget]
+//! steps = 12                 # training steps per arm, at most
+//! at_once = 1                # arms running at once
+//! minutes = 30               # wall clock for the whole study
+//!
+//! [space.lr]
+//! server = "--learning-rate" # or client = "--flag", or env = "VAR"
+//! values = [5e-6, 2e-5]      # or min = 1e-6, max = 1e-4, log = true (with asha.samples)
+//!
+//! [asha]
+//! min_steps = 3              # the first rung; each next one eta times more steps
+//! eta = 2                    # the best 1/eta of a rung go on
+//!
+//! [watch]
+//! flat_steps = 0             # stop an arm whose reward stayed the same this many steps
+//! min_entropy = 0.0          # stop an arm whose entropy fell below this
+//! stall_seconds = 600        # restart an arm that took no step for this long
+//! restarts = 2               # restarts of a crashed or stalled arm before it fails
+//! ```
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use super::error::StudyError;
+
+/// How the study decides which arms go on.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PolicyKind {
+    /// Every arm runs the whole budget of steps.
+    Grid,
+    /// Successive halving: every arm runs to the first rung, the best 1/eta of a rung go
+    /// on to the next (eta times more steps), up to the budget's steps. A rung is decided
+    /// once every arm of it got there (or failed), so the decisions depend on the arms'
+    /// figures alone, not on which finished first.
+    Halving { min_steps: u64, eta: u64 },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Goal {
+    Max,
+    Min,
+}
+
+/// Where an arm's value of a parameter goes.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Target {
+    /// A flag of the arm's servers (`--learning-rate 2e-5`).
+    Server(String),
+    /// A flag of the arm's client.
+    Client(String),
+    /// A variable of the agent's environment (the client passes its own on).
+    Env(String),
+}
+
+/// A sampled parameter's range.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Range {
+    pub min: f64,
+    pub max: f64,
+    pub log: bool,
+    pub integer: bool,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Param {
+    pub name: String,
+    pub target: Target,
+    pub values: Option<Vec<Value>>,
+    pub range: Option<Range>,
+}
+
+/// What every arm shares.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Base {
+    pub model: String,
+    pub server: Vec<String>,
+    pub client: Vec<String>,
+    pub env: BTreeMap<String, String>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Budget {
+    pub steps: u64,
+    pub at_once: usize,
+    pub minutes: Option<f64>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Watch {
+    pub nonfinite: bool,
+    pub flat_steps: usize,
+    pub min_entropy: f64,
+    pub stall_seconds: f64,
+    pub restarts: u32,
+}
+
+/// An arm the study file names itself: its name and a value of every parameter.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ArmSpec {
+    pub name: Option<String>,
+    pub values: BTreeMap<String, Value>,
+}
+
+/// A checked study file.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Study {
+    pub file: PathBuf,
+    pub name: String,
+    pub seed: u64,
+    pub policy: PolicyKind,
+    pub metric: String,
+    pub goal: Goal,
+    pub window: usize,
+    pub base: Base,
+    pub budget: Budget,
+    /// By name.
+    pub space: Vec<Param>,
+    pub arms: Vec<ArmSpec>,
+    /// Arms drawn from the space (instead of its grid).
+    pub samples: Option<usize>,
+    pub watch: Watch,
+    /// blake3 of the study as parsed (comments and layout do not count): a journal
+    /// belongs to one study.
+    pub hash: String,
+}
+
+/// The metrics an arm can be scored by (fields of a step's line in `metrics.jsonl`).
+pub const METRICS: &[&str] = &[
+    "reward_mean",
+    "accuracy",
+    "loss",
+    "entropy",
+    "kl",
+    "clip_frac",
+    "grad_norm",
+    "tokens_per_s",
+];
+
+/// Flags the driver sets on every arm's processes itself.
+const DRIVER_FLAGS: &[&str] = &[
+    "--role",
+    "--model",
+    "--data-dir",
+    "--events",
+    "--swarm-key",
+    "--bootstrap",
+    "--run-dir",
+];
+
+/// The most arms a study may have.
+pub const MAX_ARMS: usize = 1000;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Raw {
+    name: String,
+    #[serde(default)]
+    seed: u64,
+    policy: String,
+    #[serde(default = "default_metric")]
+    metric: String,
+    #[serde(default)]
+    goal: Option<String>,
+    #[serde(default = "default_window")]
+    window: usize,
+    base: RawBase,
+    budget: RawBudget,
+    #[serde(default)]
+    space: BTreeMap<String, RawParam>,
+    #[serde(default)]
+    arms: Vec<BTreeMap<String, Value>>,
+    #[serde(default)]
+    asha: Option<RawAsha>,
+    #[serde(default)]
+    watch: RawWatch,
+}
+
+fn default_metric() -> String {
+    "reward_mean".into()
+}
+
+fn default_window() -> usize {
+    3
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawBase {
+    model: String,
+    #[serde(default)]
+    server: Vec<String>,
+    #[serde(default)]
+    client: Vec<String>,
+    #[serde(default)]
+    env: BTreeMap<String, String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawBudget {
+    steps: u64,
+    #[serde(default = "one")]
+    at_once: usize,
+    #[serde(default)]
+    minutes: Option<f64>,
+}
+
+fn one() -> usize {
+    1
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawParam {
+    #[serde(default)]
+    server: Option<String>,
+    #[serde(default)]
+    client: Option<String>,
+    #[serde(default)]
+    env: Option<String>,
+    #[serde(default)]
+    values: Option<Vec<Value>>,
+    #[serde(default)]
+    min: Option<f64>,
+    #[serde(default)]
+    max: Option<f64>,
+    #[serde(default)]
+    log: bool,
+    #[serde(default)]
+    integer: bool,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawAsha {
+    min_steps: u64,
+    #[serde(default = "two")]
+    eta: u64,
+    #[serde(default)]
+    samples: Option<usize>,
+}
+
+fn two() -> u64 {
+    2
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawWatch {
+    #[serde(default = "yes")]
+    nonfinite: bool,
+    #[serde(default)]
+    flat_steps: usize,
+    #[serde(default)]
+    min_entropy: f64,
+    #[serde(default = "stall")]
+    stall_seconds: f64,
+    #[serde(default = "restarts")]
+    restarts: u32,
+}
+
+impl Default for RawWatch {
+    fn default() -> Self {
+        RawWatch {
+            nonfinite: true,
+            flat_steps: 0,
+            min_entropy: 0.0,
+            stall_seconds: stall(),
+            restarts: restarts(),
+        }
+    }
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn stall() -> f64 {
+    600.0
+}
+
+fn restarts() -> u32 {
+    2
+}
+
+impl Study {
+    /// Reads and checks a study file.
+    pub fn load(file: &Path) -> Result<Study, StudyError> {
+        let text = std::fs::read_to_string(file).map_err(|e| StudyError::io(file, e))?;
+        Study::parse(file, &text)
+    }
+
+    /// Checks the text of a study file (`file` names it in errors).
+    pub fn parse(file: &Path, text: &str) -> Result<Study, StudyError> {
+        let table: toml::Table = toml::from_str(text).map_err(|e| StudyError::Syntax {
+            file: file.to_path_buf(),
+            msg: e.to_string().trim_end().to_string(),
+        })?;
+        let json = serde_json::to_value(&table).map_err(|e| StudyError::Syntax {
+            file: file.to_path_buf(),
+            msg: e.to_string(),
+        })?;
+        let hash = blake3::hash(json.to_string().as_bytes())
+            .to_hex()
+            .to_string();
+        let raw: Raw = serde_path_to_error::deserialize(json).map_err(|e| {
+            let path = e.path().to_string();
+            let field = if path == "." {
+                "(top level)".into()
+            } else {
+                path
+            };
+            StudyError::field(file, field, e.inner().to_string())
+        })?;
+        check(file, raw, hash)
+    }
+}
+
+fn check(file: &Path, raw: Raw, hash: String) -> Result<Study, StudyError> {
+    let bad = |field: &str, msg: String| StudyError::field(file, field, msg);
+    if raw.name.is_empty()
+        || !raw
+            .name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+        || raw.name.starts_with('.')
+    {
+        return Err(bad(
+            "name",
+            format!(
+                "{:?}: use letters, digits, '-', '_' and '.' (it names the study's directory)",
+                raw.name
+            ),
+        ));
+    }
+    if !METRICS.contains(&raw.metric.as_str()) {
+        return Err(bad(
+            "metric",
+            format!("{:?} is not one of {}", raw.metric, METRICS.join(", ")),
+        ));
+    }
+    let goal = match raw.goal.as_deref() {
+        None if raw.metric == "loss" || raw.metric == "kl" => Goal::Min,
+        None | Some("max") => Goal::Max,
+        Some("min") => Goal::Min,
+        Some(g) => return Err(bad("goal", format!("{g:?}: use \"max\" or \"min\""))),
+    };
+    if raw.window == 0 {
+        return Err(bad("window", "must be at least 1 step".into()));
+    }
+    let base = check_base(file, raw.base)?;
+    let b = raw.budget;
+    if b.steps == 0 {
+        return Err(bad("budget.steps", "must be at least 1".into()));
+    }
+    if b.at_once == 0 {
+        return Err(bad("budget.at_once", "must be at least 1".into()));
+    }
+    if let Some(m) = b.minutes {
+        if !(m.is_finite() && m > 0.0) {
+            return Err(bad("budget.minutes", format!("{m}: must be above 0")));
+        }
+    }
+    let budget = Budget {
+        steps: b.steps,
+        at_once: b.at_once,
+        minutes: b.minutes,
+    };
+    let space = raw
+        .space
+        .into_iter()
+        .map(|(name, p)| check_param(file, name, p))
+        .collect::<Result<Vec<_>, _>>()?;
+    let (policy, samples) = match (raw.policy.as_str(), raw.asha) {
+        ("grid", None) => (PolicyKind::Grid, None),
+        ("grid", Some(_)) => {
+            return Err(bad(
+                "asha",
+                "given, but policy is \"grid\" (use policy = \"asha\", or drop [asha])".into(),
+            ))
+        }
+        ("asha", None) => {
+            return Err(bad(
+                "asha",
+                "policy \"asha\" needs an [asha] table with min_steps (and eta)".into(),
+            ))
+        }
+        ("asha", Some(a)) => {
+            if a.min_steps == 0 || a.min_steps >= budget.steps {
+                return Err(bad(
+                    "asha.min_steps",
+                    format!(
+                        "{}: must be at least 1 and below budget.steps ({})",
+                        a.min_steps, budget.steps
+                    ),
+                ));
+            }
+            if a.eta < 2 {
+                return Err(bad("asha.eta", format!("{}: must be at least 2", a.eta)));
+            }
+            if a.samples == Some(0) {
+                return Err(bad("asha.samples", "must be at least 1".into()));
+            }
+            (
+                PolicyKind::Halving {
+                    min_steps: a.min_steps,
+                    eta: a.eta,
+                },
+                a.samples,
+            )
+        }
+        ("pbt" | "researcher", _) => {
+            return Err(bad(
+                "policy",
+                format!(
+                    "{:?} is not built yet (issue 38); use \"grid\" or \"asha\"",
+                    raw.policy
+                ),
+            ))
+        }
+        (p, _) => return Err(bad(
+            "policy",
+            format!(
+                "{p:?}: use \"grid\" or \"asha\" (\"pbt\" and \"researcher\" are not built yet)"
+            ),
+        )),
+    };
+    let arms = check_arms(file, raw.arms, &space)?;
+    if arms.is_empty() {
+        if space.is_empty() {
+            return Err(bad(
+                "space",
+                "no arms: give [space.NAME] parameters or an [[arms]] list".into(),
+            ));
+        }
+        match samples {
+            None => {
+                if let Some(p) = space.iter().find(|p| p.values.is_none()) {
+                    return Err(bad(
+                        &format!("space.{}", p.name),
+                        "a range (min/max) needs asha.samples (arms drawn from the space); a grid needs values".into(),
+                    ));
+                }
+                let n = space.iter().try_fold(1usize, |n, p| {
+                    n.checked_mul(p.values.as_ref().map_or(1, Vec::len))
+                });
+                match n {
+                    Some(n) if n <= MAX_ARMS => {}
+                    _ => {
+                        return Err(bad(
+                            "space",
+                            format!("the grid has more than {MAX_ARMS} arms"),
+                        ))
+                    }
+                }
+            }
+            Some(n) if n > MAX_ARMS => {
+                return Err(bad("asha.samples", format!("{n}: at most {MAX_ARMS} arms")))
+            }
+            Some(_) => {}
+        }
+    } else if samples.is_some() {
+        return Err(bad(
+            "asha.samples",
+            "given with an [[arms]] list: the arms are the list".into(),
+        ));
+    }
+    let w = raw.watch;
+    if !(w.stall_seconds.is_finite() && w.stall_seconds > 0.0) {
+        return Err(bad(
+            "watch.stall_seconds",
+            format!("{}: must be above 0", w.stall_seconds),
+        ));
+    }
+    if !(w.min_entropy.is_finite() && w.min_entropy >= 0.0) {
+        return Err(bad(
+            "watch.min_entropy",
+            format!("{}: must be 0 (off) or above", w.min_entropy),
+        ));
+    }
+    if w.flat_steps == 1 {
+        return Err(bad(
+            "watch.flat_steps",
+            "1 step cannot be flat: 0 (off) or at least 2".into(),
+        ));
+    }
+    Ok(Study {
+        file: file.to_path_buf(),
+        name: raw.name,
+        seed: raw.seed,
+        policy,
+        metric: raw.metric,
+        goal,
+        window: raw.window,
+        base,
+        budget,
+        space,
+        arms,
+        samples,
+        watch: Watch {
+            nonfinite: w.nonfinite,
+            flat_steps: w.flat_steps,
+            min_entropy: w.min_entropy,
+            stall_seconds: w.stall_seconds,
+            restarts: w.restarts,
+        },
+        hash,
+    })
+}
+
+/// The flag an argument list sets, if it is one the driver sets itself.
+fn driver_flag(args: &[String]) -> Option<&str> {
+    args.iter().find_map(|a| {
+        let flag = a.split('=').next().unwrap_or(a);
+        DRIVER_FLAGS.iter().copied().find(|d| *d == flag)
+    })
+}
+
+fn check_base(file: &Path, b: RawBase) -> Result<Base, StudyError> {
+    let bad = |field: &str, msg: String| StudyError::field(file, field, msg);
+    if b.model.trim().is_empty() {
+        return Err(bad("base.model", "must name a model".into()));
+    }
+    for (field, args) in [("base.server", &b.server), ("base.client", &b.client)] {
+        if let Some(f) = driver_flag(args) {
+            return Err(bad(field, format!("{f} is set by the driver for each arm")));
+        }
+    }
+    let has = |flag: &str| {
+        b.client
+            .iter()
+            .any(|a| a == flag || a.starts_with(&format!("{flag}=")))
+    };
+    if !has("--agent") || !has("--tasks") {
+        return Err(bad(
+            "base.client",
+            "needs --agent COMMAND and --tasks FILE (what each arm's client runs)".into(),
+        ));
+    }
+    if let Some(k) = b.env.keys().find(|k| !valid_env(k)) {
+        return Err(bad(
+            &format!("base.env.{k}"),
+            "not a variable name (letters, digits and '_')".into(),
+        ));
+    }
+    Ok(Base {
+        model: b.model,
+        server: b.server,
+        client: b.client,
+        env: b.env,
+    })
+}
+
+fn valid_env(k: &str) -> bool {
+    !k.is_empty()
+        && !k.starts_with(|c: char| c.is_ascii_digit())
+        && k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+}
+
+fn check_param(file: &Path, name: String, p: RawParam) -> Result<Param, StudyError> {
+    let field = format!("space.{name}");
+    let bad = |msg: String| StudyError::field(file, field.clone(), msg);
+    if name == "name" {
+        return Err(bad(
+            "\"name\" is taken (an explicit arm's name); call the parameter otherwise".into(),
+        ));
+    }
+    let target = match (p.server, p.client, p.env) {
+        (Some(f), None, None) => Target::Server(f),
+        (None, Some(f), None) => Target::Client(f),
+        (None, None, Some(v)) => Target::Env(v),
+        _ => {
+            return Err(bad(
+                "give exactly one of server = \"--flag\", client = \"--flag\" or env = \"VAR\""
+                    .into(),
+            ))
+        }
+    };
+    match &target {
+        Target::Server(f) | Target::Client(f) => {
+            if !f.starts_with("--") || f.len() < 3 || f.contains(char::is_whitespace) {
+                return Err(bad(format!("{f:?} is not a flag (--name)")));
+            }
+            if let Some(d) = DRIVER_FLAGS.iter().find(|d| *d == f) {
+                return Err(bad(format!("{d} is set by the driver for each arm")));
+            }
+        }
+        Target::Env(v) => {
+            if !valid_env(v) {
+                return Err(bad(format!("{v:?} is not a variable name")));
+            }
+        }
+    }
+    if let Some(vs) = &p.values {
+        if vs.is_empty() {
+            return Err(bad("values is empty".into()));
+        }
+        if let Some(v) = vs.iter().find(|v| !scalar(v)) {
+            return Err(bad(format!(
+                "{v}: a value is a number, a string or a boolean"
+            )));
+        }
+    }
+    let range = match (p.min, p.max) {
+        (None, None) => None,
+        (Some(min), Some(max)) => {
+            if p.values.is_some() {
+                return Err(bad("give values or min/max, not both".into()));
+            }
+            if !(min.is_finite() && max.is_finite() && min < max) {
+                return Err(bad(format!("min {min} must be below max {max}")));
+            }
+            if p.log && min <= 0.0 {
+                return Err(bad(format!("log = true needs min above 0, got {min}")));
+            }
+            Some(Range {
+                min,
+                max,
+                log: p.log,
+                integer: p.integer,
+            })
+        }
+        _ => return Err(bad("a range needs both min and max".into())),
+    };
+    if p.values.is_none() && range.is_none() {
+        return Err(bad("give values = [...] or min and max".into()));
+    }
+    Ok(Param {
+        name,
+        target,
+        values: p.values,
+        range,
+    })
+}
+
+fn scalar(v: &Value) -> bool {
+    matches!(v, Value::Number(_) | Value::String(_) | Value::Bool(_))
+}
+
+fn check_arms(
+    file: &Path,
+    arms: Vec<BTreeMap<String, Value>>,
+    space: &[Param],
+) -> Result<Vec<ArmSpec>, StudyError> {
+    let mut names = std::collections::BTreeSet::new();
+    arms.into_iter()
+        .enumerate()
+        .map(|(i, mut a)| {
+            let bad = |field: String, msg: String| StudyError::field(file, field, msg);
+            let name = match a.remove("name") {
+                None => None,
+                Some(Value::String(s)) if !s.trim().is_empty() => Some(s),
+                Some(v) => {
+                    return Err(bad(
+                        format!("arms[{i}].name"),
+                        format!("{v}: a name is a non-empty string"),
+                    ))
+                }
+            };
+            if let Some(k) = a.keys().find(|k| !space.iter().any(|p| &p.name == *k)) {
+                return Err(bad(
+                    format!("arms[{i}].{k}"),
+                    "no such parameter: declare it as [space.NAME] (where its value goes)".into(),
+                ));
+            }
+            if let Some(p) = space.iter().find(|p| !a.contains_key(&p.name)) {
+                return Err(bad(
+                    format!("arms[{i}]"),
+                    format!("no value for parameter {:?}", p.name),
+                ));
+            }
+            if let Some((k, v)) = a.iter().find(|(_, v)| !scalar(v)) {
+                return Err(bad(
+                    format!("arms[{i}].{k}"),
+                    format!("{v}: a value is a number, a string or a boolean"),
+                ));
+            }
+            if let Some(n) = &name {
+                if !names.insert(n.clone()) {
+                    return Err(bad(
+                        format!("arms[{i}].name"),
+                        format!("{n:?} names two arms"),
+                    ));
+                }
+            }
+            Ok(ArmSpec { name, values: a })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+name = "t"
+seed = 3
+policy = "asha"
+[base]
+model = "m"
+client = ["--agent", "sh a.sh", "--tasks", "t.jsonl"]
+[budget]
+steps = 8
+at_once = 2
+[space.lr]
+server = "--learning-rate"
+values = [1e-5, 2e-5]
+[space.temp]
+env = "AGENT_TEMPERATURE"
+values = [0.7, 1.0]
+[asha]
+min_steps = 2
+"#;
+
+    fn err(text: &str) -> String {
+        Study::parse(Path::new("s.toml"), text)
+            .unwrap_err()
+            .to_string()
+    }
+
+    #[test]
+    fn a_good_file_parses_and_its_hash_ignores_comments() {
+        let s = Study::parse(Path::new("s.toml"), GOOD).unwrap();
+        assert_eq!(
+            s.policy,
+            PolicyKind::Halving {
+                min_steps: 2,
+                eta: 2
+            }
+        );
+        assert_eq!(s.space.len(), 2);
+        assert_eq!(s.space[0].name, "lr");
+        assert_eq!(s.goal, Goal::Max);
+        let commented = format!("# a comment\n{GOOD}");
+        let t = Study::parse(Path::new("s.toml"), &commented).unwrap();
+        assert_eq!(s.hash, t.hash);
+        let changed = GOOD.replace("seed = 3", "seed = 4");
+        assert_ne!(
+            s.hash,
+            Study::parse(Path::new("s.toml"), &changed).unwrap().hash
+        );
+    }
+
+    #[test]
+    fn bad_files_name_the_field() {
+        let cases = [
+            (GOOD.replace("steps = 8", "steps = \"8\""), "budget.steps"),
+            (GOOD.replace("steps = 8", "steps = 0"), "budget.steps"),
+            (
+                GOOD.replace("min_steps = 2", "min_steps = 8"),
+                "asha.min_steps",
+            ),
+            (
+                GOOD.replace("policy = \"asha\"", "policy = \"pbt\""),
+                "policy",
+            ),
+            (
+                GOOD.replace("policy = \"asha\"", "policy = \"bogus\""),
+                "policy",
+            ),
+            (
+                GOOD.replace("server = \"--learning-rate\"", "server = \"lr\""),
+                "space.lr",
+            ),
+            (
+                GOOD.replace(
+                    "env = \"AGENT_TEMPERATURE\"",
+                    "env = \"A\"\nclient = \"--x\"",
+                ),
+                "space.temp",
+            ),
+            (
+                GOOD.replace("values = [0.7, 1.0]", "values = []"),
+                "space.temp",
+            ),
+            (
+                GOOD.replace("at_once = 2", "at_once = 2\nbogus = 1"),
+                "budget",
+            ),
+            (
+                GOOD.replace("\"--tasks\", \"t.jsonl\"", "\"--data-dir\", \"x\""),
+                "base.client",
+            ),
+            (GOOD.replace("model = \"m\"", ""), "base"),
+            (
+                format!("{GOOD}\n[watch]\nflat_steps = 1\n"),
+                "watch.flat_steps",
+            ),
+            (format!("{GOOD}\n[[arms]]\nlr = 1e-5\n"), "arms[0]"),
+            (
+                format!("{GOOD}\n[[arms]]\nlr = 1e-5\ntemp = 1.0\nx = 2\n"),
+                "arms[0].x",
+            ),
+            (GOOD.replace("name = \"t\"", "name = \"../t\""), "name"),
+            (
+                GOOD.replace("seed = 3", "seed = 3\nmetric = \"speed\""),
+                "metric",
+            ),
+        ];
+        for (text, field) in cases {
+            let e = err(&text);
+            assert!(
+                e.starts_with(&format!("s.toml: {field}")),
+                "{field}: got {e}"
+            );
+        }
+        let e = err("name = ");
+        assert!(e.starts_with("s.toml: ") && e.contains("line 1"), "{e}");
+    }
+
+    #[test]
+    fn a_range_needs_samples_and_samples_bound_the_arms() {
+        let ranged = GOOD.replace(
+            "values = [1e-5, 2e-5]",
+            "min = 1e-6\nmax = 1e-4\nlog = true",
+        );
+        assert!(err(&ranged).starts_with("s.toml: space.lr"));
+        let sampled = ranged.replace("min_steps = 2", "min_steps = 2\nsamples = 5");
+        let s = Study::parse(Path::new("s.toml"), &sampled).unwrap();
+        assert_eq!(s.samples, Some(5));
+        let too_many = ranged.replace("min_steps = 2", "min_steps = 2\nsamples = 5000");
+        assert!(err(&too_many).starts_with("s.toml: asha.samples"));
+    }
+}

@@ -1,0 +1,374 @@
+//! Studies end to end: `agentjet-peer study run` driving real servers of a tiny model and
+//! real clients on loopback. A driver killed with kill -9 twice mid-way and started again
+//! ends with the arms, decisions and winner of an uninterrupted run, no arm run to a
+//! target twice; a server killed mid-arm is restarted from its checkpoint and the arm
+//! goes on.
+
+use crate::common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// An agent whose reward is its arm's `BIAS` plus 0.1 for a reply of even length: arms
+/// rank by their bias whatever the sampling, and every group has signal to train on.
+const AGENT: &str = r#"#!/bin/sh
+set -eu
+reply=$(curl -sS --fail-with-body "$OPENAI_BASE_URL/chat/completions" \
+  -H "Authorization: Bearer $OPENAI_API_KEY" -H "Content-Type: application/json" \
+  -d '{"model": "tiny", "max_tokens": 4, "temperature": 1.0, "messages": [{"role": "user", "content": "hello"}]}')
+content=$(printf '%s' "$reply" | jq -r '.choices[0].message.content')
+if [ $(( ${#content} % 2 )) -eq 0 ]; then r=1; else r=0; fi
+echo "{\"reward\": ${BIAS}.${r}}"
+"#;
+
+/// Writes the tiny model, the agent, the tasks and a study file of `policy` (with
+/// `extra` appended); returns the study file.
+fn write_study(dir: &Path, policy: &str, extra: &str) -> PathBuf {
+    let model = common::Tiny {
+        max_pos: 1024,
+        ..Default::default()
+    }
+    .write_hf_dir(&dir.join("tiny-model"));
+    std::fs::write(dir.join("agent.sh"), AGENT).unwrap();
+    crate::client::write_tasks(&dir.join("tasks.jsonl"), 4);
+    let text = format!(
+        r#"name = "tiny-study"
+seed = 5
+policy = "{policy}"
+window = 2
+
+[base]
+model = "{model}"
+server = ["--served-model-name", "tiny", "--device", "cpu", "--learning-rate", "1e-3",
+          "--group-timeout", "5", "--groups-per-step", "1", "--checkpoint-every", "1",
+          "--provider-ttl", "4", "--status-interval", "0.5", "--no-dashboard"]
+client = ["--agent", "sh {agent}", "--tasks", "{tasks}", "--num-repeat", "4",
+          "--concurrency", "4", "--provider-ttl", "4", "--status-interval", "0.5"]
+
+{extra}
+"#,
+        model = model.display(),
+        agent = dir.join("agent.sh").display(),
+        tasks = dir.join("tasks.jsonl").display(),
+    );
+    let file = dir.join("study.toml");
+    std::fs::write(&file, text).unwrap();
+    file
+}
+
+fn start_driver(file: &Path, dir: &Path, log: &str) -> Child {
+    let out = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.with_extension(format!("{log}.out")))
+        .unwrap();
+    Command::new(env!("CARGO_BIN_EXE_agentjet-peer"))
+        .args(["study", "run"])
+        .arg(file)
+        .arg("--dir")
+        .arg(dir)
+        .stdout(out.try_clone().unwrap())
+        .stderr(out)
+        .stdin(Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+fn driver_out(dir: &Path, log: &str) -> String {
+    std::fs::read_to_string(dir.with_extension(format!("{log}.out"))).unwrap_or_default()
+}
+
+fn journal(dir: &Path) -> Vec<Value> {
+    std::fs::read_to_string(dir.join("journal.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+/// Waits for the driver to exit successfully.
+fn finish(mut c: Child, dir: &Path, log: &str, within: Duration) {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(st) = c.try_wait().unwrap() {
+            assert!(
+                st.success(),
+                "the driver failed ({st}):\n{}",
+                driver_out(dir, log)
+            );
+            return;
+        }
+        if Instant::now() > deadline {
+            let _ = c.kill();
+            panic!(
+                "the driver did not end within {within:?}:\n{}\njournal: {:#?}",
+                driver_out(dir, log),
+                journal(dir)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Waits until the journal satisfies `f`.
+fn wait_journal(dir: &Path, what: &str, within: Duration, f: impl Fn(&[Value]) -> bool) {
+    let deadline = Instant::now() + within;
+    while !f(&journal(dir)) {
+        assert!(
+            Instant::now() < deadline,
+            "no {what} within {within:?}; journal: {:#?}",
+            journal(dir)
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn kind(r: &Value) -> &str {
+    r["t"].as_str().unwrap_or("")
+}
+
+/// The decisions as (arm, action, steps), in order, and the winner.
+fn outcome(j: &[Value]) -> (Vec<(u64, String, u64)>, Option<u64>) {
+    let decisions = j
+        .iter()
+        .filter(|r| kind(r) == "decision")
+        .map(|r| {
+            (
+                r["arm"].as_u64().unwrap(),
+                r["action"].as_str().unwrap().to_string(),
+                r["steps"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    let end = j.iter().find(|r| kind(r) == "end").expect("an end record");
+    (decisions, end["winner"].as_u64())
+}
+
+/// No arm reached a target twice, and none was launched to a target it had reached.
+fn assert_no_arm_ran_twice(j: &[Value]) {
+    let mut reached = std::collections::BTreeSet::new();
+    for r in j {
+        let key = (r["arm"].as_u64(), r["steps"].as_u64());
+        match kind(r) {
+            "reached" => assert!(reached.insert(key), "reached twice: {r}"),
+            "launch" => assert!(
+                !reached.contains(&key),
+                "launched again after reaching: {r}"
+            ),
+            _ => {}
+        }
+    }
+}
+
+const HALVING: &str = r#"
+[budget]
+steps = 4
+at_once = 2
+
+[space.bias]
+env = "BIAS"
+values = [0, 3, 1, 2]
+
+[asha]
+min_steps = 2
+eta = 2
+"#;
+
+#[test]
+fn a_study_killed_twice_mid_way_ends_as_an_uninterrupted_one_and_no_arm_runs_twice() {
+    let _lane = common::light();
+    let root = tempfile::tempdir().unwrap();
+    let file = write_study(root.path(), "asha", HALVING);
+
+    // Uninterrupted.
+    let a = root.path().join("a");
+    finish(
+        start_driver(&file, &a, "run"),
+        &a,
+        "run",
+        Duration::from_secs(400),
+    );
+    let ja = journal(&a);
+    let (decisions_a, winner_a) = outcome(&ja);
+    println!("uninterrupted:\n{}", driver_out(&a, "run"));
+    // The arm of bias 3 (id 1) wins; the rung at 2 steps keeps the two best (ids 1 and 3).
+    assert_eq!(winner_a, Some(1), "{ja:#?}");
+    let go: Vec<u64> = decisions_a
+        .iter()
+        .filter(|d| d.1 == "continue")
+        .map(|d| d.0)
+        .collect();
+    assert_eq!(go, vec![1, 3], "{decisions_a:?}");
+    assert_no_arm_ran_twice(&ja);
+
+    // Killed with kill -9 twice while an arm runs, started again each time.
+    let b = root.path().join("b");
+    let mut d = start_driver(&file, &b, "run");
+    wait_journal(
+        &b,
+        "a reached rung with an arm running",
+        Duration::from_secs(200),
+        |j| j.iter().any(|r| kind(r) == "reached") && j.last().is_some_and(|r| kind(r) == "launch"),
+    );
+    d.kill().unwrap();
+    d.wait().unwrap();
+    let d = start_driver(&file, &b, "run");
+    wait_journal(
+        &b,
+        "a decision with an arm running",
+        Duration::from_secs(300),
+        |j| {
+            let resumed = j.iter().rposition(|r| kind(r) == "resumed").unwrap_or(0);
+            j[resumed..].iter().any(|r| kind(r) == "decision")
+                && j.last().is_some_and(|r| kind(r) == "launch")
+        },
+    );
+    let mut d = d;
+    d.kill().unwrap();
+    d.wait().unwrap();
+    finish(
+        start_driver(&file, &b, "run"),
+        &b,
+        "run",
+        Duration::from_secs(400),
+    );
+    let jb = journal(&b);
+    let out = driver_out(&b, "run");
+    println!("interrupted twice:\n{out}");
+    assert_eq!(jb.iter().filter(|r| kind(r) == "resumed").count(), 2);
+    assert_eq!(jb[0]["arms"], ja[0]["arms"], "the same arms");
+    let (decisions_b, winner_b) = outcome(&jb);
+    assert_eq!(decisions_b, decisions_a, "the same decisions");
+    assert_eq!(winner_b, winner_a, "the same winner");
+    assert_no_arm_ran_twice(&jb);
+    // Each time, the arm that was running was picked up: what the killed driver left of
+    // it was stopped (its server saves its checkpoint on the parent-death signal) and it
+    // went on from there.
+    let picked = out
+        .matches("was running when the last driver stopped")
+        .count();
+    assert!((2..=4).contains(&picked), "{picked} arms picked up:\n{out}");
+    // Each arm's server steps: 1, 2, ... with none taken twice.
+    for arm in 0..4 {
+        let metrics = b.join(format!("arms/{arm:03}/server/runs/tiny/metrics.jsonl"));
+        let steps: Vec<u64> = crate::client::metrics_lines(&metrics)
+            .iter()
+            .map(|l| l["step"].as_u64().unwrap())
+            .collect();
+        assert!(!steps.is_empty(), "arm {arm} took no step");
+        assert!(
+            steps.iter().enumerate().all(|(i, &s)| s == i as u64 + 1),
+            "arm {arm}: steps {steps:?}"
+        );
+    }
+    // The report names the winner and every decision.
+    let report = std::fs::read_to_string(b.join("report.md")).unwrap();
+    assert!(report.contains("**Winner: arm 1 (bias=3)**"), "{report}");
+    let listed = report
+        .lines()
+        .filter(|l| {
+            l.split_once(". arm ")
+                .is_some_and(|(n, _)| n.parse::<usize>().is_ok())
+        })
+        .count();
+    assert_eq!(listed, decisions_b.len(), "{report}");
+    assert!(b.join("curves.svg").is_file());
+    // `study status` reads the same journal.
+    let st = Command::new(env!("CARGO_BIN_EXE_agentjet-peer"))
+        .args(["study", "status"])
+        .arg(&file)
+        .arg("--dir")
+        .arg(&b)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&st.stdout);
+    assert!(st.status.success(), "{text}");
+    assert!(text.contains("winner arm 1 (bias=3)"), "{text}");
+}
+
+#[test]
+fn a_server_killed_mid_arm_is_restarted_from_its_checkpoint_and_the_arm_goes_on() {
+    let _lane = common::light();
+    let root = tempfile::tempdir().unwrap();
+    let file = write_study(
+        root.path(),
+        "grid",
+        "[budget]\nsteps = 6\n\n[space.bias]\nenv = \"BIAS\"\nvalues = [1]\n",
+    );
+    let dir = root.path().join("s");
+    let d = start_driver(&file, &dir, "run");
+    let arm = dir.join("arms/000");
+    let metrics = arm.join("server/runs/tiny/metrics.jsonl");
+    common::peer::wait_until("two steps", Duration::from_secs(200), || {
+        crate::client::metrics_lines(&metrics).len() >= 2
+    });
+    let pids: Value =
+        serde_json::from_str(&std::fs::read_to_string(arm.join("pids.json")).unwrap()).unwrap();
+    let pid = pids["server"].as_i64().unwrap() as i32;
+    // SAFETY: kill(2) of the arm's server, a process this test's driver started.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    finish(d, &dir, "run", Duration::from_secs(300));
+    let j = journal(&dir);
+    println!("{}", driver_out(&dir, "run"));
+    let failure = j
+        .iter()
+        .find(|r| kind(r) == "failure")
+        .unwrap_or_else(|| panic!("no failure recorded: {j:#?}"));
+    assert_eq!(failure["kind"], "crashed", "{failure}");
+    assert_eq!(failure["restart"], true, "{failure}");
+    assert!(
+        j.iter().any(|r| kind(r) == "launch" && r["attempt"] == 2),
+        "{j:#?}"
+    );
+    let (decisions, winner) = outcome(&j);
+    assert_eq!(decisions, vec![(0, "finish".to_string(), 6)]);
+    assert_eq!(winner, Some(0));
+    // The restarted server resumed from its checkpoint, and its steps go on from there
+    // (none lost from the metrics, none taken twice).
+    let events = std::fs::read_to_string(arm.join("server.events.jsonl")).unwrap();
+    let training: Value = events
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .find(|e| e["event"] == "training")
+        .unwrap();
+    assert_eq!(training["resumed"], true, "{training}");
+    assert!(training["step"].as_u64().unwrap() >= 1, "{training}");
+    let steps: Vec<u64> = crate::client::metrics_lines(&metrics)
+        .iter()
+        .map(|l| l["step"].as_u64().unwrap())
+        .collect();
+    assert!(steps.len() >= 6, "{steps:?}");
+    assert!(
+        steps.iter().enumerate().all(|(i, &s)| s == i as u64 + 1),
+        "{steps:?}"
+    );
+}
+
+#[test]
+fn a_bad_study_file_is_refused_with_the_field_named() {
+    let root = tempfile::tempdir().unwrap();
+    let file = root.path().join("s.toml");
+    std::fs::write(
+        &file,
+        "name = \"s\"\npolicy = \"asha\"\n[base]\nmodel = \"m\"\nclient = [\"--agent\", \"a\", \"--tasks\", \"t\"]\n\
+         [budget]\nsteps = 4\n[space.lr]\nserver = \"--learning-rate\"\nvalues = [1e-5]\n[asha]\nmin_steps = 9\n",
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_agentjet-peer"))
+        .args(["study", "run"])
+        .arg(&file)
+        .arg("--dir")
+        .arg(root.path().join("d"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("s.toml: asha.min_steps: 9: must be at least 1 and below budget.steps (4)"),
+        "{err}"
+    );
+    assert!(!root.path().join("d").exists(), "nothing ran");
+}
