@@ -280,9 +280,15 @@ pub fn spawn(
         })
     };
     let looped = MemberLoop::new(node, cfg.loop_config(), learner, sink);
+    let me = peer.peer_id.to_string();
     let thread = std::thread::Builder::new()
         .name(format!("member-{}", spec.seed))
-        .spawn(move || looped.run().map_err(|e| e.to_string()))?;
+        .spawn(move || {
+            // Each member's lines name it (its peer id's last characters).
+            let _span = tracing::info_span!("member", id = &me[me.len().saturating_sub(6)..])
+                .entered();
+            looped.run().map_err(|e| e.to_string())
+        })?;
     Ok(Running {
         peer,
         stop,

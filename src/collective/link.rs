@@ -269,24 +269,49 @@ fn read_within(r: &mut dyn LinkRead, buf: &mut [u8], wait: Duration) -> io::Resu
 /// How long an accepted link connection may take to send its token.
 pub const TOKEN_WAIT: Duration = Duration::from_secs(2);
 
+/// How long one look at the port waits: an accept looks for a connection another accept
+/// kept for it at least this often.
+const ACCEPT_SLICE: Duration = Duration::from_millis(100);
+/// Offers remembered as live (an offer whose accept never ran leaves this way).
+const LIVE_OFFERS: usize = 64;
+/// Connections kept for another offer's accept, at most.
+const PARKED: usize = 16;
+
 /// A member's listening port for links, and the offers it has made.
+///
+/// Several accepts may wait on one port at once (a ring build that a newer ballot
+/// superseded leaves its accept waiting out its timeout on a blocking thread, beside the
+/// next build's). Whichever takes a connection reads its token: its own goes on to the
+/// hello, another live offer's is kept for that offer's accept, an unknown one is
+/// dropped. Before, the stale accept dropped the next build's connection as a wrong
+/// token, the next build failed, and its retry could be superseded the same way.
 pub struct LinkListener {
     port: Box<dyn LinkPort>,
+    /// Tokens of offers whose accept may still come (oldest first).
+    live: std::sync::Mutex<std::collections::VecDeque<[u8; 32]>>,
+    /// Connections that presented another live offer's token.
+    parked: std::sync::Mutex<Vec<([u8; 32], Conn)>>,
 }
 
 impl LinkListener {
     /// Listens on TCP at `addr` (port 0: any free one).
     pub fn bind(addr: SocketAddr) -> Result<LinkListener, LinkError> {
-        Ok(LinkListener {
-            port: Box::new(TcpPort(TcpListener::bind(addr)?)),
-        })
+        Ok(LinkListener::new(Box::new(TcpPort(TcpListener::bind(
+            addr,
+        )?))))
+    }
+
+    fn new(port: Box<dyn LinkPort>) -> LinkListener {
+        LinkListener {
+            port,
+            live: Default::default(),
+            parked: Default::default(),
+        }
     }
 
     /// Listens through `net` (`ip`: the swarm's listen address).
     pub fn on(net: &dyn LinkNet, ip: IpAddr) -> Result<LinkListener, LinkError> {
-        Ok(LinkListener {
-            port: net.listen(ip)?,
-        })
+        Ok(LinkListener::new(net.listen(ip)?))
     }
 
     pub fn port(&self) -> u16 {
@@ -295,55 +320,100 @@ impl LinkListener {
 
     /// A new offer on this listener (give it to exactly one peer, over the swarm).
     pub fn offer(&self) -> LinkOffer {
-        LinkOffer {
+        let offer = LinkOffer {
             port: self.port(),
             key: random_secret(),
             token: random_secret(),
+        };
+        let mut live = crate::base::lock(&self.live);
+        live.push_back(offer.token);
+        while live.len() > LIVE_OFFERS {
+            live.pop_front();
         }
+        offer
     }
 
-    /// Waits (up to `timeout`) for the dialer of `offer`; connections with another token
-    /// or a hello that does not open are dropped and waiting goes on.
+    /// Waits (up to `timeout`) for the dialer of `offer`; connections with an unknown
+    /// token or a hello that does not open are dropped and waiting goes on. The offer is
+    /// spent when this returns.
     pub fn accept(
         &self,
         offer: &LinkOffer,
         timeout: Duration,
     ) -> Result<(LinkTx, LinkRx), LinkError> {
-        let deadline = Instant::now() + timeout;
+        let out = self.accept_until(offer, Instant::now() + timeout);
+        crate::base::lock(&self.live).retain(|t| *t != offer.token);
+        let live = crate::base::lock(&self.live).clone();
+        crate::base::lock(&self.parked).retain(|(t, _)| live.contains(t));
+        out
+    }
+
+    fn accept_until(
+        &self,
+        offer: &LinkOffer,
+        deadline: Instant,
+    ) -> Result<(LinkTx, LinkRx), LinkError> {
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
+            let kept = {
+                let mut parked = crate::base::lock(&self.parked);
+                let i = parked.iter().position(|(t, _)| *t == offer.token);
+                i.map(|i| parked.swap_remove(i).1)
+            };
+            if let Some(conn) = kept {
+                match open(conn, offer, left) {
+                    Ok(link) => return Ok(link),
+                    Err(e) => tracing::warn!("dropped a link connection whose hello failed: {e}"),
+                }
+                continue;
+            }
             if left.is_zero() {
                 return Err(LinkError::Timeout("waiting for the dialer"));
             }
-            let Some(mut conn) = self.port.accept(left)? else {
-                return Err(LinkError::Timeout("waiting for the dialer"));
+            let Some(mut conn) = self.port.accept(left.min(ACCEPT_SLICE))? else {
+                continue;
             };
             // The dialer sends its token as soon as it is connected: a connection whose
             // 32 bytes do not all arrive within `TOKEN_WAIT` (silent, or trickling) is
             // dropped, not left to block the accept.
-            conn.write.set_timeout(left)?;
+            conn.write.set_timeout(left.max(TOKEN_WAIT))?;
             let mut token = [0u8; 32];
-            if let Err(e) = read_within(&mut *conn.read, &mut token, left.min(TOKEN_WAIT)) {
+            if let Err(e) = read_within(&mut *conn.read, &mut token, TOKEN_WAIT) {
                 tracing::warn!("dropped a link connection that sent no token: {e}");
                 continue;
             }
-            if token != offer.token {
+            if token == offer.token {
+                match open(conn, offer, left.max(TOKEN_WAIT)) {
+                    Ok(link) => return Ok(link),
+                    Err(e) => tracing::warn!("dropped a link connection whose hello failed: {e}"),
+                }
+            } else if crate::base::lock(&self.live).contains(&token) {
+                // Another accept's: keep it for that one.
+                let mut parked = crate::base::lock(&self.parked);
+                if parked.len() >= PARKED {
+                    parked.remove(0);
+                }
+                parked.push((token, conn));
+            } else {
                 tracing::warn!("dropped a link connection with a wrong token");
-                continue;
-            }
-            conn.read.set_timeout(left)?;
-            let (mut tx, mut rx) = halves(
-                conn,
-                &offer.key,
-                Direction::FromAcceptor,
-                Direction::FromDialer,
-            );
-            match hello(&mut tx, &mut rx, &offer.token) {
-                Ok(()) => return Ok((tx, rx)),
-                Err(e) => tracing::warn!("dropped a link connection whose hello failed: {e}"),
             }
         }
     }
+}
+
+/// The hello on an accepted connection that presented `offer`'s token.
+fn open(conn: Conn, offer: &LinkOffer, wait: Duration) -> Result<(LinkTx, LinkRx), LinkError> {
+    let wait = wait.max(Duration::from_millis(1));
+    conn.read.set_timeout(wait)?;
+    conn.write.set_timeout(wait)?;
+    let (mut tx, mut rx) = halves(
+        conn,
+        &offer.key,
+        Direction::FromAcceptor,
+        Direction::FromDialer,
+    );
+    hello(&mut tx, &mut rx, &offer.token)?;
+    Ok((tx, rx))
 }
 
 /// The first IP address among `addrs` (a peer's listen addresses).
@@ -489,5 +559,32 @@ mod tests {
         });
         drop(silent);
         let _ = trickler.join();
+    }
+
+    /// Two accepts wait on one port (a superseded build's and the next one's): the older
+    /// one takes the newer offer's connection first, and keeps it for the newer accept
+    /// instead of dropping it as a wrong token.
+    #[test]
+    fn a_connection_for_another_waiting_offer_is_kept_for_it() {
+        let ip = std::net::Ipv4Addr::LOCALHOST;
+        let l = LinkListener::bind(SocketAddr::new(ip.into(), 0)).unwrap();
+        let (stale, next) = (l.offer(), l.offer());
+        std::thread::scope(|s| {
+            let first = s.spawn(|| l.accept(&stale, Duration::from_secs(3)));
+            // It looks at the port alone now.
+            std::thread::sleep(Duration::from_millis(300));
+            let dialer = s.spawn(|| {
+                let at = [Multiaddr::empty().with(Protocol::Ip4(ip))];
+                dial(&TcpLinks, &at, &next, Duration::from_secs(10))
+            });
+            // The stale accept takes the connection before this one looks.
+            std::thread::sleep(Duration::from_millis(700));
+            let accepted = l.accept(&next, Duration::from_secs(5));
+            assert!(accepted.is_ok(), "{:?}", accepted.err());
+            assert!(dialer.join().unwrap().is_ok());
+            assert!(matches!(first.join().unwrap(), Err(LinkError::Timeout(_))));
+        });
+        assert!(crate::base::lock(&l.parked).is_empty());
+        assert!(crate::base::lock(&l.live).is_empty());
     }
 }
