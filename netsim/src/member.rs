@@ -285,8 +285,8 @@ pub fn spawn(
         .name(format!("member-{}", spec.seed))
         .spawn(move || {
             // Each member's lines name it (its peer id's last characters).
-            let _span = tracing::info_span!("member", id = &me[me.len().saturating_sub(6)..])
-                .entered();
+            let _span =
+                tracing::info_span!("member", id = &me[me.len().saturating_sub(6)..]).entered();
             looped.run().map_err(|e| e.to_string())
         })?;
     Ok(Running {

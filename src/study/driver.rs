@@ -64,6 +64,19 @@ struct Driver<'a> {
 /// Runs (or resumes) the study in `opts.dir`.
 pub fn run(study: &Study, opts: &Options) -> Result<Outcome, StudyError> {
     std::fs::create_dir_all(&opts.dir).map_err(|e| StudyError::io(&opts.dir, e))?;
+    // One spelling of the directory (the processes' command lines are matched against it
+    // when a later driver looks for what this one left), and one driver at a time.
+    let dir = opts
+        .dir
+        .canonicalize()
+        .map_err(|e| StudyError::io(&opts.dir, e))?;
+    let _lock = lock_dir(&dir)?;
+    let opts = &Options {
+        exe: opts.exe.clone(),
+        dir,
+        stop: opts.stop.clone(),
+        poll: opts.poll,
+    };
     let journal = Journal::at(&opts.dir);
     let policy = Policy::new(study);
     let mut records = journal.read()?;
@@ -86,8 +99,8 @@ pub fn run(study: &Study, opts: &Options) -> Result<Outcome, StudyError> {
                     msg: format!(
                         "it is the journal of another study file (hash {}, this file's {}): \
                          give the study another --dir, or restore the file it ran with",
-                        &hash[..hash.len().min(12)],
-                        &study.hash[..12]
+                        hash.get(..12).unwrap_or(hash),
+                        study.hash.get(..12).unwrap_or(&study.hash)
                     ),
                 });
             }
@@ -115,6 +128,27 @@ pub fn run(study: &Study, opts: &Options) -> Result<Outcome, StudyError> {
     out
 }
 
+/// An exclusive lock on the study's directory (`driver.lock`), held while the returned
+/// file is open: a second driver of the same study is refused.
+fn lock_dir(dir: &Path) -> Result<std::fs::File, StudyError> {
+    use std::os::fd::AsRawFd as _;
+    let path = dir.join("driver.lock");
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(|e| StudyError::io(&path, e))?;
+    // SAFETY: flock(2) on a descriptor this function owns.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        return Err(StudyError::io(
+            &path,
+            "another driver runs this study now (its lock is held)",
+        ));
+    }
+    Ok(f)
+}
+
 impl Driver<'_> {
     fn record(&mut self, r: Record) -> Result<(), StudyError> {
         self.journal.append(&r)?;
@@ -133,11 +167,15 @@ impl Driver<'_> {
             println!("study {}: ended before ({reason})", self.study.name);
             return Ok(self.ended(winner, reason));
         }
-        self.pick_up_running()?;
         let deadline = self.study.budget.minutes.map(|m| {
             let started = std::time::UNIX_EPOCH + Duration::from_millis(self.state.started_unix_ms);
             started + Duration::from_secs_f64(m * 60.0)
         });
+        let out_of_time = || deadline.is_some_and(|d| std::time::SystemTime::now() >= d);
+        if out_of_time() {
+            return self.out_of_time();
+        }
+        self.pick_up_running()?;
         loop {
             if self.opts.stop.load(Ordering::SeqCst) {
                 println!(
@@ -145,6 +183,10 @@ impl Driver<'_> {
                     self.study.name
                 );
                 return Ok(Outcome::Paused);
+            }
+            // Before any decision: a decision the budget would end is not taken.
+            if out_of_time() {
+                return self.out_of_time();
             }
             for dec in self.policy.decide(&self.state) {
                 println!("{}: {:?}: {}", self.name(dec.arm), dec.action, dec.reason);
@@ -163,9 +205,6 @@ impl Driver<'_> {
                 .all(|a| matches!(a.phase, Phase::Stopped | Phase::Finished));
             if done {
                 return self.end("every arm finished or stopped");
-            }
-            if deadline.is_some_and(|d| std::time::SystemTime::now() >= d) {
-                return self.out_of_time();
             }
             self.launch_waiting()?;
             let ids: Vec<usize> = self.live.keys().copied().collect();
@@ -398,7 +437,9 @@ impl Driver<'_> {
             unix_ms: unix_ms(),
         })?;
         if restart {
-            self.launch(id, attempt + 1)?;
+            // The failure's record counted the attempt (a driver killed right here
+            // launches it as this one would have).
+            self.launch(id, self.state.arms[id].attempt)?;
         }
         Ok(())
     }

@@ -1,5 +1,8 @@
 //! The study's journal (`journal.jsonl` in the study directory): every fact the driver
-//! acted on and every decision, one JSON line each, synced before the driver acts on it.
+//! acted on and every decision, one JSON line each, synced. A launch and a decision are
+//! written before they are carried out; a target reached or a failure once the arm's
+//! processes are stopped (a driver killed in between finds the arm running, and looks
+//! at it again).
 //! A driver killed at any moment and started again reads the journal back into the same
 //! [`State`] and goes on from there: an arm that reached a rung is never run to it again,
 //! and a decision once written is never taken again.
@@ -208,7 +211,10 @@ impl State {
             } => {
                 let a = self.arm_mut(*arm)?;
                 a.failures.push((kind.clone(), detail.clone()));
-                if !restart {
+                if *restart {
+                    // The launch that follows is the next attempt.
+                    a.attempt += 1;
+                } else {
                     a.phase = Phase::Stopped;
                     a.reason = Some(format!("failed: {kind}: {detail}"));
                 }
@@ -234,6 +240,9 @@ impl State {
                 self.decisions.push(r.clone());
             }
             Record::End { winner, reason, .. } => {
+                if let Some(w) = winner {
+                    self.arm_mut(*w)?;
+                }
                 self.ended = Some((*winner, reason.clone()));
             }
         }

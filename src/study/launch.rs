@@ -13,7 +13,7 @@
 //! driver alone, which stops them in order) and get SIGTERM if the driver dies (Linux's
 //! parent-death signal), so a killed driver's servers drain and save their checkpoints.
 
-use std::io::Write as _;
+use std::io::{self, Write as _};
 use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -26,9 +26,10 @@ use super::error::StudyError;
 
 /// How long a server may take to drain and save its checkpoint before it is killed.
 const SERVER_DRAIN: Duration = Duration::from_secs(300);
-/// How long a client may take to stop before it is killed (its running episodes are
-/// beyond the arm's target: nothing of them is needed).
-const CLIENT_DRAIN: Duration = Duration::from_secs(20);
+/// How long a client may take to stop before it is killed. Zero: it is killed at once
+/// with its agents (its running episodes are beyond the arm's target, and a client that
+/// drains submits them, so its server would train past the target on them).
+const CLIENT_DRAIN: Duration = Duration::ZERO;
 
 /// An arm's directory.
 #[derive(Debug, Clone)]
@@ -134,13 +135,15 @@ fn command(exe: &Path, out: &Path, err: &Path) -> Result<Command, StudyError> {
         .stderr(open_append(err)?)
         .process_group(0);
     let parent = std::process::id();
-    // SAFETY: between fork and exec only async-signal-safe calls (prctl, getppid, raise),
-    // no allocation.
+    // SAFETY: between fork and exec only async-signal-safe calls (prctl, getppid), no
+    // allocation.
     unsafe {
         c.pre_exec(move || {
             libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+            // The driver died before the prctl: run nothing (a signal raised here would
+            // reach the driver's inherited handlers, not end the child).
             if libc::getppid() as u32 != parent {
-                libc::raise(libc::SIGTERM);
+                return Err(io::Error::from_raw_os_error(libc::ESRCH));
             }
             Ok(())
         });
@@ -155,6 +158,17 @@ fn events(path: &Path) -> Vec<Value> {
         .lines()
         .filter_map(|l| serde_json::from_str(l).ok())
         .collect()
+}
+
+/// The server's address to bootstrap from (a loopback one first), from its `started`
+/// event.
+fn bootstrap_addr(events: &[Value]) -> Option<String> {
+    events
+        .iter()
+        .filter(|e| e["event"] == "started")
+        .flat_map(|e| e["listen"].as_array().cloned().unwrap_or_default())
+        .filter_map(|a| a.as_str().map(str::to_string))
+        .min_by_key(|a| !a.contains("/127.0.0.1/"))
 }
 
 impl Procs {
@@ -240,12 +254,7 @@ impl Procs {
             return Ok(None);
         }
         let ev = events(&self.dir.dir.join("server.events.jsonl"));
-        let addr = ev
-            .iter()
-            .filter(|e| e["event"] == "started")
-            .flat_map(|e| e["listen"].as_array().cloned().unwrap_or_default())
-            .filter_map(|a| a.as_str().map(str::to_string))
-            .min_by_key(|a| !a.contains("/127.0.0.1/"));
+        let addr = bootstrap_addr(&ev);
         let served = ev
             .iter()
             .find(|e| e["event"] == "serving")
@@ -285,13 +294,7 @@ impl Procs {
     /// Starts the client again (it ran its tasks to the end).
     pub fn restart_client(&mut self, l: &Launch) -> Result<(), StudyError> {
         self.client = None;
-        let ev = events(&self.dir.dir.join("server.events.jsonl"));
-        let addr = ev
-            .iter()
-            .filter(|e| e["event"] == "started")
-            .flat_map(|e| e["listen"].as_array().cloned().unwrap_or_default())
-            .filter_map(|a| a.as_str().map(str::to_string))
-            .min_by_key(|a| !a.contains("/127.0.0.1/"));
+        let addr = bootstrap_addr(&events(&self.dir.dir.join("server.events.jsonl")));
         match (addr, self.served.clone()) {
             (Some(a), Some(s)) => self.start_client(l, &a, &s),
             _ => Ok(()),
@@ -299,7 +302,14 @@ impl Procs {
     }
 
     /// Stops the client, then the server (which drains and saves its checkpoint).
-    pub fn stop(mut self) {
+    pub fn stop(self) {
+        drop(self)
+    }
+}
+
+/// However the driver lets go of an arm (a stop, an error, a panic), its processes stop.
+impl Drop for Procs {
+    fn drop(&mut self) {
         if let Some(c) = &mut self.client {
             stop_child(c, CLIENT_DRAIN);
         }
@@ -315,14 +325,17 @@ fn tail(path: &Path) -> String {
     lines.into_iter().rev().collect::<Vec<_>>().join(" | ")
 }
 
-/// SIGTERM, up to `drain` for the process to exit, then SIGKILL.
+/// SIGTERM, up to `drain` for the process to exit, then SIGKILL to its process group
+/// (what it started there, a client's agents, goes with it).
 fn stop_child(c: &mut Child, drain: Duration) {
     if matches!(c.try_wait(), Ok(Some(_))) {
         return;
     }
-    // SAFETY: kill(2) on our own child's pid (not yet waited for, so not reused).
-    unsafe {
-        libc::kill(c.id() as i32, libc::SIGTERM);
+    if !drain.is_zero() {
+        // SAFETY: kill(2) on our own child's pid (not yet waited for, so not reused).
+        unsafe {
+            libc::kill(c.id() as i32, libc::SIGTERM);
+        }
     }
     let deadline = Instant::now() + drain;
     while Instant::now() < deadline {
@@ -330,6 +343,10 @@ fn stop_child(c: &mut Child, drain: Duration) {
             return;
         }
         std::thread::sleep(Duration::from_millis(100));
+    }
+    // SAFETY: kill(2) of the child's own process group (it leads it: process_group(0)).
+    unsafe {
+        libc::kill(-(c.id() as i32), libc::SIGKILL);
     }
     let _ = c.kill();
     let _ = c.wait();
@@ -358,7 +375,7 @@ pub fn stop_leftovers(dir: &ArmDir) -> usize {
     let needle = dir.dir.display().to_string();
     let mut stopped = 0;
     // The client first: it feeds the server.
-    for (key, drain) in [("client", CLIENT_DRAIN), ("server", SERVER_DRAIN)] {
+    for (key, drain) in [("client", Duration::from_secs(5)), ("server", SERVER_DRAIN)] {
         let Some(pid) = v[key].as_u64().map(|p| p as i32) else {
             continue;
         };
@@ -379,7 +396,8 @@ pub fn stop_leftovers(dir: &ArmDir) -> usize {
             unsafe {
                 libc::kill(pid, libc::SIGKILL);
             }
-            while alive_with(pid, &needle) {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while alive_with(pid, &needle) && Instant::now() < deadline {
                 std::thread::sleep(Duration::from_millis(50));
             }
         }

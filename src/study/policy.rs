@@ -84,33 +84,40 @@ impl Policy {
     }
 
     /// The decisions due now: about every arm waiting at a rung that no arm still runs
-    /// to.
+    /// to. A rung's arms are those that run (or ran) to it: the ones there now and the
+    /// ones already sent on from it, so a driver killed halfway through writing a rung's
+    /// decisions decides the rest as it would have.
     pub fn decide(&self, s: &State) -> Vec<Decision> {
         let rungs = self.rungs();
         let mut out = Vec::new();
         for (k, &r) in rungs.iter().enumerate() {
             let at: Vec<usize> = (0..s.arms.len())
-                .filter(|&i| s.arms[i].target == r)
+                .filter(|&i| s.arms[i].target == r || s.arms[i].scores.contains_key(&r))
                 .collect();
-            let busy = at
-                .iter()
-                .any(|&i| matches!(s.arms[i].phase, Phase::Waiting | Phase::Running));
-            let mut reached: Vec<usize> = at
-                .iter()
-                .copied()
-                .filter(|&i| s.arms[i].phase == Phase::Reached)
-                .collect();
-            if busy || reached.is_empty() {
+            let busy = at.iter().any(|&i| {
+                s.arms[i].target == r && matches!(s.arms[i].phase, Phase::Waiting | Phase::Running)
+            });
+            let undecided = |i: usize| s.arms[i].target == r && s.arms[i].phase == Phase::Reached;
+            if busy || !at.iter().any(|&i| undecided(i)) {
                 continue;
             }
-            self.rank(s, &mut reached, r);
+            // Every arm that got there, ranked (the ones decided already included).
+            let mut ranked: Vec<usize> = at
+                .iter()
+                .copied()
+                .filter(|&i| s.arms[i].scores.contains_key(&r))
+                .collect();
+            self.rank(s, &mut ranked, r);
             let n = at.len();
             let last = k + 1 == rungs.len();
             let keep = match self.kind {
                 PolicyKind::Halving { eta, .. } if !last => (n / eta as usize).max(1),
                 _ => n,
             };
-            for (place, &i) in reached.iter().enumerate() {
+            for (place, &i) in ranked.iter().enumerate() {
+                if !undecided(i) {
+                    continue;
+                }
                 let score = s.arms[i].scores.get(&r).copied().flatten();
                 let shown = score.map_or("none".into(), |x| format!("{x:.4}"));
                 let (action, steps, reason) = if last {
@@ -120,7 +127,7 @@ impl Policy {
                         format!(
                             "ran the budget's {r} steps: score {shown}, {} of {}",
                             place + 1,
-                            reached.len()
+                            ranked.len()
                         ),
                     )
                 } else if place < keep {
@@ -273,6 +280,10 @@ mod tests {
             .iter()
             .all(|d| d.action != Action::Continue || d.steps == 4));
         assert_eq!(ds.len(), 4);
+        // A driver killed after writing the first decision decides the rest the same.
+        let mut partial = s.clone();
+        apply(&mut partial, &ds[..1]);
+        assert_eq!(p.decide(&partial), ds[1..].to_vec());
         apply(&mut s, &ds);
         assert!(p.decide(&s).is_empty(), "a rung is decided once");
         reach(&mut s, 1, 4, Some(0.2));

@@ -23,6 +23,16 @@ pub fn load(study: &Study, dir: &Path) -> Result<(Vec<Record>, State), StudyErro
             msg: "no journal: the study has not run in this directory".into(),
         });
     }
+    if let Some(Record::Study { hash, .. }) = records.first() {
+        if *hash != study.hash {
+            return Err(StudyError::Journal {
+                path: journal.path,
+                msg: "it is the journal of another study file (it was edited since): \
+                      give the file it ran with"
+                    .into(),
+            });
+        }
+    }
     let state =
         State::replay(&records, Policy::new(study).first()).map_err(|msg| StudyError::Journal {
             path: journal.path.clone(),

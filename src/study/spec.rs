@@ -35,7 +35,7 @@
 //! flat_steps = 0             # stop an arm whose reward stayed the same this many steps
 //! min_entropy = 0.0          # stop an arm whose entropy fell below this
 //! stall_seconds = 600        # restart an arm that took no step for this long
-//! restarts = 2               # restarts of a crashed or stalled arm before it fails
+//! restarts = 2               # restarts of a crashed or stalled arm per rung before it fails
 //! ```
 
 use std::collections::BTreeMap;
@@ -441,12 +441,14 @@ fn check(file: &Path, raw: Raw, hash: String) -> Result<Study, StudyError> {
                 ),
             ))
         }
-        (p, _) => return Err(bad(
-            "policy",
-            format!(
+        (p, _) => {
+            return Err(bad(
+                "policy",
+                format!(
                 "{p:?}: use \"grid\" or \"asha\" (\"pbt\" and \"researcher\" are not built yet)"
             ),
-        )),
+            ))
+        }
     };
     let arms = check_arms(file, raw.arms, &space)?;
     if arms.is_empty() {

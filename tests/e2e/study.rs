@@ -21,6 +21,9 @@ reply=$(curl -sS --fail-with-body "$OPENAI_BASE_URL/chat/completions" \
   -d '{"model": "tiny", "max_tokens": 4, "temperature": 1.0, "messages": [{"role": "user", "content": "hello"}]}')
 content=$(printf '%s' "$reply" | jq -r '.choices[0].message.content')
 if [ $(( ${#content} % 2 )) -eq 0 ]; then r=1; else r=0; fi
+# A step takes about a second: the driver (which looks every 500 ms) stops an arm
+# within a step or two of its target.
+sleep "${AGENT_SLEEP:-0}"
 echo "{\"reward\": ${BIAS}.${r}}"
 "#;
 
@@ -59,7 +62,17 @@ client = ["--agent", "sh {agent}", "--tasks", "{tasks}", "--num-repeat", "4",
     file
 }
 
-fn start_driver(file: &Path, dir: &Path, log: &str) -> Child {
+/// A driver process, killed if the test lets go of it early (a failed wait).
+struct Driver(Child);
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn start_driver(file: &Path, dir: &Path, log: &str) -> Driver {
     let out = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
@@ -74,6 +87,7 @@ fn start_driver(file: &Path, dir: &Path, log: &str) -> Child {
         .stderr(out)
         .stdin(Stdio::null())
         .spawn()
+        .map(Driver)
         .unwrap()
 }
 
@@ -90,10 +104,10 @@ fn journal(dir: &Path) -> Vec<Value> {
 }
 
 /// Waits for the driver to exit successfully.
-fn finish(mut c: Child, dir: &Path, log: &str, within: Duration) {
+fn finish(mut c: Driver, dir: &Path, log: &str, within: Duration) {
     let deadline = Instant::now() + within;
     loop {
-        if let Some(st) = c.try_wait().unwrap() {
+        if let Some(st) = c.0.try_wait().unwrap() {
             assert!(
                 st.success(),
                 "the driver failed ({st}):\n{}",
@@ -102,7 +116,6 @@ fn finish(mut c: Child, dir: &Path, log: &str, within: Duration) {
             return;
         }
         if Instant::now() > deadline {
-            let _ = c.kill();
             panic!(
                 "the driver did not end within {within:?}:\n{}\njournal: {:#?}",
                 driver_out(dir, log),
@@ -128,6 +141,27 @@ fn wait_journal(dir: &Path, what: &str, within: Duration, f: impl Fn(&[Value]) -
 
 fn kind(r: &Value) -> &str {
     r["t"].as_str().unwrap_or("")
+}
+
+/// The arms the journal says run now.
+fn running(j: &[Value]) -> std::collections::BTreeSet<u64> {
+    let mut on = std::collections::BTreeSet::new();
+    for r in j {
+        let arm = r["arm"].as_u64().unwrap_or(u64::MAX);
+        match kind(r) {
+            "launch" => {
+                on.insert(arm);
+            }
+            "reached" | "decision" => {
+                on.remove(&arm);
+            }
+            "failure" if r["restart"] == false => {
+                on.remove(&arm);
+            }
+            _ => {}
+        }
+    }
+    on
 }
 
 /// The decisions as (arm, action, steps), in order, and the winner.
@@ -165,7 +199,7 @@ fn assert_no_arm_ran_twice(j: &[Value]) {
 
 const HALVING: &str = r#"
 [budget]
-steps = 4
+steps = 6
 at_once = 2
 
 [space.bias]
@@ -173,15 +207,20 @@ env = "BIAS"
 values = [0, 3, 1, 2]
 
 [asha]
-min_steps = 2
+min_steps = 3
 eta = 2
 "#;
 
 #[test]
 fn a_study_killed_twice_mid_way_ends_as_an_uninterrupted_one_and_no_arm_runs_twice() {
-    let _lane = common::light();
+    // Two training servers and two clients at once, twice over.
+    let _lane = common::heavy();
     let root = tempfile::tempdir().unwrap();
-    let file = write_study(root.path(), "asha", HALVING);
+    let file = write_study(
+        root.path(),
+        "asha",
+        &format!("{HALVING}\n[base.env]\nAGENT_SLEEP = \"0.5\"\n"),
+    );
 
     // Uninterrupted.
     let a = root.path().join("a");
@@ -211,10 +250,10 @@ fn a_study_killed_twice_mid_way_ends_as_an_uninterrupted_one_and_no_arm_runs_twi
         &b,
         "a reached rung with an arm running",
         Duration::from_secs(200),
-        |j| j.iter().any(|r| kind(r) == "reached") && j.last().is_some_and(|r| kind(r) == "launch"),
+        |j| j.iter().any(|r| kind(r) == "reached") && !running(j).is_empty(),
     );
-    d.kill().unwrap();
-    d.wait().unwrap();
+    d.0.kill().unwrap();
+    d.0.wait().unwrap();
     let d = start_driver(&file, &b, "run");
     wait_journal(
         &b,
@@ -222,13 +261,12 @@ fn a_study_killed_twice_mid_way_ends_as_an_uninterrupted_one_and_no_arm_runs_twi
         Duration::from_secs(300),
         |j| {
             let resumed = j.iter().rposition(|r| kind(r) == "resumed").unwrap_or(0);
-            j[resumed..].iter().any(|r| kind(r) == "decision")
-                && j.last().is_some_and(|r| kind(r) == "launch")
+            j[resumed..].iter().any(|r| kind(r) == "decision") && !running(j).is_empty()
         },
     );
     let mut d = d;
-    d.kill().unwrap();
-    d.wait().unwrap();
+    d.0.kill().unwrap();
+    d.0.wait().unwrap();
     finish(
         start_driver(&file, &b, "run"),
         &b,
@@ -251,6 +289,27 @@ fn a_study_killed_twice_mid_way_ends_as_an_uninterrupted_one_and_no_arm_runs_twi
         .matches("was running when the last driver stopped")
         .count();
     assert!((2..=4).contains(&picked), "{picked} arms picked up:\n{out}");
+    // An arm launched to the last rung resumed from its checkpoint (its server's last
+    // start says so), at the step it had saved.
+    let relaunched: std::collections::BTreeSet<u64> = jb
+        .iter()
+        .filter(|r| kind(r) == "launch" && r["steps"] == 6)
+        .filter_map(|r| r["arm"].as_u64())
+        .collect();
+    for arm in relaunched {
+        let events =
+            std::fs::read_to_string(b.join(format!("arms/{arm:03}/server.events.jsonl"))).unwrap();
+        let training: Value = events
+            .lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .find(|e| e["event"] == "training")
+            .unwrap();
+        assert_eq!(training["resumed"], true, "arm {arm}: {training}");
+        assert!(
+            training["step"].as_u64().unwrap() >= 3,
+            "arm {arm}: {training}"
+        );
+    }
     // Each arm's server steps: 1, 2, ... with none taken twice.
     for arm in 0..4 {
         let metrics = b.join(format!("arms/{arm:03}/server/runs/tiny/metrics.jsonl"));

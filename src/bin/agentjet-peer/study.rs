@@ -22,6 +22,12 @@ pub fn run(action: StudyAction) -> Result<()> {
     match action {
         StudyAction::Run(a) => {
             let (s, dir) = open(&a)?;
+            if !cfg!(feature = "torch") {
+                anyhow::bail!(
+                    "study run: this is the client-only build, whose binary cannot run the \
+                     arms' servers; run the study with the full build"
+                );
+            }
             let stop = Arc::new(AtomicBool::new(false));
             for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
                 // The second signal exits at once; the first sets the flag.
