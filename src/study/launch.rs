@@ -23,6 +23,7 @@ use serde_json::Value;
 
 use super::arms::ArmArgs;
 use super::error::StudyError;
+use super::spec::has_flag;
 
 /// How long a server may take to drain and save its checkpoint before it is killed.
 const SERVER_DRAIN: Duration = Duration::from_secs(300);
@@ -112,11 +113,6 @@ pub enum Exited {
         usage: bool,
     },
     Client(ExitStatus),
-}
-
-fn has_flag(args: &[String], flag: &str) -> bool {
-    args.iter()
-        .any(|a| a == flag || a.starts_with(&format!("{flag}=")))
 }
 
 fn open_append(path: &Path) -> Result<std::fs::File, StudyError> {

@@ -533,6 +533,12 @@ fn check(file: &Path, raw: Raw, hash: String) -> Result<Study, StudyError> {
     })
 }
 
+/// Whether `args` set `flag` (`--flag value` or `--flag=value`).
+pub fn has_flag(args: &[String], flag: &str) -> bool {
+    args.iter()
+        .any(|a| a == flag || a.starts_with(&format!("{flag}=")))
+}
+
 /// The flag an argument list sets, if it is one the driver sets itself.
 fn driver_flag(args: &[String]) -> Option<&str> {
     args.iter().find_map(|a| {
@@ -551,11 +557,7 @@ fn check_base(file: &Path, b: RawBase) -> Result<Base, StudyError> {
             return Err(bad(field, format!("{f} is set by the driver for each arm")));
         }
     }
-    let has = |flag: &str| {
-        b.client
-            .iter()
-            .any(|a| a == flag || a.starts_with(&format!("{flag}=")))
-    };
+    let has = |flag: &str| has_flag(&b.client, flag);
     if !has("--agent") || !has("--tasks") {
         return Err(bad(
             "base.client",
