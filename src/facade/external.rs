@@ -70,6 +70,9 @@ pub enum ExternalError {
     Connect(String),
     #[error("{0}")]
     Tls(String),
+    /// The request or its answer failed after the connection was made.
+    #[error("{0}")]
+    Http(String),
 }
 
 /// The environment variable holding the API key of external model `name`:
@@ -306,6 +309,82 @@ async fn connect(m: &ExternalModel) -> Result<Box<dyn Io>, ExternalError> {
         .await
         .map_err(|e| ExternalError::Tls(format!("TLS with {}: {e}", m.host)))?;
     Ok(Box::new(tls))
+}
+
+/// The most bytes of an answer [`post_json`] reads.
+pub const MAX_ANSWER_BYTES: usize = 8 << 20;
+
+/// Posts one JSON request (not streamed) to `m`'s `path` (`chat/completions`, ...), its
+/// `model` set to `m`'s remote model, and returns the answer's HTTP status and JSON body;
+/// everything within `timeout`. For a program of ours that calls a model itself (a
+/// study's researcher), where [`forward`] passes an agent's call through.
+pub async fn post_json(
+    m: &ExternalModel,
+    path: &str,
+    body: &Value,
+    timeout: Duration,
+) -> Result<(u16, Value), ExternalError> {
+    use http_body_util::BodyExt as _;
+    let url = format!("{}/{path}", m.base_url);
+    let call = async {
+        let io = tokio::time::timeout(CONNECT_TIMEOUT, connect(m))
+            .await
+            .map_err(|_| {
+                ExternalError::Connect(format!(
+                    "{url}: no connection within {} s",
+                    CONNECT_TIMEOUT.as_secs()
+                ))
+            })??;
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(io))
+            .await
+            .map_err(|e| ExternalError::Http(format!("{url}: HTTP handshake: {e}")))?;
+        let conn = tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        let mut sent = body.clone();
+        if let Some(o) = sent.as_object_mut() {
+            o.insert("model".into(), Value::String(m.remote_model.clone()));
+        }
+        let payload = serde_json::to_vec(&sent).map_err(|e| ExternalError::Http(e.to_string()))?;
+        let mut req = Request::post(format!("{}/{path}", m.path))
+            .header(header::HOST, m.authority())
+            .header(header::CONTENT_TYPE, "application/json")
+            .header(header::ACCEPT, "application/json")
+            .header(
+                header::USER_AGENT,
+                concat!("agentjet/", env!("CARGO_PKG_VERSION")),
+            );
+        if let Some(k) = &m.api_key {
+            req = req.header(header::AUTHORIZATION, format!("Bearer {k}"));
+        }
+        let req = req
+            .body(Full::new(Bytes::from(payload)))
+            .map_err(|e| ExternalError::Http(format!("{url}: building the request: {e}")))?;
+        let resp = sender
+            .send_request(req)
+            .await
+            .map_err(|e| ExternalError::Http(format!("{url}: sending the request: {e}")))?;
+        let status = resp.status().as_u16();
+        let bytes = http_body_util::Limited::new(resp.into_body(), MAX_ANSWER_BYTES)
+            .collect()
+            .await
+            .map_err(|e| ExternalError::Http(format!("{url}: reading the answer: {e}")))?
+            .to_bytes();
+        conn.abort();
+        let v = serde_json::from_slice(&bytes).map_err(|e| {
+            let text = String::from_utf8_lossy(&bytes[..bytes.len().min(300)]).into_owned();
+            ExternalError::Http(format!(
+                "{url}: HTTP {status}, the answer is not JSON ({e}): {text}"
+            ))
+        })?;
+        Ok((status, v))
+    };
+    tokio::time::timeout(timeout, call).await.map_err(|_| {
+        ExternalError::Http(format!(
+            "{url}: no answer within {:.0} s",
+            timeout.as_secs_f64()
+        ))
+    })?
 }
 
 /// Forwards one call (`path`: `chat/completions` or `completions`) to `m` and streams the

@@ -27,9 +27,11 @@ pub struct ArmArgs {
     pub env: BTreeMap<String, String>,
 }
 
-/// The study's arms, in a fixed order (their ids).
+/// The study's arms, in a fixed order (their ids). A researcher's study starts with its
+/// explicit arms alone (none when it lists none): the researcher starts the rest.
 pub fn arms(study: &Study) -> Vec<Arm> {
-    let values: Vec<BTreeMap<String, Value>> = if !study.arms.is_empty() {
+    let researcher = matches!(study.policy, super::spec::PolicyKind::Researcher(_));
+    let values: Vec<BTreeMap<String, Value>> = if !study.arms.is_empty() || researcher {
         study.arms.iter().map(|a| a.values.clone()).collect()
     } else if let Some(n) = study.samples {
         let mut rng = Rng::seeded(study.seed);
@@ -52,7 +54,7 @@ pub fn arms(study: &Study) -> Vec<Arm> {
 }
 
 /// `lr=2e-5 temp=0.7` (`base` for an arm of no parameters).
-fn default_name(values: &BTreeMap<String, Value>) -> String {
+pub(super) fn default_name(values: &BTreeMap<String, Value>) -> String {
     if values.is_empty() {
         return "base".into();
     }
@@ -86,15 +88,17 @@ fn grid(space: &[Param]) -> Vec<BTreeMap<String, Value>> {
 fn draw(space: &[Param], rng: &mut Rng) -> BTreeMap<String, Value> {
     space
         .iter()
-        .map(|p| {
-            let v = match (&p.values, &p.range) {
-                (Some(vs), _) => vs[(rng.next_u64() % vs.len() as u64) as usize].clone(),
-                (None, Some(r)) => sample(r, rng.next_f64()),
-                (None, None) => Value::Null,
-            };
-            (p.name.clone(), v)
-        })
+        .map(|p| (p.name.clone(), draw_one(p, rng)))
         .collect()
+}
+
+/// A value of `p` drawn with `rng`.
+pub(super) fn draw_one(p: &Param, rng: &mut Rng) -> Value {
+    match (&p.values, &p.range) {
+        (Some(vs), _) if !vs.is_empty() => vs[(rng.next_u64() % vs.len() as u64) as usize].clone(),
+        (_, Some(r)) => sample(r, rng.next_f64()),
+        _ => Value::Null,
+    }
 }
 
 /// A value of `r` at `u` in [0, 1): log-uniform or uniform, rounded to 4 significant
@@ -105,6 +109,11 @@ fn sample(r: &Range, u: f64) -> Value {
     } else {
         r.min + u * (r.max - r.min)
     };
+    fit(r, x)
+}
+
+/// `x` as a value of `r`: an integer, or a float rounded to 4 significant digits.
+pub(super) fn fit(r: &Range, x: f64) -> Value {
     if r.integer {
         return Value::from(x.round() as i64);
     }

@@ -2,7 +2,10 @@
 //! them, stops each at its target, applies the policy's decisions, and restarts an arm
 //! whose server crashed or stalled from its checkpoint. Every fact it acts on goes to
 //! the journal first, so a driver killed anywhere and started again on the same
-//! directory ends as an uninterrupted one would have.
+//! directory ends as an uninterrupted one would have. A new arm that starts from another
+//! arm's checkpoint (PBT) gets its copy right after its journal line, before any launch.
+//! With the `researcher` policy, the driver asks the researcher for a turn whenever the
+//! study waits on it (see [`super::researcher`]).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -10,13 +13,18 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::arms::{arm_args, arms, ArmArgs};
+use super::arms::{arm_args, arms, default_name, Arm, ArmArgs};
 use super::error::StudyError;
-use super::journal::{unix_ms, Journal, Phase, Record, State};
+use super::journal::{unix_ms, Action, Journal, Phase, Record, State};
 use super::launch::{note, stop_leftovers, ArmDir, Exited, Launch, Procs};
-use super::policy::Policy;
-use super::spec::Study;
+use super::policy::{Move, Policy, Spawn};
+use super::researcher::{self, tools, Effect, Reply, Researcher};
+use super::spec::{PolicyKind, Study};
 use super::watch;
+
+/// Consecutive failed calls of the researcher's endpoint before the driver gives up, once
+/// no arm runs (it waits 2, 4, 8, ... up to 60 s between them).
+const ENDPOINT_TRIES: u32 = 8;
 
 /// How a driver runs.
 pub struct Options {
@@ -59,6 +67,14 @@ struct Driver<'a> {
     policy: Policy,
     state: State,
     live: BTreeMap<usize, Live>,
+    researcher: Option<Researcher>,
+    /// Records written by this driver that are not a researcher's call: the study
+    /// changed since `quiet_at` when this moved.
+    changes: usize,
+    /// `changes` when the researcher last passed a turn without changing the study.
+    quiet_at: Option<usize>,
+    endpoint_errors: u32,
+    retry_at: Option<Instant>,
 }
 
 /// Runs (or resumes) the study in `opts.dir`.
@@ -79,6 +95,10 @@ pub fn run(study: &Study, opts: &Options) -> Result<Outcome, StudyError> {
     };
     let journal = Journal::at(&opts.dir);
     let policy = Policy::new(study);
+    let researcher = match &study.policy {
+        PolicyKind::Researcher(r) => Some(Researcher::new(r)?),
+        _ => None,
+    };
     let mut records = journal.read()?;
     if records.is_empty() {
         let r = Record::Study {
@@ -119,6 +139,11 @@ pub fn run(study: &Study, opts: &Options) -> Result<Outcome, StudyError> {
         policy,
         state,
         live: BTreeMap::new(),
+        researcher,
+        changes: 0,
+        quiet_at: None,
+        endpoint_errors: 0,
+        retry_at: None,
     };
     let out = d.drive();
     // Whatever ended the loop, no arm is left running.
@@ -151,6 +176,9 @@ fn lock_dir(dir: &Path) -> Result<std::fs::File, StudyError> {
 
 impl Driver<'_> {
     fn record(&mut self, r: Record) -> Result<(), StudyError> {
+        if !matches!(r, Record::Action { .. }) {
+            self.changes += 1;
+        }
         self.journal.append(&r)?;
         self.state.apply(&r).map_err(|msg| StudyError::Journal {
             path: self.journal.path.clone(),
@@ -175,6 +203,13 @@ impl Driver<'_> {
         if out_of_time() {
             return self.out_of_time();
         }
+        // New arms whose copy of their parent's checkpoint a killed driver did not make.
+        for id in 0..self.state.arms.len() {
+            self.seed(id)?;
+        }
+        if let Some(out) = self.finish_pending()? {
+            return Ok(out);
+        }
         self.pick_up_running()?;
         loop {
             if self.opts.stop.load(Ordering::SeqCst) {
@@ -188,23 +223,46 @@ impl Driver<'_> {
             if out_of_time() {
                 return self.out_of_time();
             }
-            for dec in self.policy.decide(&self.state) {
-                println!("{}: {:?}: {}", self.name(dec.arm), dec.action, dec.reason);
-                self.record(Record::Decision {
-                    arm: dec.arm,
-                    action: dec.action,
-                    steps: dec.steps,
-                    reason: dec.reason,
-                    unix_ms: unix_ms(),
-                })?;
+            let moves = match &self.study.policy {
+                PolicyKind::Pbt(p) => super::pbt::decide(
+                    p,
+                    &self.policy,
+                    &self.study.space,
+                    self.study.seed,
+                    &self.state,
+                ),
+                _ => self.policy.moves(&self.state),
+            };
+            for m in moves {
+                match m {
+                    Move::Decide(dec) => {
+                        println!("{}: {:?}: {}", self.name(dec.arm), dec.action, dec.reason);
+                        self.record(Record::Decision {
+                            arm: dec.arm,
+                            action: dec.action,
+                            steps: dec.steps,
+                            reason: dec.reason,
+                            unix_ms: unix_ms(),
+                        })?;
+                    }
+                    Move::Spawn(sp) => {
+                        self.spawn(sp)?;
+                    }
+                }
             }
-            let done = self
-                .state
-                .arms
-                .iter()
-                .all(|a| matches!(a.phase, Phase::Stopped | Phase::Finished));
-            if done {
-                return self.end("every arm finished or stopped");
+            if self.researcher.is_some() {
+                if let Some(out) = self.researcher_step()? {
+                    return Ok(out);
+                }
+            } else {
+                let done = self
+                    .state
+                    .arms
+                    .iter()
+                    .all(|a| matches!(a.phase, Phase::Stopped | Phase::Finished));
+                if done {
+                    return self.end("every arm finished or stopped");
+                }
             }
             self.launch_waiting()?;
             let ids: Vec<usize> = self.live.keys().copied().collect();
@@ -213,6 +271,322 @@ impl Driver<'_> {
             }
             std::thread::sleep(self.opts.poll);
         }
+    }
+
+    /// Writes a new arm to the journal, then gives it its parent's checkpoint.
+    fn spawn(&mut self, sp: Spawn) -> Result<usize, StudyError> {
+        let id = self.state.arms.len();
+        println!(
+            "arm {id} ({}): new, to {} steps: {}",
+            sp.name, sp.steps, sp.reason
+        );
+        self.record(Record::Arm {
+            arm: Arm {
+                id,
+                name: sp.name,
+                values: sp.values,
+            },
+            from: sp.from,
+            steps: sp.steps,
+            reason: sp.reason,
+            unix_ms: unix_ms(),
+        })?;
+        self.seed(id)?;
+        Ok(id)
+    }
+
+    /// Gives a new arm that starts from another's checkpoint its copy (once, before its
+    /// first launch; the parent does not run in between: a rung's moves are all written
+    /// before any launch).
+    fn seed(&mut self, id: usize) -> Result<(), StudyError> {
+        let a = &self.state.arms[id];
+        let Some(o) = a.from else { return Ok(()) };
+        if a.launches > 0 || a.phase != Phase::Waiting {
+            return Ok(());
+        }
+        let dir = ArmDir::new(&self.opts.dir, id);
+        if dir.seeded() || dir.run_dir().is_some() {
+            return Ok(());
+        }
+        let at = dir.seed_from(&ArmDir::new(&self.opts.dir, o.arm))?;
+        let line = match at {
+            Some(s) => format!("starts from arm {}'s checkpoint at step {s}", o.arm),
+            None => format!(
+                "arm {} has no checkpoint: starts from the base model",
+                o.arm
+            ),
+        };
+        println!("{}: {line}", self.name(id));
+        note(&dir, &line);
+        Ok(())
+    }
+
+    /// Carries out the researcher's last call if a killed driver wrote it but not its
+    /// effect (nothing was written in between, so the check gives what it gave then).
+    fn finish_pending(&mut self) -> Result<Option<Outcome>, StudyError> {
+        let Some(Record::Action { n, tool, args, .. }) = self.state.pending.clone() else {
+            return Ok(None);
+        };
+        let Some(spec) = self.researcher.as_ref().map(|r| r.spec.clone()) else {
+            return Ok(None);
+        };
+        let turn = tools::TurnSoFar::default();
+        match tools::check(self.study, &spec, &self.state, &turn, &tool, &args) {
+            Ok((effect, reason)) => {
+                println!("researcher call {n} ({tool}): carried out after the resume");
+                self.carry_out(effect, &reason)
+            }
+            Err(why) => {
+                println!(
+                    "researcher call {n} ({tool}) cannot be carried out after the resume: {why}"
+                );
+                self.state.pending = None;
+                Ok(None)
+            }
+        }
+    }
+
+    /// The researcher's part of a loop: a turn when the study waits on it; once its
+    /// calls ran out, arms at their steps finish and the study ends when none runs.
+    fn researcher_step(&mut self) -> Result<Option<Outcome>, StudyError> {
+        let Some((max, max_arms, most)) = self.researcher.as_ref().map(|r| {
+            (
+                r.spec.max_actions as usize,
+                r.spec.max_arms,
+                r.spec.steps.last().copied().unwrap_or(0),
+            )
+        }) else {
+            return Ok(None);
+        };
+        // A run at the most steps a run may take has nothing left to decide.
+        let done: Vec<usize> = (0..self.state.arms.len())
+            .filter(|&i| {
+                self.state.arms[i].phase == Phase::Reached && self.state.arms[i].target >= most
+            })
+            .collect();
+        for id in done {
+            self.record(Record::Decision {
+                arm: id,
+                action: Action::Finish,
+                steps: self.state.arms[id].target,
+                reason: format!("ran the most steps a run may take ({most})"),
+                unix_ms: unix_ms(),
+            })?;
+        }
+        let arms = &self.state.arms;
+        let running = arms
+            .iter()
+            .filter(|a| matches!(a.phase, Phase::Waiting | Phase::Running))
+            .count();
+        if self.state.actions.len() >= max {
+            let reached: Vec<usize> = (0..arms.len())
+                .filter(|&i| arms[i].phase == Phase::Reached)
+                .collect();
+            for id in reached {
+                self.record(Record::Decision {
+                    arm: id,
+                    action: Action::Finish,
+                    steps: self.state.arms[id].target,
+                    reason: "the researcher's tool calls ran out".into(),
+                    unix_ms: unix_ms(),
+                })?;
+            }
+            if running == 0 {
+                return self.end("the researcher's tool calls ran out").map(Some);
+            }
+            return Ok(None);
+        }
+        if self.retry_at.is_some_and(|t| Instant::now() < t) {
+            return Ok(None);
+        }
+        let arms = &self.state.arms;
+        let waits = arms.iter().any(|a| a.phase == Phase::Reached);
+        let room = running < self.study.budget.at_once && arms.len() < max_arms;
+        // Nothing runs: only the researcher can move the study. Otherwise it is asked
+        // again once the study changed since it last passed.
+        if running == 0 || ((waits || room) && self.quiet_at != Some(self.changes)) {
+            return self.researcher_turn();
+        }
+        Ok(None)
+    }
+
+    /// Up to `calls_per_turn` calls of the researcher; the turn ends at the first call
+    /// that changes the study.
+    fn researcher_turn(&mut self) -> Result<Option<Outcome>, StudyError> {
+        let Some(r) = self.researcher.take() else {
+            return Ok(None);
+        };
+        let out = self.turn(&r);
+        self.researcher = Some(r);
+        out
+    }
+
+    fn turn(&mut self, r: &Researcher) -> Result<Option<Outcome>, StudyError> {
+        let mut calls: Vec<(String, String)> = Vec::new();
+        let mut spent: Vec<String> = Vec::new();
+        for k in 0..r.spec.calls_per_turn {
+            if self.state.actions.len() >= r.spec.max_actions as usize
+                || self.opts.stop.load(Ordering::SeqCst)
+            {
+                break;
+            }
+            if k > 0 {
+                // A call can take a while: the running arms are looked at in between.
+                let ids: Vec<usize> = self.live.keys().copied().collect();
+                for id in ids {
+                    self.look_at(id)?;
+                }
+            }
+            // The turn's last call while the study waits on the researcher must move it.
+            let stuck = self
+                .state
+                .arms
+                .iter()
+                .all(|a| !matches!(a.phase, Phase::Waiting | Phase::Running))
+                || self.state.arms.iter().any(|a| a.phase == Phase::Reached);
+            let turn = tools::TurnSoFar {
+                spent: spent.clone(),
+                must_change: stuck && k + 1 == r.spec.calls_per_turn,
+            };
+            let offered = tools::offer(self.study, &r.spec, &self.state, &turn);
+            let prompt =
+                researcher::prompt(self.study, &r.spec, &self.opts.dir, &self.state, &calls);
+            let reply = match r.ask(prompt, &offered) {
+                Ok(x) => {
+                    self.endpoint_errors = 0;
+                    x
+                }
+                Err(e) => {
+                    self.endpoint_errors += 1;
+                    // Running arms go on meanwhile; with none, the driver gives up.
+                    if self.endpoint_errors >= ENDPOINT_TRIES && self.live.is_empty() {
+                        return Err(StudyError::Researcher(format!(
+                            "{} calls in a row failed, the last: {e}; \
+                             run the study again once its endpoint answers",
+                            self.endpoint_errors
+                        )));
+                    }
+                    let wait = Duration::from_secs((1u64 << self.endpoint_errors.min(6)).min(60));
+                    println!(
+                        "the researcher's endpoint failed ({e}); trying again in {} s",
+                        wait.as_secs()
+                    );
+                    self.retry_at = Some(Instant::now() + wait);
+                    return Ok(None);
+                }
+            };
+            let n = self.state.actions.len() as u32 + 1;
+            let (tool, args, checked) = match reply {
+                Reply::Call { tool, args } => {
+                    let c = tools::check(self.study, &r.spec, &self.state, &turn, &tool, &args);
+                    (tool, args, c)
+                }
+                Reply::Text { content, finish } => (
+                    String::new(),
+                    serde_json::json!({ "text": content }),
+                    Err(format!(
+                        "an answer in text, not a tool call (finish reason {finish:?})"
+                    )),
+                ),
+            };
+            let result = match &checked {
+                Ok((e, _)) => self.describe(e),
+                Err(why) => format!("refused: {why}"),
+            };
+            println!("researcher call {n}: {tool} {args} -> {result}");
+            self.record(Record::Action {
+                n,
+                tool: tool.clone(),
+                args: args.clone(),
+                valid: checked.is_ok(),
+                result: result.clone(),
+                unix_ms: unix_ms(),
+            })?;
+            calls.push((format!("{tool} {args}"), result));
+            if let Ok((effect, reason)) = checked {
+                let changes = effect.changes();
+                if !changes {
+                    spent.push(tool.clone());
+                }
+                if let Some(out) = self.carry_out(effect, &reason)? {
+                    return Ok(Some(out));
+                }
+                if changes {
+                    self.quiet_at = None;
+                    return Ok(None);
+                }
+            }
+        }
+        self.quiet_at = Some(self.changes);
+        Ok(None)
+    }
+
+    /// What a valid call does, in words (a list or a read: the text it shows).
+    fn describe(&self, e: &Effect) -> String {
+        let dir = &self.opts.dir;
+        match e {
+            Effect::ListRuns => researcher::runs_table(self.study, dir, &self.state),
+            Effect::ReadRun(arm) => researcher::read_run(self.study, dir, &self.state, *arm),
+            Effect::Note(_) => "noted".into(),
+            Effect::Start { values, steps } => format!(
+                "starts run {} ({}) to {steps} steps",
+                self.state.arms.len(),
+                default_name(values)
+            ),
+            Effect::Continue { arm, steps } => format!("run {arm} goes on to {steps} steps"),
+            Effect::Stop(arm) => format!("run {arm} stops"),
+            Effect::Finish(w) => match w {
+                Some(w) => format!("the study ends; the winner is run {w}"),
+                None => "the study ends without a winner".into(),
+            },
+        }
+    }
+
+    /// Carries out a valid call (the call is in the journal already).
+    fn carry_out(&mut self, e: Effect, reason: &str) -> Result<Option<Outcome>, StudyError> {
+        let why = format!("the researcher: {reason}");
+        match e {
+            Effect::ListRuns | Effect::ReadRun(_) | Effect::Note(_) => {}
+            Effect::Start { values, steps } => {
+                self.spawn(Spawn {
+                    name: default_name(&values),
+                    values,
+                    from: None,
+                    steps,
+                    reason: why,
+                })?;
+            }
+            Effect::Continue { arm, steps } => self.record(Record::Decision {
+                arm,
+                action: Action::Continue,
+                steps,
+                reason: why,
+                unix_ms: unix_ms(),
+            })?,
+            Effect::Stop(arm) => {
+                self.record(Record::Decision {
+                    arm,
+                    action: Action::Stop,
+                    steps: self.state.arms[arm].target,
+                    reason: why,
+                    unix_ms: unix_ms(),
+                })?;
+                if let Some(l) = self.live.remove(&arm) {
+                    l.procs.stop();
+                }
+            }
+            Effect::Finish(winner) => {
+                self.stop_open(&why)?;
+                let reason = format!("the researcher finished the study: {reason}");
+                self.record(Record::End {
+                    winner,
+                    reason: reason.clone(),
+                    unix_ms: unix_ms(),
+                })?;
+                return Ok(Some(self.ended(winner, reason)));
+            }
+        }
+        Ok(None)
     }
 
     /// Arms the journal says were running when the last driver stopped: whatever is
@@ -445,6 +819,12 @@ impl Driver<'_> {
     }
 
     fn out_of_time(&mut self) -> Result<Outcome, StudyError> {
+        self.stop_open("the study's wall-clock budget ran out")?;
+        self.end("the study's wall-clock budget ran out")
+    }
+
+    /// Stops every arm that is not done, with `reason`.
+    fn stop_open(&mut self, reason: &str) -> Result<(), StudyError> {
         let open: Vec<usize> = (0..self.state.arms.len())
             .filter(|&i| {
                 matches!(
@@ -459,13 +839,13 @@ impl Driver<'_> {
             }
             self.record(Record::Decision {
                 arm: id,
-                action: super::journal::Action::Stop,
+                action: Action::Stop,
                 steps: self.state.arms[id].target,
-                reason: "the study's wall-clock budget ran out".into(),
+                reason: reason.into(),
                 unix_ms: unix_ms(),
             })?;
         }
-        self.end("the study's wall-clock budget ran out")
+        Ok(())
     }
 
     fn end(&mut self, reason: &str) -> Result<Outcome, StudyError> {

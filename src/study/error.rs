@@ -23,6 +23,9 @@ pub enum StudyError {
     /// An arm's server or client could not be started.
     #[error("arm {arm}: {msg}")]
     Launch { arm: String, msg: String },
+    /// The researcher's model could not be reached or set up.
+    #[error("the researcher: {0}")]
+    Researcher(String),
 }
 
 impl StudyError {

@@ -27,6 +27,18 @@ pub enum Action {
     Finish,
 }
 
+/// Where a new arm starts from: another arm's checkpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Origin {
+    /// The arm whose checkpoint (and metrics so far) it starts from.
+    pub arm: usize,
+    /// The rung it was taken at.
+    pub step: u64,
+    /// The arm it takes the place of in the population (PBT's exploit).
+    #[serde(default)]
+    pub replaces: Option<usize>,
+}
+
 /// One line of the journal.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "t", rename_all = "snake_case")]
@@ -74,6 +86,25 @@ pub enum Record {
         reason: String,
         unix_ms: u64,
     },
+    /// A new arm (PBT's exploit of a better arm, a researcher's new run), to run to
+    /// `steps`; written before its directory is made.
+    Arm {
+        arm: Arm,
+        from: Option<Origin>,
+        steps: u64,
+        reason: String,
+        unix_ms: u64,
+    },
+    /// A researcher's tool call: its number (from 1), the tool, its arguments (the
+    /// reason among them), whether it was valid and what it did or why not.
+    Action {
+        n: u32,
+        tool: String,
+        args: serde_json::Value,
+        valid: bool,
+        result: String,
+        unix_ms: u64,
+    },
     /// The study ended: its winner (best score at the furthest rung) and why it ended.
     End {
         winner: Option<usize>,
@@ -112,6 +143,8 @@ pub struct ArmState {
     pub failures: Vec<(String, String)>,
     /// Why it stopped, or the last decision about it.
     pub reason: Option<String>,
+    /// The checkpoint it started from, if it started from another arm's.
+    pub from: Option<Origin>,
 }
 
 /// The study as its journal tells it.
@@ -126,7 +159,15 @@ pub struct State {
     /// (winner, why), once the study ended.
     pub ended: Option<(Option<usize>, String)>,
     pub decisions: Vec<Record>,
+    /// A researcher's tool calls.
+    pub actions: Vec<Record>,
+    /// A valid call that changes the study, written, whose effect is not (yet) in the
+    /// journal: a driver killed between the two carries it out when it resumes.
+    pub pending: Option<Record>,
 }
+
+/// The researcher's tools that change the study (their effects follow their lines).
+pub const CHANGING_TOOLS: &[&str] = &["start_run", "continue_run", "stop_run", "finish_study"];
 
 impl State {
     /// Replays `records` (the first must be the study's); each new arm's first target
@@ -157,17 +198,30 @@ impl State {
                     scores: BTreeMap::new(),
                     failures: Vec::new(),
                     reason: None,
+                    from: None,
                 })
                 .collect(),
             started_unix_ms: *unix_ms,
             resumes: 0,
             ended: None,
             decisions: Vec::new(),
+            actions: Vec::new(),
+            pending: None,
         };
         for (i, r) in records.iter().enumerate().skip(1) {
             s.apply(r).map_err(|e| format!("line {}: {e}", i + 1))?;
         }
         Ok(s)
+    }
+
+    /// An effect's record was written: the pending call is done (a `finish_study`'s
+    /// only with the end: its stops come first).
+    fn clear_pending(&mut self, end: bool) {
+        let finish =
+            matches!(&self.pending, Some(Record::Action { tool, .. }) if tool == "finish_study");
+        if end || !finish {
+            self.pending = None;
+        }
     }
 
     fn arm_mut(&mut self, arm: usize) -> Result<&mut ArmState, String> {
@@ -226,6 +280,7 @@ impl State {
                 reason,
                 ..
             } => {
+                self.clear_pending(false);
                 let a = self.arm_mut(*arm)?;
                 a.reason = Some(reason.clone());
                 match action {
@@ -239,11 +294,51 @@ impl State {
                 }
                 self.decisions.push(r.clone());
             }
+            Record::Arm {
+                arm,
+                from,
+                steps,
+                reason,
+                ..
+            } => {
+                if arm.id != self.arms.len() {
+                    return Err(format!(
+                        "a new arm numbered {} after {} arms",
+                        arm.id,
+                        self.arms.len()
+                    ));
+                }
+                if let Some(o) = from {
+                    self.arm_mut(o.arm)?;
+                    if let Some(r) = o.replaces {
+                        self.arm_mut(r)?;
+                    }
+                }
+                self.clear_pending(false);
+                self.arms.push(ArmState {
+                    arm: arm.clone(),
+                    phase: Phase::Waiting,
+                    target: *steps,
+                    attempt: 0,
+                    launches: 0,
+                    scores: BTreeMap::new(),
+                    failures: Vec::new(),
+                    reason: Some(reason.clone()),
+                    from: *from,
+                });
+            }
+            Record::Action { tool, valid, .. } => {
+                if *valid && CHANGING_TOOLS.contains(&tool.as_str()) {
+                    self.pending = Some(r.clone());
+                }
+                self.actions.push(r.clone());
+            }
             Record::End { winner, reason, .. } => {
                 if let Some(w) = winner {
                     self.arm_mut(*w)?;
                 }
                 self.ended = Some((*winner, reason.clone()));
+                self.clear_pending(true);
             }
         }
         Ok(())
@@ -372,5 +467,33 @@ mod tests {
         ];
         let e = State::replay(&records, 2).unwrap_err();
         assert!(e.contains("line 2") && e.contains("arm 3"), "{e}");
+    }
+
+    #[test]
+    fn a_new_arm_joins_waiting_with_its_origin_and_must_be_numbered_next() {
+        let study = Record::Study {
+            name: "s".into(),
+            hash: "h".into(),
+            seed: 1,
+            arms: vec![arm(0), arm(1)],
+            unix_ms: 5,
+        };
+        let new = |id: usize| Record::Arm {
+            arm: arm(id),
+            from: Some(Origin {
+                arm: 0,
+                step: 2,
+                replaces: Some(1),
+            }),
+            steps: 4,
+            reason: "exploit".into(),
+            unix_ms: 6,
+        };
+        let s = State::replay(&[study.clone(), new(2)], 2).unwrap();
+        assert_eq!(s.arms.len(), 3);
+        assert_eq!((s.arms[2].phase, s.arms[2].target), (Phase::Waiting, 4));
+        assert_eq!(s.arms[2].from.map(|o| o.arm), Some(0));
+        let e = State::replay(&[study, new(5)], 2).unwrap_err();
+        assert!(e.contains("numbered 5 after 2"), "{e}");
     }
 }

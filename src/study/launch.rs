@@ -66,11 +66,20 @@ impl ArmDir {
         self.run_dir().map(|d| d.join("metrics.jsonl"))
     }
 
-    /// The server's saved checkpoint (what a restart resumes from).
+    /// The server's saved checkpoint (what a restart resumes from: `checkpoint/`, or
+    /// `checkpoint.old/` when the server was killed between the two renames of a save).
     pub fn checkpoint(&self) -> Option<PathBuf> {
-        self.run_dir()
-            .map(|d| d.join("checkpoint"))
-            .filter(|c| c.join("state.json").is_file())
+        let run = self.run_dir()?;
+        ["checkpoint", "checkpoint.old"]
+            .into_iter()
+            .map(|n| run.join(n))
+            .find(|c| c.join("state.json").is_file())
+    }
+
+    /// Whether this arm got its parent's checkpoint (or found it had none): see
+    /// [`ArmDir::seed_from`].
+    pub fn seeded(&self) -> bool {
+        self.dir.join("seeded").exists()
     }
 
     /// The step of the server's saved checkpoint.
@@ -82,6 +91,65 @@ impl ArmDir {
     fn pids_path(&self) -> PathBuf {
         self.dir.join("pids.json")
     }
+
+    /// Gives this arm's server `parent`'s checkpoint and metrics so far (PBT's exploit):
+    /// they are put together in `seeding.tmp/`, then renamed into place as this arm's
+    /// run directory, so a driver killed midway leaves no half of them. Nothing is done
+    /// once this arm has a run directory. Returns the step its server starts from
+    /// (none: the parent has no checkpoint, and this arm starts from the base model).
+    pub fn seed_from(&self, parent: &ArmDir) -> Result<Option<u64>, StudyError> {
+        if self.seeded() || self.run_dir().is_some() {
+            return Ok(self.checkpoint_step());
+        }
+        std::fs::create_dir_all(&self.dir).map_err(|e| StudyError::io(&self.dir, e))?;
+        // Once: a parent with nothing to give now may have something later, which
+        // would not be what it had at the rung.
+        let mark = || {
+            let m = self.dir.join("seeded");
+            crate::base::files::write_atomic(&m, b"").map_err(|e| StudyError::io(&m, e))
+        };
+        let (Some(src), Some(ck)) = (parent.run_dir(), parent.checkpoint()) else {
+            mark()?;
+            return Ok(None);
+        };
+        let Some(name) = src.file_name() else {
+            mark()?;
+            return Ok(None);
+        };
+        let tmp = self.dir.join("seeding.tmp");
+        let _ = std::fs::remove_dir_all(&tmp);
+        link_tree(&ck, &tmp.join("checkpoint"))?;
+        let metrics = src.join("metrics.jsonl");
+        if metrics.is_file() {
+            // Appended to in place by the server: a copy, never a link.
+            std::fs::copy(&metrics, tmp.join("metrics.jsonl"))
+                .map_err(|e| StudyError::io(&metrics, e))?;
+        }
+        let runs = self.server_data().join("runs");
+        std::fs::create_dir_all(&runs).map_err(|e| StudyError::io(&runs, e))?;
+        let to = runs.join(name);
+        std::fs::rename(&tmp, &to).map_err(|e| StudyError::io(&to, e))?;
+        mark()?;
+        Ok(self.checkpoint_step())
+    }
+}
+
+/// `from`'s files under `to`, hard-linked where the file system allows (a server writes
+/// a new checkpoint beside the old one and renames it, never into the old one's files),
+/// copied where it does not.
+fn link_tree(from: &Path, to: &Path) -> Result<(), StudyError> {
+    std::fs::create_dir_all(to).map_err(|e| StudyError::io(to, e))?;
+    for e in std::fs::read_dir(from).map_err(|e| StudyError::io(from, e))? {
+        let e = e.map_err(|e| StudyError::io(from, e))?;
+        let (src, dst) = (e.path(), to.join(e.file_name()));
+        let kind = e.file_type().map_err(|e| StudyError::io(&src, e))?;
+        if kind.is_dir() {
+            link_tree(&src, &dst)?;
+        } else if std::fs::hard_link(&src, &dst).is_err() {
+            std::fs::copy(&src, &dst).map_err(|e| StudyError::io(&src, e))?;
+        }
+    }
+    Ok(())
 }
 
 /// What to run an arm with.

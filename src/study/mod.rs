@@ -2,27 +2,34 @@
 //! on (`agentjet-peer study run STUDY.toml`). A study is a base configuration (the
 //! servers' and the client's flags, the agent, its tasks, the model), arms (a list, or a
 //! space of parameters as a grid or draws), a budget and a policy that decides which
-//! arms go on (`grid`, `asha`).
+//! arms go on (`grid`, `asha`, `pbt`) or an LLM that runs the study through tools
+//! (`researcher`).
 //!
 //! - [`spec`]: the study file, checked with the field of every mistake named;
 //! - [`arms`]: the arms and each arm's flags;
 //! - [`launch`]: an arm's processes, each arm its own swarm;
 //! - [`watch`]: what the driver reads of a running arm: steps, score, failures;
-//! - [`policy`]: the decisions, from the journal's figures alone;
+//! - [`policy`]: the decisions, from the journal's figures alone; [`pbt`] its
+//!   population-based training;
+//! - [`researcher`]: the LLM policy, its tools and its calls;
 //! - [`journal`]: every fact and decision, synced before it is acted on;
 //! - [`driver`]: the loop; a driver killed anywhere resumes where it was;
-//! - [`report`]: the report, with the arms' curves.
+//! - [`report`]: the report, with the arms' curves; [`dash`] the same on a web page
+//!   while the driver runs.
 //!
 //! The study runs arms as processes of the `agentjet-peer` binary it is given: it never
 //! uses the roles' code itself.
 
 pub mod arms;
+pub mod dash;
 pub mod driver;
 pub mod error;
 pub mod journal;
 pub mod launch;
+pub mod pbt;
 pub mod policy;
 pub mod report;
+pub mod researcher;
 pub mod spec;
 pub mod watch;
 

@@ -7,8 +7,15 @@
 //!   next rung, `eta` times more steps, up to the budget's. A rung is decided once none
 //!   of its arms still runs, so the decisions do not depend on which arm got there first
 //!   (ASHA's asynchronous promotions do; they buy a little wall-clock time with that).
+//! - `pbt`: see `study::pbt`.
+//! - `researcher`: an LLM's tool calls decide (see [`super::researcher`]); the policy
+//!   gives only its step choices and the winner rule.
 
-use super::journal::{Action, Phase, State};
+use std::collections::BTreeMap;
+
+use serde_json::Value;
+
+use super::journal::{Action, Origin, Phase, State};
 use super::spec::{Goal, PolicyKind, Study};
 
 /// One decision: the arm, what it does, its next target, and why.
@@ -18,6 +25,25 @@ pub struct Decision {
     pub action: Action,
     pub steps: u64,
     pub reason: String,
+}
+
+/// A new arm a policy starts.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Spawn {
+    pub name: String,
+    pub values: BTreeMap<String, Value>,
+    /// The checkpoint it starts from.
+    pub from: Option<Origin>,
+    /// The steps it runs to.
+    pub steps: u64,
+    pub reason: String,
+}
+
+/// What a policy does next, in the order it is written to the journal.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Move {
+    Decide(Decision),
+    Spawn(Spawn),
 }
 
 pub struct Policy {
@@ -37,9 +63,18 @@ impl Policy {
 
     /// The targets arms run to, in order: the rungs (grid: the budget's steps alone).
     pub fn rungs(&self) -> Vec<u64> {
-        match self.kind {
+        match &self.kind {
             PolicyKind::Grid => vec![self.steps],
-            PolicyKind::Halving { min_steps, eta } => {
+            PolicyKind::Pbt(p) => {
+                let mut out: Vec<u64> = (1..)
+                    .map(|k| k * p.interval)
+                    .take_while(|&r| r < self.steps)
+                    .collect();
+                out.push(self.steps);
+                out
+            }
+            PolicyKind::Researcher(r) => r.steps.clone(),
+            &PolicyKind::Halving { min_steps, eta } => {
                 let mut out = Vec::new();
                 let mut r = min_steps;
                 while r < self.steps {
@@ -70,7 +105,7 @@ impl Policy {
     }
 
     /// `ids` best first (ties: the lower id first).
-    fn rank(&self, s: &State, ids: &mut [usize], at: u64) {
+    pub(super) fn rank(&self, s: &State, ids: &mut [usize], at: u64) {
         let score = |i: usize| s.arms[i].scores.get(&at).copied().flatten();
         ids.sort_by(|&a, &b| {
             if self.better(score(a), score(b)) {
@@ -83,8 +118,19 @@ impl Policy {
         });
     }
 
-    /// The decisions due now: about every arm waiting at a rung that no arm still runs
-    /// to. A rung's arms are those that run (or ran) to it: the ones there now and the
+    /// What `grid` and `asha` make due now (`pbt`'s moves come from `study::pbt`, a
+    /// researcher's from its tool calls: none here).
+    pub fn moves(&self, s: &State) -> Vec<Move> {
+        match &self.kind {
+            PolicyKind::Pbt(_) | PolicyKind::Researcher(_) => Vec::new(),
+            PolicyKind::Grid | PolicyKind::Halving { .. } => {
+                self.decide(s).into_iter().map(Move::Decide).collect()
+            }
+        }
+    }
+
+    /// The decisions of `grid` and `asha` due now: about every arm waiting at a rung
+    /// that no arm still runs to. A rung's arms are those that run (or ran) to it: the ones there now and the
     /// ones already sent on from it, so a driver killed halfway through writing a rung's
     /// decisions decides the rest as it would have.
     pub fn decide(&self, s: &State) -> Vec<Decision> {

@@ -99,6 +99,18 @@ pub fn table(dir: &Path, state: &State) -> String {
 
 /// Writes `report.md` and `curves.svg`; returns the report's path.
 pub fn write(study: &Study, dir: &Path) -> Result<std::path::PathBuf, StudyError> {
+    let (md, svg) = render(study, dir)?;
+    let svg_path = dir.join("curves.svg");
+    crate::base::files::write_atomic(&svg_path, svg.as_bytes())
+        .map_err(|e| StudyError::io(&svg_path, e))?;
+    let path = dir.join("report.md");
+    crate::base::files::write_atomic(&path, md.as_bytes()).map_err(|e| StudyError::io(&path, e))?;
+    Ok(path)
+}
+
+/// The report (markdown) and its curves (SVG), as the journal and the arms' metrics
+/// are now.
+pub fn render(study: &Study, dir: &Path) -> Result<(String, String), StudyError> {
     let (records, state) = load(study, dir)?;
     let policy = Policy::new(study);
     let series: Vec<Series> = state
@@ -121,16 +133,25 @@ pub fn write(study: &Study, dir: &Path) -> Result<std::path::PathBuf, StudyError
         &study.metric,
         &series,
     );
-    let svg_path = dir.join("curves.svg");
-    crate::base::files::write_atomic(&svg_path, svg.as_bytes())
-        .map_err(|e| StudyError::io(&svg_path, e))?;
-
     let mut md = format!("# Study {}\n\n", study.name);
     let rungs: Vec<String> = policy.rungs().iter().map(u64::to_string).collect();
     let how = match &study.policy {
         PolicyKind::Grid => format!("grid: every arm runs {} steps", study.budget.steps),
         PolicyKind::Halving { eta, .. } => format!(
             "asha (successive halving): rungs at {} steps; the best 1/{eta} of a rung go on",
+            rungs.join(", ")
+        ),
+        PolicyKind::Pbt(p) => format!(
+            "pbt (population-based training): rungs at {} steps; the worst {} of a rung take \
+             the best arms' checkpoints with {} explored",
+            rungs.join(", "),
+            p.quantile,
+            p.explore.join(", ")
+        ),
+        PolicyKind::Researcher(r) => format!(
+            "researcher: the model {} at {} runs the study through tools (step counts {})",
+            r.model,
+            r.endpoint,
             rungs.join(", ")
         ),
     };
@@ -209,6 +230,31 @@ pub fn write(study: &Study, dir: &Path) -> Result<std::path::PathBuf, StudyError
     if n == 0 {
         md.push_str("None yet.\n");
     }
+    let born: Vec<String> = records
+        .iter()
+        .filter_map(|r| match r {
+            Record::Arm {
+                arm, from, reason, ..
+            } => Some(format!(
+                "- arm {} ({}){}: {reason}",
+                arm.id,
+                arm.name,
+                from.map_or(String::new(), |o| format!(
+                    ", from arm {}'s checkpoint at rung {}",
+                    o.arm, o.step
+                ))
+            )),
+            _ => None,
+        })
+        .collect();
+    if !born.is_empty() {
+        md.push_str("\n## Arms started by the policy\n\n");
+        md.push_str(&born.join("\n"));
+        md.push('\n');
+    }
+    if matches!(study.policy, PolicyKind::Researcher(_)) {
+        md.push_str(&actions(&state));
+    }
     md.push_str("\n## Failures\n\n");
     let mut f = 0;
     for r in &records {
@@ -236,13 +282,47 @@ pub fn write(study: &Study, dir: &Path) -> Result<std::path::PathBuf, StudyError
     if f == 0 {
         md.push_str("None.\n");
     }
-    let path = dir.join("report.md");
-    crate::base::files::write_atomic(&path, md.as_bytes()).map_err(|e| StudyError::io(&path, e))?;
-    Ok(path)
+    Ok((md, svg))
+}
+
+/// The researcher's calls: how many, how many valid, and each with its reason and result.
+pub fn actions(state: &State) -> String {
+    let valid = state
+        .actions
+        .iter()
+        .filter(|r| matches!(r, Record::Action { valid: true, .. }))
+        .count();
+    let mut md = format!(
+        "\n## The researcher's tool calls\n\n{} call(s), {valid} valid, {} refused.\n\n",
+        state.actions.len(),
+        state.actions.len() - valid
+    );
+    for r in &state.actions {
+        if let Record::Action {
+            n,
+            tool,
+            args,
+            valid,
+            result,
+            ..
+        } = r
+        {
+            let result: String = result.chars().take(300).collect();
+            let _ = writeln!(
+                md,
+                "{n}. `{tool}` {} {}: {}",
+                serde_json::to_string(args).unwrap_or_default(),
+                if *valid { "(valid)" } else { "(REFUSED)" },
+                result.replace('\n', " ")
+            );
+        }
+    }
+    md
 }
 
 fn unix_ms_of(r: &Record) -> u64 {
     match r {
+        Record::Arm { unix_ms, .. } | Record::Action { unix_ms, .. } => *unix_ms,
         Record::Study { unix_ms, .. }
         | Record::Resumed { unix_ms }
         | Record::Launch { unix_ms, .. }

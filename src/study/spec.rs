@@ -6,7 +6,7 @@
 //! ```toml
 //! name = "addition"
 //! seed = 7
-//! policy = "asha"            # grid | asha (pbt and researcher: not built yet)
+//! policy = "asha"            # grid | asha | pbt | researcher
 //! metric = "reward_mean"     # a field of the arm's metrics.jsonl
 //! goal = "max"               # or "min"
 //! window = 3                 # an arm's score: the metric's mean over its last 3 steps
@@ -30,6 +30,24 @@
 //! [asha]
 //! min_steps = 3              # the first rung; each next one eta times more steps
 //! eta = 2                    # the best 1/eta of a rung go on
+//!
+//! # policy = "pbt": every `interval` steps the worst `quantile` of the population take a
+//! # better arm's checkpoint and its settings, `explore`d (perturbed or resampled).
+//! # [pbt]
+//! # interval = 4
+//! # quantile = 0.25
+//! # explore = ["lr"]         # parameters that change; the others are inherited
+//! # perturb = 0.2            # a number times 1 - 0.2 or 1 + 0.2 (a list: a neighbour)
+//! # resample = 0.25          # or, with this chance, drawn again from the space
+//!
+//! # policy = "researcher": an LLM behind an OpenAI-compatible endpoint runs the study
+//! # through tools (list, read, start, continue and stop runs, notes, finish).
+//! # [researcher]
+//! # endpoint = "http://127.0.0.1:8080/v1"   # e.g. a client's proxy of the swarm
+//! # model = "smollm2"
+//! # max_actions = 20         # tool calls in all
+//! # max_arms = 8             # runs it may start
+//! # steps = [3, 6, 12]       # the step counts it may ask a run for
 //!
 //! [watch]
 //! flat_steps = 0             # stop an arm whose reward stayed the same this many steps
@@ -56,6 +74,40 @@ pub enum PolicyKind {
     /// once every arm of it got there (or failed), so the decisions depend on the arms'
     /// figures alone, not on which finished first.
     Halving { min_steps: u64, eta: u64 },
+    /// Population-based training (Jaderberg et al. 2017), in synchronous generations:
+    /// every `interval` steps, once the whole population got there, the worst
+    /// `quantile` stop and as many new arms start from the best arms' checkpoints with
+    /// their settings explored.
+    Pbt(Pbt),
+    /// An LLM decides, through tools (see `study::researcher`).
+    Researcher(Researcher),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Pbt {
+    pub interval: u64,
+    pub quantile: f64,
+    /// The parameters a new arm explores (the others are its parent's).
+    pub explore: Vec<String>,
+    pub perturb: f64,
+    pub resample: f64,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Researcher {
+    /// The endpoint's base URL (`http://host:port/v1`).
+    pub endpoint: String,
+    pub model: String,
+    pub max_actions: u32,
+    pub max_arms: usize,
+    /// The step counts a run may be asked for, ascending; the study's explicit arms
+    /// start with the first.
+    pub steps: Vec<u64>,
+    pub temperature: f64,
+    pub max_tokens: u32,
+    /// Calls of one turn (a turn ends at the first action that changes the study).
+    pub calls_per_turn: u32,
+    pub timeout_seconds: f64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -195,7 +247,88 @@ struct Raw {
     #[serde(default)]
     asha: Option<RawAsha>,
     #[serde(default)]
+    pbt: Option<RawPbt>,
+    #[serde(default)]
+    researcher: Option<RawResearcher>,
+    #[serde(default)]
     watch: RawWatch,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawPbt {
+    interval: u64,
+    #[serde(default = "quarter")]
+    quantile: f64,
+    explore: Vec<String>,
+    #[serde(default = "fifth")]
+    perturb: f64,
+    #[serde(default = "quarter")]
+    resample: f64,
+    #[serde(default)]
+    samples: Option<usize>,
+}
+
+fn quarter() -> f64 {
+    0.25
+}
+
+fn fifth() -> f64 {
+    0.2
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawResearcher {
+    endpoint: String,
+    #[serde(default = "smollm2")]
+    model: String,
+    #[serde(default = "twenty")]
+    max_actions: u32,
+    #[serde(default = "eight")]
+    max_arms: usize,
+    #[serde(default)]
+    steps: Option<Vec<u64>>,
+    #[serde(default)]
+    temperature: f64,
+    #[serde(default = "tokens")]
+    max_tokens: u32,
+    #[serde(default = "four")]
+    calls_per_turn: u32,
+    #[serde(default = "call_timeout")]
+    timeout_seconds: f64,
+}
+
+fn smollm2() -> String {
+    "smollm2".into()
+}
+
+fn twenty() -> u32 {
+    20
+}
+
+fn eight() -> usize {
+    8
+}
+
+fn tokens() -> u32 {
+    400
+}
+
+/// The fewest `researcher.max_tokens`: a call with a reason of the longest is about 250
+/// tokens, and a call cut short is no call.
+const MIN_TOKENS: u32 = 320;
+
+/// The most runs a researcher's study may have: the engine constrains enums of up to 64
+/// values (a run's number is one).
+const MAX_RESEARCHER_ARMS: usize = 64;
+
+fn four() -> u32 {
+    4
+}
+
+fn call_timeout() -> f64 {
+    300.0
 }
 
 fn default_metric() -> String {
@@ -394,14 +527,32 @@ fn check(file: &Path, raw: Raw, hash: String) -> Result<Study, StudyError> {
         .into_iter()
         .map(|(name, p)| check_param(file, name, p))
         .collect::<Result<Vec<_>, _>>()?;
+    if !["grid", "asha", "pbt", "researcher"].contains(&raw.policy.as_str()) {
+        return Err(bad(
+            "policy",
+            format!(
+                "{:?}: use \"grid\", \"asha\", \"pbt\" or \"researcher\"",
+                raw.policy
+            ),
+        ));
+    }
+    for (given, table) in [
+        (raw.asha.is_some(), "asha"),
+        (raw.pbt.is_some(), "pbt"),
+        (raw.researcher.is_some(), "researcher"),
+    ] {
+        if given && raw.policy != table {
+            return Err(bad(
+                table,
+                format!(
+                    "given, but policy is {:?} (use policy = \"{table}\", or drop [{table}])",
+                    raw.policy
+                ),
+            ));
+        }
+    }
     let (policy, samples) = match (raw.policy.as_str(), raw.asha) {
         ("grid", None) => (PolicyKind::Grid, None),
-        ("grid", Some(_)) => {
-            return Err(bad(
-                "asha",
-                "given, but policy is \"grid\" (use policy = \"asha\", or drop [asha])".into(),
-            ))
-        }
         ("asha", None) => {
             return Err(bad(
                 "asha",
@@ -432,26 +583,46 @@ fn check(file: &Path, raw: Raw, hash: String) -> Result<Study, StudyError> {
                 a.samples,
             )
         }
-        ("pbt" | "researcher", _) => {
-            return Err(bad(
-                "policy",
-                format!(
-                    "{:?} is not built yet (issue 38); use \"grid\" or \"asha\"",
-                    raw.policy
-                ),
-            ))
+        ("pbt", _) => {
+            let Some(p) = raw.pbt else {
+                return Err(bad(
+                    "pbt",
+                    "policy \"pbt\" needs a [pbt] table with interval and explore".into(),
+                ));
+            };
+            check_pbt(file, p, &space, budget.steps)?
+        }
+        ("researcher", _) => {
+            let Some(r) = raw.researcher else {
+                return Err(bad(
+                    "researcher",
+                    "policy \"researcher\" needs a [researcher] table with endpoint".into(),
+                ));
+            };
+            (check_researcher(file, r, &space, budget.steps)?, None)
         }
         (p, _) => {
             return Err(bad(
                 "policy",
-                format!(
-                "{p:?}: use \"grid\" or \"asha\" (\"pbt\" and \"researcher\" are not built yet)"
-            ),
+                format!("{p:?}: use \"grid\", \"asha\", \"pbt\" or \"researcher\""),
             ))
         }
     };
     let arms = check_arms(file, raw.arms, &space)?;
-    if arms.is_empty() {
+    let researcher = matches!(policy, PolicyKind::Researcher(_));
+    if let PolicyKind::Researcher(r) = &policy {
+        if arms.len() > r.max_arms {
+            return Err(bad(
+                "arms",
+                format!(
+                    "{} arms, more than researcher.max_arms ({})",
+                    arms.len(),
+                    r.max_arms
+                ),
+            ));
+        }
+    }
+    if arms.is_empty() && !researcher {
         if space.is_empty() {
             return Err(bad(
                 "space",
@@ -463,7 +634,7 @@ fn check(file: &Path, raw: Raw, hash: String) -> Result<Study, StudyError> {
                 if let Some(p) = space.iter().find(|p| p.values.is_none()) {
                     return Err(bad(
                         &format!("space.{}", p.name),
-                        "a range (min/max) needs asha.samples (arms drawn from the space); a grid needs values".into(),
+                        "a range (min/max) needs asha.samples or pbt.samples (arms drawn from the space); a grid needs values".into(),
                     ));
                 }
                 let n = space.iter().try_fold(1usize, |n, p| {
@@ -480,13 +651,16 @@ fn check(file: &Path, raw: Raw, hash: String) -> Result<Study, StudyError> {
                 }
             }
             Some(n) if n > MAX_ARMS => {
-                return Err(bad("asha.samples", format!("{n}: at most {MAX_ARMS} arms")))
+                return Err(bad(
+                    samples_field(&policy),
+                    format!("{n}: at most {MAX_ARMS} arms"),
+                ))
             }
             Some(_) => {}
         }
     } else if samples.is_some() {
         return Err(bad(
-            "asha.samples",
+            samples_field(&policy),
             "given with an [[arms]] list: the arms are the list".into(),
         ));
     }
@@ -531,6 +705,208 @@ fn check(file: &Path, raw: Raw, hash: String) -> Result<Study, StudyError> {
         },
         hash,
     })
+}
+
+fn samples_field(p: &PolicyKind) -> &'static str {
+    match p {
+        PolicyKind::Pbt(_) => "pbt.samples",
+        _ => "asha.samples",
+    }
+}
+
+fn check_pbt(
+    file: &Path,
+    p: RawPbt,
+    space: &[Param],
+    steps: u64,
+) -> Result<(PolicyKind, Option<usize>), StudyError> {
+    let bad = |field: &str, msg: String| StudyError::field(file, field, msg);
+    if p.interval == 0 || p.interval >= steps {
+        return Err(bad(
+            "pbt.interval",
+            format!(
+                "{}: must be at least 1 and below budget.steps ({steps})",
+                p.interval
+            ),
+        ));
+    }
+    if !(p.quantile > 0.0 && p.quantile <= 0.5) {
+        return Err(bad(
+            "pbt.quantile",
+            format!(
+                "{}: must be above 0 and at most 0.5 (the worst part of the population)",
+                p.quantile
+            ),
+        ));
+    }
+    if !(p.perturb > 0.0 && p.perturb < 1.0) {
+        return Err(bad(
+            "pbt.perturb",
+            format!("{}: must be above 0 and below 1", p.perturb),
+        ));
+    }
+    if !(0.0..=1.0).contains(&p.resample) {
+        return Err(bad(
+            "pbt.resample",
+            format!("{}: must be from 0 to 1", p.resample),
+        ));
+    }
+    if p.explore.is_empty() {
+        return Err(bad(
+            "pbt.explore",
+            "name at least one parameter of [space] to explore".into(),
+        ));
+    }
+    for (i, name) in p.explore.iter().enumerate() {
+        if !space.iter().any(|q| &q.name == name) {
+            return Err(bad(
+                &format!("pbt.explore[{i}]"),
+                format!("{name:?} is not a parameter of [space]"),
+            ));
+        }
+    }
+    if p.samples == Some(0) {
+        return Err(bad("pbt.samples", "must be at least 1".into()));
+    }
+    Ok((
+        PolicyKind::Pbt(Pbt {
+            interval: p.interval,
+            quantile: p.quantile,
+            explore: p.explore,
+            perturb: p.perturb,
+            resample: p.resample,
+        }),
+        p.samples,
+    ))
+}
+
+fn check_researcher(
+    file: &Path,
+    r: RawResearcher,
+    space: &[Param],
+    steps: u64,
+) -> Result<PolicyKind, StudyError> {
+    let bad = |field: &str, msg: String| StudyError::field(file, field, msg);
+    let url = r.endpoint.trim_end_matches('/');
+    if !(url.starts_with("http://") || url.starts_with("https://")) {
+        return Err(bad(
+            "researcher.endpoint",
+            format!(
+                "{:?}: an OpenAI-compatible base URL, e.g. http://127.0.0.1:8080/v1",
+                r.endpoint
+            ),
+        ));
+    }
+    if r.model.is_empty() || r.model.contains(['#', '=']) {
+        return Err(bad(
+            "researcher.model",
+            format!("{:?}: a model name (no '#' or '=')", r.model),
+        ));
+    }
+    if url.contains('#') {
+        return Err(bad(
+            "researcher.endpoint",
+            format!("{:?}: a URL without '#'", r.endpoint),
+        ));
+    }
+    crate::facade::external::ExternalModel::parse(&format!("researcher={url}#{}", r.model), |_| {
+        None
+    })
+    .map_err(|e| bad("researcher.endpoint", e.to_string()))?;
+    if r.max_actions == 0 || r.max_actions > 10_000 {
+        return Err(bad(
+            "researcher.max_actions",
+            format!("{}: must be from 1 to 10000", r.max_actions),
+        ));
+    }
+    if r.max_arms == 0 || r.max_arms > MAX_RESEARCHER_ARMS {
+        return Err(bad(
+            "researcher.max_arms",
+            format!("{}: must be from 1 to {MAX_RESEARCHER_ARMS}", r.max_arms),
+        ));
+    }
+    let mut choices = r.steps.unwrap_or_else(|| vec![steps / 4, steps / 2, steps]);
+    if let Some(s) = choices.iter().find(|&&s| s > steps) {
+        return Err(bad(
+            "researcher.steps",
+            format!("{s}: above budget.steps ({steps})"),
+        ));
+    }
+    choices.retain(|&s| s > 0);
+    choices.sort_unstable();
+    choices.dedup();
+    if choices.is_empty() || choices.len() > 32 {
+        return Err(bad(
+            "researcher.steps",
+            "give 1 to 32 step counts above 0".into(),
+        ));
+    }
+    if !(0.0..=2.0).contains(&r.temperature) {
+        return Err(bad(
+            "researcher.temperature",
+            format!("{}: must be from 0 to 2", r.temperature),
+        ));
+    }
+    if !(MIN_TOKENS..=4096).contains(&r.max_tokens) {
+        return Err(bad(
+            "researcher.max_tokens",
+            format!("{}: must be from {MIN_TOKENS} to 4096", r.max_tokens),
+        ));
+    }
+    if r.calls_per_turn == 0 || r.calls_per_turn > 64 {
+        return Err(bad(
+            "researcher.calls_per_turn",
+            format!("{}: must be from 1 to 64", r.calls_per_turn),
+        ));
+    }
+    if !(r.timeout_seconds > 0.0 && r.timeout_seconds <= 3600.0) {
+        return Err(bad(
+            "researcher.timeout_seconds",
+            format!("{}: must be above 0 and at most 3600", r.timeout_seconds),
+        ));
+    }
+    if space.is_empty() {
+        return Err(bad(
+            "space",
+            "a researcher chooses among the values of [space.NAME] parameters: give at least one"
+                .into(),
+        ));
+    }
+    for p in space {
+        if p.name == "steps" || p.name == "reason" {
+            return Err(bad(
+                &format!("space.{}", p.name),
+                "a researcher's start_run has its own argument of this name: rename the parameter"
+                    .into(),
+            ));
+        }
+        match &p.values {
+            Some(v) if v.len() <= 64 => {}
+            Some(_) => {
+                return Err(bad(
+                    &format!("space.{}.values", p.name),
+                    "a researcher chooses among at most 64 values".into(),
+                ))
+            }
+            None => {
+                return Err(bad(
+                    &format!("space.{}", p.name),
+                    "a researcher chooses among values: give values, not a range".into(),
+                ))
+            }
+        }
+    }
+    Ok(PolicyKind::Researcher(Researcher {
+        endpoint: url.to_string(),
+        model: r.model,
+        max_actions: r.max_actions,
+        max_arms: r.max_arms,
+        steps: choices,
+        temperature: r.temperature,
+        max_tokens: r.max_tokens,
+        calls_per_turn: r.calls_per_turn,
+        timeout_seconds: r.timeout_seconds,
+    }))
 }
 
 /// Whether `args` set `flag` (`--flag value` or `--flag=value`).
@@ -739,10 +1115,69 @@ values = [0.7, 1.0]
 min_steps = 2
 "#;
 
+    /// GOOD with policy pbt and a [pbt] table of `table`.
+    fn pbt(table: &str) -> String {
+        GOOD.replace("policy = \"asha\"", "policy = \"pbt\"")
+            .replace("[asha]\nmin_steps = 2\n", &format!("[pbt]\n{table}\n"))
+    }
+
+    fn researcher(table: &str) -> String {
+        GOOD.replace("policy = \"asha\"", "policy = \"researcher\"")
+            .replace(
+                "[asha]\nmin_steps = 2\n",
+                &format!("[researcher]\n{table}\n"),
+            )
+    }
+
     fn err(text: &str) -> String {
         Study::parse(Path::new("s.toml"), text)
             .unwrap_err()
             .to_string()
+    }
+
+    #[test]
+    fn the_example_studies_parse() {
+        for f in ["addition.toml", "researcher.toml"] {
+            let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("examples/study")
+                .join(f);
+            let s = Study::load(&path).unwrap_or_else(|e| panic!("{e}"));
+            assert!(!s.space.is_empty(), "{f}");
+        }
+    }
+
+    #[test]
+    fn pbt_and_researcher_files_parse_with_their_defaults() {
+        let s = Study::parse(
+            Path::new("s.toml"),
+            &pbt("interval = 2\nexplore = [\"lr\"]"),
+        )
+        .unwrap();
+        assert_eq!(
+            s.policy,
+            PolicyKind::Pbt(Pbt {
+                interval: 2,
+                quantile: 0.25,
+                explore: vec!["lr".into()],
+                perturb: 0.2,
+                resample: 0.25,
+            })
+        );
+        let text = researcher("endpoint = \"http://127.0.0.1:8080/v1/\"");
+        let s = Study::parse(Path::new("s.toml"), &text).unwrap();
+        let PolicyKind::Researcher(r) = &s.policy else {
+            panic!("{:?}", s.policy)
+        };
+        assert_eq!(r.endpoint, "http://127.0.0.1:8080/v1");
+        assert_eq!(r.steps, vec![2, 4, 8]);
+        assert_eq!(
+            (r.model.as_str(), r.max_actions, r.max_arms),
+            ("smollm2", 20, 8)
+        );
+        assert!(
+            s.arms.is_empty(),
+            "a researcher starts with no arm of its own"
+        );
     }
 
     #[test]
@@ -779,7 +1214,56 @@ min_steps = 2
             ),
             (
                 GOOD.replace("policy = \"asha\"", "policy = \"pbt\""),
-                "policy",
+                "asha",
+            ),
+            (
+                GOOD.replace("policy = \"asha\"", "policy = \"pbt\"")
+                    .replace("[asha]\nmin_steps = 2\n", ""),
+                "pbt",
+            ),
+            (pbt("interval = 8\nexplore = [\"lr\"]"), "pbt.interval"),
+            (
+                pbt("interval = 2\nexplore = [\"lr\", \"x\"]"),
+                "pbt.explore[1]",
+            ),
+            (pbt("interval = 2\nexplore = []"), "pbt.explore"),
+            (
+                pbt("interval = 2\nexplore = [\"lr\"]\nquantile = 0.9"),
+                "pbt.quantile",
+            ),
+            (
+                researcher("endpoint = \"localhost:8080\""),
+                "researcher.endpoint",
+            ),
+            (
+                researcher("endpoint = \"http://127.0.0.1:1/v1\"\nsteps = [4, 9]"),
+                "researcher.steps",
+            ),
+            (
+                researcher("endpoint = \"http://127.0.0.1:1/v1\"")
+                    .replace("values = [0.7, 1.0]", "min = 0.5\nmax = 1.0"),
+                "space.temp",
+            ),
+            (
+                researcher("endpoint = \"http://127.0.0.1:1/v1\"\nmax_actions = 0"),
+                "researcher.max_actions",
+            ),
+            (
+                researcher("endpoint = \"http://:8080/v1\""),
+                "researcher.endpoint",
+            ),
+            (
+                researcher("endpoint = \"http://127.0.0.1:1/v1\"\ntimeout_seconds = 1e20"),
+                "researcher.timeout_seconds",
+            ),
+            (
+                researcher("endpoint = \"http://127.0.0.1:1/v1\"\nmax_tokens = 200"),
+                "researcher.max_tokens",
+            ),
+            (
+                researcher("endpoint = \"http://127.0.0.1:1/v1\"")
+                    .replace("[space.temp]", "[space.steps]"),
+                "space.steps",
             ),
             (
                 GOOD.replace("policy = \"asha\"", "policy = \"bogus\""),

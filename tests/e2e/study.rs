@@ -73,6 +73,10 @@ impl Drop for Driver {
 }
 
 fn start_driver(file: &Path, dir: &Path, log: &str) -> Driver {
+    start_driver_with(file, dir, log, &[])
+}
+
+fn start_driver_with(file: &Path, dir: &Path, log: &str, extra: &[&str]) -> Driver {
     let out = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
@@ -83,6 +87,7 @@ fn start_driver(file: &Path, dir: &Path, log: &str) -> Driver {
         .arg(file)
         .arg("--dir")
         .arg(dir)
+        .args(extra)
         .stdout(out.try_clone().unwrap())
         .stderr(out)
         .stdin(Stdio::null())
@@ -430,4 +435,236 @@ fn a_bad_study_file_is_refused_with_the_field_named() {
         "{err}"
     );
     assert!(!root.path().join("d").exists(), "nothing ran");
+}
+
+#[test]
+fn pbt_replaces_the_worst_arm_with_a_copy_of_the_best_arms_checkpoint() {
+    let _lane = common::light();
+    let root = tempfile::tempdir().unwrap();
+    let file = write_study(
+        root.path(),
+        "pbt",
+        "[budget]\nsteps = 6\nat_once = 2\n\n[space.bias]\nenv = \"BIAS\"\nvalues = [0, 3, 1, 2]\n\n\
+         [pbt]\ninterval = 3\nquantile = 0.25\nexplore = [\"bias\"]\nresample = 0.0\n",
+    );
+    let dir = root.path().join("s");
+    let d = start_driver_with(&file, &dir, "run", &["--dashboard", "127.0.0.1:0"]);
+    // The study's page while it runs: the report so far, and its state as JSON.
+    let url = {
+        let mut url = String::new();
+        common::peer::wait_until("the dashboard's address", Duration::from_secs(30), || {
+            let out = driver_out(&dir, "run");
+            match out.lines().find_map(|l| l.strip_prefix("dashboard: ")) {
+                Some(u) => {
+                    url = u.trim_end_matches('/').to_string();
+                    true
+                }
+                None => false,
+            }
+        });
+        url
+    };
+    common::peer::wait_until("a launch in the journal", Duration::from_secs(60), || {
+        journal(&dir).iter().any(|r| kind(r) == "launch")
+    });
+    let (status, page) = common::peer::http(&url, "GET", "/", None);
+    assert_eq!(status, 200, "{page}");
+    assert!(
+        page.contains("# Study tiny-study") && page.contains("curves.svg"),
+        "{page}"
+    );
+    let (status, api) = common::peer::http(&url, "GET", "/api/study", None);
+    assert_eq!(status, 200, "{api}");
+    let api: Value = serde_json::from_str(&api).unwrap();
+    assert_eq!(api["arms"].as_array().unwrap().len(), 4, "{api}");
+    let (status, svg) = common::peer::http(&url, "GET", "/curves.svg", None);
+    assert!(status == 200 && svg.contains("<svg"), "{status} {svg}");
+    finish(d, &dir, "run", Duration::from_secs(400));
+    let j = journal(&dir);
+    println!("{}", driver_out(&dir, "run"));
+    assert_no_arm_ran_twice(&j);
+    // Rung 3 of 4 arms: the worst (arm 0, bias 0) stops, and a new arm starts from the
+    // best's (arm 1, bias 3) checkpoint with its bias moved to a neighbour in the list.
+    let born: Vec<&Value> = j.iter().filter(|r| kind(r) == "arm").collect();
+    assert_eq!(born.len(), 1, "{j:#?}");
+    let child = born[0];
+    assert_eq!(child["arm"]["id"], 4);
+    assert_eq!(child["from"]["arm"], 1, "{child}");
+    assert_eq!(child["from"]["replaces"], 0, "{child}");
+    assert_eq!(child["from"]["step"], 3, "{child}");
+    assert_eq!(child["steps"], 6);
+    let bias = child["arm"]["values"]["bias"].as_u64().unwrap();
+    assert!(
+        bias == 0 || bias == 1,
+        "a neighbour of 3 in [0, 3, 1, 2]: {bias}"
+    );
+    let (decisions, winner) = outcome(&j);
+    assert!(
+        decisions.contains(&(0, "stop".to_string(), 3)),
+        "{decisions:?}"
+    );
+    for arm in [1, 2, 3] {
+        assert!(
+            decisions.contains(&(arm, "continue".to_string(), 6)),
+            "{decisions:?}"
+        );
+    }
+    assert_eq!(winner, Some(1), "bias 3 ranks first");
+    // The new arm's server resumed from the parent's checkpoint: its first training
+    // event says so, its metrics begin with the parent's steps, and go on from there.
+    let arm4 = dir.join("arms/004");
+    let events = std::fs::read_to_string(arm4.join("server.events.jsonl")).unwrap();
+    let training: Value = events
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .find(|e| e["event"] == "training")
+        .unwrap();
+    assert_eq!(training["resumed"], true, "{training}");
+    let from = training["step"].as_u64().unwrap();
+    assert!(from >= 3, "{training}");
+    let mine = crate::client::metrics_lines(&arm4.join("server/runs/tiny/metrics.jsonl"));
+    let parents =
+        crate::client::metrics_lines(&dir.join("arms/001/server/runs/tiny/metrics.jsonl"));
+    for s in 0..from as usize {
+        assert_eq!(mine[s]["step"], parents[s]["step"]);
+        assert_eq!(
+            mine[s]["reward_mean"],
+            parents[s]["reward_mean"],
+            "step {}",
+            s + 1
+        );
+    }
+    let steps: Vec<u64> = mine.iter().map(|l| l["step"].as_u64().unwrap()).collect();
+    assert!(steps.len() >= 6, "{steps:?}");
+    assert!(
+        steps.iter().enumerate().all(|(i, &s)| s == i as u64 + 1),
+        "{steps:?}"
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_agentjet-peer"))
+        .args(["study", "report"])
+        .arg(&file)
+        .arg("--dir")
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report = std::fs::read_to_string(dir.join("report.md")).unwrap();
+    assert!(
+        report.contains("## Arms started by the policy")
+            && report.contains("from arm 1's checkpoint at rung 3"),
+        "{report}"
+    );
+}
+
+/// The researcher policy against SmolLM2 served in a swarm (a server, and a client's
+/// proxy the researcher calls): every call it makes is checked against the study, and
+/// counted; the study ends, and the journal and the report hold every call.
+#[test]
+fn a_researcher_on_smollm2_in_the_swarm_runs_a_study_with_valid_calls_only() {
+    use common::peer::{metric, wait_until, Peer};
+    let _lane = common::heavy();
+    common::smollm2_path();
+    let root = tempfile::tempdir().unwrap();
+    let mut s = Peer::start(
+        "llm-server",
+        root.path(),
+        &[
+            "--role",
+            "server",
+            "--model",
+            "smollm2",
+            "--device",
+            "cpu",
+            "--no-train",
+        ],
+    );
+    let boot = s.addr();
+    s.wait_serving(Duration::from_secs(300));
+    let mut c = Peer::start(
+        "llm-client",
+        root.path(),
+        &[
+            "--role",
+            "client",
+            "--model",
+            "smollm2",
+            "--bootstrap",
+            &boot,
+        ],
+    );
+    let proxy = c.proxy_url(Duration::from_secs(120));
+    wait_until("the server in the DHT", Duration::from_secs(60), || {
+        metric(&proxy, "agentjet_swarm_providers{model=\"smollm2\"}") == Some(1.0)
+    });
+    let file = write_study(
+        root.path(),
+        "researcher",
+        &format!(
+            "[budget]\nsteps = 4\nat_once = 1\nminutes = 20\n\n[space.bias]\nenv = \"BIAS\"\nvalues = [0, 3]\n\n\
+             [researcher]\nendpoint = \"{proxy}\"\nmodel = \"smollm2\"\nmax_actions = 10\nmax_arms = 3\n\
+             steps = [2, 4]\ncalls_per_turn = 3\n"
+        ),
+    );
+    let dir = root.path().join("s");
+    let d = start_driver(&file, &dir, "run");
+    finish(d, &dir, "run", Duration::from_secs(1200));
+    let j = journal(&dir);
+    println!("{}", driver_out(&dir, "run"));
+    let calls: Vec<&Value> = j.iter().filter(|r| kind(r) == "action").collect();
+    let valid = calls.iter().filter(|r| r["valid"] == true).count();
+    println!("researcher: {} call(s), {valid} valid", calls.len());
+    assert!(!calls.is_empty(), "{j:#?}");
+    assert!(calls.len() <= 10, "max_actions holds: {}", calls.len());
+    for (i, r) in calls.iter().enumerate() {
+        assert_eq!(r["n"], i as u64 + 1, "{r}");
+        assert_eq!(r["valid"], true, "every call is valid: {r}");
+        let text = if r["tool"] == "write_note" {
+            "text"
+        } else {
+            "reason"
+        };
+        assert!(
+            r["args"][text].as_str().is_some_and(|t| !t.is_empty()),
+            "{r}"
+        );
+    }
+    // What it started ran: each new arm's record follows a start_run call.
+    let starts = calls.iter().filter(|r| r["tool"] == "start_run").count();
+    assert_eq!(starts, j.iter().filter(|r| kind(r) == "arm").count());
+    let end = j.iter().find(|r| kind(r) == "end").expect("an end record");
+    assert!(
+        end["reason"].as_str().unwrap().contains("researcher"),
+        "{end}"
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_agentjet-peer"))
+        .args(["study", "report"])
+        .arg(&file)
+        .arg("--dir")
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report = std::fs::read_to_string(dir.join("report.md")).unwrap();
+    println!("{report}");
+    assert!(
+        report.contains(&format!(
+            "{} call(s), {valid} valid, 0 refused",
+            calls.len()
+        )),
+        "{report}"
+    );
+    for r in &calls {
+        assert!(
+            report.contains(&format!("{}. `{}`", r["n"], r["tool"].as_str().unwrap())),
+            "{report}"
+        );
+    }
 }

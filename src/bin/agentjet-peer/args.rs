@@ -645,6 +645,10 @@ pub struct StudyArgs {
     /// The study's directory: its journal, arms and report (default: runs/<name>).
     #[arg(long)]
     pub dir: Option<PathBuf>,
+    /// `study run`: show the study on a web page at HOST:PORT while it runs (port 0: a
+    /// free one; the address is printed).
+    #[arg(long, value_name = "HOST:PORT")]
+    pub dashboard: Option<String>,
 }
 
 /// A positive number of seconds.

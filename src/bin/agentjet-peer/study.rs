@@ -18,6 +18,30 @@ fn open(a: &StudyArgs) -> Result<(Study, std::path::PathBuf)> {
     Ok((s, dir))
 }
 
+/// Serves the study's page at `addr` on a thread of its own until the process ends;
+/// returns its URL.
+fn dashboard(addr: &str, s: &Study, dir: &std::path::Path) -> Result<String> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("a runtime for the dashboard")?;
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind(addr))
+        .with_context(|| format!("--dashboard {addr}"))?;
+    let local = listener.local_addr()?;
+    let app = study::dash::router(s.clone(), dir.to_path_buf());
+    std::thread::Builder::new()
+        .name("study-dashboard".into())
+        .spawn(move || {
+            let stop = agentjet::base::Stop::new();
+            if let Err(e) = rt.block_on(agentjet::facade::http::serve_until(listener, app, stop)) {
+                eprintln!("the study's dashboard stopped: {e}");
+            }
+        })
+        .context("starting the dashboard's thread")?;
+    Ok(format!("http://{local}/"))
+}
+
 pub fn run(action: StudyAction) -> Result<()> {
     match action {
         StudyAction::Run(a) => {
@@ -43,7 +67,20 @@ pub fn run(action: StudyAction) -> Result<()> {
                 poll: Duration::from_millis(500),
             };
             println!("study {} in {}", s.name, dir.display());
-            let outcome = study::run(&s, &opts)?;
+            if let Some(addr) = &a.dashboard {
+                let url = dashboard(addr, &s, &dir)?;
+                println!("dashboard: {url}");
+            }
+            let outcome = match study::run(&s, &opts) {
+                Ok(o) => o,
+                Err(e) => {
+                    // What the study did so far is still worth its report.
+                    if let Ok(r) = study::report::write(&s, &dir) {
+                        eprintln!("report so far: {}", r.display());
+                    }
+                    return Err(e.into());
+                }
+            };
             let report = study::report::write(&s, &dir)?;
             match outcome {
                 Outcome::Ended { winner, reason } => {
