@@ -571,8 +571,12 @@ impl Driver<'_> {
                     reason: why,
                     unix_ms: unix_ms(),
                 })?;
-                if let Some(l) = self.live.remove(&arm) {
-                    l.procs.stop();
+                match self.live.remove(&arm) {
+                    Some(l) => l.procs.stop(),
+                    // A call carried out after a resume: what the last driver left runs.
+                    None => {
+                        stop_leftovers(&ArmDir::new(&self.opts.dir, arm));
+                    }
                 }
             }
             Effect::Finish(winner) => {
@@ -834,8 +838,14 @@ impl Driver<'_> {
             })
             .collect();
         for id in open {
-            if let Some(l) = self.live.remove(&id) {
-                l.procs.stop();
+            match self.live.remove(&id) {
+                Some(l) => l.procs.stop(),
+                // Running by the journal but not by this driver (a finish carried out
+                // after a resume): what the last driver left is stopped.
+                None if self.state.arms[id].phase == Phase::Running => {
+                    stop_leftovers(&ArmDir::new(&self.opts.dir, id));
+                }
+                None => {}
             }
             self.record(Record::Decision {
                 arm: id,

@@ -470,6 +470,53 @@ mod tests {
     }
 
     #[test]
+    fn a_researchers_call_is_pending_until_its_effect_is_written() {
+        let study = Record::Study {
+            name: "s".into(),
+            hash: "h".into(),
+            seed: 1,
+            arms: vec![arm(0), arm(1)],
+            unix_ms: 5,
+        };
+        let call = |tool: &str, valid: bool| Record::Action {
+            n: 1,
+            tool: tool.into(),
+            args: serde_json::json!({"reason": "r"}),
+            valid,
+            result: "x".into(),
+            unix_ms: 6,
+        };
+        let stop = |arm: usize| Record::Decision {
+            arm,
+            action: Action::Stop,
+            steps: 2,
+            reason: "r".into(),
+            unix_ms: 7,
+        };
+        let end = Record::End {
+            winner: None,
+            reason: "r".into(),
+            unix_ms: 8,
+        };
+        // Read-only and refused calls leave nothing to carry out.
+        for c in [call("list_runs", true), call("stop_run", false)] {
+            let s = State::replay(&[study.clone(), c], 2).unwrap();
+            assert!(s.pending.is_none());
+        }
+        // A stop is done once its decision is written.
+        let s = State::replay(&[study.clone(), call("stop_run", true)], 2).unwrap();
+        assert!(s.pending.is_some());
+        let s = State::replay(&[study.clone(), call("stop_run", true), stop(0)], 2).unwrap();
+        assert!(s.pending.is_none());
+        // A finish stops the open arms first: it is done only with the end.
+        let f = [study.clone(), call("finish_study", true), stop(0), stop(1)];
+        assert!(State::replay(&f, 2).unwrap().pending.is_some());
+        let mut done = f.to_vec();
+        done.push(end);
+        assert!(State::replay(&done, 2).unwrap().pending.is_none());
+    }
+
+    #[test]
     fn a_new_arm_joins_waiting_with_its_origin_and_must_be_numbered_next() {
         let study = Record::Study {
             name: "s".into(),

@@ -36,9 +36,10 @@
 //! # [pbt]
 //! # interval = 4
 //! # quantile = 0.25
-//! # explore = ["lr"]         # parameters that change; the others are inherited
+//! # explore = ["lr"]         # parameters that change (not --lora-*: the checkpoint fixes them)
 //! # perturb = 0.2            # a number times 1 - 0.2 or 1 + 0.2 (a list: a neighbour)
 //! # resample = 0.25          # or, with this chance, drawn again from the space
+//! # samples = 8              # arms drawn from the space (default: its grid)
 //!
 //! # policy = "researcher": an LLM behind an OpenAI-compatible endpoint runs the study
 //! # through tools (list, read, start, continue and stop runs, notes, finish).
@@ -46,8 +47,12 @@
 //! # endpoint = "http://127.0.0.1:8080/v1"   # e.g. a client's proxy of the swarm
 //! # model = "smollm2"
 //! # max_actions = 20         # tool calls in all
-//! # max_arms = 8             # runs it may start
+//! # max_arms = 8             # runs in all (at most 63)
 //! # steps = [3, 6, 12]       # the step counts it may ask a run for
+//! # temperature = 0.0        # the model's sampling
+//! # max_tokens = 400         # per call (at least 320)
+//! # calls_per_turn = 4       # a turn ends at the first call that changes the study
+//! # timeout_seconds = 120    # per call
 //!
 //! [watch]
 //! flat_steps = 0             # stop an arm whose reward stayed the same this many steps
@@ -320,16 +325,20 @@ fn tokens() -> u32 {
 const MIN_TOKENS: u32 = 320;
 
 /// The most runs a researcher's study may have: the engine constrains enums of up to 64
-/// values (a run's number is one).
-const MAX_RESEARCHER_ARMS: usize = 64;
+/// values (a run's number is one; `finish_study`'s winner adds "none").
+const MAX_RESEARCHER_ARMS: usize = 63;
 
 fn four() -> u32 {
     4
 }
 
 fn call_timeout() -> f64 {
-    300.0
+    120.0
 }
+
+/// Server flags a checkpoint fixes: a new PBT arm resumes its parent's checkpoint, so
+/// these cannot be explored.
+const FIXED_BY_CHECKPOINT: &[&str] = &["--lora-rank", "--lora-alpha", "--lora-targets", "--rslora"];
 
 fn default_metric() -> String {
     "reward_mean".into()
@@ -610,6 +619,26 @@ fn check(file: &Path, raw: Raw, hash: String) -> Result<Study, StudyError> {
     };
     let arms = check_arms(file, raw.arms, &space)?;
     let researcher = matches!(policy, PolicyKind::Researcher(_));
+    if let PolicyKind::Pbt(_) = &policy {
+        let n = if arms.is_empty() {
+            samples.unwrap_or_else(|| {
+                space
+                    .iter()
+                    .map(|p| p.values.as_ref().map_or(1, Vec::len))
+                    .product()
+            })
+        } else {
+            arms.len()
+        };
+        if n < 2 {
+            return Err(bad(
+                "pbt",
+                format!(
+                    "a population of {n} arm(s): pbt needs at least 2 (one to exploit another)"
+                ),
+            ));
+        }
+    }
     if let PolicyKind::Researcher(r) = &policy {
         if arms.len() > r.max_arms {
             return Err(bad(
@@ -758,11 +787,22 @@ fn check_pbt(
         ));
     }
     for (i, name) in p.explore.iter().enumerate() {
-        if !space.iter().any(|q| &q.name == name) {
+        let Some(q) = space.iter().find(|q| &q.name == name) else {
             return Err(bad(
                 &format!("pbt.explore[{i}]"),
                 format!("{name:?} is not a parameter of [space]"),
             ));
+        };
+        if let Target::Server(f) = &q.target {
+            if FIXED_BY_CHECKPOINT.contains(&f.as_str()) {
+                return Err(bad(
+                    &format!("pbt.explore[{i}]"),
+                    format!(
+                        "{name:?} sets {f}, which a checkpoint fixes: a new arm resumes its \
+                         parent's checkpoint, so it cannot change"
+                    ),
+                ));
+            }
         }
     }
     if p.samples == Some(0) {
@@ -1222,6 +1262,17 @@ min_steps = 2
                 "pbt",
             ),
             (pbt("interval = 8\nexplore = [\"lr\"]"), "pbt.interval"),
+            (
+                pbt("interval = 2\nexplore = [\"lr\"]")
+                    .replace("server = \"--learning-rate\"", "server = \"--lora-rank\""),
+                "pbt.explore[0]",
+            ),
+            (
+                pbt("interval = 2\nexplore = [\"lr\"]")
+                    .replace("values = [1e-5, 2e-5]", "values = [1e-5]")
+                    .replace("values = [0.7, 1.0]", "values = [0.7]"),
+                "pbt",
+            ),
             (
                 pbt("interval = 2\nexplore = [\"lr\", \"x\"]"),
                 "pbt.explore[1]",

@@ -622,15 +622,14 @@ fn a_researcher_on_smollm2_in_the_swarm_runs_a_study_with_valid_calls_only() {
     for (i, r) in calls.iter().enumerate() {
         assert_eq!(r["n"], i as u64 + 1, "{r}");
         assert_eq!(r["valid"], true, "every call is valid: {r}");
+        // Its reason (a note's text) is in the journal (an empty one is allowed: the
+        // engine bounds a string's length from above only).
         let text = if r["tool"] == "write_note" {
             "text"
         } else {
             "reason"
         };
-        assert!(
-            r["args"][text].as_str().is_some_and(|t| !t.is_empty()),
-            "{r}"
-        );
+        assert!(r["args"][text].is_string(), "{r}");
     }
     // What it started ran: each new arm's record follows a start_run call.
     let starts = calls.iter().filter(|r| r["tool"] == "start_run").count();

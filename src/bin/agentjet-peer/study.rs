@@ -103,6 +103,9 @@ pub fn run(action: StudyAction) -> Result<()> {
             }
             Ok(())
         }
+        StudyAction::Status(a) | StudyAction::Report(a) if a.dashboard.is_some() => {
+            anyhow::bail!("--dashboard is for `study run` (the page lives while the driver runs)")
+        }
         StudyAction::Status(a) => {
             let (s, dir) = open(&a)?;
             print!("{}", study::status(&s, &dir)?);

@@ -32,6 +32,20 @@ use super::watch;
 use crate::facade::external::{post_json, ExternalModel};
 pub use tools::Effect;
 
+/// The most characters of a tool name, an answer's text or an endpoint's error kept
+/// (in the journal, the report and the next prompt); arguments longer than this as JSON
+/// are kept as a cut string.
+pub const MAX_KEPT: usize = 2000;
+
+/// `s` cut to `MAX_KEPT` characters, saying so.
+pub fn cut(s: &str) -> String {
+    if s.chars().count() <= MAX_KEPT {
+        return s.to_string();
+    }
+    let head: String = s.chars().take(MAX_KEPT).collect();
+    format!("{head}... (cut at {MAX_KEPT} characters)")
+}
+
 /// What the model answered.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Reply {
@@ -85,41 +99,40 @@ impl Researcher {
         let (status, answer) = self
             .rt
             .block_on(post_json(&self.model, "chat/completions", &body, timeout))
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| cut(&e.to_string()))?;
         if status != 200 {
-            return Err(format!(
+            return Err(cut(&format!(
                 "{}: HTTP {status}: {}",
                 self.model.base_url,
                 answer.pointer("/error/message").unwrap_or(&answer)
-            ));
+            )));
         }
         let choice = answer
             .pointer("/choices/0")
-            .ok_or_else(|| format!("an answer without choices: {answer}"))?;
+            .ok_or_else(|| cut(&format!("an answer without choices: {answer}")))?;
         if let Some(call) = choice.pointer("/message/tool_calls/0/function") {
-            let tool = call
-                .get("name")
-                .and_then(Value::as_str)
-                .unwrap_or_default()
-                .to_string();
+            let tool = cut(call.get("name").and_then(Value::as_str).unwrap_or_default());
             let raw = call.get("arguments").cloned().unwrap_or(Value::Null);
             let args = match &raw {
                 Value::String(s) => serde_json::from_str(s).unwrap_or(raw.clone()),
                 _ => raw,
             };
+            let args = if args.to_string().len() > MAX_KEPT {
+                Value::String(cut(&args.to_string()))
+            } else {
+                args
+            };
             return Ok(Reply::Call { tool, args });
         }
         Ok(Reply::Text {
-            content: choice
+            content: cut(choice
                 .pointer("/message/content")
                 .and_then(Value::as_str)
-                .unwrap_or_default()
-                .to_string(),
-            finish: choice
+                .unwrap_or_default()),
+            finish: cut(choice
                 .get("finish_reason")
                 .and_then(Value::as_str)
-                .unwrap_or_default()
-                .to_string(),
+                .unwrap_or_default()),
         })
     }
 }
