@@ -67,7 +67,7 @@ struct Driver<'a> {
     policy: Policy,
     state: State,
     live: BTreeMap<usize, Live>,
-    researcher: Option<Researcher>,
+    researcher: Option<Arc<Researcher>>,
     /// Records written by this driver that are not a researcher's call: the study
     /// changed since `quiet_at` when this moved.
     changes: usize,
@@ -96,7 +96,7 @@ pub fn run(study: &Study, opts: &Options) -> Result<Outcome, StudyError> {
     let journal = Journal::at(&opts.dir);
     let policy = Policy::new(study);
     let researcher = match &study.policy {
-        PolicyKind::Researcher(r) => Some(Researcher::new(r)?),
+        PolicyKind::Researcher(r) => Some(Arc::new(Researcher::new(r)?)),
         _ => None,
     };
     let mut records = journal.read()?;
@@ -421,7 +421,44 @@ impl Driver<'_> {
         out
     }
 
-    fn turn(&mut self, r: &Researcher) -> Result<Option<Outcome>, StudyError> {
+    /// One call of the researcher on a thread of its own, the running arms looked at
+    /// every poll meanwhile; `None` when a stop came first (the call is left to end on
+    /// its own, its answer dropped, nothing journaled).
+    fn ask_watching(
+        &mut self,
+        r: &Arc<Researcher>,
+        prompt: (String, String),
+        tools: Vec<serde_json::Value>,
+    ) -> Result<Option<Result<Reply, String>>, StudyError> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let r = r.clone();
+        std::thread::Builder::new()
+            .name("researcher-call".into())
+            .spawn(move || {
+                let _ = tx.send(r.ask(prompt, &tools));
+            })
+            .map_err(|e| StudyError::Researcher(format!("a thread for its call: {e}")))?;
+        loop {
+            match rx.recv_timeout(self.opts.poll) {
+                Ok(answer) => return Ok(Some(answer)),
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                    return Ok(Some(
+                        Err("the call's thread ended without an answer".into()),
+                    ))
+                }
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+            }
+            if self.opts.stop.load(Ordering::SeqCst) {
+                return Ok(None);
+            }
+            let ids: Vec<usize> = self.live.keys().copied().collect();
+            for id in ids {
+                self.look_at(id)?;
+            }
+        }
+    }
+
+    fn turn(&mut self, r: &Arc<Researcher>) -> Result<Option<Outcome>, StudyError> {
         let mut calls: Vec<(String, String)> = Vec::new();
         let mut spent: Vec<String> = Vec::new();
         for k in 0..r.spec.calls_per_turn {
@@ -429,13 +466,6 @@ impl Driver<'_> {
                 || self.opts.stop.load(Ordering::SeqCst)
             {
                 break;
-            }
-            if k > 0 {
-                // A call can take a while: the running arms are looked at in between.
-                let ids: Vec<usize> = self.live.keys().copied().collect();
-                for id in ids {
-                    self.look_at(id)?;
-                }
             }
             // The turn's last call while the study waits on the researcher must move it.
             let stuck = self
@@ -451,7 +481,10 @@ impl Driver<'_> {
             let offered = tools::offer(self.study, &r.spec, &self.state, &turn);
             let prompt =
                 researcher::prompt(self.study, &r.spec, &self.opts.dir, &self.state, &calls);
-            let reply = match r.ask(prompt, &offered) {
+            let Some(answer) = self.ask_watching(r, prompt, offered)? else {
+                return Ok(None);
+            };
+            let reply = match answer {
                 Ok(x) => {
                     self.endpoint_errors = 0;
                     x

@@ -10,9 +10,9 @@
 //! call. Every call is checked again against the study as it is ([`tools::check`]), and
 //! every call, valid or not, goes to the journal with its reason and what it did.
 //!
-//! The driver asks for a turn when the study waits on the researcher: a run reached its
-//! steps, nothing runs, or there is room for a run and something changed since the
-//! researcher last passed. A turn is up to `calls_per_turn` calls and ends at the first
+//! The driver asks for a turn when nothing runs, or (a run reached its steps, or there
+//! is room for a run) and the study changed since the researcher last passed; each call
+//! runs on a thread of its own while the driver keeps watching the running arms. A turn is up to `calls_per_turn` calls and ends at the first
 //! that changes the study. Each call's prompt is the study's description, its runs as a
 //! table, the latest notes, and this turn's calls so far with their results: the prompt
 //! does not grow with the study's length.
