@@ -311,6 +311,27 @@ async fn connect(m: &ExternalModel) -> Result<Box<dyn Io>, ExternalError> {
     Ok(Box::new(tls))
 }
 
+/// A JSON POST of `payload` to `m`'s `path`, with its host, agent and API key.
+fn json_post(
+    m: &ExternalModel,
+    path: &str,
+    accept: &str,
+    payload: Vec<u8>,
+) -> Result<Request<Full<Bytes>>, axum::http::Error> {
+    let mut req = Request::post(format!("{}/{path}", m.path))
+        .header(header::HOST, m.authority())
+        .header(header::CONTENT_TYPE, "application/json")
+        .header(header::ACCEPT, accept)
+        .header(
+            header::USER_AGENT,
+            concat!("agentjet/", env!("CARGO_PKG_VERSION")),
+        );
+    if let Some(k) = &m.api_key {
+        req = req.header(header::AUTHORIZATION, format!("Bearer {k}"));
+    }
+    req.body(Full::new(Bytes::from(payload)))
+}
+
 /// The most bytes of an answer [`post_json`] reads.
 pub const MAX_ANSWER_BYTES: usize = 8 << 20;
 
@@ -346,19 +367,7 @@ pub async fn post_json(
             o.insert("model".into(), Value::String(m.remote_model.clone()));
         }
         let payload = serde_json::to_vec(&sent).map_err(|e| ExternalError::Http(e.to_string()))?;
-        let mut req = Request::post(format!("{}/{path}", m.path))
-            .header(header::HOST, m.authority())
-            .header(header::CONTENT_TYPE, "application/json")
-            .header(header::ACCEPT, "application/json")
-            .header(
-                header::USER_AGENT,
-                concat!("agentjet/", env!("CARGO_PKG_VERSION")),
-            );
-        if let Some(k) = &m.api_key {
-            req = req.header(header::AUTHORIZATION, format!("Bearer {k}"));
-        }
-        let req = req
-            .body(Full::new(Bytes::from(payload)))
+        let req = json_post(m, path, "application/json", payload)
             .map_err(|e| ExternalError::Http(format!("{url}: building the request: {e}")))?;
         let resp = sender
             .send_request(req)
@@ -445,19 +454,7 @@ pub async fn forward(
         let _ = conn.await;
     });
     let payload = serde_json::to_vec(&sent).map_err(|e| fail(e.to_string()))?;
-    let mut req = Request::post(format!("{}/{path}", m.path))
-        .header(header::HOST, m.authority())
-        .header(header::CONTENT_TYPE, "application/json")
-        .header(header::ACCEPT, "application/json, text/event-stream")
-        .header(
-            header::USER_AGENT,
-            concat!("agentjet/", env!("CARGO_PKG_VERSION")),
-        );
-    if let Some(k) = &m.api_key {
-        req = req.header(header::AUTHORIZATION, format!("Bearer {k}"));
-    }
-    let req = req
-        .body(Full::new(Bytes::from(payload)))
+    let req = json_post(m, path, "application/json, text/event-stream", payload)
         .map_err(|e| fail(format!("building the request: {e}")))?;
     let resp = sender
         .send_request(req)

@@ -96,6 +96,23 @@ fn start_driver_with(file: &Path, dir: &Path, log: &str, extra: &[&str]) -> Driv
         .unwrap()
 }
 
+/// `study report`'s `report.md` for the study in `dir`.
+fn study_report(file: &Path, dir: &Path) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_agentjet-peer"))
+        .args(["study", "report"])
+        .arg(file)
+        .arg("--dir")
+        .arg(dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    std::fs::read_to_string(dir.join("report.md")).unwrap()
+}
+
 fn driver_out(dir: &Path, log: &str) -> String {
     std::fs::read_to_string(dir.with_extension(format!("{log}.out"))).unwrap_or_default()
 }
@@ -540,19 +557,7 @@ fn pbt_replaces_the_worst_arm_with_a_copy_of_the_best_arms_checkpoint() {
         steps.iter().enumerate().all(|(i, &s)| s == i as u64 + 1),
         "{steps:?}"
     );
-    let out = Command::new(env!("CARGO_BIN_EXE_agentjet-peer"))
-        .args(["study", "report"])
-        .arg(&file)
-        .arg("--dir")
-        .arg(&dir)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let report = std::fs::read_to_string(dir.join("report.md")).unwrap();
+    let report = study_report(&file, &dir);
     assert!(
         report.contains("## Arms started by the policy")
             && report.contains("from arm 1's checkpoint at rung 3"),
@@ -639,19 +644,7 @@ fn a_researcher_on_smollm2_in_the_swarm_runs_a_study_with_valid_calls_only() {
         end["reason"].as_str().unwrap().contains("researcher"),
         "{end}"
     );
-    let out = Command::new(env!("CARGO_BIN_EXE_agentjet-peer"))
-        .args(["study", "report"])
-        .arg(&file)
-        .arg("--dir")
-        .arg(&dir)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let report = std::fs::read_to_string(dir.join("report.md")).unwrap();
+    let report = study_report(&file, &dir);
     println!("{report}");
     assert!(
         report.contains(&format!(
