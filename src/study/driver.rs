@@ -18,13 +18,23 @@ use super::error::StudyError;
 use super::journal::{unix_ms, Action, Journal, Phase, Record, State};
 use super::launch::{note, stop_leftovers, ArmDir, Exited, Launch, Procs};
 use super::policy::{Move, Policy, Spawn};
+use super::remote::{Running, Workers};
 use super::researcher::{self, tools, Effect, Reply, Researcher};
 use super::spec::{PolicyKind, Study};
 use super::watch;
+use crate::swarm::PeerId;
 
 /// Consecutive failed calls of the researcher's endpoint before the driver gives up, once
 /// no arm runs (it waits 2, 4, 8, ... up to 60 s between them).
 const ENDPOINT_TRIES: u32 = 8;
+
+/// Where an arm's checkpoint is, so where it runs.
+enum Place {
+    /// Nowhere yet: any worker with room, or the driver's machine.
+    Free,
+    Local,
+    Worker(PeerId),
+}
 
 /// How a driver runs.
 pub struct Options {
@@ -53,7 +63,7 @@ pub enum Outcome {
 
 /// A running arm.
 struct Live {
-    procs: Procs,
+    procs: Running,
     args: ArmArgs,
     /// When the count of steps last grew (or the arm started).
     progress_at: Instant,
@@ -75,6 +85,8 @@ struct Driver<'a> {
     quiet_at: Option<usize>,
     endpoint_errors: u32,
     retry_at: Option<Instant>,
+    /// Study workers of a swarm (the study's `[workers]`).
+    workers: Option<Workers>,
 }
 
 /// Runs (or resumes) the study in `opts.dir`.
@@ -132,6 +144,10 @@ pub fn run(study: &Study, opts: &Options) -> Result<Outcome, StudyError> {
         path: journal.path.clone(),
         msg,
     })?;
+    let workers = match &study.workers {
+        Some(w) => Some(Workers::start(study, w, &opts.dir)?),
+        None => None,
+    };
     let mut d = Driver {
         study,
         opts,
@@ -144,11 +160,13 @@ pub fn run(study: &Study, opts: &Options) -> Result<Outcome, StudyError> {
         quiet_at: None,
         endpoint_errors: 0,
         retry_at: None,
+        workers,
     };
     let out = d.drive();
     // Whatever ended the loop, no arm is left running.
-    for (_, l) in std::mem::take(&mut d.live) {
-        l.procs.stop();
+    let ids: Vec<usize> = d.live.keys().copied().collect();
+    for id in ids {
+        d.stop_live(id);
     }
     out
 }
@@ -308,7 +326,20 @@ impl Driver<'_> {
         if dir.seeded() || dir.run_dir().is_some() {
             return Ok(());
         }
-        let at = dir.seed_from(&ArmDir::new(&self.opts.dir, o.arm))?;
+        let at = match self.home_worker(o.arm) {
+            // The parent's checkpoint is on a worker: the copy is made there, and the
+            // new arm runs there.
+            Some(w) => {
+                let Some(ws) = &self.workers else {
+                    return Err(self.no_workers(o.arm));
+                };
+                ws.seed(w, id, o.arm).map_err(|e| StudyError::Launch {
+                    arm: format!("{id}"),
+                    msg: format!("copying arm {}'s checkpoint on worker {w}: {e}", o.arm),
+                })?
+            }
+            None => dir.seed_from(&ArmDir::new(&self.opts.dir, o.arm))?,
+        };
         let line = match at {
             Some(s) => format!("starts from arm {}'s checkpoint at step {s}", o.arm),
             None => format!(
@@ -604,12 +635,11 @@ impl Driver<'_> {
                     reason: why,
                     unix_ms: unix_ms(),
                 })?;
-                match self.live.remove(&arm) {
-                    Some(l) => l.procs.stop(),
+                if self.live.contains_key(&arm) {
+                    self.stop_live(arm);
+                } else {
                     // A call carried out after a resume: what the last driver left runs.
-                    None => {
-                        stop_leftovers(&ArmDir::new(&self.opts.dir, arm));
-                    }
+                    self.stop_left(arm)?;
                 }
             }
             Effect::Finish(winner) => {
@@ -635,7 +665,7 @@ impl Driver<'_> {
             .collect();
         for id in running {
             let dir = ArmDir::new(&self.opts.dir, id);
-            let n = stop_leftovers(&dir);
+            let n = self.stop_left(id)?;
             println!(
                 "{}: was running when the last driver stopped; {n} of its processes were left and are stopped now",
                 self.name(id)
@@ -651,17 +681,134 @@ impl Driver<'_> {
                 continue;
             }
             let attempt = self.state.arms[id].attempt.max(1);
-            self.launch(id, attempt)?;
+            self.launch(id, attempt, self.home_worker(id))?;
         }
         Ok(())
     }
 
+    /// Stops what is left of arm `id` that this driver does not hold (a killed driver's
+    /// processes, here or on the arm's worker); returns how many processes were left.
+    fn stop_left(&mut self, id: usize) -> Result<usize, StudyError> {
+        let dir = ArmDir::new(&self.opts.dir, id);
+        let Some(w) = self.home_worker(id) else {
+            return Ok(stop_leftovers(&dir));
+        };
+        let missing = self.no_workers(id);
+        let Some(ws) = self.workers.as_mut() else {
+            return Err(missing);
+        };
+        if !ws.wait_for(&w) {
+            println!(
+                "arm {id}: its worker {w} is not in the swarm's view; whatever runs of it there stops when this driver's lease runs out"
+            );
+            return Ok(0);
+        }
+        match ws.stop(w, id, &dir) {
+            Ok(was) => Ok(usize::from(was)),
+            Err(e) => {
+                println!("arm {id}: stopping it on worker {w}: {e}");
+                Ok(0)
+            }
+        }
+    }
+
+    /// Stops a running arm of this driver (its server saves its checkpoint).
+    fn stop_live(&mut self, id: usize) {
+        let Some(l) = self.live.remove(&id) else {
+            return;
+        };
+        let busy: std::collections::BTreeSet<PeerId> = self
+            .live
+            .values()
+            .filter_map(|l| l.procs.worker())
+            .collect();
+        l.procs.stop(self.workers.as_ref(), |w| busy.contains(w));
+    }
+
+    fn no_workers(&self, id: usize) -> StudyError {
+        StudyError::Launch {
+            arm: format!("{id}"),
+            msg: "it ran on a study worker (its checkpoint is there), and the study file \
+                  has no [workers] now: put them back to go on"
+                .into(),
+        }
+    }
+
+    /// The worker that holds arm `id`'s checkpoint: where its last launch ran or, never
+    /// launched, where its parent's did (none: the driver's machine, or nowhere yet).
+    fn home_worker(&self, id: usize) -> Option<PeerId> {
+        match self.home(id) {
+            Place::Worker(w) => Some(w),
+            _ => None,
+        }
+    }
+
+    fn home(&self, id: usize) -> Place {
+        let a = &self.state.arms[id];
+        if a.launches > 0 {
+            return match a.host.as_deref().map(str::parse::<PeerId>) {
+                Some(Ok(w)) => Place::Worker(w),
+                _ => Place::Local,
+            };
+        }
+        match a.from {
+            Some(o) if o.arm != id => match self.home(o.arm) {
+                Place::Free => Place::Free,
+                p => p,
+            },
+            _ => Place::Free,
+        }
+    }
+
+    /// Where arm `id` launches now: `Some(None)` the driver's machine, `Some(Some(w))`
+    /// worker `w`; none when its place has no room now.
+    fn placement(&self, id: usize) -> Option<Option<PeerId>> {
+        let local_cap = self
+            .workers
+            .as_ref()
+            .map_or(self.study.budget.at_once, Workers::local_slots);
+        let local_busy = self
+            .live
+            .values()
+            .filter(|l| l.procs.worker().is_none())
+            .count();
+        let busy_on = |w: &PeerId| {
+            self.live
+                .values()
+                .filter(|l| l.procs.worker() == Some(*w))
+                .count()
+        };
+        match self.home(id) {
+            Place::Local => (local_busy < local_cap).then_some(None),
+            Place::Worker(w) => {
+                let ws = self.workers.as_ref()?;
+                ws.has_room(&w, busy_on(&w)).then_some(Some(w))
+            }
+            Place::Free => {
+                if let Some(ws) = &self.workers {
+                    if let Some(w) = ws.free(busy_on) {
+                        return Some(Some(w));
+                    }
+                    if !ws.waited() {
+                        return None;
+                    }
+                }
+                (local_busy < local_cap).then_some(None)
+            }
+        }
+    }
+
     fn launch_waiting(&mut self) -> Result<(), StudyError> {
+        if let Some(ws) = &mut self.workers {
+            ws.scan();
+        }
+        // Arms whose place has no room now.
+        let mut no_room = std::collections::BTreeSet::new();
         while self.live.len() < self.study.budget.at_once {
-            let Some(id) =
-                (0..self.state.arms.len()).find(|&i| self.state.arms[i].phase == Phase::Waiting)
+            let Some(id) = (0..self.state.arms.len())
+                .find(|&i| self.state.arms[i].phase == Phase::Waiting && !no_room.contains(&i))
             else {
-                return Ok(());
+                break;
             };
             let dir = ArmDir::new(&self.opts.dir, id);
             if dir
@@ -672,41 +819,87 @@ impl Driver<'_> {
                 self.reached(id, &dir)?;
                 continue;
             }
-            self.launch(id, 1)?;
+            if let (Place::Worker(_), None) = (self.home(id), &self.workers) {
+                return Err(self.no_workers(id));
+            }
+            match self.placement(id) {
+                Some(host) => self.launch(id, 1, host)?,
+                None => {
+                    no_room.insert(id);
+                }
+            }
+        }
+        // Arms wait, none runs, and the workers they wait for will not come: say why.
+        if self.live.is_empty() && !no_room.is_empty() {
+            if let Some(why) = self.workers.as_ref().and_then(Workers::none_usable) {
+                return Err(StudyError::Launch {
+                    arm: no_room
+                        .iter()
+                        .map(usize::to_string)
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    msg: format!(
+                        "{why} (the study's [workers] local = {}: no arm waits for this machine)",
+                        self.workers.as_ref().map_or(0, Workers::local_slots)
+                    ),
+                });
+            }
         }
         Ok(())
     }
 
-    fn launch(&mut self, id: usize, attempt: u32) -> Result<(), StudyError> {
+    fn launch(&mut self, id: usize, attempt: u32, host: Option<PeerId>) -> Result<(), StudyError> {
         let target = self.state.arms[id].target;
         self.record(Record::Launch {
             arm: id,
             steps: target,
             attempt,
+            host: host.map(|h| h.to_string()),
             unix_ms: unix_ms(),
         })?;
         let dir = ArmDir::new(&self.opts.dir, id);
         let from = dir.checkpoint_step();
         println!(
-            "{}: launched to {target} steps (attempt {attempt}{})",
+            "{}: launched to {target} steps (attempt {attempt}{}{})",
             self.name(id),
             from.map_or(String::new(), |s| format!(
                 ", from its checkpoint at step {s}"
-            ))
+            )),
+            host.map_or(String::new(), |w| format!(", on worker {w}"))
         );
         note(
             &dir,
             &format!("launch to {target} steps, attempt {attempt}"),
         );
         let args = arm_args(self.study, &self.state.arms[id].arm);
-        let procs = Procs::start(
-            &Launch {
-                exe: &self.opts.exe,
-                model: &self.study.base.model,
-                args: &args,
-            },
-            dir,
-        )?;
+        let procs = match host {
+            None => Running::Local(Procs::start(
+                &Launch {
+                    exe: &self.opts.exe,
+                    model: &self.study.base.model,
+                    args: &args,
+                },
+                dir,
+            )?),
+            Some(w) => {
+                let Some(ws) = &self.workers else {
+                    return Err(self.no_workers(id));
+                };
+                match ws.launch(w, id, target, &self.study.base.model, &args, dir) {
+                    Ok(r) => Running::Remote(r),
+                    // As a crash: restarted (on the same worker, its checkpoint is
+                    // there) within the restarts allowed.
+                    Err(e) => {
+                        return self.fail(
+                            id,
+                            "worker",
+                            &format!("worker {w} did not launch it: {e}"),
+                            true,
+                        )
+                    }
+                }
+            }
+        };
         self.live.insert(
             id,
             Live {
@@ -721,9 +914,7 @@ impl Driver<'_> {
 
     /// Stops arm `id`'s processes and records its score at its target.
     fn reached(&mut self, id: usize, dir: &ArmDir) -> Result<(), StudyError> {
-        if let Some(l) = self.live.remove(&id) {
-            l.procs.stop();
-        }
+        self.stop_live(id);
         let target = self.state.arms[id].target;
         let steps = dir
             .metrics_path()
@@ -748,7 +939,7 @@ impl Driver<'_> {
     /// One look at a running arm.
     fn look_at(&mut self, id: usize) -> Result<(), StudyError> {
         let target = self.state.arms[id].target;
-        let dir = self.live[&id].procs.dir.clone();
+        let dir = self.live[&id].procs.dir().clone();
         let steps = dir
             .metrics_path()
             .map(|p| watch::steps(&p))
@@ -761,6 +952,7 @@ impl Driver<'_> {
         }
         let exe = self.opts.exe.clone();
         let model = self.study.base.model.clone();
+        let workers = self.workers.as_ref();
         let l = self.live.get_mut(&id).expect("a live arm");
         if steps.len() != l.steps_seen {
             l.steps_seen = steps.len();
@@ -771,20 +963,19 @@ impl Driver<'_> {
             model: &model,
             args: &l.args,
         };
-        match l.procs.poll(&launch)? {
+        match l.procs.poll(&launch, workers)? {
             None => {}
-            Some(Exited::Client(st)) if st.success() => {
+            Some(Exited::Client { success: true, .. }) => {
                 // It ran every task for its epochs: again, the arm has steps to go.
                 note(&dir, "the client ran its tasks to the end; started again");
-                l.procs.restart_client(&launch)?;
+                l.procs.restart_client(&launch, workers)?;
             }
-            Some(Exited::Client(st)) => {
+            Some(Exited::Client { usage, detail, .. }) => {
                 let detail = format!(
-                    "the client exited ({st}); see {}",
+                    "the client exited ({detail}); see {}",
                     dir.dir.join("client.log").display()
                 );
                 // Exit code 2: it refused its command line, which no restart mends.
-                let usage = st.code() == Some(2);
                 let kind = if usage {
                     "refused_flags"
                 } else {
@@ -822,9 +1013,7 @@ impl Driver<'_> {
         detail: &str,
         restartable: bool,
     ) -> Result<(), StudyError> {
-        if let Some(l) = self.live.remove(&id) {
-            l.procs.stop();
-        }
+        self.stop_live(id);
         let attempt = self.state.arms[id].attempt;
         let restart = restartable && attempt <= self.study.watch.restarts;
         println!(
@@ -849,8 +1038,8 @@ impl Driver<'_> {
         })?;
         if restart {
             // The failure's record counted the attempt (a driver killed right here
-            // launches it as this one would have).
-            self.launch(id, self.state.arms[id].attempt)?;
+            // launches it as this one would have), where its checkpoint is.
+            self.launch(id, self.state.arms[id].attempt, self.home_worker(id))?;
         }
         Ok(())
     }
@@ -871,14 +1060,12 @@ impl Driver<'_> {
             })
             .collect();
         for id in open {
-            match self.live.remove(&id) {
-                Some(l) => l.procs.stop(),
+            if self.live.contains_key(&id) {
+                self.stop_live(id);
+            } else if self.state.arms[id].phase == Phase::Running {
                 // Running by the journal but not by this driver (a finish carried out
                 // after a resume): what the last driver left is stopped.
-                None if self.state.arms[id].phase == Phase::Running => {
-                    stop_leftovers(&ArmDir::new(&self.opts.dir, id));
-                }
-                None => {}
+                self.stop_left(id)?;
             }
             self.record(Record::Decision {
                 arm: id,

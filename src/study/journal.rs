@@ -59,6 +59,9 @@ pub enum Record {
         arm: usize,
         steps: u64,
         attempt: u32,
+        /// The study worker that runs it (its peer id); none: the driver's machine.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        host: Option<String>,
         unix_ms: u64,
     },
     /// An arm got to its target (its processes stopped, its checkpoint saved); its score
@@ -145,6 +148,9 @@ pub struct ArmState {
     pub reason: Option<String>,
     /// The checkpoint it started from, if it started from another arm's.
     pub from: Option<Origin>,
+    /// Where its last launch ran: a study worker's peer id, or none (the driver's
+    /// machine). Its checkpoint is there: it runs there again.
+    pub host: Option<String>,
 }
 
 /// The study as its journal tells it.
@@ -199,6 +205,7 @@ impl State {
                     failures: Vec::new(),
                     reason: None,
                     from: None,
+                    host: None,
                 })
                 .collect(),
             started_unix_ms: *unix_ms,
@@ -240,9 +247,11 @@ impl State {
                 arm,
                 steps,
                 attempt,
+                host,
                 ..
             } => {
                 let a = self.arm_mut(*arm)?;
+                a.host = host.clone();
                 a.phase = Phase::Running;
                 a.target = *steps;
                 a.attempt = *attempt;
@@ -325,6 +334,7 @@ impl State {
                     failures: Vec::new(),
                     reason: Some(reason.clone()),
                     from: *from,
+                    host: None,
                 });
             }
             Record::Action { tool, valid, .. } => {
@@ -420,6 +430,7 @@ mod tests {
             arm: 1,
             steps: 2,
             attempt: 1,
+            host: None,
             unix_ms: 6,
         })
         .unwrap();
@@ -462,6 +473,7 @@ mod tests {
                 arm: 3,
                 steps: 2,
                 attempt: 1,
+                host: None,
                 unix_ms: 6,
             },
         ];

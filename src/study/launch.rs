@@ -17,6 +17,8 @@ use std::io::{self, Write as _};
 use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
+
+use serde::{Deserialize, Serialize};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -26,7 +28,7 @@ use super::error::StudyError;
 use super::spec::has_flag;
 
 /// How long a server may take to drain and save its checkpoint before it is killed.
-const SERVER_DRAIN: Duration = Duration::from_secs(300);
+pub const SERVER_DRAIN: Duration = Duration::from_secs(300);
 /// How long a client may take to stop before it is killed. Zero: it is killed at once
 /// with its agents (its running episodes are beyond the arm's target, and a client that
 /// drains submits them, so its server would train past the target on them).
@@ -82,10 +84,45 @@ impl ArmDir {
         self.dir.join("seeded").exists()
     }
 
-    /// The step of the server's saved checkpoint.
+    /// The step of the server's saved checkpoint (on a worker: as of the driver's last
+    /// look, see [`ArmDir::remote`]).
     pub fn checkpoint_step(&self) -> Option<u64> {
-        let text = std::fs::read_to_string(self.checkpoint()?.join("state.json")).ok()?;
-        serde_json::from_str::<Value>(&text).ok()?["step"].as_u64()
+        match self.checkpoint() {
+            Some(ck) => {
+                let text = std::fs::read_to_string(ck.join("state.json")).ok()?;
+                serde_json::from_str::<Value>(&text).ok()?["step"].as_u64()
+            }
+            None => self.remote()?.checkpoint_step,
+        }
+    }
+
+    /// Where a worker of the swarm runs this arm (`remote.json`), if one does.
+    pub fn remote(&self) -> Option<Remote> {
+        let text = std::fs::read_to_string(self.dir.join("remote.json")).ok()?;
+        serde_json::from_str(&text).ok()
+    }
+
+    pub fn set_remote(&self, r: &Remote) -> Result<(), StudyError> {
+        std::fs::create_dir_all(&self.dir).map_err(|e| StudyError::io(&self.dir, e))?;
+        let path = self.dir.join("remote.json");
+        let text = serde_json::to_string(r).expect("a remote record serializes");
+        crate::base::files::write_atomic(&path, format!("{text}\n").as_bytes())
+            .map_err(|e| StudyError::io(&path, e))
+    }
+
+    /// The arm's latest checkpoint, said for a person: its path in the study's
+    /// directory, or on the worker that holds it.
+    pub fn checkpoint_place(&self, study_dir: &Path) -> Option<String> {
+        if let Some(p) = self.checkpoint() {
+            return Some(
+                p.strip_prefix(study_dir)
+                    .unwrap_or(&p)
+                    .display()
+                    .to_string(),
+            );
+        }
+        let r = self.remote()?;
+        Some(format!("{} on worker {}", r.checkpoint?, r.worker))
     }
 
     fn pids_path(&self) -> PathBuf {
@@ -152,6 +189,21 @@ fn link_tree(from: &Path, to: &Path) -> Result<(), StudyError> {
     Ok(())
 }
 
+/// The driver's record of an arm that a worker of the swarm runs (its directory's
+/// `remote.json`): the worker, and the arm's checkpoint there at the driver's last look.
+/// Its metrics are mirrored into the arm's directory (`server/runs/<run>/metrics.jsonl`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Remote {
+    /// The worker's peer id.
+    pub worker: String,
+    pub checkpoint_step: Option<u64>,
+    /// The checkpoint's path on the worker.
+    pub checkpoint: Option<String>,
+    /// The inode of the worker's metrics file the mirror copies.
+    #[serde(default)]
+    pub metrics_file: u64,
+}
+
 /// What to run an arm with.
 pub struct Launch<'a> {
     /// The `agentjet-peer` binary.
@@ -171,16 +223,29 @@ pub struct Procs {
     pub started: Instant,
 }
 
-/// A process of the arm that exited without being asked to.
-#[derive(Debug, Clone, PartialEq)]
+/// A process of the arm that exited without being asked to (sent as is by a study
+/// worker: see [`super::wire`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Exited {
     /// The server, with its status and the end of its log; `usage`: it refused its
     /// command line (exit code 2), which no restart mends.
-    Server {
-        detail: String,
+    Server { detail: String, usage: bool },
+    /// The client: `success` when it ran its tasks to the end; `usage` as above.
+    Client {
+        success: bool,
         usage: bool,
+        detail: String,
     },
-    Client(ExitStatus),
+}
+
+impl Exited {
+    fn client(st: ExitStatus) -> Exited {
+        Exited::Client {
+            success: st.success(),
+            usage: st.code() == Some(2),
+            detail: st.to_string(),
+        }
+    }
 }
 
 fn open_append(path: &Path) -> Result<std::fs::File, StudyError> {
@@ -313,7 +378,7 @@ impl Procs {
         if let Some(c) = &mut self.client {
             if let Some(st) = c.try_wait().map_err(|e| StudyError::io(&self.dir.dir, e))? {
                 self.client = None;
-                return Ok(Some(Exited::Client(st)));
+                return Ok(Some(Exited::client(st)));
             }
             return Ok(None);
         }
@@ -368,6 +433,34 @@ impl Procs {
     /// Stops the client, then the server (which drains and saves its checkpoint).
     pub fn stop(self) {
         drop(self)
+    }
+
+    /// Starts a stop without waiting for it: the client is killed at once, the server
+    /// gets SIGTERM (it drains and saves its checkpoint). See [`Procs::finish_stop`].
+    pub fn begin_stop(&mut self) {
+        if let Some(c) = &mut self.client {
+            stop_child(c, CLIENT_DRAIN);
+        }
+        self.client = None;
+        if matches!(self.server.try_wait(), Ok(None)) {
+            // SAFETY: kill(2) on our own child's pid (not yet waited for).
+            unsafe {
+                libc::kill(self.server.id() as i32, libc::SIGTERM);
+            }
+        }
+    }
+
+    /// Whether the server stopped, after [`Procs::begin_stop`]; one still running at
+    /// `deadline` is killed with its process group.
+    pub fn finish_stop(&mut self, deadline: Instant) -> bool {
+        if matches!(self.server.try_wait(), Ok(Some(_))) {
+            return true;
+        }
+        if Instant::now() < deadline {
+            return false;
+        }
+        stop_child(&mut self.server, Duration::ZERO);
+        true
     }
 }
 

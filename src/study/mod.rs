@@ -14,11 +14,13 @@
 //! - [`researcher`]: the LLM policy, its tools and its calls;
 //! - [`journal`]: every fact and decision, synced before it is acted on;
 //! - [`driver`]: the loop; a driver killed anywhere resumes where it was;
+//! - [`remote`], [`wire`], [`worker`]: arms on other machines of a swarm (study
+//!   workers), read by the driver as its own;
 //! - [`report`]: the report, with the arms' curves; [`dash`] the same on a web page
 //!   while the driver runs.
 //!
-//! The study runs arms as processes of the `agentjet-peer` binary it is given: it never
-//! uses the roles' code itself.
+//! The study runs arms as processes of the `agentjet-peer` binary it is given (on its
+//! own machine, or on a worker's): it never uses the roles' code itself.
 
 pub mod arms;
 pub mod dash;
@@ -28,10 +30,13 @@ pub mod journal;
 pub mod launch;
 pub mod pbt;
 pub mod policy;
+pub mod remote;
 pub mod report;
 pub mod researcher;
 pub mod spec;
 pub mod watch;
+pub mod wire;
+pub mod worker;
 
 pub use driver::{run, Options, Outcome};
 pub use error::StudyError;

@@ -247,6 +247,7 @@ samples = 4
                 arm,
                 steps,
                 attempt: 1,
+                host: None,
                 unix_ms: 0,
             },
             Record::Reached {

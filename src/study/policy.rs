@@ -271,6 +271,7 @@ mod tests {
                 arm,
                 steps,
                 attempt: 1,
+                host: None,
                 unix_ms: 0,
             },
             Record::Reached {

@@ -75,6 +75,17 @@ pub fn table(dir: &Path, state: &State) -> String {
             .map(|(k, v)| format!("{k}: {}", shown(*v)))
             .collect();
         let fails: Vec<String> = a.failures.iter().map(|(k, _)| k.clone()).collect();
+        // Where its last launch ran, when a study worker ran it.
+        let launches = match &a.host {
+            Some(w) => {
+                let tail: String = w
+                    .chars()
+                    .skip(w.chars().count().saturating_sub(8))
+                    .collect();
+                format!("{} (worker …{tail})", a.launches)
+            }
+            None => a.launches.to_string(),
+        };
         let _ = writeln!(
             out,
             "| {} | {} | {} | {taken} | {} | {} | {} |",
@@ -86,7 +97,7 @@ pub fn table(dir: &Path, state: &State) -> String {
             } else {
                 scores.join(", ")
             },
-            a.launches,
+            launches,
             if fails.is_empty() {
                 "-".into()
             } else {
@@ -185,9 +196,7 @@ pub fn render(study: &Study, dir: &Path) -> Result<(String, String), StudyError>
                         .iter()
                         .next_back()
                         .map_or((0, None), |(k, v)| (*k, *v));
-                    let ck = ArmDir::new(dir, *w)
-                        .checkpoint()
-                        .map(|p| p.strip_prefix(dir).unwrap_or(&p).display().to_string());
+                    let ck = ArmDir::new(dir, *w).checkpoint_place(dir);
                     let _ = writeln!(
                         md,
                         "**Winner: arm {w} ({})**, {} {} at {at} steps; its checkpoint: {}.\n",

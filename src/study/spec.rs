@@ -54,6 +54,16 @@
 //! # calls_per_turn = 4       # a turn ends at the first call that changes the study
 //! # timeout_seconds = 120    # per call
 //!
+//! # Arms on other machines: study workers of a swarm (`agentjet-peer study worker`,
+//! # started with --allow-driver <this driver's peer id>: `agentjet-peer id --data-dir
+//! # <the study's directory>`). Not part of the study's hash: add or drop it any time.
+//! # [workers]
+//! # swarm_key = "study.key"  # the workers' swarm key (relative to this file)
+//! # bootstrap = ["/ip4/10.0.0.5/udp/4100/quic-v1"]
+//! # local = 0                # arms at once on the driver's machine (default budget.at_once)
+//! # listen = "/ip4/0.0.0.0/udp/0/quic-v1"   # the driver's own address
+//! # wait_seconds = 30        # looking for workers before arms go to the driver's machine
+//!
 //! [watch]
 //! flat_steps = 0             # stop an arm whose reward stayed the same this many steps
 //! min_entropy = 0.0          # stop an arm whose entropy fell below this
@@ -165,6 +175,19 @@ pub struct Budget {
     pub minutes: Option<f64>,
 }
 
+/// The study workers of a swarm that run arms (see `study::remote`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Workers {
+    pub swarm_key: PathBuf,
+    pub bootstrap: Vec<String>,
+    /// The driver's own listen address.
+    pub listen: String,
+    /// Arms at once on the driver's own machine (the budget's `at_once` bounds all).
+    pub local: usize,
+    /// How long the driver looks for workers before it puts an arm on its own machine.
+    pub wait_seconds: f64,
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct Watch {
     pub nonfinite: bool,
@@ -199,6 +222,8 @@ pub struct Study {
     /// Arms drawn from the space (instead of its grid).
     pub samples: Option<usize>,
     pub watch: Watch,
+    /// Study workers to run arms on (none: every arm runs on the driver's machine).
+    pub workers: Option<Workers>,
     /// blake3 of the study as parsed (comments and layout do not count): a journal
     /// belongs to one study.
     pub hash: String,
@@ -257,6 +282,29 @@ struct Raw {
     researcher: Option<RawResearcher>,
     #[serde(default)]
     watch: RawWatch,
+    #[serde(default)]
+    workers: Option<RawWorkers>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawWorkers {
+    swarm_key: PathBuf,
+    bootstrap: Vec<String>,
+    #[serde(default)]
+    local: Option<usize>,
+    #[serde(default = "listen_any")]
+    listen: String,
+    #[serde(default = "thirty")]
+    wait_seconds: f64,
+}
+
+fn listen_any() -> String {
+    "/ip4/0.0.0.0/udp/0/quic-v1".into()
+}
+
+fn thirty() -> f64 {
+    30.0
 }
 
 #[derive(Deserialize)]
@@ -465,7 +513,12 @@ impl Study {
             file: file.to_path_buf(),
             msg: e.to_string(),
         })?;
-        let hash = blake3::hash(json.to_string().as_bytes())
+        // Where arms run is not what the study is: a journal goes on with workers added.
+        let mut what = json.clone();
+        if let Some(t) = what.as_object_mut() {
+            t.remove("workers");
+        }
+        let hash = blake3::hash(what.to_string().as_bytes())
             .to_hex()
             .to_string();
         let raw: Raw = serde_path_to_error::deserialize(json).map_err(|e| {
@@ -693,6 +746,10 @@ fn check(file: &Path, raw: Raw, hash: String) -> Result<Study, StudyError> {
             "given with an [[arms]] list: the arms are the list".into(),
         ));
     }
+    let workers = raw
+        .workers
+        .map(|w| check_workers(file, w, budget.at_once))
+        .transpose()?;
     let w = raw.watch;
     if !(w.stall_seconds.is_finite() && w.stall_seconds > 0.0) {
         return Err(bad(
@@ -732,7 +789,48 @@ fn check(file: &Path, raw: Raw, hash: String) -> Result<Study, StudyError> {
             stall_seconds: w.stall_seconds,
             restarts: w.restarts,
         },
+        workers,
         hash,
+    })
+}
+
+fn check_workers(file: &Path, w: RawWorkers, at_once: usize) -> Result<Workers, StudyError> {
+    let bad = |field: &str, msg: String| StudyError::field(file, field, msg);
+    if w.bootstrap.is_empty() {
+        return Err(bad(
+            "workers.bootstrap",
+            "empty: give at least one address of the workers' swarm".into(),
+        ));
+    }
+    for (i, a) in w.bootstrap.iter().enumerate() {
+        crate::swarm::parse_addr(a)
+            .map_err(|e| bad(&format!("workers.bootstrap[{i}]"), e.to_string()))?;
+    }
+    crate::swarm::parse_addr(&w.listen).map_err(|e| bad("workers.listen", e.to_string()))?;
+    let local = w.local.unwrap_or(at_once);
+    if local > at_once {
+        return Err(bad(
+            "workers.local",
+            format!("{local}: more than budget.at_once ({at_once})"),
+        ));
+    }
+    if !(w.wait_seconds.is_finite() && w.wait_seconds >= 0.0) {
+        return Err(bad(
+            "workers.wait_seconds",
+            format!("{}: must be 0 or above", w.wait_seconds),
+        ));
+    }
+    let swarm_key = if w.swarm_key.is_absolute() {
+        w.swarm_key
+    } else {
+        file.parent().unwrap_or(Path::new(".")).join(&w.swarm_key)
+    };
+    Ok(Workers {
+        swarm_key,
+        bootstrap: w.bootstrap,
+        listen: w.listen,
+        local,
+        wait_seconds: w.wait_seconds,
     })
 }
 
@@ -1241,7 +1339,18 @@ min_steps = 2
             s.hash,
             Study::parse(Path::new("s.toml"), &changed).unwrap().hash
         );
+        // Where the arms run is not part of what the study is.
+        let on_workers =
+            format!("{GOOD}\n[workers]\nswarm_key = \"k.key\"\nbootstrap = [\"{W}\"]\nlocal = 0\n");
+        let w = Study::parse(Path::new("d/s.toml"), &on_workers).unwrap();
+        assert_eq!(s.hash, w.hash);
+        let workers = w.workers.unwrap();
+        assert_eq!(workers.swarm_key, Path::new("d/k.key"));
+        assert_eq!((workers.local, workers.wait_seconds), (0, 30.0));
+        assert_eq!(s.workers, None);
     }
+
+    const W: &str = "/ip4/127.0.0.1/udp/4100/quic-v1";
 
     #[test]
     fn bad_files_name_the_field() {
@@ -1357,6 +1466,28 @@ min_steps = 2
             (
                 GOOD.replace("seed = 3", "seed = 3\nmetric = \"speed\""),
                 "metric",
+            ),
+            (
+                format!("{GOOD}\n[workers]\nswarm_key = \"k\"\nbootstrap = []\n"),
+                "workers.bootstrap",
+            ),
+            (
+                format!("{GOOD}\n[workers]\nswarm_key = \"k\"\nbootstrap = [\"x\"]\n"),
+                "workers.bootstrap[0]",
+            ),
+            (
+                format!("{GOOD}\n[workers]\nswarm_key = \"k\"\nbootstrap = [\"{W}\"]\nlocal = 3\n"),
+                "workers.local",
+            ),
+            (
+                format!(
+                    "{GOOD}\n[workers]\nswarm_key = \"k\"\nbootstrap = [\"{W}\"]\nlisten = \"y\"\n"
+                ),
+                "workers.listen",
+            ),
+            (
+                format!("{GOOD}\n[workers]\nbootstrap = [\"{W}\"]\n"),
+                "workers",
             ),
         ];
         for (text, field) in cases {

@@ -20,4 +20,5 @@ mod rogue;
 mod routing;
 mod stop;
 mod study;
+mod study_workers;
 mod swarm;

@@ -29,7 +29,7 @@ echo "{\"reward\": ${BIAS}.${r}}"
 
 /// Writes the tiny model, the agent, the tasks and a study file of `policy` (with
 /// `extra` appended); returns the study file.
-fn write_study(dir: &Path, policy: &str, extra: &str) -> PathBuf {
+pub(crate) fn write_study(dir: &Path, policy: &str, extra: &str) -> PathBuf {
     let model = common::Tiny {
         max_pos: 1024,
         ..Default::default()
@@ -63,7 +63,7 @@ client = ["--agent", "sh {agent}", "--tasks", "{tasks}", "--num-repeat", "4",
 }
 
 /// A driver process, killed if the test lets go of it early (a failed wait).
-struct Driver(Child);
+pub(crate) struct Driver(pub(crate) Child);
 
 impl Drop for Driver {
     fn drop(&mut self) {
@@ -72,11 +72,11 @@ impl Drop for Driver {
     }
 }
 
-fn start_driver(file: &Path, dir: &Path, log: &str) -> Driver {
+pub(crate) fn start_driver(file: &Path, dir: &Path, log: &str) -> Driver {
     start_driver_with(file, dir, log, &[])
 }
 
-fn start_driver_with(file: &Path, dir: &Path, log: &str, extra: &[&str]) -> Driver {
+pub(crate) fn start_driver_with(file: &Path, dir: &Path, log: &str, extra: &[&str]) -> Driver {
     let out = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
@@ -97,7 +97,7 @@ fn start_driver_with(file: &Path, dir: &Path, log: &str, extra: &[&str]) -> Driv
 }
 
 /// `study report`'s `report.md` for the study in `dir`.
-fn study_report(file: &Path, dir: &Path) -> String {
+pub(crate) fn study_report(file: &Path, dir: &Path) -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_agentjet-peer"))
         .args(["study", "report"])
         .arg(file)
@@ -113,11 +113,11 @@ fn study_report(file: &Path, dir: &Path) -> String {
     std::fs::read_to_string(dir.join("report.md")).unwrap()
 }
 
-fn driver_out(dir: &Path, log: &str) -> String {
+pub(crate) fn driver_out(dir: &Path, log: &str) -> String {
     std::fs::read_to_string(dir.with_extension(format!("{log}.out"))).unwrap_or_default()
 }
 
-fn journal(dir: &Path) -> Vec<Value> {
+pub(crate) fn journal(dir: &Path) -> Vec<Value> {
     std::fs::read_to_string(dir.join("journal.jsonl"))
         .unwrap_or_default()
         .lines()
@@ -126,7 +126,7 @@ fn journal(dir: &Path) -> Vec<Value> {
 }
 
 /// Waits for the driver to exit successfully.
-fn finish(mut c: Driver, dir: &Path, log: &str, within: Duration) {
+pub(crate) fn finish(mut c: Driver, dir: &Path, log: &str, within: Duration) {
     let deadline = Instant::now() + within;
     loop {
         if let Some(st) = c.0.try_wait().unwrap() {
@@ -149,7 +149,7 @@ fn finish(mut c: Driver, dir: &Path, log: &str, within: Duration) {
 }
 
 /// Waits until the journal satisfies `f`.
-fn wait_journal(dir: &Path, what: &str, within: Duration, f: impl Fn(&[Value]) -> bool) {
+pub(crate) fn wait_journal(dir: &Path, what: &str, within: Duration, f: impl Fn(&[Value]) -> bool) {
     let deadline = Instant::now() + within;
     while !f(&journal(dir)) {
         assert!(
@@ -161,12 +161,12 @@ fn wait_journal(dir: &Path, what: &str, within: Duration, f: impl Fn(&[Value]) -
     }
 }
 
-fn kind(r: &Value) -> &str {
+pub(crate) fn kind(r: &Value) -> &str {
     r["t"].as_str().unwrap_or("")
 }
 
 /// The arms the journal says run now.
-fn running(j: &[Value]) -> std::collections::BTreeSet<u64> {
+pub(crate) fn running(j: &[Value]) -> std::collections::BTreeSet<u64> {
     let mut on = std::collections::BTreeSet::new();
     for r in j {
         let arm = r["arm"].as_u64().unwrap_or(u64::MAX);
@@ -187,7 +187,7 @@ fn running(j: &[Value]) -> std::collections::BTreeSet<u64> {
 }
 
 /// The decisions as (arm, action, steps), in order, and the winner.
-fn outcome(j: &[Value]) -> (Vec<(u64, String, u64)>, Option<u64>) {
+pub(crate) fn outcome(j: &[Value]) -> (Vec<(u64, String, u64)>, Option<u64>) {
     let decisions = j
         .iter()
         .filter(|r| kind(r) == "decision")
@@ -204,7 +204,7 @@ fn outcome(j: &[Value]) -> (Vec<(u64, String, u64)>, Option<u64>) {
 }
 
 /// No arm reached a target twice, and none was launched to a target it had reached.
-fn assert_no_arm_ran_twice(j: &[Value]) {
+pub(crate) fn assert_no_arm_ran_twice(j: &[Value]) {
     let mut reached = std::collections::BTreeSet::new();
     for r in j {
         let key = (r["arm"].as_u64(), r["steps"].as_u64());
@@ -219,7 +219,7 @@ fn assert_no_arm_ran_twice(j: &[Value]) {
     }
 }
 
-const HALVING: &str = r#"
+pub(crate) const HALVING: &str = r#"
 [budget]
 steps = 6
 at_once = 2

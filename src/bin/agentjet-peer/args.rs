@@ -636,6 +636,27 @@ pub enum StudyAction {
     Status(StudyArgs),
     /// Write the study's report (report.md and curves.svg in its directory).
     Report(StudyArgs),
+    /// Run study arms on this machine for the drivers named (a peer of a closed swarm:
+    /// a study file's `[workers]` finds it there).
+    Worker(WorkerArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct WorkerArgs {
+    #[command(flatten)]
+    pub swarm: SwarmArgs,
+    /// A driver whose arms this worker runs (repeatable): its peer id, which
+    /// `agentjet-peer id --data-dir <the study's directory>` prints. An arm's client runs
+    /// the study's agent command: allow only drivers you would let run programs here.
+    #[arg(long = "allow-driver", value_name = "PEER_ID", required = true)]
+    pub allow_driver: Vec<String>,
+    /// Arms at once.
+    #[arg(long, default_value_t = 1)]
+    pub slots: u32,
+    /// Seconds a driver may say nothing before its arms here are stopped (their servers
+    /// save their checkpoints); it says it lives every 2 s.
+    #[arg(long, default_value_t = 30.0)]
+    pub lease_seconds: f64,
 }
 
 #[derive(Debug, clap::Args)]

@@ -10,7 +10,7 @@ use std::time::Duration;
 use agentjet::study::{self, Outcome, Study};
 use anyhow::{Context, Result};
 
-use super::args::{StudyAction, StudyArgs};
+use super::args::{secs, StudyAction, StudyArgs, WorkerArgs};
 
 fn open(a: &StudyArgs) -> Result<(Study, std::path::PathBuf)> {
     let s = Study::load(&a.file)?;
@@ -116,5 +116,58 @@ pub fn run(action: StudyAction) -> Result<()> {
             println!("{}", study::report::write(&s, &dir)?.display());
             Ok(())
         }
+        StudyAction::Worker(a) => {
+            if !cfg!(feature = "torch") {
+                anyhow::bail!(
+                    "study worker: this is the client-only build, whose binary cannot run \
+                     the arms' servers; run the worker with the full build"
+                );
+            }
+            super::run::with_signals(|stop| worker(a, stop))
+        }
     }
+}
+
+/// `study worker`: a node of the swarm that runs the allowed drivers' arms until stopped.
+async fn worker(a: WorkerArgs, stop: agentjet::base::Stop) -> Result<()> {
+    use agentjet::swarm;
+    let allowed = a
+        .allow_driver
+        .iter()
+        .map(|p| {
+            p.parse::<swarm::PeerId>()
+                .map_err(|e| anyhow::anyhow!("--allow-driver {p:?}: not a peer id: {e}"))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    if a.slots == 0 {
+        anyhow::bail!("--slots must be at least 1");
+    }
+    let lease = secs("lease-seconds", a.lease_seconds)?;
+    let dir = a.swarm.data_dir("study-worker");
+    let cfg = a.swarm.config(swarm::Role::Plain, &dir)?;
+    if cfg.swarm_key.is_none() {
+        anyhow::bail!(
+            "study worker: give --swarm-key (a worker runs its drivers' programs: it joins \
+             closed swarms only)"
+        );
+    }
+    let node = swarm::spawn_node(cfg).await?;
+    println!("{}", node.introduction(&node.listen_addrs().await));
+    println!(
+        "study worker: {} slot(s), arms in {}, drivers allowed: {}",
+        a.slots,
+        dir.join("studies").display(),
+        a.allow_driver.join(", ")
+    );
+    agentjet::base::flush_stdout();
+    let opts = study::worker::WorkerOptions {
+        dir,
+        exe: std::env::current_exe().context("finding this binary")?,
+        allowed,
+        slots: a.slots,
+        lease,
+    };
+    let served = study::worker::serve(&node, opts, &stop).await;
+    node.shutdown(Duration::from_secs(5)).await;
+    Ok(served?)
 }

@@ -458,6 +458,7 @@ steps = [2, 8]
                 arm: id,
                 steps: 2,
                 attempt: 1,
+                host: None,
                 unix_ms: 0,
             })
             .unwrap();
