@@ -87,6 +87,8 @@ struct Driver<'a> {
     retry_at: Option<Instant>,
     /// Study workers of a swarm (the study's `[workers]`).
     workers: Option<Workers>,
+    /// Arms of workers to launch again, and when (after a crash or a refused launch).
+    relaunch: BTreeMap<usize, Instant>,
 }
 
 /// Runs (or resumes) the study in `opts.dir`.
@@ -161,6 +163,7 @@ pub fn run(study: &Study, opts: &Options) -> Result<Outcome, StudyError> {
         endpoint_errors: 0,
         retry_at: None,
         workers,
+        relaunch: BTreeMap::new(),
     };
     let out = d.drive();
     // Whatever ended the loop, no arm is left running.
@@ -333,10 +336,21 @@ impl Driver<'_> {
                 let Some(ws) = &self.workers else {
                     return Err(self.no_workers(o.arm));
                 };
-                ws.seed(w, id, o.arm).map_err(|e| StudyError::Launch {
-                    arm: format!("{id}"),
-                    msg: format!("copying arm {}'s checkpoint on worker {w}: {e}", o.arm),
-                })?
+                match ws.seed(w, id, o.arm) {
+                    Ok(at) => {
+                        dir.mark_seeded()?;
+                        at
+                    }
+                    // Tried again before its launch (it waits for the copy).
+                    Err(e) => {
+                        println!(
+                            "{}: copying arm {}'s checkpoint on worker {w}: {e}; trying again later",
+                            self.name(id),
+                            o.arm
+                        );
+                        return Ok(());
+                    }
+                }
             }
             None => dir.seed_from(&ArmDir::new(&self.opts.dir, o.arm))?,
         };
@@ -665,6 +679,10 @@ impl Driver<'_> {
             .collect();
         for id in running {
             let dir = ArmDir::new(&self.opts.dir, id);
+            if let Some(w) = self.home_worker(id) {
+                self.pick_up_remote(id, w)?;
+                continue;
+            }
             let n = self.stop_left(id)?;
             println!(
                 "{}: was running when the last driver stopped; {n} of its processes were left and are stopped now",
@@ -686,9 +704,44 @@ impl Driver<'_> {
         Ok(())
     }
 
+    /// Picks up an arm that was running on worker `w`: taken up again there (the worker
+    /// has it still running, or resumes it from its checkpoint), once the worker is in
+    /// the view; an arm already at its target there is stopped and has reached it.
+    fn pick_up_remote(&mut self, id: usize, w: PeerId) -> Result<(), StudyError> {
+        let missing = self.no_workers(id);
+        let name = self.name(id);
+        let dir = ArmDir::new(&self.opts.dir, id);
+        let target = self.state.arms[id].target;
+        let Some(ws) = self.workers.as_mut() else {
+            return Err(missing);
+        };
+        if !ws.wait_for(&w) {
+            println!("{name}: was running when the last driver stopped, on worker {w}, which is not in the swarm's view: it is taken up once it is");
+            self.relaunch.insert(id, Instant::now());
+            return Ok(());
+        }
+        let phase = ws.peek(w, id, &dir);
+        println!(
+            "{name}: was running when the last driver stopped; on worker {w} it is {}",
+            match &phase {
+                Ok(p) => format!("{p:?}"),
+                Err(e) => format!("not known ({e})"),
+            }
+        );
+        note(&dir, &format!("picked up on worker {w}: {phase:?}"));
+        if dir.checkpoint_step().is_some_and(|s| s >= target) {
+            // It got there before the last driver could write so.
+            self.stop_left(id)?;
+            return self.reached(id, &dir);
+        }
+        let attempt = self.state.arms[id].attempt.max(1);
+        self.launch(id, attempt, Some(w))
+    }
+
     /// Stops what is left of arm `id` that this driver does not hold (a killed driver's
     /// processes, here or on the arm's worker); returns how many processes were left.
     fn stop_left(&mut self, id: usize) -> Result<usize, StudyError> {
+        self.relaunch.remove(&id);
         let dir = ArmDir::new(&self.opts.dir, id);
         let Some(w) = self.home_worker(id) else {
             return Ok(stop_leftovers(&dir));
@@ -714,6 +767,7 @@ impl Driver<'_> {
 
     /// Stops a running arm of this driver (its server saves its checkpoint).
     fn stop_live(&mut self, id: usize) {
+        self.relaunch.remove(&id);
         let Some(l) = self.live.remove(&id) else {
             return;
         };
@@ -802,9 +856,33 @@ impl Driver<'_> {
         if let Some(ws) = &mut self.workers {
             ws.scan();
         }
+        // Arms of workers to launch again (after a crash or a refused launch there).
+        let due: Vec<usize> = self
+            .relaunch
+            .iter()
+            .filter(|(_, t)| Instant::now() >= **t)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in due {
+            let w = self.home_worker(id);
+            if let (Some(w), Some(ws)) = (w, &self.workers) {
+                let busy = self
+                    .live
+                    .values()
+                    .filter(|l| l.procs.worker() == Some(w))
+                    .count();
+                if !ws.has_room(&w, busy) {
+                    ws.tell_waiting(id, &w);
+                    continue;
+                }
+            }
+            self.relaunch.remove(&id);
+            let attempt = self.state.arms[id].attempt.max(1);
+            self.launch(id, attempt, w)?;
+        }
         // Arms whose place has no room now.
         let mut no_room = std::collections::BTreeSet::new();
-        while self.live.len() < self.study.budget.at_once {
+        while self.live.len() + self.relaunch.len() < self.study.budget.at_once {
             let Some(id) = (0..self.state.arms.len())
                 .find(|&i| self.state.arms[i].phase == Phase::Waiting && !no_room.contains(&i))
             else {
@@ -822,9 +900,21 @@ impl Driver<'_> {
             if let (Place::Worker(_), None) = (self.home(id), &self.workers) {
                 return Err(self.no_workers(id));
             }
+            // A new arm from a checkpoint on a worker waits for its copy there.
+            let a = &self.state.arms[id];
+            if a.from.is_some() && a.launches == 0 && !dir.seeded() && dir.run_dir().is_none() {
+                self.seed(id)?;
+                if !dir.seeded() {
+                    no_room.insert(id);
+                    continue;
+                }
+            }
             match self.placement(id) {
                 Some(host) => self.launch(id, 1, host)?,
                 None => {
+                    if let (Some(w), Some(ws)) = (self.home_worker(id), &self.workers) {
+                        ws.tell_waiting(id, &w);
+                    }
                     no_room.insert(id);
                 }
             }
@@ -968,7 +1058,9 @@ impl Driver<'_> {
             Some(Exited::Client { success: true, .. }) => {
                 // It ran every task for its epochs: again, the arm has steps to go.
                 note(&dir, "the client ran its tasks to the end; started again");
-                l.procs.restart_client(&launch, workers)?;
+                if let Err(e) = l.procs.restart_client(&launch, workers) {
+                    return self.fail(id, "worker", &e.to_string(), true);
+                }
             }
             Some(Exited::Client { usage, detail, .. }) => {
                 let detail = format!(
@@ -1038,8 +1130,16 @@ impl Driver<'_> {
         })?;
         if restart {
             // The failure's record counted the attempt (a driver killed right here
-            // launches it as this one would have), where its checkpoint is.
-            self.launch(id, self.state.arms[id].attempt, self.home_worker(id))?;
+            // launches it as this one would have), where its checkpoint is: on a worker
+            // after a pause (one that vanished gets time to come back).
+            match self.home_worker(id) {
+                Some(_) => {
+                    let attempt = u64::from(self.state.arms[id].attempt);
+                    let pause = Duration::from_secs((5 * attempt).min(60));
+                    self.relaunch.insert(id, Instant::now() + pause);
+                }
+                None => self.launch(id, self.state.arms[id].attempt, None)?,
+            }
         }
         Ok(())
     }

@@ -135,16 +135,24 @@ impl ArmDir {
     /// once this arm has a run directory. Returns the step its server starts from
     /// (none: the parent has no checkpoint, and this arm starts from the base model).
     pub fn seed_from(&self, parent: &ArmDir) -> Result<Option<u64>, StudyError> {
+        self.seed_here(parent)
+    }
+
+    /// Marks this arm seeded (its copy is made, here or on its worker).
+    pub fn mark_seeded(&self) -> Result<(), StudyError> {
+        std::fs::create_dir_all(&self.dir).map_err(|e| StudyError::io(&self.dir, e))?;
+        let m = self.dir.join("seeded");
+        crate::base::files::write_atomic(&m, b"").map_err(|e| StudyError::io(&m, e))
+    }
+
+    fn seed_here(&self, parent: &ArmDir) -> Result<Option<u64>, StudyError> {
         if self.seeded() || self.run_dir().is_some() {
             return Ok(self.checkpoint_step());
         }
         std::fs::create_dir_all(&self.dir).map_err(|e| StudyError::io(&self.dir, e))?;
         // Once: a parent with nothing to give now may have something later, which
         // would not be what it had at the rung.
-        let mark = || {
-            let m = self.dir.join("seeded");
-            crate::base::files::write_atomic(&m, b"").map_err(|e| StudyError::io(&m, e))
-        };
+        let mark = || self.mark_seeded();
         let (Some(src), Some(ck)) = (parent.run_dir(), parent.checkpoint()) else {
             mark()?;
             return Ok(None);
@@ -199,9 +207,12 @@ pub struct Remote {
     pub checkpoint_step: Option<u64>,
     /// The checkpoint's path on the worker.
     pub checkpoint: Option<String>,
-    /// The inode of the worker's metrics file the mirror copies.
+    /// The inode of the worker's metrics file the mirror copies, and its run
+    /// directory's name.
     #[serde(default)]
     pub metrics_file: u64,
+    #[serde(default)]
+    pub run: Option<String>,
 }
 
 /// What to run an arm with.

@@ -23,10 +23,14 @@ use super::wire::{self, ArmKey, Look, Phase, Reply, Request, MAX_FRAME};
 use crate::swarm::frame::{read_frame, write_frame};
 use crate::swarm::{PeerId, SwarmConfig, SwarmHandle};
 
-/// How often the driver tells its workers it lives.
-pub const KEEPALIVE: Duration = Duration::from_secs(2);
+/// How often the driver tells its workers it lives (a worker's lease is at least three
+/// of these).
+pub const KEEPALIVE: Duration = Duration::from_secs(1);
 /// A request's time limit.
 const ASK_TIMEOUT: Duration = Duration::from_secs(10);
+/// A look's and a keepalive's time limit (a worker that does not answer costs the
+/// driver's loop this much per arm).
+const LOOK_TIMEOUT: Duration = Duration::from_secs(3);
 /// Looks in a row a worker may miss before its arm counts as crashed.
 pub const LOOK_MISSES: u32 = 6;
 /// How often the swarm's view is searched for new workers.
@@ -52,7 +56,11 @@ pub struct Workers {
     study: String,
     spec: spec::Workers,
     started: Instant,
-    known: BTreeMap<PeerId, Known>,
+    /// Changed by any request that fails to reach its worker (it is not picked for a
+    /// new arm until it answers a hello again).
+    known: std::cell::RefCell<BTreeMap<PeerId, Known>>,
+    /// When the driver last said which arms wait for a worker it cannot reach.
+    told_waiting: std::cell::Cell<Option<Instant>>,
     /// Workers that run an arm of this driver now (the keepalive's list).
     hosting: Arc<Mutex<BTreeSet<PeerId>>>,
     scanned: Option<Instant>,
@@ -112,11 +120,13 @@ impl Workers {
                 loop {
                     tokio::time::sleep(KEEPALIVE).await;
                     let peers: Vec<PeerId> = crate::base::lock(&hosting).iter().copied().collect();
-                    for p in peers {
-                        let req = Request::Keepalive {
-                            study: study.clone(),
-                        };
-                        if let Err(e) = ask_on(&node, p, &req, ASK_TIMEOUT).await {
+                    let req = Request::Keepalive {
+                        study: study.clone(),
+                    };
+                    // All at once: one silent worker does not hold the others' leases.
+                    let asks = peers.iter().map(|p| ask_on(&node, *p, &req, LOOK_TIMEOUT));
+                    for (p, r) in peers.iter().zip(futures::future::join_all(asks).await) {
+                        if let Err(e) = r {
                             tracing::warn!(worker = %p, "a keepalive failed: {e}");
                         }
                     }
@@ -129,7 +139,8 @@ impl Workers {
             study: study_name,
             spec: w.clone(),
             started: Instant::now(),
-            known: BTreeMap::new(),
+            known: Default::default(),
+            told_waiting: Default::default(),
             hosting,
             scanned: None,
         })
@@ -164,13 +175,23 @@ impl Workers {
             return;
         }
         self.scanned = Some(Instant::now());
-        let new: Vec<PeerId> = self
+        let allow = &self.spec.allow;
+        let in_view: BTreeSet<PeerId> = self
             .node
             .view()
             .into_iter()
             .filter(|e| !e.is_self && e.status.extra.contains_key(wire::WORKER_FIELD))
             .map(|e| e.peer)
-            .filter(|p| match self.known.get(p) {
+            .filter(|p| allow.is_empty() || allow.contains(p))
+            .collect();
+        // A worker gone from the view gets no new arm (its arms wait for it).
+        self.known
+            .borrow_mut()
+            .retain(|p, k| in_view.contains(p) || matches!(k, Known::Refused(..)));
+        let known = self.known.borrow().clone();
+        let new: Vec<PeerId> = in_view
+            .into_iter()
+            .filter(|p| match known.get(p) {
                 None => true,
                 Some(Known::Slots(_)) => false,
                 Some(Known::Refused(_, at)) => at.elapsed() >= ASK_AGAIN,
@@ -190,25 +211,40 @@ impl Workers {
                     Known::Refused(e, Instant::now())
                 }
             };
-            self.known.insert(p, known);
+            self.known.borrow_mut().insert(p, known);
         }
+    }
+
+    /// Says (once a minute at most) which arms wait for a worker that is not usable now.
+    pub fn tell_waiting(&self, arm: usize, worker: &PeerId) {
+        if self
+            .told_waiting
+            .get()
+            .is_some_and(|t| t.elapsed() < Duration::from_secs(60))
+        {
+            return;
+        }
+        self.told_waiting.set(Some(Instant::now()));
+        println!(
+            "arm {arm} waits for worker {worker}, which holds its checkpoint and is not usable now"
+        );
     }
 
     /// Why no worker can run arms, once the driver looked for `wait_seconds`: none, or
     /// what each said.
     pub fn none_usable(&self) -> Option<String> {
-        if !self.waited() || self.known.values().any(|k| matches!(k, Known::Slots(_))) {
+        let known = self.known.borrow();
+        if !self.waited() || known.values().any(|k| matches!(k, Known::Slots(_))) {
             return None;
         }
-        if self.known.is_empty() {
+        if known.is_empty() {
             return Some(format!(
                 "no study worker in the swarm of {} within {} s",
                 self.spec.bootstrap.join(", "),
                 self.spec.wait_seconds
             ));
         }
-        let said: Vec<String> = self
-            .known
+        let said: Vec<String> = known
             .iter()
             .map(|(p, k)| match k {
                 Known::Refused(why, _) => format!("{p}: {why}"),
@@ -226,7 +262,7 @@ impl Workers {
     pub fn wait_for(&mut self, w: &PeerId) -> bool {
         loop {
             self.scan();
-            if matches!(self.known.get(w), Some(Known::Slots(_))) {
+            if matches!(self.known.borrow().get(w), Some(Known::Slots(_))) {
                 return true;
             }
             if self.waited() {
@@ -238,19 +274,27 @@ impl Workers {
 
     /// Whether `worker` has a slot free, with `busy` arms of this driver on it.
     pub fn has_room(&self, worker: &PeerId, busy: usize) -> bool {
-        matches!(self.known.get(worker), Some(Known::Slots(n)) if (*n as usize) > busy)
+        matches!(self.known.borrow().get(worker), Some(Known::Slots(n)) if (*n as usize) > busy)
     }
 
     /// A known worker with a slot free, given the arms of this driver on each.
     pub fn free(&self, busy: impl Fn(&PeerId) -> usize) -> Option<PeerId> {
-        self.known
-            .keys()
-            .find(|p| self.has_room(p, busy(p)))
-            .copied()
+        let known: Vec<PeerId> = self.known.borrow().keys().copied().collect();
+        known.into_iter().find(|p| self.has_room(p, busy(p)))
     }
 
+    /// One request; a worker that it does not reach (not a refusal) is not picked for
+    /// a new arm until it answers a hello again.
     fn ask(&self, peer: PeerId, req: &Request, t: Duration) -> Result<Reply, String> {
-        self.rt.block_on(ask_on(&self.node, peer, req, t))
+        let r = self.rt.block_on(ask_on(&self.node, peer, req, t));
+        if let Err(e) = &r {
+            if !e.starts_with(REFUSED) {
+                self.known
+                    .borrow_mut()
+                    .insert(peer, Known::Refused(e.clone(), Instant::now()));
+            }
+        }
+        r
     }
 
     /// Gives arm `arm` the checkpoint of arm `from`, which ran on `worker`.
@@ -276,8 +320,14 @@ impl Workers {
         args: &ArmArgs,
         dir: ArmDir,
     ) -> Result<RemoteArm, String> {
-        if let Some(m) = dir.metrics_path() {
-            let _ = std::fs::remove_file(m);
+        // One that the worker still stops (its lease ran out, or a stop) first ends.
+        let key = self.key(arm);
+        let deadline = Instant::now() + SERVER_DRAIN + Duration::from_secs(30);
+        while self.look(worker, &key, &dir)?.0 == Phase::Stopping {
+            if Instant::now() > deadline {
+                return Err(format!("arm {arm} still stopping on worker {worker}"));
+            }
+            std::thread::sleep(Duration::from_millis(250));
         }
         let req = Request::Launch {
             key: self.key(arm),
@@ -292,6 +342,10 @@ impl Workers {
             other => return Err(format!("answered {other:?} to a launch")),
         }
         crate::base::lock(&self.hosting).insert(worker);
+        // Its metrics come again from the start (a resumed server writes them anew).
+        if let Some(m) = dir.metrics_path() {
+            let _ = std::fs::remove_file(m);
+        }
         let _ = dir.set_remote(&Remote {
             worker: worker.to_string(),
             ..dir.remote().unwrap_or_default()
@@ -307,26 +361,41 @@ impl Workers {
     }
 
     /// One look at arm `key` on `worker`: its mirror in `dir` gets the new metrics.
-    fn look(&self, worker: PeerId, key: &ArmKey, dir: &ArmDir) -> Result<Phase, String> {
+    /// Returns the arm's phase and whether the mirror holds the worker's whole file.
+    fn look(&self, worker: PeerId, key: &ArmKey, dir: &ArmDir) -> Result<(Phase, bool), String> {
         // Twice when the worker's file was written anew: the second from its start.
-        loop {
+        for _ in 0..2 {
             let from = dir
-                .metrics_path()
-                .and_then(|m| std::fs::metadata(m).ok())
+                .remote()
+                .and_then(|r| r.run)
+                .and_then(|run| {
+                    std::fs::metadata(dir.dir.join("server/runs").join(run).join("metrics.jsonl"))
+                        .ok()
+                })
                 .map_or(0, |m| m.len());
             let req = Request::Look {
                 key: key.clone(),
                 metrics_from: from,
             };
-            let look = match self.ask(worker, &req, ASK_TIMEOUT)? {
+            let look = match self.ask(worker, &req, LOOK_TIMEOUT)? {
                 Reply::Look(l) => l,
                 other => return Err(format!("answered {other:?} to a look")),
             };
             let anew = mirror_look(dir, worker, from, &look).map_err(|e| e.to_string())?;
             if !anew {
-                return Ok(look.phase);
+                let whole = from + look.metrics.len() as u64 >= look.metrics_len;
+                return Ok((look.phase, whole));
             }
         }
+        Err(format!(
+            "worker {worker} wrote arm {}'s metrics anew twice in a row",
+            key.arm
+        ))
+    }
+
+    /// One look at arm `arm` on `worker` (its mirror brought a step closer).
+    pub fn peek(&self, worker: PeerId, arm: usize, dir: &ArmDir) -> Result<Phase, String> {
+        self.look(worker, &self.key(arm), dir).map(|(p, _)| p)
     }
 
     /// Stops arm `arm` on `worker` and waits until no process of it runs there (its
@@ -334,13 +403,14 @@ impl Workers {
     /// process of it ran there.
     pub fn stop(&self, worker: PeerId, arm: usize, dir: &ArmDir) -> Result<bool, String> {
         let key = self.key(arm);
-        let was = self.look(worker, &key, dir)?;
         self.ask(worker, &Request::Stop { key: key.clone() }, ASK_TIMEOUT)?;
+        let (was, _) = self.look(worker, &key, dir)?;
         let deadline = Instant::now() + SERVER_DRAIN + Duration::from_secs(30);
         let mut misses = 0;
         loop {
             match self.look(worker, &key, dir) {
-                Ok(Phase::Gone) => break,
+                // Gone, and every line of its metrics here.
+                Ok((Phase::Gone, true)) => break,
                 Ok(_) => misses = 0,
                 Err(e) => {
                     misses += 1;
@@ -354,7 +424,7 @@ impl Workers {
             }
             std::thread::sleep(Duration::from_millis(250));
         }
-        Ok(was != Phase::Gone)
+        Ok(was == Phase::Stopping)
     }
 
     /// The worker no arm of this driver runs on any more leaves the keepalive's list.
@@ -369,6 +439,7 @@ impl Workers {
 /// whether the worker's file was written anew (the mirror is emptied: look again).
 fn mirror_look(dir: &ArmDir, worker: PeerId, from: u64, look: &Look) -> Result<bool, StudyError> {
     let mut anew = false;
+    let was = dir.remote();
     if let Some(run) = look.run.as_deref() {
         if !wire::run_name_ok(run) {
             return Err(StudyError::io(
@@ -379,8 +450,10 @@ fn mirror_look(dir: &ArmDir, worker: PeerId, from: u64, look: &Look) -> Result<b
         let runs = dir.dir.join("server").join("runs").join(run);
         std::fs::create_dir_all(&runs).map_err(|e| StudyError::io(&runs, e))?;
         let path = runs.join("metrics.jsonl");
-        let copied = dir.remote().map_or(0, |r| r.metrics_file);
-        anew = from > 0 && (look.metrics_file != copied || look.metrics_len < from);
+        let (copied, same_run) = was.as_ref().map_or((0, false), |r| {
+            (r.metrics_file, r.run.as_deref() == Some(run))
+        });
+        anew = from > 0 && (look.metrics_file != copied || !same_run || look.metrics_len < from);
         if anew {
             std::fs::write(&path, b"").map_err(|e| StudyError::io(&path, e))?;
         } else if !look.metrics.is_empty() {
@@ -399,12 +472,19 @@ fn mirror_look(dir: &ArmDir, worker: PeerId, from: u64, look: &Look) -> Result<b
         checkpoint_step: look.checkpoint_step,
         checkpoint: look.checkpoint.clone(),
         metrics_file: look.metrics_file,
+        run: look
+            .run
+            .clone()
+            .or(was.as_ref().and_then(|r| r.run.clone())),
     };
-    if dir.remote().as_ref() != Some(&r) {
+    if was.as_ref() != Some(&r) {
         dir.set_remote(&r)?;
     }
     Ok(anew)
 }
+
+/// How the error of a request the worker refused begins (it was reached).
+const REFUSED: &str = "refused: ";
 
 async fn ask_on(
     node: &SwarmHandle,
@@ -425,7 +505,7 @@ async fn ask_on(
             .map_err(|e| e.to_string())
     };
     match tokio::time::timeout(t, talk).await {
-        Ok(Ok(Reply::Refused(why))) => Err(format!("refused: {why}")),
+        Ok(Ok(Reply::Refused(why))) => Err(format!("{REFUSED}{why}")),
         Ok(r) => r,
         Err(_) => Err(format!("no answer within {} s", t.as_secs())),
     }
@@ -484,10 +564,12 @@ impl Running {
             (Running::Remote(_), None) => return Ok(None),
         };
         match w.look(r.worker, &r.key, &r.dir) {
-            Ok(phase) => {
+            Ok((phase, whole)) => {
                 r.misses = 0;
                 match phase {
                     Phase::Starting => Ok(None),
+                    // Stopped: judged once every line of its metrics is here.
+                    Phase::Stopping | Phase::Gone if !whole => Ok(None),
                     Phase::Serving => {
                         r.serving = true;
                         Ok(None)

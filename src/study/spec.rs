@@ -63,6 +63,7 @@
 //! # local = 0                # arms at once on the driver's machine (default budget.at_once)
 //! # listen = "/ip4/0.0.0.0/udp/0/quic-v1"   # the driver's own address
 //! # wait_seconds = 30        # looking for workers before arms go to the driver's machine
+//! # allow = ["12D3KooW..."]  # the workers it may use (default: any holder of the key)
 //!
 //! [watch]
 //! flat_steps = 0             # stop an arm whose reward stayed the same this many steps
@@ -186,6 +187,9 @@ pub struct Workers {
     pub local: usize,
     /// How long the driver looks for workers before it puts an arm on its own machine.
     pub wait_seconds: f64,
+    /// The workers it may use (peer ids); empty: any worker of the swarm (any holder
+    /// of its key).
+    pub allow: Vec<crate::swarm::PeerId>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -297,6 +301,8 @@ struct RawWorkers {
     listen: String,
     #[serde(default = "thirty")]
     wait_seconds: f64,
+    #[serde(default)]
+    allow: Vec<String>,
 }
 
 fn listen_any() -> String {
@@ -820,6 +826,19 @@ fn check_workers(file: &Path, w: RawWorkers, at_once: usize) -> Result<Workers, 
             format!("{}: must be 0 or above", w.wait_seconds),
         ));
     }
+    let allow = w
+        .allow
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            p.parse::<crate::swarm::PeerId>().map_err(|e| {
+                bad(
+                    &format!("workers.allow[{i}]"),
+                    format!("{p:?} is not a peer id: {e}"),
+                )
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
     let swarm_key = if w.swarm_key.is_absolute() {
         w.swarm_key
     } else {
@@ -831,6 +850,7 @@ fn check_workers(file: &Path, w: RawWorkers, at_once: usize) -> Result<Workers, 
         listen: w.listen,
         local,
         wait_seconds: w.wait_seconds,
+        allow,
     })
 }
 
@@ -1488,6 +1508,10 @@ min_steps = 2
             (
                 format!("{GOOD}\n[workers]\nbootstrap = [\"{W}\"]\n"),
                 "workers",
+            ),
+            (
+                format!("{GOOD}\n[workers]\nswarm_key = \"k\"\nbootstrap = [\"{W}\"]\nallow = [\"x\"]\n"),
+                "workers.allow[0]",
             ),
         ];
         for (text, field) in cases {

@@ -37,7 +37,7 @@ impl ArmKey {
     /// Refuses what could leave the worker's directory or is not a study's arm.
     pub fn check(&self) -> Result<(), String> {
         let ok = !self.study.is_empty()
-            && self.study.len() <= 96
+            && self.study.len() <= 160
             && !self.study.starts_with('.')
             && self
                 .study
@@ -53,6 +53,49 @@ impl ArmKey {
     }
 }
 
+impl Request {
+    /// The request with its study's name in `driver`'s own space on the worker
+    /// (`<driver>-<study>`): a driver sees and touches its own arms alone, and a study
+    /// run again from a new directory (a new driver identity) starts afresh.
+    pub fn scoped(self, driver: &crate::swarm::PeerId) -> Request {
+        let scope = |k: ArmKey| ArmKey {
+            study: format!("{driver}-{}", k.study),
+            arm: k.arm,
+        };
+        match self {
+            Request::Hello => Request::Hello,
+            Request::Seed { key, from } => Request::Seed {
+                key: scope(key),
+                from,
+            },
+            Request::Launch {
+                key,
+                steps,
+                model,
+                server,
+                client,
+                env,
+            } => Request::Launch {
+                key: scope(key),
+                steps,
+                model,
+                server,
+                client,
+                env,
+            },
+            Request::Look { key, metrics_from } => Request::Look {
+                key: scope(key),
+                metrics_from,
+            },
+            Request::RestartClient { key } => Request::RestartClient { key: scope(key) },
+            Request::Stop { key } => Request::Stop { key: scope(key) },
+            Request::Keepalive { study } => Request::Keepalive {
+                study: format!("{driver}-{study}"),
+            },
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Request {
     /// The worker's slots and the arms it runs now.
@@ -61,8 +104,9 @@ pub enum Request {
     /// study, which ran on this worker (PBT's exploit); once.
     Seed { key: ArmKey, from: usize },
     /// Starts the arm's server (its client follows once it serves), to run to `steps`
-    /// training steps: the worker stops it there itself (its driver may be away).
-    /// Refused when the worker's slots are taken or the arm runs there already.
+    /// training steps: the worker stops it there itself (its driver may be away). An
+    /// arm that runs there already is taken up again (its target set), not started
+    /// twice; one still stopping, or no free slot, is refused.
     Launch {
         key: ArmKey,
         steps: u64,
@@ -73,13 +117,14 @@ pub enum Request {
     },
     /// The arm's state and its metrics from byte `metrics_from` on.
     Look { key: ArmKey, metrics_from: u64 },
-    /// Starts the arm's client again (it ran its tasks to the end).
+    /// Starts the arm's client again once it ran its tasks to the end (refused while it
+    /// runs).
     RestartClient { key: ArmKey },
     /// Stops the arm: the client at once, the server drains and saves its checkpoint.
     /// Answered at once; a later look says when it is gone.
     Stop { key: ArmKey },
     /// The driver of `study` is alive: its arms here go on (a worker stops the arms of a
-    /// driver silent for its lease).
+    /// driver that sent no look or keepalive for its lease).
     Keepalive { study: String },
 }
 

@@ -7,8 +7,10 @@
 //! SIGTERM when the thread that started them ends, so they must not start on a pool's
 //! threads. Requests reach it through a channel; nothing it does waits on a process (a
 //! stop is begun and looked at on later ticks), so one arm's drain never holds another's
-//! looks. An arm whose driver went silent for the lease (no request, no keepalive) is
-//! stopped as a dead driver's local arms are: its server drains and saves its checkpoint.
+//! looks. An arm whose driver sent no look and no keepalive for the lease is stopped as a
+//! dead driver's local arms are: its server drains and saves its checkpoint. Each driver
+//! has its own space (`studies/<driver peer id>-<study>/`): it sees and touches its own
+//! arms alone.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -39,7 +41,7 @@ pub struct WorkerOptions {
 }
 
 enum Cmd {
-    Req(Request, tokio::sync::oneshot::Sender<Reply>),
+    Req(PeerId, Box<Request>, tokio::sync::oneshot::Sender<Reply>),
     /// Stop every arm (their servers drain), then answer.
     Shutdown(tokio::sync::oneshot::Sender<()>),
 }
@@ -64,9 +66,19 @@ pub async fn serve(node: &SwarmHandle, opts: WorkerOptions, stop: &Stop) -> Resu
         let allowed = allowed.clone();
         let to_host = to_host.clone();
         async move {
-            // The request is read first: a reply to an unread stream is lost with it.
-            let req: Request = read_frame(&mut s, MAX_FRAME).await?;
-            if !allowed.contains(&peer) {
+            // The request is read first (a reply to an unread stream is lost with it),
+            // within a time limit; one of a peer not allowed, in a small frame.
+            let ok = allowed.contains(&peer);
+            let limit = if ok { MAX_FRAME } else { 4096 };
+            let req: Request = tokio::time::timeout(READ_TIMEOUT, read_frame(&mut s, limit))
+                .await
+                .map_err(|_| {
+                    crate::swarm::frame::FrameError::Io(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        "no request within 10 s",
+                    ))
+                })??;
+            if !ok {
                 tracing::warn!(%peer, "refused a study request: not an allowed driver");
                 let reply = Reply::Refused(format!(
                     "peer {peer} is not a driver this worker allows (its --allow-driver)"
@@ -76,7 +88,7 @@ pub async fn serve(node: &SwarmHandle, opts: WorkerOptions, stop: &Stop) -> Resu
                 return Ok::<(), crate::swarm::frame::FrameError>(());
             }
             let (rtx, rrx) = tokio::sync::oneshot::channel();
-            let reply = match to_host.send(Cmd::Req(req, rtx)) {
+            let reply = match to_host.send(Cmd::Req(peer, Box::new(req), rtx)) {
                 Ok(()) => rrx
                     .await
                     .unwrap_or_else(|_| Reply::Refused("the worker is stopping".into())),
@@ -105,6 +117,9 @@ pub async fn serve(node: &SwarmHandle, opts: WorkerOptions, stop: &Stop) -> Resu
     Ok(())
 }
 
+/// How long a request may take to arrive once its stream is open.
+const READ_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// An arm the worker runs.
 struct Hosted {
     procs: Procs,
@@ -129,8 +144,8 @@ impl Host {
     fn run(mut self, rx: mpsc::Receiver<Cmd>) {
         loop {
             match rx.recv_timeout(Duration::from_millis(200)) {
-                Ok(Cmd::Req(r, tx)) => {
-                    let reply = self.handle(r);
+                Ok(Cmd::Req(peer, r, tx)) => {
+                    let reply = self.handle(&peer, *r);
                     let _ = tx.send(reply);
                 }
                 Ok(Cmd::Shutdown(tx)) => {
@@ -152,7 +167,9 @@ impl Host {
         ArmDir::new(&self.opts.dir.join("studies").join(&key.study), key.arm)
     }
 
-    fn handle(&mut self, r: Request) -> Reply {
+    fn handle(&mut self, driver: &PeerId, r: Request) -> Reply {
+        let own = format!("{driver}-");
+        let r = r.scoped(driver);
         let key = match &r {
             Request::Seed { key, .. }
             | Request::Launch { key, .. }
@@ -173,7 +190,12 @@ impl Host {
                     .arms
                     .keys()
                     .chain(self.stopping.keys())
-                    .cloned()
+                    .filter_map(|k| {
+                        Some(ArmKey {
+                            study: k.study.strip_prefix(&own)?.to_string(),
+                            arm: k.arm,
+                        })
+                    })
                     .collect(),
             },
             Request::Keepalive { study } => {
@@ -209,6 +231,13 @@ impl Host {
                     return Reply::Refused(format!("arm {} does not run here", key.arm));
                 };
                 h.seen = Instant::now();
+                // Only a client that ran to its end (a running one would be orphaned).
+                if !matches!(h.exited, Some(Exited::Client { success: true, .. })) {
+                    return Reply::Refused(format!(
+                        "arm {}'s client did not run to its end",
+                        key.arm
+                    ));
+                }
                 h.exited = None;
                 let l = Launch {
                     exe: &exe,
@@ -250,10 +279,21 @@ impl Host {
     }
 
     fn launch(&mut self, key: ArmKey, target: u64, model: String, args: ArmArgs) -> Reply {
-        if self.arms.contains_key(&key) || self.stopping.contains_key(&key) {
+        if let Some(h) = self.arms.get_mut(&key) {
+            // A driver that lost the answer to its launch, or a resumed one: the arm
+            // goes on, towards the target it is given now.
+            h.target = target;
+            h.seen = Instant::now();
+            note(
+                &h.procs.dir,
+                &format!("taken up again by the driver, to {target} steps"),
+            );
+            return Reply::Done;
+        }
+        if self.stopping.contains_key(&key) {
             return Reply::Refused(format!(
-                "arm {} of {} runs here already: stop it first",
-                key.arm, key.study
+                "arm {} is still stopping here (its server drains)",
+                key.arm
             ));
         }
         let busy = self.arms.len() + self.stopping.len();
@@ -447,6 +487,20 @@ mod tests {
         }
     }
 
+    static DRIVER: std::sync::LazyLock<PeerId> = std::sync::LazyLock::new(PeerId::random);
+
+    fn ask(h: &mut Host, r: Request) -> Reply {
+        h.handle(&DRIVER, r)
+    }
+
+    /// A key as it is in the driver's space on the worker.
+    fn own(k: ArmKey) -> ArmKey {
+        ArmKey {
+            study: format!("{}-{}", *DRIVER, k.study),
+            arm: k.arm,
+        }
+    }
+
     fn launch(arm: usize) -> Request {
         Request::Launch {
             key: key(arm),
@@ -459,10 +513,13 @@ mod tests {
     }
 
     fn phase(h: &mut Host, arm: usize) -> Phase {
-        match h.handle(Request::Look {
-            key: key(arm),
-            metrics_from: 0,
-        }) {
+        match ask(
+            h,
+            Request::Look {
+                key: key(arm),
+                metrics_from: 0,
+            },
+        ) {
             Reply::Look(l) => l.phase,
             other => panic!("{other:?}"),
         }
@@ -501,16 +558,37 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let lease = Duration::from_millis(1500);
         let mut h = host(dir.path(), lease);
-        assert_eq!(h.handle(launch(0)), Reply::Done);
-        assert!(matches!(h.handle(launch(0)), Reply::Refused(r) if r.contains("already")));
-        assert_eq!(h.handle(launch(1)), Reply::Done);
-        assert!(matches!(h.handle(launch(2)), Reply::Refused(r) if r.contains("slot")));
+        assert_eq!(ask(&mut h, launch(0)), Reply::Done);
+        // Launched again (a lost answer, a resumed driver): taken up, not run twice.
+        assert_eq!(ask(&mut h, launch(0)), Reply::Done);
+        assert_eq!(h.arms.len(), 1);
+        assert_eq!(ask(&mut h, launch(1)), Reply::Done);
+        assert!(matches!(ask(&mut h, launch(2)), Reply::Refused(r) if r.contains("slot")));
+        // A client restart while it runs would orphan it: refused.
+        assert!(matches!(
+            ask(&mut h, Request::RestartClient { key: key(1) }),
+            Reply::Refused(r) if r.contains("did not run to its end")
+        ));
+        // Another driver sees none of this driver's arms, and cannot touch them.
+        let other = PeerId::random();
+        assert_eq!(
+            h.handle(&other, Request::Hello),
+            Reply::Hello {
+                slots: 2,
+                running: vec![]
+            }
+        );
+        assert_eq!(h.handle(&other, Request::Stop { key: key(0) }), Reply::Done);
+        match ask(&mut h, Request::Hello) {
+            Reply::Hello { running, .. } => assert_eq!(running, vec![key(0), key(1)]),
+            r => panic!("{r:?}"),
+        }
         assert_eq!(phase(&mut h, 0), Phase::Starting);
         // Keepalives hold both arms past the lease; then arm 1 alone is looked at.
         let t = Instant::now();
         while t.elapsed() < lease * 2 {
             let study = key(0).study;
-            assert_eq!(h.handle(Request::Keepalive { study }), Reply::Done);
+            assert_eq!(ask(&mut h, Request::Keepalive { study }), Reply::Done);
             h.tick();
             std::thread::sleep(Duration::from_millis(100));
         }
@@ -524,17 +602,89 @@ mod tests {
         // Arm 0's driver said nothing for the lease: stopped (its process too).
         tick_until(&mut h, 0, Phase::Gone);
         assert_eq!(phase(&mut h, 1), Phase::Starting);
-        let log = std::fs::read_to_string(h.dir(&key(0)).dir.join("driver.log")).unwrap();
+        let log = std::fs::read_to_string(h.dir(&own(key(0))).dir.join("driver.log")).unwrap();
         assert!(
             log.contains("stopping: its driver said nothing for 2 s (the lease)"),
             "{log}"
         );
         // A stop by the driver; then the slots are free again.
-        assert_eq!(h.handle(Request::Stop { key: key(1) }), Reply::Done);
+        assert_eq!(ask(&mut h, Request::Stop { key: key(1) }), Reply::Done);
         tick_until(&mut h, 1, Phase::Gone);
-        assert_eq!(h.handle(launch(2)), Reply::Done);
+        assert_eq!(ask(&mut h, launch(2)), Reply::Done);
         h.shutdown();
         assert!(h.arms.is_empty() && h.stopping.is_empty());
+    }
+
+    #[test]
+    fn a_seed_copies_a_stopped_parents_checkpoint_here_once_and_bad_keys_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut h = host(dir.path(), Duration::from_secs(60));
+        // Arm 4 ran here: its run directory has a checkpoint at step 3 and its metrics.
+        let run = h.dir(&own(key(4))).dir.join("server/runs/m");
+        std::fs::create_dir_all(run.join("checkpoint")).unwrap();
+        std::fs::write(run.join("checkpoint/state.json"), r#"{"step": 3}"#).unwrap();
+        std::fs::write(run.join("metrics.jsonl"), "{\"step\":1}\n").unwrap();
+        let seed = |from| Request::Seed { key: key(5), from };
+        assert_eq!(ask(&mut h, seed(4)), Reply::Seeded { step: Some(3) });
+        let copy = h.dir(&own(key(5))).dir.join("server/runs/m");
+        assert!(copy.join("checkpoint/state.json").is_file());
+        assert_eq!(
+            std::fs::read_to_string(copy.join("metrics.jsonl")).unwrap(),
+            "{\"step\":1}\n"
+        );
+        // Once: a parent that moved on (a server writes its checkpoints anew, never
+        // into the old files) is not copied again.
+        crate::base::files::write_atomic(&run.join("checkpoint/state.json"), br#"{"step": 6}"#)
+            .unwrap();
+        assert_eq!(ask(&mut h, seed(4)), Reply::Seeded { step: Some(3) });
+        // A running parent (its checkpoint moves) and a running child are refused.
+        assert_eq!(ask(&mut h, launch(6)), Reply::Done);
+        assert!(matches!(
+            ask(
+                &mut h,
+                Request::Seed {
+                    key: key(7),
+                    from: 6
+                }
+            ),
+            Reply::Refused(_)
+        ));
+        assert!(matches!(
+            ask(
+                &mut h,
+                Request::Seed {
+                    key: key(6),
+                    from: 4
+                }
+            ),
+            Reply::Refused(_)
+        ));
+        // Keys that would leave the worker's directory.
+        let bad = ArmKey {
+            study: "../x".into(),
+            arm: 0,
+        };
+        assert!(matches!(
+            ask(
+                &mut h,
+                Request::Look {
+                    key: bad,
+                    metrics_from: 0
+                }
+            ),
+            Reply::Refused(_)
+        ));
+        assert!(matches!(
+            ask(
+                &mut h,
+                Request::Seed {
+                    key: key(8),
+                    from: usize::MAX
+                }
+            ),
+            Reply::Refused(_)
+        ));
+        h.shutdown();
     }
 
     #[test]

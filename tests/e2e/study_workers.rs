@@ -1,8 +1,9 @@
 //! Studies whose arms run on a study worker of a swarm (`agentjet-peer study worker`),
 //! a real worker process and a real driver on loopback: the arms run on the worker, the
-//! driver reads them as its own, a driver killed with kill -9 has its arms stopped by the
-//! worker's lease and resumes them there, and a worker refuses a driver it was not told
-//! of.
+//! driver reads them as its own, a driver killed with kill -9 has its running arm stopped
+//! by the worker (at its target, or at the lease) and the resumed driver takes it up
+//! there, and a worker refuses a driver it was not told of. (The lease alone, re-attach
+//! and seeding on a worker: `study::worker`'s unit tests.)
 
 use crate::common;
 use crate::study::{

@@ -674,10 +674,10 @@ pub struct StudyArgs {
 
 /// A positive number of seconds.
 pub fn secs(name: &str, v: f64) -> Result<Duration> {
-    if !(v.is_finite() && v > 0.0) {
-        bail!("--{name} must be a positive number of seconds, got {v}");
+    match Duration::try_from_secs_f64(v) {
+        Ok(d) if v > 0.0 => Ok(d),
+        _ => bail!("--{name} must be a positive number of seconds, got {v}"),
     }
-    Ok(Duration::from_secs_f64(v))
 }
 
 pub fn load_key(path: Option<&Path>) -> Result<Option<SwarmKey>> {

@@ -143,6 +143,13 @@ async fn worker(a: WorkerArgs, stop: agentjet::base::Stop) -> Result<()> {
         anyhow::bail!("--slots must be at least 1");
     }
     let lease = secs("lease-seconds", a.lease_seconds)?;
+    let least = study::remote::KEEPALIVE * 3;
+    if lease < least {
+        anyhow::bail!(
+            "--lease-seconds must be at least {} (three of a driver's keepalives)",
+            least.as_secs_f64()
+        );
+    }
     let dir = a.swarm.data_dir("study-worker");
     let cfg = a.swarm.config(swarm::Role::Plain, &dir)?;
     if cfg.swarm_key.is_none() {
