@@ -28,6 +28,9 @@ use crate::swarm::PeerId;
 /// no arm runs (it waits 2, 4, 8, ... up to 60 s between them).
 const ENDPOINT_TRIES: u32 = 8;
 
+/// How long a driver waits before it asks a worker again to launch an arm it did not.
+const RELAUNCH_PAUSE: Duration = Duration::from_secs(10);
+
 /// Where an arm's checkpoint is, so where it runs.
 enum Place {
     /// Nowhere yet: any worker with room, or the driver's machine.
@@ -336,6 +339,10 @@ impl Driver<'_> {
                 let Some(ws) = &self.workers else {
                     return Err(self.no_workers(o.arm));
                 };
+                if !ws.usable(&w) {
+                    ws.tell_waiting(id, &w);
+                    return Ok(());
+                }
                 match ws.seed(w, id, o.arm) {
                     Ok(at) => {
                         dir.mark_seeded()?;
@@ -729,6 +736,10 @@ impl Driver<'_> {
             }
         );
         note(&dir, &format!("picked up on worker {w}: {phase:?}"));
+        if matches!(phase, Ok(super::wire::Phase::Stopping)) {
+            // Its checkpoint is saved once it is gone.
+            self.stop_left(id)?;
+        }
         if dir.checkpoint_step().is_some_and(|s| s >= target) {
             // It got there before the last driver could write so.
             self.stop_left(id)?;
@@ -779,6 +790,18 @@ impl Driver<'_> {
         l.procs.stop(self.workers.as_ref(), |w| busy.contains(w));
     }
 
+    /// Whether arm `id` is the parent of a new arm whose copy of its checkpoint is not
+    /// made yet.
+    fn awaits_copy(&self, id: usize) -> bool {
+        self.state.arms.iter().enumerate().any(|(c, a)| {
+            a.from.is_some_and(|o| o.arm == id)
+                && a.launches == 0
+                && a.phase == Phase::Waiting
+                && !ArmDir::new(&self.opts.dir, c).seeded()
+                && ArmDir::new(&self.opts.dir, c).run_dir().is_none()
+        })
+    }
+
     fn no_workers(&self, id: usize) -> StudyError {
         StudyError::Launch {
             arm: format!("{id}"),
@@ -801,7 +824,18 @@ impl Driver<'_> {
         let a = &self.state.arms[id];
         if a.launches > 0 {
             return match a.host.as_deref().map(str::parse::<PeerId>) {
-                Some(Ok(w)) => Place::Worker(w),
+                // Once it ran there (the worker took its launch): its checkpoint is there.
+                Some(Ok(w))
+                    if ArmDir::new(&self.opts.dir, id)
+                        .remote()
+                        .is_some_and(|r| r.worker == w.to_string()) =>
+                {
+                    Place::Worker(w)
+                }
+                // Its launches there were refused: it has no state anywhere yet.
+                Some(Ok(_)) if ArmDir::new(&self.opts.dir, id).checkpoint().is_none() => {
+                    Place::Free
+                }
                 _ => Place::Local,
             };
         }
@@ -864,21 +898,15 @@ impl Driver<'_> {
             .map(|(id, _)| *id)
             .collect();
         for id in due {
-            let w = self.home_worker(id);
-            if let (Some(w), Some(ws)) = (w, &self.workers) {
-                let busy = self
-                    .live
-                    .values()
-                    .filter(|l| l.procs.worker() == Some(w))
-                    .count();
-                if !ws.has_room(&w, busy) {
+            let Some(host) = self.placement(id) else {
+                if let (Some(w), Some(ws)) = (self.home_worker(id), &self.workers) {
                     ws.tell_waiting(id, &w);
-                    continue;
                 }
-            }
+                continue;
+            };
             self.relaunch.remove(&id);
             let attempt = self.state.arms[id].attempt.max(1);
-            self.launch(id, attempt, w)?;
+            self.launch(id, attempt, host)?;
         }
         // Arms whose place has no room now.
         let mut no_room = std::collections::BTreeSet::new();
@@ -900,6 +928,12 @@ impl Driver<'_> {
             if let (Place::Worker(_), None) = (self.home(id), &self.workers) {
                 return Err(self.no_workers(id));
             }
+            // A parent whose new arm's copy is not made yet does not run (its checkpoint
+            // would move on before the copy).
+            if self.awaits_copy(id) {
+                no_room.insert(id);
+                continue;
+            }
             // A new arm from a checkpoint on a worker waits for its copy there.
             let a = &self.state.arms[id];
             if a.from.is_some() && a.launches == 0 && !dir.seeded() && dir.run_dir().is_none() {
@@ -920,7 +954,7 @@ impl Driver<'_> {
             }
         }
         // Arms wait, none runs, and the workers they wait for will not come: say why.
-        if self.live.is_empty() && !no_room.is_empty() {
+        if self.live.is_empty() && self.relaunch.is_empty() && !no_room.is_empty() {
             if let Some(why) = self.workers.as_ref().and_then(Workers::none_usable) {
                 return Err(StudyError::Launch {
                     arm: no_room
@@ -977,15 +1011,16 @@ impl Driver<'_> {
                 };
                 match ws.launch(w, id, target, &self.study.base.model, &args, dir) {
                     Ok(r) => Running::Remote(r),
-                    // As a crash: restarted (on the same worker, its checkpoint is
-                    // there) within the restarts allowed.
+                    // Nothing ran: no failure of the arm's. Tried again after a pause
+                    // (where its checkpoint is, or anywhere when it has none).
                     Err(e) => {
-                        return self.fail(
-                            id,
-                            "worker",
-                            &format!("worker {w} did not launch it: {e}"),
-                            true,
-                        )
+                        println!(
+                            "{}: worker {w} did not launch it: {e}; trying again in {} s",
+                            self.name(id),
+                            RELAUNCH_PAUSE.as_secs()
+                        );
+                        self.relaunch.insert(id, Instant::now() + RELAUNCH_PAUSE);
+                        return Ok(());
                     }
                 }
             }

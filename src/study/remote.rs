@@ -23,14 +23,16 @@ use super::wire::{self, ArmKey, Look, Phase, Reply, Request, MAX_FRAME};
 use crate::swarm::frame::{read_frame, write_frame};
 use crate::swarm::{PeerId, SwarmConfig, SwarmHandle};
 
-/// How often the driver tells its workers it lives (a worker's lease is at least three
-/// of these).
+/// How often the driver tells its workers it lives.
 pub const KEEPALIVE: Duration = Duration::from_secs(1);
+/// The shortest lease a worker takes: a keepalive round is [`KEEPALIVE`] plus up to
+/// [`LOOK_TIMEOUT`] for the slowest worker.
+pub const LEASE_AT_LEAST: Duration = Duration::from_secs(10);
 /// A request's time limit.
 const ASK_TIMEOUT: Duration = Duration::from_secs(10);
 /// A look's and a keepalive's time limit (a worker that does not answer costs the
 /// driver's loop this much per arm).
-const LOOK_TIMEOUT: Duration = Duration::from_secs(3);
+pub const LOOK_TIMEOUT: Duration = Duration::from_secs(3);
 /// Looks in a row a worker may miss before its arm counts as crashed.
 pub const LOOK_MISSES: u32 = 6;
 /// How often the swarm's view is searched for new workers.
@@ -59,8 +61,10 @@ pub struct Workers {
     /// Changed by any request that fails to reach its worker (it is not picked for a
     /// new arm until it answers a hello again).
     known: std::cell::RefCell<BTreeMap<PeerId, Known>>,
-    /// When the driver last said which arms wait for a worker it cannot reach.
-    told_waiting: std::cell::Cell<Option<Instant>>,
+    /// When the driver last said that an arm waits for a worker it cannot use.
+    told_waiting: std::cell::RefCell<BTreeMap<usize, Instant>>,
+    /// Whether any worker took this driver yet.
+    ever_usable: std::cell::Cell<bool>,
     /// Workers that run an arm of this driver now (the keepalive's list).
     hosting: Arc<Mutex<BTreeSet<PeerId>>>,
     scanned: Option<Instant>,
@@ -141,6 +145,7 @@ impl Workers {
             started: Instant::now(),
             known: Default::default(),
             told_waiting: Default::default(),
+            ever_usable: Default::default(),
             hosting,
             scanned: None,
         })
@@ -201,6 +206,7 @@ impl Workers {
             let known = match self.ask(p, &Request::Hello, ASK_TIMEOUT) {
                 Ok(Reply::Hello { slots, .. }) => {
                     println!("study worker {p}: {slots} slot(s)");
+                    self.ever_usable.set(true);
                     Known::Slots(slots)
                 }
                 Ok(other) => {
@@ -215,16 +221,17 @@ impl Workers {
         }
     }
 
-    /// Says (once a minute at most) which arms wait for a worker that is not usable now.
+    /// Says (once a minute at most for each arm) that an arm waits for a worker that is
+    /// not usable now.
     pub fn tell_waiting(&self, arm: usize, worker: &PeerId) {
-        if self
-            .told_waiting
-            .get()
+        let mut told = self.told_waiting.borrow_mut();
+        if told
+            .get(&arm)
             .is_some_and(|t| t.elapsed() < Duration::from_secs(60))
         {
             return;
         }
-        self.told_waiting.set(Some(Instant::now()));
+        told.insert(arm, Instant::now());
         println!(
             "arm {arm} waits for worker {worker}, which holds its checkpoint and is not usable now"
         );
@@ -234,7 +241,11 @@ impl Workers {
     /// what each said.
     pub fn none_usable(&self) -> Option<String> {
         let known = self.known.borrow();
-        if !self.waited() || known.values().any(|k| matches!(k, Known::Slots(_))) {
+        // Once one took it, workers that come and go are waited for.
+        if !self.waited()
+            || self.ever_usable.get()
+            || known.values().any(|k| matches!(k, Known::Slots(_)))
+        {
             return None;
         }
         if known.is_empty() {
@@ -270,6 +281,11 @@ impl Workers {
             }
             std::thread::sleep(Duration::from_millis(200));
         }
+    }
+
+    /// Whether `worker` took this driver and was reached since.
+    pub fn usable(&self, worker: &PeerId) -> bool {
+        matches!(self.known.borrow().get(worker), Some(Known::Slots(_)))
     }
 
     /// Whether `worker` has a slot free, with `busy` arms of this driver on it.
@@ -337,9 +353,16 @@ impl Workers {
             client: args.client.clone(),
             env: args.env.clone().into_iter().collect(),
         };
-        match self.ask(worker, &req, ASK_TIMEOUT)? {
-            Reply::Done => {}
-            other => return Err(format!("answered {other:?} to a launch")),
+        match self.ask(worker, &req, ASK_TIMEOUT) {
+            Ok(Reply::Done) => {}
+            Ok(other) => return Err(format!("answered {other:?} to a launch")),
+            Err(e) => {
+                // Full, or another reason: no new arm goes there until it says hello.
+                self.known
+                    .borrow_mut()
+                    .insert(worker, Known::Refused(e.clone(), Instant::now()));
+                return Err(e);
+            }
         }
         crate::base::lock(&self.hosting).insert(worker);
         // Its metrics come again from the start (a resumed server writes them anew).
@@ -446,6 +469,12 @@ fn mirror_look(dir: &ArmDir, worker: PeerId, from: u64, look: &Look) -> Result<b
                 &dir.dir,
                 format!("a worker's run name {run:?}"),
             ));
+        }
+        // Another run directory than the one mirrored: the old mirror goes.
+        if let Some(old) = was.as_ref().and_then(|r| r.run.as_deref()) {
+            if old != run && wire::run_name_ok(old) {
+                let _ = std::fs::remove_dir_all(dir.dir.join("server/runs").join(old));
+            }
         }
         let runs = dir.dir.join("server").join("runs").join(run);
         std::fs::create_dir_all(&runs).map_err(|e| StudyError::io(&runs, e))?;

@@ -581,8 +581,11 @@ fn check(file: &Path, raw: Raw, hash: String) -> Result<Study, StudyError> {
         return Err(bad("budget.at_once", "must be at least 1".into()));
     }
     if let Some(m) = b.minutes {
-        if !(m.is_finite() && m > 0.0) {
-            return Err(bad("budget.minutes", format!("{m}: must be above 0")));
+        if !(m.is_finite() && m > 0.0 && m <= 1e8) {
+            return Err(bad(
+                "budget.minutes",
+                format!("{m}: must be above 0 (and at most 1e8)"),
+            ));
         }
     }
     let budget = Budget {
@@ -757,10 +760,10 @@ fn check(file: &Path, raw: Raw, hash: String) -> Result<Study, StudyError> {
         .map(|w| check_workers(file, w, budget.at_once))
         .transpose()?;
     let w = raw.watch;
-    if !(w.stall_seconds.is_finite() && w.stall_seconds > 0.0) {
+    if !(w.stall_seconds.is_finite() && w.stall_seconds > 0.0 && w.stall_seconds <= 1e9) {
         return Err(bad(
             "watch.stall_seconds",
-            format!("{}: must be above 0", w.stall_seconds),
+            format!("{}: must be above 0 (and at most 1e9)", w.stall_seconds),
         ));
     }
     if !(w.min_entropy.is_finite() && w.min_entropy >= 0.0) {

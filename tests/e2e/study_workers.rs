@@ -96,7 +96,7 @@ fn arms_run_on_a_study_worker_and_a_killed_driver_resumes_them_there() {
     let key = swarm_key(root.path());
     let dir = root.path().join("s");
     let me = driver_id(&dir);
-    let mut worker = start_worker(root.path(), &key, &me, "4");
+    let mut worker = start_worker(root.path(), &key, &me, "10");
     let worker_id = worker.peer_id();
     let addr = worker.addr();
     let file = write_study(
@@ -117,7 +117,7 @@ fn arms_run_on_a_study_worker_and_a_killed_driver_resumes_them_there() {
     );
     d.0.kill().unwrap();
     d.0.wait().unwrap();
-    // The worker stops the killed driver's arm at its target, or once its lease (4 s)
+    // The worker stops the killed driver's arm at its target, or once its lease (10 s)
     // runs out (whichever comes first): its server drains and saves its checkpoint. (The
     // lease alone: `study::worker::tests`.)
     let ws = worker_study(root.path());
@@ -127,7 +127,7 @@ fn arms_run_on_a_study_worker_and_a_killed_driver_resumes_them_there() {
             .unwrap_or_default()
             .lines()
             .any(|l| {
-                l.ends_with("stopping: its driver said nothing for 4 s (the lease)")
+                l.ends_with("stopping: its driver said nothing for 10 s (the lease)")
                     || l.ends_with("stopping: it reached its target")
             })
     }) {
@@ -268,5 +268,69 @@ fn a_worker_refuses_a_driver_it_was_not_told_of() {
         worker.log_text().contains("not an allowed driver"),
         "{}",
         worker.log_text()
+    );
+}
+
+#[test]
+fn pbt_on_a_worker_copies_the_best_arms_checkpoint_there() {
+    let _lane = common::light();
+    let root = tempfile::tempdir().unwrap();
+    let key = swarm_key(root.path());
+    let dir = root.path().join("s");
+    let me = driver_id(&dir);
+    let mut worker = start_worker(root.path(), &key, &me, "30");
+    let worker_id = worker.peer_id();
+    let addr = worker.addr();
+    let file = write_study(
+        root.path(),
+        "pbt",
+        &format!(
+            "[budget]\nsteps = 6\nat_once = 2\n\n[space.bias]\nenv = \"BIAS\"\nvalues = [0, 3, 1, 2]\n\n\
+             [pbt]\ninterval = 3\nquantile = 0.25\nexplore = [\"bias\"]\nresample = 0.0\n\n{}",
+            workers_table(&key, &addr, 30)
+        ),
+    );
+    finish(
+        start_driver(&file, &dir, "run"),
+        &dir,
+        "run",
+        Duration::from_secs(400),
+    );
+    let j = journal(&dir);
+    println!("{}", driver_out(&dir, "run"));
+    assert_no_arm_ran_twice(&j);
+    let born: Vec<&Value> = j.iter().filter(|r| kind(r) == "arm").collect();
+    assert_eq!(born.len(), 1, "{j:#?}");
+    assert_eq!(born[0]["arm"]["id"], 4);
+    assert_eq!(born[0]["from"]["arm"], 1, "{}", born[0]);
+    assert_eq!(outcome(&j).1, Some(1), "bias 3 ranks first");
+    for l in j.iter().filter(|r| kind(r) == "launch") {
+        assert_eq!(l["host"].as_str(), Some(worker_id.as_str()), "{l}");
+    }
+    // The copy was made on the worker, where the parent ran: the new arm's server
+    // resumed from the parent's checkpoint, its metrics begin with the parent's, and the
+    // driver's mirror is the worker's file.
+    let ws = worker_study(root.path());
+    let events = std::fs::read_to_string(ws.join("arms/004/server.events.jsonl")).unwrap();
+    let training: Value = events
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .find(|e| e["event"] == "training")
+        .unwrap();
+    assert_eq!(training["resumed"], true, "{training}");
+    assert!(training["step"].as_u64().unwrap() >= 3, "{training}");
+    let child = ws.join("arms/004/server/runs/tiny/metrics.jsonl");
+    let parent = ws.join("arms/001/server/runs/tiny/metrics.jsonl");
+    let first = |p: &Path| {
+        crate::client::metrics_lines(p)
+            .first()
+            .cloned()
+            .unwrap_or_default()
+    };
+    assert_eq!(first(&child), first(&parent));
+    assert!(steps_of(&child).len() >= 6, "{:?}", steps_of(&child));
+    assert_eq!(
+        std::fs::read_to_string(dir.join("arms/004/server/runs/tiny/metrics.jsonl")).unwrap(),
+        std::fs::read_to_string(&child).unwrap()
     );
 }

@@ -654,7 +654,7 @@ pub struct WorkerArgs {
     #[arg(long, default_value_t = 1)]
     pub slots: u32,
     /// Seconds a driver may say nothing before its arms here are stopped (their servers
-    /// save their checkpoints); it says it lives every 2 s.
+    /// save their checkpoints); it says it lives every second. At least 10.
     #[arg(long, default_value_t = 30.0)]
     pub lease_seconds: f64,
 }

@@ -143,10 +143,10 @@ async fn worker(a: WorkerArgs, stop: agentjet::base::Stop) -> Result<()> {
         anyhow::bail!("--slots must be at least 1");
     }
     let lease = secs("lease-seconds", a.lease_seconds)?;
-    let least = study::remote::KEEPALIVE * 3;
+    let least = study::remote::LEASE_AT_LEAST;
     if lease < least {
         anyhow::bail!(
-            "--lease-seconds must be at least {} (three of a driver's keepalives)",
+            "--lease-seconds must be at least {} (a driver's keepalive round takes up to 4)",
             least.as_secs_f64()
         );
     }
