@@ -129,15 +129,6 @@ impl ArmDir {
         self.dir.join("pids.json")
     }
 
-    /// Gives this arm's server `parent`'s checkpoint and metrics so far (PBT's exploit):
-    /// they are put together in `seeding.tmp/`, then renamed into place as this arm's
-    /// run directory, so a driver killed midway leaves no half of them. Nothing is done
-    /// once this arm has a run directory. Returns the step its server starts from
-    /// (none: the parent has no checkpoint, and this arm starts from the base model).
-    pub fn seed_from(&self, parent: &ArmDir) -> Result<Option<u64>, StudyError> {
-        self.seed_here(parent)
-    }
-
     /// Marks this arm seeded (its copy is made, here or on its worker).
     pub fn mark_seeded(&self) -> Result<(), StudyError> {
         std::fs::create_dir_all(&self.dir).map_err(|e| StudyError::io(&self.dir, e))?;
@@ -145,7 +136,12 @@ impl ArmDir {
         crate::base::files::write_atomic(&m, b"").map_err(|e| StudyError::io(&m, e))
     }
 
-    fn seed_here(&self, parent: &ArmDir) -> Result<Option<u64>, StudyError> {
+    /// Gives this arm's server `parent`'s checkpoint and metrics so far (PBT's exploit):
+    /// they are put together in `seeding.tmp/`, then renamed into place as this arm's
+    /// run directory, so a driver killed midway leaves no half of them. Nothing is done
+    /// once this arm has a run directory. Returns the step its server starts from
+    /// (none: the parent has no checkpoint, and this arm starts from the base model).
+    pub fn seed_from(&self, parent: &ArmDir) -> Result<Option<u64>, StudyError> {
         if self.seeded() || self.run_dir().is_some() {
             return Ok(self.checkpoint_step());
         }

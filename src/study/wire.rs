@@ -57,41 +57,26 @@ impl Request {
     /// The request with its study's name in `driver`'s own space on the worker
     /// (`<driver>-<study>`): a driver sees and touches its own arms alone, and a study
     /// run again from a new directory (a new driver identity) starts afresh.
-    pub fn scoped(self, driver: &crate::swarm::PeerId) -> Request {
-        let scope = |k: ArmKey| ArmKey {
-            study: format!("{driver}-{}", k.study),
-            arm: k.arm,
+    pub fn scoped(mut self, driver: &crate::swarm::PeerId) -> Request {
+        let study = match &mut self {
+            Request::Keepalive { study } => Some(study),
+            r => r.key_mut().map(|k| &mut k.study),
         };
+        if let Some(s) = study {
+            *s = format!("{driver}-{s}");
+        }
+        self
+    }
+
+    /// The arm the request is about (none: a hello or a keepalive).
+    pub fn key_mut(&mut self) -> Option<&mut ArmKey> {
         match self {
-            Request::Hello => Request::Hello,
-            Request::Seed { key, from } => Request::Seed {
-                key: scope(key),
-                from,
-            },
-            Request::Launch {
-                key,
-                steps,
-                model,
-                server,
-                client,
-                env,
-            } => Request::Launch {
-                key: scope(key),
-                steps,
-                model,
-                server,
-                client,
-                env,
-            },
-            Request::Look { key, metrics_from } => Request::Look {
-                key: scope(key),
-                metrics_from,
-            },
-            Request::RestartClient { key } => Request::RestartClient { key: scope(key) },
-            Request::Stop { key } => Request::Stop { key: scope(key) },
-            Request::Keepalive { study } => Request::Keepalive {
-                study: format!("{driver}-{study}"),
-            },
+            Request::Seed { key, .. }
+            | Request::Launch { key, .. }
+            | Request::Look { key, .. }
+            | Request::RestartClient { key }
+            | Request::Stop { key } => Some(key),
+            Request::Hello | Request::Keepalive { .. } => None,
         }
     }
 }

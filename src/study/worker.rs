@@ -169,19 +169,9 @@ impl Host {
 
     fn handle(&mut self, driver: &PeerId, r: Request) -> Reply {
         let own = format!("{driver}-");
-        let r = r.scoped(driver);
-        let key = match &r {
-            Request::Seed { key, .. }
-            | Request::Launch { key, .. }
-            | Request::Look { key, .. }
-            | Request::RestartClient { key }
-            | Request::Stop { key } => Some(key.clone()),
-            Request::Hello | Request::Keepalive { .. } => None,
-        };
-        if let Some(k) = &key {
-            if let Err(e) = k.check() {
-                return Reply::Refused(e);
-            }
+        let mut r = r.scoped(driver);
+        if let Some(Err(e)) = r.key_mut().map(|k| k.check()) {
+            return Reply::Refused(e);
         }
         match r {
             Request::Hello => Reply::Hello {

@@ -161,6 +161,17 @@ pub(crate) fn wait_journal(dir: &Path, what: &str, within: Duration, f: impl Fn(
     }
 }
 
+/// The first `training` event of a server's events file (it says whether the server
+/// resumed, and at which step).
+pub(crate) fn first_training(events: &Path) -> Value {
+    std::fs::read_to_string(events)
+        .unwrap_or_else(|e| panic!("{}: {e}", events.display()))
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .find(|e| e["event"] == "training")
+        .unwrap_or_else(|| panic!("no training event in {}", events.display()))
+}
+
 pub(crate) fn kind(r: &Value) -> &str {
     r["t"].as_str().unwrap_or("")
 }
@@ -319,13 +330,7 @@ fn a_study_killed_twice_mid_way_ends_as_an_uninterrupted_one_and_no_arm_runs_twi
         .filter_map(|r| r["arm"].as_u64())
         .collect();
     for arm in relaunched {
-        let events =
-            std::fs::read_to_string(b.join(format!("arms/{arm:03}/server.events.jsonl"))).unwrap();
-        let training: Value = events
-            .lines()
-            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-            .find(|e| e["event"] == "training")
-            .unwrap();
+        let training = first_training(&b.join(format!("arms/{arm:03}/server.events.jsonl")));
         assert_eq!(training["resumed"], true, "arm {arm}: {training}");
         assert!(
             training["step"].as_u64().unwrap() >= 3,
@@ -409,12 +414,7 @@ fn a_server_killed_mid_arm_is_restarted_from_its_checkpoint_and_the_arm_goes_on(
     assert_eq!(winner, Some(0));
     // The restarted server resumed from its checkpoint, and its steps go on from there
     // (none lost from the metrics, none taken twice).
-    let events = std::fs::read_to_string(arm.join("server.events.jsonl")).unwrap();
-    let training: Value = events
-        .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .find(|e| e["event"] == "training")
-        .unwrap();
+    let training = first_training(&arm.join("server.events.jsonl"));
     assert_eq!(training["resumed"], true, "{training}");
     assert!(training["step"].as_u64().unwrap() >= 1, "{training}");
     let steps: Vec<u64> = crate::client::metrics_lines(&metrics)
@@ -530,12 +530,7 @@ fn pbt_replaces_the_worst_arm_with_a_copy_of_the_best_arms_checkpoint() {
     // The new arm's server resumed from the parent's checkpoint: its first training
     // event says so, its metrics begin with the parent's steps, and go on from there.
     let arm4 = dir.join("arms/004");
-    let events = std::fs::read_to_string(arm4.join("server.events.jsonl")).unwrap();
-    let training: Value = events
-        .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .find(|e| e["event"] == "training")
-        .unwrap();
+    let training = first_training(&arm4.join("server.events.jsonl"));
     assert_eq!(training["resumed"], true, "{training}");
     let from = training["step"].as_u64().unwrap();
     assert!(from >= 3, "{training}");

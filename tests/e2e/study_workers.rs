@@ -7,8 +7,8 @@
 
 use crate::common;
 use crate::study::{
-    assert_no_arm_ran_twice, driver_out, finish, journal, kind, outcome, running, start_driver,
-    study_report, wait_journal, write_study, HALVING,
+    assert_no_arm_ran_twice, driver_out, finish, first_training, journal, kind, outcome, running,
+    start_driver, study_report, wait_journal, write_study, HALVING,
 };
 
 use std::path::{Path, PathBuf};
@@ -88,25 +88,40 @@ fn steps_of(metrics: &Path) -> Vec<u64> {
         .collect()
 }
 
+/// A study in `root/s` whose arms run on a worker process (lease `lease` seconds) that
+/// allows its driver: (the study file, its directory, the worker, the worker's peer id).
+fn on_a_worker(
+    root: &Path,
+    policy: &str,
+    study: &str,
+    lease: &str,
+) -> (PathBuf, PathBuf, common::peer::Peer, String) {
+    let key = swarm_key(root);
+    let dir = root.join("s");
+    let me = driver_id(&dir);
+    let mut worker = start_worker(root, &key, &me, lease);
+    let worker_id = worker.peer_id();
+    let addr = worker.addr();
+    let file = write_study(
+        root,
+        policy,
+        &format!("{study}\n\n{}", workers_table(&key, &addr, 30)),
+    );
+    (file, dir, worker, worker_id)
+}
+
 #[test]
 fn arms_run_on_a_study_worker_and_a_killed_driver_resumes_them_there() {
     // Two training servers and two clients at once, on the worker.
     let _lane = common::heavy();
     let root = tempfile::tempdir().unwrap();
-    let key = swarm_key(root.path());
-    let dir = root.path().join("s");
-    let me = driver_id(&dir);
-    let mut worker = start_worker(root.path(), &key, &me, "10");
-    let worker_id = worker.peer_id();
-    let addr = worker.addr();
-    let file = write_study(
+    let (file, dir, mut worker, worker_id) = on_a_worker(
         root.path(),
         "asha",
-        &format!(
-            "{HALVING}\n[base.env]\nAGENT_SLEEP = \"0.5\"\n\n{}",
-            workers_table(&key, &addr, 30)
-        ),
+        &format!("{HALVING}\n[base.env]\nAGENT_SLEEP = \"0.5\""),
+        "10",
     );
+    let me = driver_id(&dir);
 
     let mut d = start_driver(&file, &dir, "run");
     wait_journal(
@@ -205,13 +220,7 @@ fn arms_run_on_a_study_worker_and_a_killed_driver_resumes_them_there() {
         .filter_map(|r| r["arm"].as_u64())
         .collect();
     for arm in last_rung {
-        let events =
-            std::fs::read_to_string(ws.join(format!("arms/{arm:03}/server.events.jsonl"))).unwrap();
-        let training: Value = events
-            .lines()
-            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-            .find(|e| e["event"] == "training")
-            .unwrap();
+        let training = first_training(&ws.join(format!("arms/{arm:03}/server.events.jsonl")));
         assert_eq!(training["resumed"], true, "arm {arm}: {training}");
     }
     let report = study_report(&file, &dir);
@@ -275,20 +284,12 @@ fn a_worker_refuses_a_driver_it_was_not_told_of() {
 fn pbt_on_a_worker_copies_the_best_arms_checkpoint_there() {
     let _lane = common::light();
     let root = tempfile::tempdir().unwrap();
-    let key = swarm_key(root.path());
-    let dir = root.path().join("s");
-    let me = driver_id(&dir);
-    let mut worker = start_worker(root.path(), &key, &me, "30");
-    let worker_id = worker.peer_id();
-    let addr = worker.addr();
-    let file = write_study(
+    let (file, dir, _worker, worker_id) = on_a_worker(
         root.path(),
         "pbt",
-        &format!(
-            "[budget]\nsteps = 6\nat_once = 2\n\n[space.bias]\nenv = \"BIAS\"\nvalues = [0, 3, 1, 2]\n\n\
-             [pbt]\ninterval = 3\nquantile = 0.25\nexplore = [\"bias\"]\nresample = 0.0\n\n{}",
-            workers_table(&key, &addr, 30)
-        ),
+        "[budget]\nsteps = 6\nat_once = 2\n\n[space.bias]\nenv = \"BIAS\"\nvalues = [0, 3, 1, 2]\n\n\
+         [pbt]\ninterval = 3\nquantile = 0.25\nexplore = [\"bias\"]\nresample = 0.0",
+        "30",
     );
     finish(
         start_driver(&file, &dir, "run"),
@@ -311,12 +312,7 @@ fn pbt_on_a_worker_copies_the_best_arms_checkpoint_there() {
     // resumed from the parent's checkpoint, its metrics begin with the parent's, and the
     // driver's mirror is the worker's file.
     let ws = worker_study(root.path());
-    let events = std::fs::read_to_string(ws.join("arms/004/server.events.jsonl")).unwrap();
-    let training: Value = events
-        .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .find(|e| e["event"] == "training")
-        .unwrap();
+    let training = first_training(&ws.join("arms/004/server.events.jsonl"));
     assert_eq!(training["resumed"], true, "{training}");
     assert!(training["step"].as_u64().unwrap() >= 3, "{training}");
     let child = ws.join("arms/004/server/runs/tiny/metrics.jsonl");
