@@ -87,6 +87,7 @@ pub enum CardReply {
     /// `blob` is a postcard [`CardBlob`]; `hash` its blake3.
     Card {
         hash: [u8; 32],
+        #[serde(with = "crate::base::bytes")]
         blob: Vec<u8>,
     },
     Unknown(String),

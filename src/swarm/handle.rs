@@ -147,6 +147,14 @@ impl SwarmHandle {
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Resolves at the next status the view takes in after it is made (or enabled): a
+    /// loop that acts on news (a new policy version) wakes at once instead of at its
+    /// next poll. Compare [`SwarmHandle::view_changes`] after it: a status taken in
+    /// between making it and awaiting it is not missed there.
+    pub fn view_changed(&self) -> tokio::sync::futures::Notified<'_> {
+        self.shared.view_changed.notified()
+    }
+
     /// The live view: every peer heard from within three status intervals (this one too).
     pub fn view(&self) -> Vec<ViewEntry> {
         let expiry = self.cfg.status_interval * 3;

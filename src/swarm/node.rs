@@ -220,6 +220,7 @@ pub async fn spawn_node(cfg: SwarmConfig) -> Result<SwarmHandle, SwarmError> {
         auth: auth.clone(),
         view: Mutex::new(HashMap::new()),
         view_changes: Default::default(),
+        view_changed: Default::default(),
         status: Mutex::new(PeerStatus {
             role: cfg.role,
             models: Vec::new(),
@@ -475,6 +476,7 @@ impl EventLoop {
         self.shared
             .view_changes
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.shared.view_changed.notify_waiters();
         let Ok(bytes) = postcard::to_allocvec(&env) else {
             return;
         };
@@ -848,6 +850,7 @@ impl EventLoop {
             self.shared
                 .view_changes
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.shared.view_changed.notify_waiters();
         }
         Ok(())
     }

@@ -109,6 +109,31 @@ fn compress(data: &[u8]) -> std::io::Result<Vec<u8>> {
     with_contexts(|z, _| z.compress(data))
 }
 
+thread_local! {
+    /// Each thread's buffer for a delta's byte planes, decoded there and then into the
+    /// chunk (one allocation per chunk, not two: a hundred netsim followers on two cores
+    /// were bound by memory traffic).
+    static PLANES: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// The largest chunk decoded through [`PLANES`] (a bigger one gets a buffer of its own:
+/// a thread keeps its buffer).
+const PLANES_MAX: usize = 1 << 20;
+
+/// Runs `f` with a buffer of `len` bytes (their values are left over from earlier use).
+fn with_planes<T>(len: usize, f: impl FnOnce(&mut [u8]) -> T) -> T {
+    if len > PLANES_MAX {
+        return f(&mut vec![0u8; len]);
+    }
+    PLANES.with(|p| {
+        let mut p = p.borrow_mut();
+        if p.len() < len {
+            p.resize(len, 0);
+        }
+        f(&mut p[..len])
+    })
+}
+
 /// At most `len` bytes out, whatever the frame claims.
 fn decompress(data: &[u8], len: usize) -> std::io::Result<Vec<u8>> {
     with_contexts(|_, d| d.decompress(data, len))
@@ -156,15 +181,23 @@ pub fn decode(
         Encoding::Zstd => unzstd(payload)?,
         Encoding::XorZstd | Encoding::XorPlanesZstd => {
             let base = base.filter(|b| b.len() == len).ok_or(CodecError::NoBase)?;
-            let mut x = unzstd(payload)?;
             if e == Encoding::XorPlanesZstd {
                 if width < 2 || len % width as usize != 0 {
                     return bad(format!("plane width {width} for {len} bytes"));
                 }
-                x = from_planes(&x, width as usize);
+                with_planes(len, |planes| {
+                    let n = with_contexts(|_, d| d.decompress_to_buffer(payload, planes))
+                        .map_err(|e| CodecError::Malformed(format!("zstd: {e}")))?;
+                    if n != len {
+                        return bad(format!("{n} bytes, the chunk has {len}"));
+                    }
+                    Ok(from_planes_xor(planes, width as usize, base))
+                })?
+            } else {
+                let mut x = unzstd(payload)?;
+                x.iter_mut().zip(base).for_each(|(a, b)| *a ^= b);
+                x
             }
-            x.iter_mut().zip(base).for_each(|(a, b)| *a ^= b);
-            x
         }
     };
     if blake3::hash(&chunk).as_bytes() != want {
@@ -179,7 +212,7 @@ fn xor(a: &[u8], b: &[u8]) -> Vec<u8> {
 
 /// Byte `k` of every element together, for k = 0..width (`x.len()` a multiple of
 /// `width`). Widths 2 and 4 (bf16, f32) without index arithmetic: a follower turns
-/// every chunk it takes through [`from_planes`].
+/// every chunk it takes through [`from_planes_xor`].
 fn to_planes(x: &[u8], width: usize) -> Vec<u8> {
     let mut out = vec![0u8; x.len()];
     if x.is_empty() || width == 0 {
@@ -212,32 +245,41 @@ fn to_planes(x: &[u8], width: usize) -> Vec<u8> {
     out
 }
 
-/// The inverse of [`to_planes`].
-fn from_planes(p: &[u8], width: usize) -> Vec<u8> {
+/// The inverse of [`to_planes`], each byte XORed with `base`'s at its place (a delta's
+/// chunk in one pass: `base` is as long as `p`). Widths 2 and 4 a whole element at a
+/// time (the compiler vectorises those loops).
+fn from_planes_xor(p: &[u8], width: usize, base: &[u8]) -> Vec<u8> {
     let mut out = vec![0u8; p.len()];
-    if p.is_empty() || width == 0 {
+    if p.is_empty() || width == 0 || base.len() != p.len() {
         return out;
     }
     let n = p.len() / width;
     match width {
+        // Plain index loops over slices cut to their lengths first: the bounds checks go
+        // and the loops vectorise (iterator chains of `chunks_exact` did not, in this
+        // crate: a call per element).
         2 => {
-            let (a, b) = p.split_at(n);
-            for ((e, &x), &y) in out.chunks_exact_mut(2).zip(a).zip(b) {
-                (e[0], e[1]) = (x, y);
+            let (a, b) = (&p[..n], &p[n..2 * n]);
+            let (out, base) = (&mut out[..2 * n], &base[..2 * n]);
+            for k in 0..n {
+                out[2 * k] = a[k] ^ base[2 * k];
+                out[2 * k + 1] = b[k] ^ base[2 * k + 1];
             }
         }
         4 => {
-            let (a, rest) = p.split_at(n);
-            let (b, rest) = rest.split_at(n);
-            let (c, d) = rest.split_at(n);
-            for ((((e, &w), &x), &y), &z) in out.chunks_exact_mut(4).zip(a).zip(b).zip(c).zip(d) {
-                (e[0], e[1], e[2], e[3]) = (w, x, y, z);
+            let (a, b, c, d) = (&p[..n], &p[n..2 * n], &p[2 * n..3 * n], &p[3 * n..4 * n]);
+            let (out, base) = (&mut out[..4 * n], &base[..4 * n]);
+            for k in 0..n {
+                out[4 * k] = a[k] ^ base[4 * k];
+                out[4 * k + 1] = b[k] ^ base[4 * k + 1];
+                out[4 * k + 2] = c[k] ^ base[4 * k + 2];
+                out[4 * k + 3] = d[k] ^ base[4 * k + 3];
             }
         }
         _ => {
             for (k, plane) in p.chunks_exact(n).enumerate() {
                 for (i, &v) in plane.iter().enumerate() {
-                    out[i * width + k] = v;
+                    out[i * width + k] = v ^ base[i * width + k];
                 }
             }
         }
@@ -261,9 +303,13 @@ mod tests {
                     assert_eq!(p[k * n + i], v, "width {width}");
                 }
             }
-            assert_eq!(from_planes(&p, width), x, "width {width}");
+            assert_eq!(from_planes_xor(&p, width, &[0; 48]), x, "width {width}");
+            // Against a base: each byte XORed with the base's at its place.
+            let base: Vec<u8> = (0..48u8).map(|b| b.wrapping_mul(37) ^ 0xa5).collect();
+            let want: Vec<u8> = x.iter().zip(&base).map(|(a, b)| a ^ b).collect();
+            assert_eq!(from_planes_xor(&p, width, &base), want, "width {width}");
         }
-        assert!(from_planes(&[], 2).is_empty());
+        assert!(from_planes_xor(&[], 2, &[]).is_empty());
     }
 
     /// bf16 values of a smooth pseudo-random walk, and the same after a small update of
@@ -360,7 +406,7 @@ mod tests {
     fn planes_round_trip() {
         let x: Vec<u8> = (0..24u8).collect();
         for w in [2, 4] {
-            assert_eq!(from_planes(&to_planes(&x, w), w), x);
+            assert_eq!(from_planes_xor(&to_planes(&x, w), w, &[0; 24]), x);
         }
     }
 }

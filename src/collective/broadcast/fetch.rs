@@ -185,6 +185,10 @@ struct Run<'a> {
     /// Per source, sharing: a member's room for requests in flight (see
     /// [`Share::member_in_flight`]); `None` for owners and without a share.
     room: Vec<Option<tokio::sync::Semaphore>>,
+    /// Wakes the batches when a source is backed off or the fetch failed (each may end).
+    ended: tokio::sync::Notify,
+    /// The sources' names (asked once).
+    names: Vec<String>,
 }
 
 /// How long a worker waits before asking the followers again for a chunk not yet there.
@@ -210,7 +214,7 @@ pub fn fetch_version_with(
     have: Option<(&Manifest, &[u8])>,
     sources: &[Arc<dyn ChunkSource>],
     cfg: &FetchConfig,
-    on_chunk: &(dyn Fn(usize, &[u8]) + Sync),
+    on_chunk: &(dyn Fn(usize, Vec<u8>) + Sync),
 ) -> Result<(Vec<u8>, FetchReport), FetchError> {
     let fut = fetch_async(target, have, sources, cfg, on_chunk);
     match tokio::runtime::Handle::try_current() {
@@ -235,7 +239,7 @@ pub async fn fetch_async(
     have: Option<(&Manifest, &[u8])>,
     sources: &[Arc<dyn ChunkSource>],
     cfg: &FetchConfig,
-    on_chunk: &(dyn Fn(usize, &[u8]) + Sync),
+    on_chunk: &(dyn Fn(usize, Vec<u8>) + Sync),
 ) -> Result<(Vec<u8>, FetchReport), FetchError> {
     let held = have.filter(|(m, b)| b.len() as u64 == m.total_bytes());
     let (mut needed, base, mut out) = match held.map(|(m, b)| (target.changed_since(m), m, b)) {
@@ -283,15 +287,17 @@ pub async fn fetch_async(
                 _ => None,
             })
             .collect(),
+        ended: tokio::sync::Notify::new(),
+        names: sources.iter().map(|s| s.name()).collect(),
     };
     let chunk = target.chunk_bytes as usize;
     let slots: Vec<Mutex<&mut [u8]>> = out.chunks_mut(chunk).map(Mutex::new).collect();
     let base_of = |i: usize| -> Option<Base<'_>> {
         base.map(|(m, b)| (m.version, m.chunks[i], &b[target.chunk_range(i)]))
     };
-    let keep = |i: usize, bytes: &[u8]| {
+    let keep = |i: usize, bytes: Vec<u8>| {
+        lock(&slots[i]).copy_from_slice(&bytes);
         on_chunk(i, bytes);
-        lock(&slots[i]).copy_from_slice(bytes);
     };
     let total = needed.len();
     // Sharing, each other owner's chunks are asked of it in batches (it sends each the
@@ -348,11 +354,12 @@ pub async fn fetch_async(
                 match got {
                     Asked::Got(bytes) => {
                         *lock(&run.progress[j]) = Some(Instant::now());
-                        keep(i, &bytes);
+                        keep(i, bytes);
                     }
                     _ => {
                         lock(queue).push_back(i);
-                        more.notify_waiters();
+                        // One worker takes it (the others sleep on).
+                        more.notify_one();
                     }
                 }
             };
@@ -363,7 +370,10 @@ pub async fn fetch_async(
             };
             // The batch ends early when its source is backed off (a wrong chunk), an
             // owner makes no progress for the patience, or the fetch failed: what it has
-            // not handed back joins the queue.
+            // not handed back joins the queue. Woken by those events and the patience's
+            // deadline alone (a timer per batch ticking every 100 ms, with a hundred
+            // followers each batching to every other, was a hundred thousand wake-ups a
+            // second in netsim's one process).
             let started = Instant::now();
             let owner = run
                 .cfg
@@ -372,13 +382,25 @@ pub async fn fetch_async(
                 .filter(|s| s.owners.contains(&Some(j)));
             let watch = async {
                 loop {
-                    tokio::time::sleep(POLL * 5).await;
-                    let stalled = owner.is_some_and(|s| {
-                        let last = lock(&run.progress[j]).map_or(started, |t| t.max(started));
-                        last.elapsed() >= s.patience
-                    });
-                    if stalled || run.backed_off(j) || lock(failed).is_some() {
+                    let ended = run.ended.notified();
+                    tokio::pin!(ended);
+                    ended.as_mut().enable();
+                    if run.backed_off(j) || lock(failed).is_some() {
                         return;
+                    }
+                    match owner {
+                        Some(s) => {
+                            let last = lock(&run.progress[j]).map_or(started, |t| t.max(started));
+                            let due = last + s.patience;
+                            if Instant::now() >= due {
+                                return;
+                            }
+                            tokio::select! {
+                                _ = ended => {}
+                                _ = tokio::time::sleep_until(due.into()) => {}
+                            }
+                        }
+                        None => ended.await,
                     }
                 }
             };
@@ -416,9 +438,11 @@ pub async fn fetch_async(
                 continue;
             };
             match run.chunk(i, base_of(i)).await {
-                Ok(bytes) => keep(i, &bytes),
+                Ok(bytes) => keep(i, bytes),
                 Err(e) => {
                     lock(&failed).get_or_insert(e);
+                    run.ended.notify_waiters();
+                    more.notify_waiters();
                     return;
                 }
             }
@@ -550,7 +574,6 @@ impl Run<'_> {
     ) -> Asked {
         let target = self.target;
         let len = target.chunk_range(i).len();
-        let src = &self.sources[j];
         let standing = &self.standing[j];
         let frame = match answer {
             Ok(f) => f,
@@ -558,14 +581,9 @@ impl Run<'_> {
             Err(Miss::NotStarted) => return Asked::NotStarted,
             Err(Miss::Failed(e)) => {
                 if standing.failures_in_a_row.fetch_add(1, Ordering::Relaxed) + 1 >= 2 {
-                    back_off(
-                        standing,
-                        src.name(),
-                        format!("failed twice in a row: {e}"),
-                        &self.report,
-                    );
+                    self.back_off(j, format!("failed twice in a row: {e}"));
                 }
-                return Asked::Failed(format!("{}: {e}", src.name()));
+                return Asked::Failed(format!("{}: {e}", self.names[j]));
             }
         };
         standing.failures_in_a_row.store(0, Ordering::Relaxed);
@@ -580,30 +598,39 @@ impl Run<'_> {
         };
         match checked {
             Ok(bytes) => {
-                *lock(&self.report)
-                    .bytes_by_source
-                    .entry(src.name())
-                    .or_default() += frame.len() as u64;
+                let name = &self.names[j];
+                let mut report = lock(&self.report);
+                match report.bytes_by_source.get_mut(name) {
+                    Some(n) => *n += frame.len() as u64,
+                    None => {
+                        report
+                            .bytes_by_source
+                            .insert(name.clone(), frame.len() as u64);
+                    }
+                }
                 Asked::Got(bytes)
             }
             Err(e) => {
-                back_off(
-                    standing,
-                    src.name(),
+                self.back_off(
+                    j,
                     format!("sent chunk {i} of version {}: {e}", target.version),
-                    &self.report,
                 );
-                Asked::Failed(format!("{}: {e}", src.name()))
+                Asked::Failed(format!("{}: {e}", self.names[j]))
             }
         }
     }
-}
 
-fn back_off(s: &Standing, name: String, why: String, report: &Mutex<FetchReport>) {
-    let mut b = lock(&s.backed_off);
-    if b.is_none() {
-        *b = Some(why.clone());
-        lock(report).backed_off.push((name, why));
+    /// Backs source `j` off for the rest of the fetch (once; the first reason is kept).
+    fn back_off(&self, j: usize, why: String) {
+        let mut b = lock(&self.standing[j].backed_off);
+        if b.is_none() {
+            *b = Some(why.clone());
+            lock(&self.report)
+                .backed_off
+                .push((self.names[j].clone(), why));
+            // Its batch ends (see `fetch_async`).
+            self.ended.notify_waiters();
+        }
     }
 }
 
@@ -852,7 +879,7 @@ mod tests {
                             ..FetchConfig::default()
                         };
                         let store = &followers[me].store;
-                        let on = |i: usize, bytes: &[u8]| store.received("m", 2, i, bytes);
+                        let on = |i: usize, bytes: Vec<u8>| store.received("m", 2, i, bytes);
                         fetch_version_with(mb, Some((ma, a)), &srcs, &cfg, &on).unwrap()
                     })
                 })

@@ -185,6 +185,15 @@ impl Manifest {
         Ok(())
     }
 
+    /// A hash of the layout (chunk size and tensors): two manifests of one id have the same
+    /// layout, so a chunk of one is a delta's base for the same chunk of the other (what
+    /// [`Manifest::changed_since`] checks, without comparing every tensor each time).
+    pub fn layout_id(&self) -> [u8; 32] {
+        let bytes =
+            postcard::to_allocvec(&(self.chunk_bytes, &self.tensors)).expect("a layout encodes");
+        *blake3::hash(&bytes).as_bytes()
+    }
+
     /// The chunks of this version whose content differs from `prev`'s (same layout), in
     /// order: what a follower at `prev` fetches. A different layout (tensor names,
     /// dtypes, shapes or chunk size) is [`ManifestError::LayoutChanged`].
@@ -285,6 +294,14 @@ mod tests {
             m2.changed_since(&m1),
             Err(ManifestError::LayoutChanged(w)) if w.contains("t0")
         ));
+        // The layout's id tells the same: another split (or chunk size) is another id,
+        // another version or other bytes of one layout the same id.
+        assert_ne!(m1.layout_id(), m2.layout_id());
+        let b = bytes(100, 3);
+        let m3 = Manifest::build("m", 7, "h2", &layout(&[60, 40]), &b).unwrap();
+        assert_eq!(m1.layout_id(), m3.layout_id());
+        let smaller = Manifest::build_chunked("m", 1, "h", &layout(&[60, 40]), &a, 16).unwrap();
+        assert_ne!(m1.layout_id(), smaller.layout_id());
         assert!(Manifest::build("m", 1, "h", &layout(&[60]), &a).is_err());
         // A peer's manifest that claims a gap, too many bytes, or the wrong chunk count.
         let mut gap = m1.clone();

@@ -21,12 +21,15 @@ use super::fetch::Miss;
 use super::manifest::Manifest;
 use crate::base::lock;
 
-/// One held version: its manifest (and that manifest's bytes and id) and its snapshot.
+/// One held version: its manifest (and that manifest's bytes, id and layout id) and its
+/// snapshot.
 #[derive(Clone)]
 pub struct Held {
     pub manifest: Arc<Manifest>,
     pub encoded: Arc<Vec<u8>>,
     pub id: [u8; 32],
+    /// [`Manifest::layout_id`].
+    pub layout: [u8; 32],
     pub snapshot: Arc<Vec<u8>>,
 }
 
@@ -35,6 +38,7 @@ impl Held {
         let encoded = manifest.encode();
         Held {
             id: *blake3::hash(&encoded).as_bytes(),
+            layout: manifest.layout_id(),
             manifest: Arc::new(manifest),
             encoded: Arc::new(encoded),
             snapshot: Arc::new(snapshot),
@@ -74,6 +78,8 @@ struct Kept {
 /// A version being fetched: its chunks so far.
 struct Partial {
     manifest: Arc<Manifest>,
+    /// [`Manifest::layout_id`].
+    layout: [u8; 32],
     chunks: Vec<OnceLock<Arc<Vec<u8>>>>,
     /// Per chunk: wakes the requests waiting for it (see [`VersionStore::wait_chunk`]).
     arrived: Vec<tokio::sync::Notify>,
@@ -257,6 +263,7 @@ impl VersionStore {
         let old = lock(&self.partial).insert(
             manifest.model.clone(),
             Arc::new(Partial {
+                layout: manifest.layout_id(),
                 manifest,
                 chunks,
                 arrived,
@@ -306,11 +313,11 @@ impl VersionStore {
     }
 
     /// Chunk `index` of the version being fetched arrived (checked).
-    pub fn received(&self, model: &str, version: u64, index: usize, bytes: &[u8]) {
+    pub fn received(&self, model: &str, version: u64, index: usize, bytes: Vec<u8>) {
         let p = lock(&self.partial).get(model).cloned();
         if let Some(p) = p.filter(|p| p.manifest.version == version) {
             if let Some(c) = p.chunks.get(index) {
-                let _ = c.set(Arc::new(bytes.to_vec()));
+                let _ = c.set(Arc::new(bytes));
                 p.arrived[index].notify_waiters();
             }
         }
@@ -340,13 +347,13 @@ impl VersionStore {
         index: usize,
         base: Option<(u64, [u8; 32])>,
     ) -> Result<Arc<Vec<u8>>, Miss> {
-        let (manifest, chunk): (Arc<Manifest>, Chunk) = match self.get(model, version) {
-            Some(h) => (h.manifest.clone(), Chunk::Held(h)),
+        let (manifest, layout, chunk) = match self.get(model, version) {
+            Some(h) => (h.manifest.clone(), h.layout, Chunk::Held(h)),
             None => {
                 let p = lock(&self.partial).get(model).cloned();
                 match p.filter(|p| p.manifest.version == version) {
                     Some(p) => match p.chunks.get(index).and_then(|c| c.get()).cloned() {
-                        Some(c) => (p.manifest.clone(), Chunk::Part(c)),
+                        Some(c) => (p.manifest.clone(), p.layout, Chunk::Part(c)),
                         None if index < p.chunks.len() => return Err(Miss::NotYet),
                         None => return Err(Miss::Failed(format!("no chunk {index}"))),
                     },
@@ -386,7 +393,7 @@ impl VersionStore {
                 self.get(model, b)
                     .filter(|h| h.manifest.chunks.get(index) == Some(&hash))
             })
-            .filter(|b| manifest.changed_since(&b.manifest).is_ok());
+            .filter(|b| b.layout == layout);
         let key: FrameKey = (
             model.to_string(),
             version,
@@ -595,7 +602,7 @@ mod tests {
         let base = |i: usize| Some((1, s.get("m", 1).unwrap().manifest.chunks[i]));
         assert_eq!(s.frame("m", 2, 1, base(1)), Err(Miss::NotYet));
         let r = next.manifest.chunk_range(1);
-        s.received("m", 2, 1, &next.snapshot[r.clone()]);
+        s.received("m", 2, 1, next.snapshot[r.clone()].to_vec());
         let f = s.frame("m", 2, 1, base(1)).unwrap();
         let old = s.get("m", 1).unwrap();
         let got = decode(
@@ -627,7 +634,12 @@ mod tests {
         let (w1, w0) = (waiting(1), waiting(0));
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert!(!w1.is_finished() && !w0.is_finished());
-        s.received("m", 2, 1, &next.snapshot[next.manifest.chunk_range(1)]);
+        s.received(
+            "m",
+            2,
+            1,
+            next.snapshot[next.manifest.chunk_range(1)].to_vec(),
+        );
         tokio::time::timeout(Duration::from_secs(60), w1)
             .await
             .expect("the wait ends when its chunk arrives")
@@ -647,7 +659,12 @@ mod tests {
         s.begin(next.manifest.clone());
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert!(!w.is_finished(), "begun, but chunk 0 is not in");
-        s.received("m", 2, 0, &next.snapshot[next.manifest.chunk_range(0)]);
+        s.received(
+            "m",
+            2,
+            0,
+            next.snapshot[next.manifest.chunk_range(0)].to_vec(),
+        );
         tokio::time::timeout(Duration::from_secs(60), w)
             .await
             .expect("the wait ends when its chunk arrives")

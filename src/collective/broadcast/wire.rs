@@ -110,8 +110,8 @@ pub enum Request {
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Reply {
-    Manifest(Vec<u8>),
-    Chunk(Vec<u8>),
+    Manifest(#[serde(with = "crate::base::bytes")] Vec<u8>),
+    Chunk(#[serde(with = "crate::base::bytes")] Vec<u8>),
     /// The holder is fetching that version itself and has not got the chunk yet.
     NotYet,
     /// The holder has not started fetching that version.
@@ -125,7 +125,7 @@ pub enum Reply {
 /// let a peer send a frame whose decoding overflows the stack).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum ChunkReply {
-    Chunk(Vec<u8>),
+    Chunk(#[serde(with = "crate::base::bytes")] Vec<u8>),
     NotYet,
     NotStarted,
     NotHeld(String),
@@ -224,13 +224,7 @@ async fn serve_batch<S: AsyncRead + AsyncWrite + Unpin>(
         let mut k = 0;
         while k < pending.len() {
             let (i, base) = pending[k];
-            let req = Request::Chunk {
-                model: model.clone(),
-                version,
-                index: i,
-                base,
-            };
-            let r = answered(store, req).await;
+            let r = chunk_answered(store, &model, version, i, base).await;
             if matches!(r, Reply::NotYet | Reply::NotStarted) && !last_chance {
                 k += 1;
                 continue;
@@ -260,41 +254,60 @@ async fn serve_batch<S: AsyncRead + AsyncWrite + Unpin>(
     }
 }
 
-/// The reply to `req`. Encoding (or waiting for another request's encoding of the same
-/// frame) is CPU work: off the async threads.
+/// The reply to `req`.
 async fn answered(store: &Arc<VersionStore>, req: Request) -> Reply {
-    let small = match &req {
-        Request::Chunk { model, version, .. } => store.small_chunks(model, *version),
-        Request::Manifest { .. } | Request::Chunks { .. } => false,
-    };
-    if small {
-        return answer(store, req);
-    }
-    let st = store.clone();
-    tokio::task::spawn_blocking(move || answer(&st, req))
-        .await
-        .unwrap_or_else(|e| Reply::NotHeld(format!("the handler failed: {e}")))
-}
-
-fn answer(store: &VersionStore, req: Request) -> Reply {
     match req {
-        Request::Manifest { model, version } => match store.get(&model, version) {
-            Some(h) => Reply::Manifest(h.encoded.as_ref().clone()),
-            None => Reply::NotHeld(format!("version {version} of {model:?} is not held here")),
-        },
+        // A big model's manifest is megabytes to copy: off the async threads.
+        Request::Manifest { model, version } => {
+            let st = store.clone();
+            tokio::task::spawn_blocking(move || match st.get(&model, version) {
+                Some(h) => Reply::Manifest(h.encoded.as_ref().clone()),
+                None => Reply::NotHeld(format!("version {version} of {model:?} is not held here")),
+            })
+            .await
+            .unwrap_or_else(|e| Reply::NotHeld(format!("the handler failed: {e}")))
+        }
         Request::Chunk {
             model,
             version,
             index,
             base,
-        } => match store.frame(&model, version, index as usize, base) {
-            Ok(f) => Reply::Chunk(f.as_ref().clone()),
-            Err(Miss::NotYet) => Reply::NotYet,
-            Err(Miss::NotStarted) => Reply::NotStarted,
-            Err(Miss::Failed(e)) => Reply::NotHeld(e),
-        },
+        } => chunk_answered(store, &model, version, index, base).await,
         // Answered chunk by chunk (`serve_batch`).
         Request::Chunks { .. } => Reply::NotHeld("a batch inside a batch".into()),
+    }
+}
+
+/// The reply for chunk `index` of `model`'s `version`. Encoding a big chunk (or waiting
+/// for another request's encoding of the same frame) is CPU work: off the async threads.
+async fn chunk_answered(
+    store: &Arc<VersionStore>,
+    model: &str,
+    version: u64,
+    index: u32,
+    base: ChunkBase,
+) -> Reply {
+    if store.small_chunks(model, version) {
+        return chunk_reply(store, model, version, index, base);
+    }
+    let (st, model) = (store.clone(), model.to_string());
+    tokio::task::spawn_blocking(move || chunk_reply(&st, &model, version, index, base))
+        .await
+        .unwrap_or_else(|e| Reply::NotHeld(format!("the handler failed: {e}")))
+}
+
+fn chunk_reply(
+    store: &VersionStore,
+    model: &str,
+    version: u64,
+    index: u32,
+    base: ChunkBase,
+) -> Reply {
+    match store.frame(model, version, index as usize, base) {
+        Ok(f) => Reply::Chunk(f.as_ref().clone()),
+        Err(Miss::NotYet) => Reply::NotYet,
+        Err(Miss::NotStarted) => Reply::NotStarted,
+        Err(Miss::Failed(e)) => Reply::NotHeld(e),
     }
 }
 
@@ -332,6 +345,25 @@ impl PeerSource {
             small: Mutex::new(Vec::new()),
             timeout,
             chunk_limit: AtomicUsize::new(REPLY_LIMIT),
+        }
+    }
+
+    /// Opens a stream for chunks (`bulk`) or for manifests if none is open, for the
+    /// next request (see [`super::Follower`]'s warm-up). A failure is left to that
+    /// request (it opens one itself).
+    pub async fn warm(&self, bulk: bool) {
+        let pool = if bulk { &self.streams } else { &self.small };
+        let open = {
+            let mut p = lock(pool);
+            p.retain(|(_, since)| since.elapsed() < POOLED);
+            !p.is_empty()
+        };
+        if open {
+            return;
+        }
+        if let Ok(Ok(s)) = tokio::time::timeout(self.timeout, self.net.open(self.peer, bulk)).await
+        {
+            lock(pool).push((s, Instant::now()));
         }
     }
 

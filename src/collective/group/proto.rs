@@ -178,7 +178,7 @@ pub enum Reply {
     State(MemberState),
     Started,
     Manifest(StateManifest),
-    Chunk(Vec<u8>),
+    Chunk(#[serde(with = "crate::base::bytes")] Vec<u8>),
     Refused { reason: String, promised: Ballot },
 }
 
