@@ -13,15 +13,21 @@
 //! Where it holds: glibc's main arena (the main thread, where learn_addition trains). A
 //! thread with an arena of its own (an engine thread, a server's trainer thread) gets
 //! blocks up to 64 MB from that arena's heap, but one over 64 MB is still mapped on its
-//! own (glibc's fallback), so there the gain is partial and has not been measured
-//! (`M_ARENA_MAX` 1 would put every thread on the main arena; not tried).
+//! own (glibc's fallback), so there the gain is partial and has not been measured.
+//! (`M_ARENA_MAX` 1 would put every thread on the main arena: in netsim's scenario 6, a
+//! hundred followers in one process, it made the process slower, its timer lag p99
+//! 391-471 ms against 160-261 ms with the top pad, one run each.)
 //!
 //! The cost: memory freed stays in the process (up to 1 GiB of free space at the top of
 //! the heap before glibc trims it), so the resident size stays near its peak; for a
 //! process that trains or serves a model that peak is what it needs anyway.
 
 /// Keeps freed memory for the next allocations: no `mmap` for large blocks (they come from
-/// the heap and go back to it), and the heap's top trimmed only past 1 GiB of free space.
+/// the heap and go back to it), the heap's top trimmed only past 1 GiB of free space, and
+/// a top pad of 64 MiB, which also keeps a thread's arena from unmapping a heap that fell
+/// empty (glibc does that whatever the trim threshold; a follower frees a version's
+/// chunks each version and would zero their pages again: netsim's scenario 6 showed
+/// seconds of it).
 /// Call it once at the start of a process that runs LibTorch; blocks already mapped stay
 /// as they are. Returns whether the settings took (false where the C library is not
 /// glibc).
@@ -33,6 +39,7 @@ pub fn keep_freed_memory() -> bool {
         unsafe {
             libc::mallopt(libc::M_MMAP_MAX, 0) == 1
                 && libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30) == 1
+                && libc::mallopt(libc::M_TOP_PAD, 64 << 20) == 1
         }
     }
     #[cfg(not(all(target_os = "linux", target_env = "gnu")))]

@@ -27,6 +27,7 @@ use super::fetch::{fetch_async, fetch_version_with, ChunkSource, FetchConfig, Fe
 use super::holder::Holder;
 use super::manifest::Manifest;
 use super::manifest::INLINE_CHUNK_BYTES;
+use super::next::NextPolls;
 use super::store::Held;
 use super::wire::{PeerSource, WeightsNet};
 use crate::base::{lock, Stop};
@@ -217,6 +218,17 @@ pub struct Follower {
     /// Every peer asked so far, with its open streams (kept from one version to the next:
     /// a new stream costs a round trip).
     sources: Mutex<HashMap<PeerId, Arc<PeerSource>>>,
+    /// The long polls for the group's next version at its members.
+    next: Arc<NextPolls>,
+}
+
+/// Ends a follower's long polls when its loop ends.
+struct ClosePolls<'a>(&'a NextPolls);
+
+impl Drop for ClosePolls<'_> {
+    fn drop(&mut self) {
+        self.0.close();
+    }
 }
 
 impl Follower {
@@ -226,6 +238,7 @@ impl Follower {
             net,
             cfg,
             sources: Mutex::new(HashMap::new()),
+            next: Arc::default(),
         }
     }
 
@@ -252,6 +265,7 @@ impl Follower {
         Fut: Future<Output = Result<(), Failure>>,
     {
         let h = &self.holder;
+        let _close = ClosePolls(&self.next);
         // Hear every peer's status once before the first fetch: a starting follower then
         // knows the other holders of the version, not only the members.
         let listen = self.cfg.listen.unwrap_or(h.swarm().cfg.status_interval * 2);
@@ -286,6 +300,7 @@ impl Follower {
                     tokio::select! {
                         _ = tick.tick() => {}
                         _ = changed => {}
+                        _ = self.next.came() => {}
                         _ = stop.requested() => return,
                     }
                 }
@@ -308,20 +323,49 @@ impl Follower {
                     newest(h.swarm(), &h.model, &h.group),
                 ));
             }
-            let Some(target) = known.as_ref().and_then(|k| k.2.clone()) else {
-                continue;
-            };
-            if !warm {
-                warm = true;
-                self.warm(&target);
+            let seen = known.as_ref().and_then(|k| k.2.clone());
+            if let Some(t) = &seen {
+                if !warm {
+                    warm = true;
+                    self.warm(t);
+                }
+                let me = h.swarm().peer_id;
+                let members: Vec<PeerId> = t.members.iter().copied().filter(|p| *p != me).collect();
+                self.next
+                    .keep_open(&members, |p| self.source(p), &h.store, &h.model);
             }
             let held = h.store.latest(&h.model);
             let at = held.as_ref().map(Held::version);
+            // A member's manifest from a long poll, newer than what the view shows (or
+            // the view's own): fetched at once, its manifest not asked again.
+            // Only from a peer the view still shows a member of the group.
+            let offered = self.next.take().filter(|o| {
+                seen.as_ref().is_some_and(|t| t.members.contains(&o.from))
+                    && at.is_none_or(|a| o.manifest.version > a)
+                    && seen.as_ref().is_none_or(|t| {
+                        o.manifest.version > t.version
+                            || (o.manifest.version == t.version && o.id == t.id)
+                    })
+            });
+            let (target, manifest) = match (offered, seen) {
+                (Some(o), Some(t)) if t.id == o.id => (t, Some(o.manifest)),
+                (Some(o), _) => {
+                    let t = Target {
+                        version: o.manifest.version,
+                        id: o.id,
+                        members: vec![o.from],
+                        holders: vec![o.from],
+                    };
+                    (t, Some(o.manifest))
+                }
+                (None, Some(t)) => (t, None),
+                (None, None) => continue,
+            };
             h.current(Some(target.version.saturating_sub(at.unwrap_or(0))));
             if held.as_ref().is_some_and(|x| x.id == target.id) || refused.contains(&target.id) {
                 continue;
             }
-            let done = match self.fetch(&target, held).await {
+            let done = match self.fetch(&target, held, manifest).await {
                 Ok(f) => install(f).await,
                 Err(e) => Err(e),
             };
@@ -396,28 +440,51 @@ impl Follower {
         }
     }
 
-    /// Fetches `target` (from `held` on) and checks it.
-    async fn fetch(&self, target: &Target, held: Option<Held>) -> Result<Fetched, Failure> {
+    /// Fetches `target` (from `held` on) and checks it; its `manifest` is asked of the
+    /// members unless given (a member sent it on a long poll).
+    async fn fetch(
+        &self,
+        target: &Target,
+        held: Option<Held>,
+        mut manifest: Option<Manifest>,
+    ) -> Result<Fetched, Failure> {
         let h = &self.holder;
         let source = |p: PeerId| self.source(p);
-        let mut manifest: Option<Manifest> = None;
-        let mut why = Vec::new();
-        for &p in &target.members {
-            match source(p).manifest(target.version, &target.id).await {
-                Ok(m) => {
-                    manifest = Some(m);
-                    break;
+        if manifest.is_none() {
+            // Asked of the members, unless a long poll brings it first (the gossip and a
+            // member's answer to the poll come about together).
+            let asked = async {
+                let mut why = Vec::new();
+                for &p in &target.members {
+                    match source(p).manifest(target.version, &target.id).await {
+                        Ok(m) => return Ok(m),
+                        Err(e) => why.push(format!("{p}: {e}")),
+                    }
                 }
-                Err(e) => why.push(format!("{p}: {e}")),
-            }
+                Err(format!(
+                    "no member gave the manifest of version {}: {}",
+                    target.version,
+                    why.join("; ")
+                ))
+            };
+            let polled = async {
+                loop {
+                    self.next.came().await;
+                    if let Some(o) = self.next.take() {
+                        if o.id == target.id {
+                            return o.manifest;
+                        }
+                    }
+                }
+            };
+            manifest = Some(tokio::select! {
+                m = asked => m?,
+                m = polled => m,
+            });
         }
-        let manifest = manifest.ok_or_else(|| {
-            format!(
-                "no member gave the manifest of version {}: {}",
-                target.version,
-                why.join("; ")
-            )
-        })?;
+        let Some(manifest) = manifest else {
+            return Err(Failure::Again("no manifest".into()));
+        };
         if let Some(want) = &self.cfg.shapes {
             layout_matches(&manifest, want).map_err(Failure::Refused)?;
         }

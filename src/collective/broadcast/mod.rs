@@ -25,6 +25,7 @@ pub mod fetch;
 pub mod follow;
 pub mod holder;
 pub mod manifest;
+pub mod next;
 pub mod store;
 pub mod wire;
 

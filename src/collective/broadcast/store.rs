@@ -133,6 +133,8 @@ pub struct VersionStore {
     pub served_bytes: AtomicU64,
     /// Wakes the requests waiting for a version to be started.
     began: tokio::sync::Notify,
+    /// Wakes the requests waiting for a newer version to be held ([`VersionStore::newer`]).
+    held_new: tokio::sync::Notify,
     /// Tests only: serve every chunk with one byte changed (a lying peer).
     pub tamper: AtomicBool,
 }
@@ -150,6 +152,7 @@ impl VersionStore {
             frame_budget,
             served_bytes: AtomicU64::new(0),
             began: tokio::sync::Notify::new(),
+            held_new: tokio::sync::Notify::new(),
             tamper: AtomicBool::new(false),
         }
     }
@@ -195,6 +198,7 @@ impl VersionStore {
         };
         // After it is held: an asker never finds it neither held nor being fetched.
         self.abandon(&model, version);
+        self.held_new.notify_waiters();
         let mut f = lock(&self.frames);
         let Frames { map, order, bytes } = &mut *f;
         let stale = |k: &FrameKey| {
@@ -302,6 +306,25 @@ impl VersionStore {
         notified.as_mut().enable();
         if cell.get().is_none() && self.fetching(model, version) {
             let _ = tokio::time::timeout_at(deadline, notified).await;
+        }
+    }
+
+    /// The newest version of `model` held, once one newer than `after` (any, with `None`)
+    /// is: waits at most `wait` for it (a follower's long poll for its group's next
+    /// version, see [`super::wire::Request::Next`]).
+    pub async fn newer(&self, model: &str, after: Option<u64>, wait: Duration) -> Option<Held> {
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            let held = self.held_new.notified();
+            tokio::pin!(held);
+            held.as_mut().enable();
+            let newest = self.latest(model);
+            if let Some(h) = newest.filter(|h| after.is_none_or(|a| h.version() > a)) {
+                return Some(h);
+            }
+            if tokio::time::timeout_at(deadline, held).await.is_err() {
+                return None;
+            }
         }
     }
 
@@ -577,6 +600,36 @@ mod tests {
         // (One extra of half the budget fits, a second does not.)
         let held: Vec<u64> = (1..=3).filter(|&v| s.get("m", v).is_some()).collect();
         assert_eq!(held, vec![2, 3]);
+    }
+
+    #[tokio::test]
+    async fn a_long_poll_gets_the_next_version_once_it_is_held_and_nothing_before() {
+        let s = Arc::new(VersionStore::new(2, 1 << 20));
+        let short = Duration::from_millis(50);
+        // Nothing held: `None` takes any version; past 1, or of another model, nothing
+        // comes within the wait.
+        assert!(s.newer("m", None, short).await.is_none());
+        s.put(version(1, 3));
+        assert_eq!(
+            s.newer("m", None, Duration::ZERO).await.unwrap().version(),
+            1
+        );
+        assert!(s.newer("m", Some(1), short).await.is_none());
+        assert!(s.newer("other", None, short).await.is_none());
+        // A poll waiting past version 1 (for up to 60 s) is answered when version 2 is
+        // held, not at the end of its wait.
+        let poll = {
+            let s = s.clone();
+            tokio::spawn(async move { s.newer("m", Some(1), Duration::from_secs(60)).await })
+        };
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(!poll.is_finished(), "nothing newer is held yet");
+        s.put(version(2, 5));
+        let got = tokio::time::timeout(Duration::from_secs(30), poll)
+            .await
+            .expect("woken by the put")
+            .unwrap();
+        assert_eq!(got.unwrap().version(), 2);
     }
 
     #[test]

@@ -52,6 +52,9 @@ pub const WAIT: Duration = Duration::from_secs(2);
 /// The most chunks one [`Request::Chunks`] asks (its frame stays under the request
 /// limit: an index, a version and a hash each).
 pub const MAX_BATCH: usize = 64;
+/// How long a [`Request::Next`] waits at the holder for a newer version (under a
+/// fetcher's request timeout, so the asker hears "not yet" and asks again).
+pub const NEXT_WAIT: Duration = Duration::from_secs(20);
 
 /// A byte stream of the chunk protocol.
 pub trait WeightsStream: AsyncRead + AsyncWrite + Send + Unpin {}
@@ -106,6 +109,13 @@ pub enum Request {
         version: u64,
         asked: Vec<(u32, ChunkBase)>,
     },
+    /// The manifest of the newest version of `model` held past `after` (any, with
+    /// `None`): a long poll that waits up to [`NEXT_WAIT`] for it and is answered
+    /// [`Reply::NotYet`] if none came. A follower keeps one open at each member of its
+    /// group: a new version's manifest reaches it one way after the member holds it, not
+    /// after the gossip and a round trip of asking (and before the first chunks queue on
+    /// the member's upload).
+    Next { model: String, after: Option<u64> },
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -275,6 +285,13 @@ async fn answered(store: &Arc<VersionStore>, req: Request) -> Reply {
         } => chunk_answered(store, &model, version, index, base).await,
         // Answered chunk by chunk (`serve_batch`).
         Request::Chunks { .. } => Reply::NotHeld("a batch inside a batch".into()),
+        Request::Next { model, after } => match store.newer(&model, after, NEXT_WAIT).await {
+            // A big model's manifest is megabytes to copy: off the async threads.
+            Some(h) => tokio::task::spawn_blocking(move || Reply::Manifest(h.encoded.to_vec()))
+                .await
+                .unwrap_or_else(|e| Reply::NotHeld(format!("the handler failed: {e}"))),
+            None => Reply::NotYet,
+        },
     }
 }
 
@@ -374,6 +391,11 @@ impl PeerSource {
     }
 
     async fn ask(&self, req: &Request) -> Result<Reply, String> {
+        self.ask_within(req, self.timeout).await
+    }
+
+    /// [`Self::ask`], the reply awaited at most `timeout`.
+    async fn ask_within(&self, req: &Request, timeout: Duration) -> Result<Reply, String> {
         let bulk = matches!(req, Request::Chunk { .. });
         let pool = if bulk { &self.streams } else { &self.small };
         let pooled = {
@@ -382,7 +404,7 @@ impl PeerSource {
             p.pop()
         };
         if let Some((mut s, _)) = pooled {
-            match self.exchange(&mut s, req).await {
+            match self.exchange(&mut s, req, timeout).await {
                 Ok(reply) => {
                     lock(pool).push((s, Instant::now()));
                     return Ok(reply);
@@ -394,7 +416,10 @@ impl PeerSource {
             }
         }
         let mut s = self.net.open(self.peer, bulk).await?;
-        let reply = self.exchange(&mut s, req).await.map_err(|(_, e)| e)?;
+        let reply = self
+            .exchange(&mut s, req, timeout)
+            .await
+            .map_err(|(_, e)| e)?;
         lock(pool).push((s, Instant::now()));
         Ok(reply)
     }
@@ -404,21 +429,52 @@ impl PeerSource {
         &self,
         s: &mut Box<dyn WeightsStream>,
         req: &Request,
+        timeout: Duration,
     ) -> Result<Reply, (bool, String)> {
         let limit = match req {
             Request::Chunk { .. } | Request::Chunks { .. } => {
                 self.chunk_limit.load(Ordering::Relaxed)
             }
-            Request::Manifest { .. } => REPLY_LIMIT,
+            Request::Manifest { .. } | Request::Next { .. } => REPLY_LIMIT,
         };
         let exchange = async {
             write_frame(s, req, REQUEST_LIMIT).await?;
             read_frame::<_, Reply>(s, limit).await
         };
-        tokio::time::timeout(self.timeout, exchange)
+        tokio::time::timeout(timeout, exchange)
             .await
-            .map_err(|_| (true, format!("no answer in {:?}", self.timeout)))?
+            .map_err(|_| (true, format!("no answer in {timeout:?}")))?
             .map_err(|e| (false, e.to_string()))
+    }
+
+    /// The manifest of the newest version this peer holds past `after` (any, with
+    /// `None`), and its id: waits there for one up to [`NEXT_WAIT`] (see
+    /// [`Request::Next`]). `None`: none came meanwhile.
+    pub async fn next_manifest(
+        &self,
+        after: Option<u64>,
+    ) -> Result<Option<(Manifest, [u8; 32])>, String> {
+        let req = Request::Next {
+            model: self.model.clone(),
+            after,
+        };
+        match self.ask_within(&req, NEXT_WAIT + self.timeout).await? {
+            Reply::Manifest(bytes) => {
+                let id = *blake3::hash(&bytes).as_bytes();
+                let m = Manifest::decode(&bytes).map_err(|e| e.to_string())?;
+                if m.model != self.model || after.is_some_and(|a| m.version <= a) {
+                    return Err(format!(
+                        "{} answered a long poll past version {after:?} of {:?} with version \
+                         {} of {:?}",
+                        self.peer, self.model, m.version, m.model
+                    ));
+                }
+                Ok(Some((m, id)))
+            }
+            Reply::NotYet => Ok(None),
+            Reply::NotHeld(why) => Err(why),
+            _ => Err("not a manifest where one was asked".into()),
+        }
     }
 
     /// The manifest of `version`, decoded and validated, if its id is `id` (what a
