@@ -19,8 +19,9 @@
 //! 391-471 ms against 160-261 ms with the top pad, one run each.)
 //!
 //! The cost: memory freed stays in the process (up to 1 GiB of free space at the top of
-//! the heap before glibc trims it), so the resident size stays near its peak; for a
-//! process that trains or serves a model that peak is what it needs anyway.
+//! the heap before glibc trims it, and each thread arena's emptied heaps, up to 64 MB
+//! each), so the resident size stays near its peak; for a process that trains or serves
+//! a model that peak is what it needs anyway.
 
 /// Keeps freed memory for the next allocations: no `mmap` for large blocks (they come from
 /// the heap and go back to it), the heap's top trimmed only past 1 GiB of free space, and

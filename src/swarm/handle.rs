@@ -147,10 +147,10 @@ impl SwarmHandle {
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Resolves at the next status the view takes in after it is made (or enabled): a
-    /// loop that acts on news (a new policy version) wakes at once instead of at its
-    /// next poll. Compare [`SwarmHandle::view_changes`] after it: a status taken in
-    /// between making it and awaiting it is not missed there.
+    /// Resolves at the next status the view takes in after it is made: a loop that acts
+    /// on news (a new policy version) wakes at once instead of at its next poll. Make it
+    /// before reading [`SwarmHandle::view_changes`]: a status taken in between is then
+    /// not missed.
     pub fn view_changed(&self) -> tokio::sync::futures::Notified<'_> {
         self.shared.view_changed.notified()
     }

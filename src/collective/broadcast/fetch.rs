@@ -426,11 +426,17 @@ pub async fn fetch_async(
             if lock(&failed).is_some() {
                 return;
             }
-            let wait = more.notified();
-            tokio::pin!(wait);
-            wait.as_mut().enable();
             let next = lock(&queue).pop_front();
             let Some(i) = next else {
+                // Only idle workers wait (a chunk put back wakes one of them, not one busy
+                // with a chunk of its own), registered before looking again: a chunk
+                // queued, or the last batch ending, in between still wakes it.
+                let wait = more.notified();
+                tokio::pin!(wait);
+                wait.as_mut().enable();
+                if !lock(&queue).is_empty() || lock(&failed).is_some() {
+                    continue;
+                }
                 if batching.load(Ordering::Relaxed) == 0 {
                     return;
                 }

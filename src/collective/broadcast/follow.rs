@@ -1,6 +1,7 @@
 //! A follower's loop, without the model: it watches the gossip for the versions its
 //! training group's members announce, takes a new version's manifest from a member
-//! (checked against the id the member announced), fetches the changed chunks
+//! (checked against the id the member announced, or sent by the member itself on a long
+//! poll, see [`super::next`]), fetches the changed chunks
 //! ([`fetch_version_with`]) and hands the version to its installer (the server's swaps it
 //! into the engine between two decode steps; netsim's holds it). It then holds and
 //! serves the version itself.
@@ -305,8 +306,10 @@ impl Follower {
                     }
                 }
             }
-            // One read of the view per tick at most, however often it changes.
-            if let Some(next) = known.as_ref().map(|k| k.1 + self.cfg.tick) {
+            // One read of the view per tick at most, however often it changes (a
+            // manifest a long poll brought is taken at once, against the last read).
+            let read_at = known.as_ref().map(|k| k.1 + self.cfg.tick);
+            if let Some(next) = read_at.filter(|_| !self.next.pending()) {
                 tokio::select! {
                     _ = tokio::time::sleep_until(next.into()) => {}
                     _ = stop.requested() => return,
@@ -329,11 +332,16 @@ impl Follower {
                     warm = true;
                     self.warm(t);
                 }
-                let me = h.swarm().peer_id;
-                let members: Vec<PeerId> = t.members.iter().copied().filter(|p| *p != me).collect();
-                self.next
-                    .keep_open(&members, |p| self.source(p), &h.store, &h.model);
             }
+            // A long poll at each member the view shows (none once the group is gone).
+            let me = h.swarm().peer_id;
+            let members: Vec<PeerId> = seen
+                .iter()
+                .flat_map(|t| t.members.iter().copied())
+                .filter(|p| *p != me)
+                .collect();
+            self.next
+                .keep_open(&members, |p| self.source(p), &h.store, &h.model);
             let held = h.store.latest(&h.model);
             let at = held.as_ref().map(Held::version);
             // A member's manifest from a long poll, newer than what the view shows (or
@@ -349,12 +357,18 @@ impl Follower {
             });
             let (target, manifest) = match (offered, seen) {
                 (Some(o), Some(t)) if t.id == o.id => (t, Some(o.manifest)),
-                (Some(o), _) => {
+                (Some(o), seen) => {
+                    // Its sender and the other members (they hold the version soon, if
+                    // not yet: a request there waits for it): the own share is spread
+                    // over them, as for a version the view shows.
+                    let mut members = vec![o.from];
+                    let others = seen.iter().flat_map(|t| t.members.iter().copied());
+                    members.extend(others.filter(|p| *p != o.from));
                     let t = Target {
                         version: o.manifest.version,
                         id: o.id,
-                        members: vec![o.from],
-                        holders: vec![o.from],
+                        holders: members.clone(),
+                        members,
                     };
                     (t, Some(o.manifest))
                 }
@@ -469,12 +483,10 @@ impl Follower {
             };
             let polled = async {
                 loop {
-                    self.next.came().await;
-                    if let Some(o) = self.next.take() {
-                        if o.id == target.id {
-                            return o.manifest;
-                        }
+                    if let Some(o) = self.next.take_id(&target.id) {
+                        return o.manifest;
                     }
+                    self.next.came().await;
                 }
             };
             manifest = Some(tokio::select! {

@@ -14,7 +14,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::manifest::Manifest;
 use super::store::VersionStore;
@@ -74,6 +74,7 @@ impl NextPolls {
         let mut pause = Duration::from_secs(1);
         loop {
             let held = store.latest(&model).map(|h| h.version());
+            let asked = Instant::now();
             match src.next_manifest(held.max(last)).await {
                 Ok(Some((manifest, id))) => {
                     last = Some(manifest.version);
@@ -84,13 +85,21 @@ impl NextPolls {
                         id,
                     });
                 }
-                Ok(None) => {}
-                // Gone, or a peer without long polls: the gossip and the view still
-                // bring its versions; asked again later.
+                Ok(None) => {
+                    pause = Duration::from_secs(1);
+                    // "Not yet" long before the holder's wait ended: not a long poll
+                    // there; asked again a second later, not at once.
+                    if asked.elapsed() < super::wire::NEXT_WAIT / 2 {
+                        tokio::time::sleep(pause).await;
+                    }
+                }
+                // Gone, or a peer without long polls (an older version closes the
+                // stream): the gossip and the view still bring its versions; asked
+                // again later, up to every 5 minutes.
                 Err(e) => {
                     tracing::debug!(peer = %src.peer, "long poll for the next version: {e}");
                     tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(Duration::from_secs(30));
+                    pause = (pause * 2).min(Duration::from_secs(300));
                 }
             }
         }
@@ -112,6 +121,20 @@ impl NextPolls {
         lock(&self.newest).take()
     }
 
+    /// [`Self::take`] if it is the manifest of id `id` (another stays for the loop).
+    pub fn take_id(&self, id: &[u8; 32]) -> Option<Offered> {
+        let mut newest = lock(&self.newest);
+        match newest.as_ref().is_some_and(|o| o.id == *id) {
+            true => newest.take(),
+            false => None,
+        }
+    }
+
+    /// Whether a manifest was brought and not taken yet.
+    pub fn pending(&self) -> bool {
+        lock(&self.newest).is_some()
+    }
+
     /// Resolves when a poll brings a manifest (at once if one came since the last wait).
     pub async fn came(&self) {
         self.came.notified().await
@@ -120,5 +143,39 @@ impl NextPolls {
     /// Ends every poll.
     pub fn close(&self) {
         lock(&self.polls).drain().for_each(|(_, t)| t.abort());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn offered(version: u64, id: u8) -> Offered {
+        let layout = vec![("w".to_string(), "Float".to_string(), vec![4], 16)];
+        Offered {
+            from: PeerId::random(),
+            manifest: Manifest::build_chunked("m", version, "h", &layout, &[0; 16], 16).unwrap(),
+            id: [id; 32],
+        }
+    }
+
+    #[tokio::test]
+    async fn the_newest_manifest_brought_is_kept_and_taken_by_its_id() {
+        let polls = NextPolls::default();
+        assert!(!polls.pending());
+        polls.offer(offered(2, 2));
+        // An older one than the one kept is dropped.
+        polls.offer(offered(1, 1));
+        assert!(polls.pending());
+        // The loop was told (a permit waits for it).
+        tokio::time::timeout(Duration::from_secs(30), polls.came())
+            .await
+            .expect("told of the manifest");
+        assert!(polls.take_id(&[1; 32]).is_none());
+        assert!(polls.pending(), "another id leaves it for the loop");
+        assert_eq!(polls.take_id(&[2; 32]).unwrap().manifest.version, 2);
+        assert!(polls.take().is_none());
+        polls.offer(offered(3, 3));
+        assert_eq!(polls.take().unwrap().manifest.version, 3);
     }
 }

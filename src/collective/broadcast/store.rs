@@ -199,6 +199,8 @@ impl VersionStore {
         // After it is held: an asker never finds it neither held nor being fetched.
         self.abandon(&model, version);
         self.held_new.notify_waiters();
+        // Requests waiting for this version to start (see `wait_chunk`) take it now.
+        self.began.notify_waiters();
         let mut f = lock(&self.frames);
         let Frames { map, order, bytes } = &mut *f;
         let stale = |k: &FrameKey| {

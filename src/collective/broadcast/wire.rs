@@ -4,7 +4,8 @@
 //!
 //! The wire is one postcard frame per message: [`Request`] from the asker, [`Reply`] from
 //! the holder, any number of times per stream. Nothing a peer sends is trusted: a
-//! manifest is checked against the id its group member announced, a chunk against the
+//! manifest is checked against the id its group member announced (or comes from the
+//! member itself, on a long poll the follower keeps open there), a chunk against the
 //! manifest's hash (by the fetch, see [`super::fetch`]).
 //!
 //! A request for a chunk the holder is still fetching, or of a newer version it has not
@@ -30,7 +31,7 @@ use serde::{Deserialize, Serialize};
 
 use super::fetch::{ChunkBase, ChunkSource, Miss};
 use super::manifest::{Manifest, MAX_MANIFEST_BYTES};
-use super::store::VersionStore;
+use super::store::{Held, VersionStore};
 use crate::base::lock;
 use crate::swarm::frame::{read_frame, write_frame, FrameError};
 use crate::swarm::{PeerId, StreamProtocol, SwarmError, SwarmHandle};
@@ -52,8 +53,10 @@ pub const WAIT: Duration = Duration::from_secs(2);
 /// The most chunks one [`Request::Chunks`] asks (its frame stays under the request
 /// limit: an index, a version and a hash each).
 pub const MAX_BATCH: usize = 64;
-/// How long a [`Request::Next`] waits at the holder for a newer version (under a
-/// fetcher's request timeout, so the asker hears "not yet" and asks again).
+/// How long a [`Request::Next`] waits at the holder for a newer version before it
+/// answers "not yet" (the asker waits this plus its request timeout for the answer, then
+/// asks again). While one is open the swarm keeps the connection (a member's trimmer
+/// spares its followers' connections).
 pub const NEXT_WAIT: Duration = Duration::from_secs(20);
 
 /// A byte stream of the chunk protocol.
@@ -267,16 +270,10 @@ async fn serve_batch<S: AsyncRead + AsyncWrite + Unpin>(
 /// The reply to `req`.
 async fn answered(store: &Arc<VersionStore>, req: Request) -> Reply {
     match req {
-        // A big model's manifest is megabytes to copy: off the async threads.
-        Request::Manifest { model, version } => {
-            let st = store.clone();
-            tokio::task::spawn_blocking(move || match st.get(&model, version) {
-                Some(h) => Reply::Manifest(h.encoded.as_ref().clone()),
-                None => Reply::NotHeld(format!("version {version} of {model:?} is not held here")),
-            })
-            .await
-            .unwrap_or_else(|e| Reply::NotHeld(format!("the handler failed: {e}")))
-        }
+        Request::Manifest { model, version } => match store.get(&model, version) {
+            Some(h) => manifest_reply(h).await,
+            None => Reply::NotHeld(format!("version {version} of {model:?} is not held here")),
+        },
         Request::Chunk {
             model,
             version,
@@ -286,13 +283,17 @@ async fn answered(store: &Arc<VersionStore>, req: Request) -> Reply {
         // Answered chunk by chunk (`serve_batch`).
         Request::Chunks { .. } => Reply::NotHeld("a batch inside a batch".into()),
         Request::Next { model, after } => match store.newer(&model, after, NEXT_WAIT).await {
-            // A big model's manifest is megabytes to copy: off the async threads.
-            Some(h) => tokio::task::spawn_blocking(move || Reply::Manifest(h.encoded.to_vec()))
-                .await
-                .unwrap_or_else(|e| Reply::NotHeld(format!("the handler failed: {e}"))),
+            Some(h) => manifest_reply(h).await,
             None => Reply::NotYet,
         },
     }
+}
+
+/// `h`'s manifest as a reply (a big model's is megabytes to copy: off the async threads).
+async fn manifest_reply(h: Held) -> Reply {
+    tokio::task::spawn_blocking(move || Reply::Manifest(h.encoded.to_vec()))
+        .await
+        .unwrap_or_else(|e| Reply::NotHeld(format!("the handler failed: {e}")))
 }
 
 /// The reply for chunk `index` of `model`'s `version`. Encoding a big chunk (or waiting
@@ -665,5 +666,63 @@ fn miss(r: Reply) -> Miss {
         Reply::Chunk(_) => Miss::Failed("a chunk where none was expected".into()),
         Reply::Manifest(_) => Miss::Failed("a manifest where a chunk was asked".into()),
         Reply::Of(..) => Miss::Failed("a batch's reply where a chunk was asked".into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::collective::broadcast::Manifest;
+    use tokio_util::compat::TokioAsyncReadCompatExt;
+
+    /// `store`'s chunk protocol over in-memory streams, each answered by [`serve_stream`].
+    struct InMemory(Arc<VersionStore>);
+
+    impl WeightsNet for InMemory {
+        fn open(
+            &self,
+            _peer: PeerId,
+            _bulk: bool,
+        ) -> BoxFuture<'_, Result<Box<dyn WeightsStream>, String>> {
+            let store = self.0.clone();
+            Box::pin(async move {
+                let (mine, theirs) = tokio::io::duplex(1 << 20);
+                tokio::spawn(serve_stream(store, PeerId::random(), theirs.compat()));
+                Ok(Box::new(mine.compat()) as Box<dyn WeightsStream>)
+            })
+        }
+    }
+
+    fn version(v: u64) -> Held {
+        let bytes: Vec<u8> = (0..64u8).map(|i| i.wrapping_mul(v as u8 + 3)).collect();
+        let layout = vec![("w".to_string(), "Float".to_string(), vec![16], 64)];
+        Held::new(
+            Manifest::build_chunked("m", v, "h", &layout, &bytes, 16).unwrap(),
+            bytes,
+        )
+    }
+
+    #[tokio::test]
+    async fn a_long_poll_brings_the_next_versions_manifest_the_moment_it_is_held() {
+        let store = Arc::new(VersionStore::new(2, 1 << 20));
+        store.put(version(1));
+        let net = Arc::new(InMemory(store.clone()));
+        let src = PeerSource::new(net, PeerId::random(), "m", Duration::from_secs(30));
+        // Past nothing: the version held, at once, with its id.
+        let (m, id) = src.next_manifest(None).await.unwrap().unwrap();
+        assert_eq!((m.version, id), (1, store.get("m", 1).unwrap().id));
+        // Past version 1: the poll waits there, and version 2 comes when it is held.
+        let poll = tokio::spawn(async move { src.next_manifest(Some(1)).await });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(!poll.is_finished(), "nothing past version 1 is held yet");
+        let next = version(2);
+        store.put(next.clone());
+        let got = tokio::time::timeout(Duration::from_secs(30), poll)
+            .await
+            .expect("answered when version 2 was held")
+            .unwrap();
+        let (m, id) = got.unwrap().unwrap();
+        assert_eq!((m.version, id), (2, next.id));
+        assert_eq!(m, *next.manifest);
     }
 }
