@@ -134,11 +134,6 @@ fn with_planes<T>(len: usize, f: impl FnOnce(&mut [u8]) -> T) -> T {
     })
 }
 
-/// At most `len` bytes out, whatever the frame claims.
-fn decompress(data: &[u8], len: usize) -> std::io::Result<Vec<u8>> {
-    with_contexts(|_, d| d.decompress(data, len))
-}
-
 /// The frame's encoding (for counting what was sent).
 pub fn encoding_of(frame: &[u8]) -> Option<Encoding> {
     frame.first().and_then(|&t| Encoding::from_tag(t))
@@ -153,6 +148,20 @@ pub fn decode(
     len: usize,
     want: &[u8; 32],
 ) -> Result<Vec<u8>, CodecError> {
+    let mut chunk = vec![0u8; len];
+    decode_into(frame, base, &mut chunk, want)?;
+    Ok(chunk)
+}
+
+/// [`decode`] into `out` (the chunk's place in the snapshot a follower builds: no
+/// allocation per chunk). On an error `out` holds whatever the frame made of it.
+pub fn decode_into(
+    frame: &[u8],
+    base: Option<&[u8]>,
+    out: &mut [u8],
+    want: &[u8; 32],
+) -> Result<(), CodecError> {
+    let len = out.len();
     let bad = |m: String| Err(CodecError::Malformed(m));
     let (&tag, rest) = match frame.split_first() {
         Some(x) => x,
@@ -165,20 +174,21 @@ pub fn decode(
         Some(x) => x,
         None => return bad("no plane width".into()),
     };
-    let unzstd = |p: &[u8]| -> Result<Vec<u8>, CodecError> {
-        let out = decompress(p, len).map_err(|e| CodecError::Malformed(format!("zstd: {e}")))?;
-        if out.len() != len {
+    // Exactly `len` bytes into `to` (zstd stops at its end, whatever the frame claims).
+    let unzstd = |p: &[u8], to: &mut [u8]| -> Result<(), CodecError> {
+        let n = with_contexts(|_, d| d.decompress_to_buffer(p, to))
+            .map_err(|e| CodecError::Malformed(format!("zstd: {e}")))?;
+        if n != len {
             return Err(CodecError::Malformed(format!(
-                "{} bytes, the chunk has {len}",
-                out.len()
+                "{n} bytes, the chunk has {len}"
             )));
         }
-        Ok(out)
+        Ok(())
     };
-    let chunk = match e {
-        Encoding::Raw if payload.len() == len => payload.to_vec(),
+    match e {
+        Encoding::Raw if payload.len() == len => out.copy_from_slice(payload),
         Encoding::Raw => return bad(format!("{} raw bytes, the chunk has {len}", payload.len())),
-        Encoding::Zstd => unzstd(payload)?,
+        Encoding::Zstd => unzstd(payload, out)?,
         Encoding::XorZstd | Encoding::XorPlanesZstd => {
             let base = base.filter(|b| b.len() == len).ok_or(CodecError::NoBase)?;
             if e == Encoding::XorPlanesZstd {
@@ -186,24 +196,20 @@ pub fn decode(
                     return bad(format!("plane width {width} for {len} bytes"));
                 }
                 with_planes(len, |planes| {
-                    let n = with_contexts(|_, d| d.decompress_to_buffer(payload, planes))
-                        .map_err(|e| CodecError::Malformed(format!("zstd: {e}")))?;
-                    if n != len {
-                        return bad(format!("{n} bytes, the chunk has {len}"));
-                    }
-                    Ok(from_planes_xor(planes, width as usize, base))
+                    unzstd(payload, planes)?;
+                    from_planes_xor(planes, width as usize, base, out);
+                    Ok::<(), CodecError>(())
                 })?
             } else {
-                let mut x = unzstd(payload)?;
-                x.iter_mut().zip(base).for_each(|(a, b)| *a ^= b);
-                x
+                unzstd(payload, out)?;
+                out.iter_mut().zip(base).for_each(|(a, b)| *a ^= b);
             }
         }
-    };
-    if blake3::hash(&chunk).as_bytes() != want {
+    }
+    if blake3::hash(out).as_bytes() != want {
         return Err(CodecError::HashMismatch);
     }
-    Ok(chunk)
+    Ok(())
 }
 
 fn xor(a: &[u8], b: &[u8]) -> Vec<u8> {
@@ -245,13 +251,12 @@ fn to_planes(x: &[u8], width: usize) -> Vec<u8> {
     out
 }
 
-/// The inverse of [`to_planes`], each byte XORed with `base`'s at its place (a delta's
-/// chunk in one pass: `base` is as long as `p`). Widths 2 and 4 a whole element at a
-/// time.
-fn from_planes_xor(p: &[u8], width: usize, base: &[u8]) -> Vec<u8> {
-    let mut out = vec![0u8; p.len()];
-    if p.is_empty() || width == 0 || base.len() != p.len() {
-        return out;
+/// The inverse of [`to_planes`] into `out`, each byte XORed with `base`'s at its place
+/// (a delta's chunk in one pass: `base` and `out` are as long as `p`; else `out` is
+/// left as it is). Widths 2 and 4 a whole element at a time.
+fn from_planes_xor(p: &[u8], width: usize, base: &[u8], out: &mut [u8]) {
+    if p.is_empty() || width == 0 || base.len() != p.len() || out.len() != p.len() {
+        return;
     }
     let n = p.len() / width;
     match width {
@@ -285,12 +290,17 @@ fn from_planes_xor(p: &[u8], width: usize, base: &[u8]) -> Vec<u8> {
             }
         }
     }
-    out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn planes_xor(p: &[u8], width: usize, base: &[u8]) -> Vec<u8> {
+        let mut out = vec![0u8; p.len()];
+        from_planes_xor(p, width, base, &mut out);
+        out
+    }
 
     #[test]
     fn planes_go_there_and_back_at_every_width() {
@@ -304,13 +314,13 @@ mod tests {
                     assert_eq!(p[k * n + i], v, "width {width}");
                 }
             }
-            assert_eq!(from_planes_xor(&p, width, &[0; 48]), x, "width {width}");
+            assert_eq!(planes_xor(&p, width, &[0; 48]), x, "width {width}");
             // Against a base: each byte XORed with the base's at its place.
             let base: Vec<u8> = (0..48u8).map(|b| b.wrapping_mul(37) ^ 0xa5).collect();
             let want: Vec<u8> = x.iter().zip(&base).map(|(a, b)| a ^ b).collect();
-            assert_eq!(from_planes_xor(&p, width, &base), want, "width {width}");
+            assert_eq!(planes_xor(&p, width, &base), want, "width {width}");
         }
-        assert!(from_planes_xor(&[], 2, &[]).is_empty());
+        assert!(planes_xor(&[], 2, &[]).is_empty());
     }
 
     /// bf16 values of a smooth pseudo-random walk, and the same after a small update of
@@ -407,7 +417,7 @@ mod tests {
     fn planes_round_trip() {
         let x: Vec<u8> = (0..24u8).collect();
         for w in [2, 4] {
-            assert_eq!(from_planes_xor(&to_planes(&x, w), w, &[0; 24]), x);
+            assert_eq!(planes_xor(&to_planes(&x, w), w, &[0; 24]), x);
         }
     }
 }

@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
 
-use super::codec::{decode, CodecError};
+use super::codec::{decode_into, CodecError};
 use super::manifest::Manifest;
 
 /// Why a source gave no chunk.
@@ -189,7 +189,14 @@ struct Run<'a> {
     ended: tokio::sync::Notify,
     /// The sources' names (asked once).
     names: Vec<String>,
+    /// Each chunk's place in the snapshot being built: a frame is decoded there.
+    slots: &'a [Mutex<&'a mut [u8]>],
 }
+
+/// What a fetch hands on of each chunk once it is checked: its index, the frame as it
+/// came, and the hash of the chunk it is a delta against (the fetcher's: `None` without
+/// one). A follower serves the frame as it is to a peer that holds that chunk too.
+pub type OnChunk<'a> = dyn Fn(usize, Vec<u8>, Option<[u8; 32]>) + Sync + 'a;
 
 /// How long a worker waits before asking the followers again for a chunk not yet there.
 const POLL: Duration = Duration::from_millis(20);
@@ -202,21 +209,23 @@ pub fn fetch_version(
     sources: &[Arc<dyn ChunkSource>],
     cfg: &FetchConfig,
 ) -> Result<(Vec<u8>, FetchReport), FetchError> {
-    fetch_version_with(target, have, sources, cfg, &|_, _| {})
+    fetch_version_with(target, have, sources, cfg, &|_, _, _| {}, Vec::new())
 }
 
-/// [`fetch_version`], calling `on_chunk(i, bytes)` with each chunk once it is checked
-/// (a follower serves it from then on, before the whole version is in). Blocks: on the
-/// tokio runtime of the calling thread's context (a `spawn_blocking` thread's), else on
-/// a small runtime of its own.
+/// [`fetch_version`], calling `on_chunk` with each chunk once it is checked (a follower
+/// serves it from then on, before the whole version is in), the snapshot
+/// built in `buffer` (its allocation reused: see [`fetch_async`]). Blocks: on the tokio
+/// runtime of the calling thread's context (a `spawn_blocking` thread's), else on a small
+/// runtime of its own.
 pub fn fetch_version_with(
     target: &Manifest,
     have: Option<(&Manifest, &[u8])>,
     sources: &[Arc<dyn ChunkSource>],
     cfg: &FetchConfig,
-    on_chunk: &(dyn Fn(usize, Vec<u8>) + Sync),
+    on_chunk: &OnChunk<'_>,
+    buffer: Vec<u8>,
 ) -> Result<(Vec<u8>, FetchReport), FetchError> {
-    let fut = fetch_async(target, have, sources, cfg, on_chunk);
+    let fut = fetch_async(target, have, sources, cfg, on_chunk, buffer);
     match tokio::runtime::Handle::try_current() {
         Ok(rt) => rt.block_on(fut),
         Err(_) => tokio::runtime::Builder::new_current_thread()
@@ -234,21 +243,32 @@ pub fn fetch_version_with(
 /// [`fetch_version_with`] as a future on the caller's task: every chunk is decoded and
 /// checked on it, so callers use it for small chunks (see
 /// [`super::manifest::INLINE_CHUNK_BYTES`]) and run bigger ones on a thread of their own.
+///
+/// The snapshot is built in `buffer` (`Vec::new()`: a new one). A follower passes one of
+/// the snapshot's size whose pages it wrote ahead, between versions: a new snapshot's
+/// first writes otherwise fault its pages in during the fetch (in netsim's scenario 6,
+/// the first version's copy of the held snapshot took about twice the CPU of the
+/// later ones', which reuse freed memory).
 pub async fn fetch_async(
     target: &Manifest,
     have: Option<(&Manifest, &[u8])>,
     sources: &[Arc<dyn ChunkSource>],
     cfg: &FetchConfig,
-    on_chunk: &(dyn Fn(usize, Vec<u8>) + Sync),
+    on_chunk: &OnChunk<'_>,
+    buffer: Vec<u8>,
 ) -> Result<(Vec<u8>, FetchReport), FetchError> {
     let held = have.filter(|(m, b)| b.len() as u64 == m.total_bytes());
-    let (mut needed, base, mut out) = match held.map(|(m, b)| (target.changed_since(m), m, b)) {
-        Some((Ok(changed), m, b)) => (changed, Some((m, b)), b.to_vec()),
-        _ => (
-            (0..target.chunks.len()).collect(),
-            None,
-            vec![0u8; target.total_bytes() as usize],
-        ),
+    let mut out = buffer;
+    out.clear();
+    let (mut needed, base) = match held.map(|(m, b)| (target.changed_since(m), m, b)) {
+        Some((Ok(changed), m, b)) => {
+            out.extend_from_slice(b);
+            (changed, Some((m, b)))
+        }
+        _ => {
+            out.resize(target.total_bytes() as usize, 0);
+            ((0..target.chunks.len()).collect(), None)
+        }
     };
     // Our own share first: the other followers wait for it. Then the others' in rounds
     // (one chunk of each owner per round), each round starting at the owner after us
@@ -258,210 +278,212 @@ pub async fn fetch_async(
         let me = share.owners.iter().position(Option::is_none).unwrap_or(0);
         needed.sort_by_key(|&i| (share.owners[i % n].is_some(), i / n, (i % n + n - me) % n));
     }
-    let run = Run {
-        target,
-        sources,
-        standing: sources
-            .iter()
-            .map(|_| Standing {
-                failures_in_a_row: AtomicUsize::new(0),
-                backed_off: Mutex::new(None),
-            })
-            .collect(),
-        cfg,
-        report: Mutex::new(FetchReport {
-            chunks: needed.len(),
-            ..Default::default()
-        }),
-        progress: sources.iter().map(|_| Mutex::new(None)).collect(),
-        started: Instant::now(),
-        absent: sources
-            .iter()
-            .map(|_| std::sync::atomic::AtomicBool::new(false))
-            .collect(),
-        room: (0..sources.len())
-            .map(|j| match &cfg.share {
-                Some(s) if !s.owners.contains(&Some(j)) => {
-                    Some(tokio::sync::Semaphore::new(s.member_in_flight.max(1)))
-                }
-                _ => None,
-            })
-            .collect(),
-        ended: tokio::sync::Notify::new(),
-        names: sources.iter().map(|s| s.name()).collect(),
-    };
-    let chunk = target.chunk_bytes as usize;
-    let slots: Vec<Mutex<&mut [u8]>> = out.chunks_mut(chunk).map(Mutex::new).collect();
-    let base_of = |i: usize| -> Option<Base<'_>> {
-        base.map(|(m, b)| (m.version, m.chunks[i], &b[target.chunk_range(i)]))
-    };
-    let keep = |i: usize, bytes: Vec<u8>| {
-        lock(&slots[i]).copy_from_slice(&bytes);
-        on_chunk(i, bytes);
-    };
-    let total = needed.len();
-    // Sharing, each other owner's chunks are asked of it in batches (it sends each the
-    // moment it has it), and this follower's own share of the members, dealt over them;
-    // what a batch does not give joins the queue of single requests.
-    let mut batches: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
-    if let Some(share) = cfg.share.as_ref().filter(|s| !s.owners.is_empty()) {
-        let n = share.owners.len();
-        let members: Vec<usize> = (0..sources.len())
-            .filter(|j| !share.owners.contains(&Some(*j)))
-            .collect();
-        let mut own = 0;
-        needed.retain(
-            |&i| match share.owners[i % n].filter(|&j| j < sources.len()) {
-                Some(j) => {
-                    batches.entry(j).or_default().push(i);
-                    false
-                }
-                None if !members.is_empty() => {
-                    batches
-                        .entry(members[own % members.len()])
-                        .or_default()
-                        .push(i);
-                    own += 1;
-                    false
-                }
-                None => true,
-            },
-        );
-    }
-    let queue: Mutex<std::collections::VecDeque<usize>> = Mutex::new(needed.into());
-    let batching = AtomicUsize::new(batches.len());
-    let more = tokio::sync::Notify::new();
-    let failed: Mutex<Option<FetchError>> = Mutex::new(None);
-    let batch = |j: usize, chunks: Vec<usize>| {
-        let (run, queue, more, batching, keep, failed) =
-            (&run, &queue, &more, &batching, &keep, &failed);
-        async move {
-            let asked: Vec<_> = chunks
+    // The slots borrow `out` until the block ends.
+    let report = {
+        let chunk = target.chunk_bytes as usize;
+        let slots: Vec<Mutex<&mut [u8]>> = out.chunks_mut(chunk).map(Mutex::new).collect();
+        let run = Run {
+            target,
+            sources,
+            standing: sources
                 .iter()
-                .map(|&i| (i, base_of(i).map(|(v, h, _)| (v, h))))
+                .map(|_| Standing {
+                    failures_in_a_row: AtomicUsize::new(0),
+                    backed_off: Mutex::new(None),
+                })
+                .collect(),
+            cfg,
+            report: Mutex::new(FetchReport {
+                chunks: needed.len(),
+                ..Default::default()
+            }),
+            progress: sources.iter().map(|_| Mutex::new(None)).collect(),
+            started: Instant::now(),
+            absent: sources
+                .iter()
+                .map(|_| std::sync::atomic::AtomicBool::new(false))
+                .collect(),
+            room: (0..sources.len())
+                .map(|j| match &cfg.share {
+                    Some(s) if !s.owners.contains(&Some(j)) => {
+                        Some(tokio::sync::Semaphore::new(s.member_in_flight.max(1)))
+                    }
+                    _ => None,
+                })
+                .collect(),
+            ended: tokio::sync::Notify::new(),
+            names: sources.iter().map(|s| s.name()).collect(),
+            slots: &slots,
+        };
+        let base_of = |i: usize| -> Option<Base<'_>> {
+            base.map(|(m, b)| (m.version, m.chunks[i], &b[target.chunk_range(i)]))
+        };
+        // Decoded into its slot already.
+        let keep = |i: usize, frame: Vec<u8>| on_chunk(i, frame, base_of(i).map(|(_, h, _)| h));
+        let total = needed.len();
+        // Sharing, each other owner's chunks are asked of it in batches (it sends each the
+        // moment it has it), and this follower's own share of the members, dealt over them;
+        // what a batch does not give joins the queue of single requests.
+        let mut batches: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+        if let Some(share) = cfg.share.as_ref().filter(|s| !s.owners.is_empty()) {
+            let n = share.owners.len();
+            let members: Vec<usize> = (0..sources.len())
+                .filter(|j| !share.owners.contains(&Some(*j)))
                 .collect();
-            let take = |i: usize, r: Result<Vec<u8>, Miss>| {
-                // An owner that has not started the version after the batch's wait (at
-                // least the grace) is absent: its share comes from the members at once.
-                let grace = run.cfg.share.as_ref().map_or(Duration::ZERO, |s| s.grace);
-                if matches!(r, Err(Miss::NotStarted)) && run.started.elapsed() >= grace {
-                    run.absent[j].store(true, Ordering::Relaxed);
-                }
-                let got = match r {
-                    Ok(f) if !run.backed_off(j) => run.checked(j, i, base_of(i), Ok(f)),
-                    _ => Asked::NotYet,
+            let mut own = 0;
+            needed.retain(
+                |&i| match share.owners[i % n].filter(|&j| j < sources.len()) {
+                    Some(j) => {
+                        batches.entry(j).or_default().push(i);
+                        false
+                    }
+                    None if !members.is_empty() => {
+                        batches
+                            .entry(members[own % members.len()])
+                            .or_default()
+                            .push(i);
+                        own += 1;
+                        false
+                    }
+                    None => true,
+                },
+            );
+        }
+        let queue: Mutex<std::collections::VecDeque<usize>> = Mutex::new(needed.into());
+        let batching = AtomicUsize::new(batches.len());
+        let more = tokio::sync::Notify::new();
+        let failed: Mutex<Option<FetchError>> = Mutex::new(None);
+        let batch = |j: usize, chunks: Vec<usize>| {
+            let (run, queue, more, batching, keep, failed) =
+                (&run, &queue, &more, &batching, &keep, &failed);
+            async move {
+                let asked: Vec<_> = chunks
+                    .iter()
+                    .map(|&i| (i, base_of(i).map(|(v, h, _)| (v, h))))
+                    .collect();
+                let take = |i: usize, r: Result<Vec<u8>, Miss>| {
+                    // An owner that has not started the version after the batch's wait (at
+                    // least the grace) is absent: its share comes from the members at once.
+                    let grace = run.cfg.share.as_ref().map_or(Duration::ZERO, |s| s.grace);
+                    if matches!(r, Err(Miss::NotStarted)) && run.started.elapsed() >= grace {
+                        run.absent[j].store(true, Ordering::Relaxed);
+                    }
+                    let got = match r {
+                        Ok(f) if !run.backed_off(j) => run.checked(j, i, base_of(i), Ok(f)),
+                        _ => Asked::NotYet,
+                    };
+                    match got {
+                        Asked::Got(bytes) => {
+                            *lock(&run.progress[j]) = Some(Instant::now());
+                            keep(i, bytes);
+                        }
+                        _ => {
+                            lock(queue).push_back(i);
+                            // One worker takes it (the others sleep on).
+                            more.notify_one();
+                        }
+                    }
                 };
-                match got {
-                    Asked::Got(bytes) => {
-                        *lock(&run.progress[j]) = Some(Instant::now());
-                        keep(i, bytes);
+                let handled: Mutex<Vec<usize>> = Mutex::new(Vec::new());
+                let mut each = |i: usize, r: Result<Vec<u8>, Miss>| {
+                    lock(&handled).push(i);
+                    take(i, r);
+                };
+                // The batch ends early when its source is backed off (a wrong chunk), an
+                // owner makes no progress for the patience, or the fetch failed: what it has
+                // not handed back joins the queue. Woken by those events and the patience's
+                // deadline alone (a timer per batch ticking every 100 ms, with a hundred
+                // followers each batching to every other, was a hundred thousand wake-ups a
+                // second in netsim's one process).
+                let started = Instant::now();
+                let owner = run
+                    .cfg
+                    .share
+                    .as_ref()
+                    .filter(|s| s.owners.contains(&Some(j)));
+                let watch = async {
+                    loop {
+                        let ended = run.ended.notified();
+                        tokio::pin!(ended);
+                        ended.as_mut().enable();
+                        if run.backed_off(j) || lock(failed).is_some() {
+                            return;
+                        }
+                        match owner {
+                            Some(s) => {
+                                let last =
+                                    lock(&run.progress[j]).map_or(started, |t| t.max(started));
+                                let due = last + s.patience;
+                                if Instant::now() >= due {
+                                    return;
+                                }
+                                tokio::select! {
+                                    _ = ended => {}
+                                    _ = tokio::time::sleep_until(due.into()) => {}
+                                }
+                            }
+                            None => ended.await,
+                        }
                     }
-                    _ => {
-                        lock(queue).push_back(i);
-                        // One worker takes it (the others sleep on).
-                        more.notify_one();
-                    }
+                };
+                {
+                    let asked_all = run.sources[j].fetch_many(run.target.version, asked, &mut each);
+                    futures::future::select(asked_all, Box::pin(watch)).await;
                 }
-            };
-            let handled: Mutex<Vec<usize>> = Mutex::new(Vec::new());
-            let mut each = |i: usize, r: Result<Vec<u8>, Miss>| {
-                lock(&handled).push(i);
-                take(i, r);
-            };
-            // The batch ends early when its source is backed off (a wrong chunk), an
-            // owner makes no progress for the patience, or the fetch failed: what it has
-            // not handed back joins the queue. Woken by those events and the patience's
-            // deadline alone (a timer per batch ticking every 100 ms, with a hundred
-            // followers each batching to every other, was a hundred thousand wake-ups a
-            // second in netsim's one process).
-            let started = Instant::now();
-            let owner = run
-                .cfg
-                .share
-                .as_ref()
-                .filter(|s| s.owners.contains(&Some(j)));
-            let watch = async {
-                loop {
-                    let ended = run.ended.notified();
-                    tokio::pin!(ended);
-                    ended.as_mut().enable();
-                    if run.backed_off(j) || lock(failed).is_some() {
+                let handled = lock(&handled).clone();
+                let left: Vec<usize> = chunks
+                    .into_iter()
+                    .filter(|i| !handled.contains(i))
+                    .collect();
+                if !left.is_empty() {
+                    lock(queue).extend(left);
+                }
+                batching.fetch_sub(1, Ordering::Relaxed);
+                more.notify_waiters();
+            }
+        };
+        let workers = cfg.parallel.clamp(1, total.max(1));
+        let worker = || async {
+            loop {
+                if lock(&failed).is_some() {
+                    return;
+                }
+                let next = lock(&queue).pop_front();
+                let Some(i) = next else {
+                    // Only idle workers wait (a chunk put back wakes one of them, not one busy
+                    // with a chunk of its own), registered before looking again: a chunk
+                    // queued, or the last batch ending, in between still wakes it.
+                    let wait = more.notified();
+                    tokio::pin!(wait);
+                    wait.as_mut().enable();
+                    if !lock(&queue).is_empty() || lock(&failed).is_some() {
+                        continue;
+                    }
+                    if batching.load(Ordering::Relaxed) == 0 {
                         return;
                     }
-                    match owner {
-                        Some(s) => {
-                            let last = lock(&run.progress[j]).map_or(started, |t| t.max(started));
-                            let due = last + s.patience;
-                            if Instant::now() >= due {
-                                return;
-                            }
-                            tokio::select! {
-                                _ = ended => {}
-                                _ = tokio::time::sleep_until(due.into()) => {}
-                            }
-                        }
-                        None => ended.await,
+                    wait.await;
+                    continue;
+                };
+                match run.chunk(i, base_of(i)).await {
+                    Ok(bytes) => keep(i, bytes),
+                    Err(e) => {
+                        lock(&failed).get_or_insert(e);
+                        run.ended.notify_waiters();
+                        more.notify_waiters();
+                        return;
                     }
                 }
-            };
-            {
-                let asked_all = run.sources[j].fetch_many(run.target.version, asked, &mut each);
-                futures::future::select(asked_all, Box::pin(watch)).await;
             }
-            let handled = lock(&handled).clone();
-            let left: Vec<usize> = chunks
-                .into_iter()
-                .filter(|i| !handled.contains(i))
-                .collect();
-            if !left.is_empty() {
-                lock(queue).extend(left);
-            }
-            batching.fetch_sub(1, Ordering::Relaxed);
-            more.notify_waiters();
+        };
+        let batches = futures::future::join_all(batches.into_iter().map(|(j, c)| batch(j, c)));
+        let workers = futures::future::join_all((0..workers).map(|_| worker()));
+        futures::future::join(batches, workers).await;
+        if let Some(e) = lock(&failed).take() {
+            return Err(e);
         }
+        run.report.into_inner().unwrap_or_else(|p| p.into_inner())
     };
-    let workers = cfg.parallel.clamp(1, total.max(1));
-    let worker = || async {
-        loop {
-            if lock(&failed).is_some() {
-                return;
-            }
-            let next = lock(&queue).pop_front();
-            let Some(i) = next else {
-                // Only idle workers wait (a chunk put back wakes one of them, not one busy
-                // with a chunk of its own), registered before looking again: a chunk
-                // queued, or the last batch ending, in between still wakes it.
-                let wait = more.notified();
-                tokio::pin!(wait);
-                wait.as_mut().enable();
-                if !lock(&queue).is_empty() || lock(&failed).is_some() {
-                    continue;
-                }
-                if batching.load(Ordering::Relaxed) == 0 {
-                    return;
-                }
-                wait.await;
-                continue;
-            };
-            match run.chunk(i, base_of(i)).await {
-                Ok(bytes) => keep(i, bytes),
-                Err(e) => {
-                    lock(&failed).get_or_insert(e);
-                    run.ended.notify_waiters();
-                    more.notify_waiters();
-                    return;
-                }
-            }
-        }
-    };
-    let batches = futures::future::join_all(batches.into_iter().map(|(j, c)| batch(j, c)));
-    let workers = futures::future::join_all((0..workers).map(|_| worker()));
-    futures::future::join(batches, workers).await;
-    drop(slots);
-    if let Some(e) = lock(&failed).take() {
-        return Err(e);
-    }
-    let report = run.report.into_inner().unwrap_or_else(|p| p.into_inner());
     Ok((out, report))
 }
 
@@ -470,6 +492,7 @@ type Base<'a> = (u64, [u8; 32], &'a [u8]);
 
 /// What asking one source for a chunk gave.
 enum Asked {
+    /// The frame (its chunk decoded into its slot).
     Got(Vec<u8>),
     NotYet,
     NotStarted,
@@ -600,10 +623,16 @@ impl Run<'_> {
                 frame.len()
             )))
         } else {
-            decode(&frame, base.map(|(_, _, b)| b), len, &target.chunks[i])
+            let mut slot = lock(&self.slots[i]);
+            decode_into(
+                &frame,
+                base.map(|(_, _, b)| b),
+                &mut slot,
+                &target.chunks[i],
+            )
         };
         match checked {
-            Ok(bytes) => {
+            Ok(()) => {
                 let name = &self.names[j];
                 let mut report = lock(&self.report);
                 match report.bytes_by_source.get_mut(name) {
@@ -614,7 +643,7 @@ impl Run<'_> {
                             .insert(name.clone(), frame.len() as u64);
                     }
                 }
-                Asked::Got(bytes)
+                Asked::Got(frame)
             }
             Err(e) => {
                 self.back_off(
@@ -885,8 +914,10 @@ mod tests {
                             ..FetchConfig::default()
                         };
                         let store = &followers[me].store;
-                        let on = |i: usize, bytes: Vec<u8>| store.received("m", 2, i, bytes);
-                        fetch_version_with(mb, Some((ma, a)), &srcs, &cfg, &on).unwrap()
+                        let on = |i: usize, f: Vec<u8>, b: Option<[u8; 32]>| {
+                            store.received("m", 2, i, f, b)
+                        };
+                        fetch_version_with(mb, Some((ma, a)), &srcs, &cfg, &on, Vec::new()).unwrap()
                     })
                 })
                 .collect();

@@ -221,6 +221,16 @@ pub struct Follower {
     sources: Mutex<HashMap<PeerId, Arc<PeerSource>>>,
     /// The long polls for the group's next version at its members.
     next: Arc<NextPolls>,
+    /// A buffer of the held snapshot's size, its pages written ahead (between versions),
+    /// for the next fetch to build its snapshot in (see [`fetch_async`]); `making` while
+    /// a thread writes one.
+    spare: Arc<Spare>,
+}
+
+#[derive(Default)]
+struct Spare {
+    buffer: Mutex<Option<Vec<u8>>>,
+    making: std::sync::atomic::AtomicBool,
 }
 
 /// Ends a follower's long polls when its loop ends.
@@ -240,6 +250,7 @@ impl Follower {
             cfg,
             sources: Mutex::new(HashMap::new()),
             next: Arc::default(),
+            spare: Arc::default(),
         }
     }
 
@@ -286,8 +297,14 @@ impl Follower {
         // second later (entries age out): a hundred followers each building the whole
         // view ten times a second kept netsim's two cores busy.
         let mut known: Option<(u64, Instant, Option<Target>)> = None;
-        // Whether the streams to the group's peers were opened ahead of a fetch.
-        let mut warm = false;
+        // When the streams to the group's peers were last opened ahead of a fetch (to
+        // the peers the view then showed; then, once a second at most, to the followers
+        // it shows since, since a follower starts before it sees the others, and again
+        // to the members, whose streams age out between versions).
+        let mut warmed: Option<Instant> = None;
+        // When to write the next fetch's buffer (a second after a version is held: not
+        // beside the other followers' fetches of it).
+        let mut spare_at = Some(Instant::now());
         loop {
             {
                 // Nothing new since the last read: until news (a status taken in: a new
@@ -327,10 +344,16 @@ impl Follower {
                 ));
             }
             let seen = known.as_ref().and_then(|k| k.2.clone());
+            if spare_at.is_some_and(|at| at <= Instant::now()) {
+                spare_at = None;
+                self.make_spare();
+            }
             if let Some(t) = &seen {
-                if !warm {
-                    warm = true;
-                    self.warm(t);
+                let due = warmed.is_none_or(|w| stale && w.elapsed() >= Duration::from_secs(1));
+                if due {
+                    // The first time every peer, then the members and the new followers.
+                    self.warm(t, warmed.is_some());
+                    warmed = Some(Instant::now());
                 }
             }
             // A long poll at each member the view shows (none once the group is gone).
@@ -391,8 +414,11 @@ impl Follower {
                 Ok(()) => {
                     failures = 0;
                     retried_at_once = false;
-                    // Peers that came since: ready for the next version.
-                    self.warm(&target);
+                    // Ready for the next version (its streams, and the peers that came
+                    // since).
+                    self.warm(&target, false);
+                    warmed = Some(Instant::now());
+                    spare_at = Some(Instant::now() + Duration::from_secs(1));
                 }
                 Err(Failure::Refused(why)) => {
                     tracing::warn!(
@@ -434,16 +460,24 @@ impl Follower {
 
     /// Opens a stream ahead to every peer a fetch of `target`'s next version asks (one for
     /// chunks to each member and follower, one for manifests to each member) that has
-    /// none open: the first requests of a version then cost no round trip of opening
-    /// (a hundred followers' first version took a second longer than the next ones in
-    /// netsim's scenario 6). In the background; a stream that fails to open is opened
-    /// again when asked.
-    fn warm(&self, target: &Target) {
+    /// none open (a pooled stream ages out: [`super::wire::POOLED`]), or only to the
+    /// members and the followers not asked before (`new_only`): the first requests of a
+    /// version then cost no round trip of opening. In netsim's scenario 6, a hundred
+    /// followers' first version took a second longer than the next ones without this;
+    /// with it done once, when each follower first saw its group, the fetches of the
+    /// first version still opened 3,288 streams, a third of them (to the followers that
+    /// came into view later), and none with the later ones warmed too. The members'
+    /// streams are warmed again as they age out (versions may be minutes apart). In the
+    /// background; a stream that fails to open is opened again when asked.
+    fn warm(&self, target: &Target, new_only: bool) {
         let me = self.holder.swarm().peer_id;
         let followers = followers_of(self.holder.swarm(), &self.holder.model, &self.holder.group);
         let peers = target.members.iter().map(|&p| (p, true));
         let peers = peers.chain(followers.into_iter().map(|p| (p, false)));
         for (p, member) in peers.filter(|(p, _)| *p != me) {
+            if new_only && !member && lock(&self.sources).contains_key(&p) {
+                continue;
+            }
             let s = self.source(p);
             tokio::spawn(async move {
                 s.warm(true).await;
@@ -452,6 +486,29 @@ impl Follower {
                 }
             });
         }
+    }
+
+    /// Writes a buffer of the held snapshot's size for the next fetch, on a thread, unless
+    /// one is there (or being written).
+    fn make_spare(&self) {
+        let h = &self.holder;
+        let Some(bytes) = h.store.latest(&h.model).map(|x| x.snapshot.len()) else {
+            return;
+        };
+        let spare = self.spare.clone();
+        let ready = lock(&spare.buffer)
+            .as_ref()
+            .is_some_and(|b| b.capacity() >= bytes);
+        if ready || spare.making.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        tokio::task::spawn_blocking(move || {
+            // Written, not calloc'd: calloc leaves fresh pages unfaulted.
+            let mut b = Vec::with_capacity(bytes);
+            b.resize(bytes, 1u8);
+            *lock(&spare.buffer) = Some(b);
+            spare.making.store(false, Ordering::Release);
+        });
     }
 
     /// Fetches `target` (from `held` on) and checks it; its `manifest` is asked of the
@@ -544,14 +601,20 @@ impl Follower {
         let started = Instant::now();
         let store = h.store.clone();
         store.begin(Arc::new(manifest.clone()));
+        let buffer = lock(&self.spare.buffer)
+            .take()
+            .filter(|b| b.capacity() >= manifest.total_bytes() as usize)
+            .unwrap_or_default();
         let fetched = if manifest.chunk_bytes as usize <= INLINE_CHUNK_BYTES {
             // Decoded on this task (see INLINE_CHUNK_BYTES).
             let have = held
                 .as_ref()
                 .map(|h| (h.manifest.as_ref(), h.snapshot.as_slice()));
             let (model, version) = (manifest.model.clone(), manifest.version);
-            let on_chunk = |i: usize, b: Vec<u8>| store.received(&model, version, i, b);
-            let r = fetch_async(&manifest, have, &sources, &cfg, &on_chunk).await;
+            let on_chunk = |i: usize, f: Vec<u8>, b: Option<[u8; 32]>| {
+                store.received(&model, version, i, f, b)
+            };
+            let r = fetch_async(&manifest, have, &sources, &cfg, &on_chunk, buffer).await;
             if r.is_err() {
                 store.abandon(&model, version);
             }
@@ -563,8 +626,10 @@ impl Follower {
                     .map(|h| (h.manifest.as_ref(), h.snapshot.as_slice()));
                 let model = manifest.model.clone();
                 let version = manifest.version;
-                let on_chunk = |i: usize, b: Vec<u8>| store.received(&model, version, i, b);
-                let r = fetch_version_with(&manifest, have, &sources, &cfg, &on_chunk);
+                let on_chunk = |i: usize, f: Vec<u8>, b: Option<[u8; 32]>| {
+                    store.received(&model, version, i, f, b)
+                };
+                let r = fetch_version_with(&manifest, have, &sources, &cfg, &on_chunk, buffer);
                 if r.is_err() {
                     store.abandon(&model, version);
                 }

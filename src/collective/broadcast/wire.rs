@@ -46,7 +46,7 @@ const REPLY_LIMIT: usize = MAX_MANIFEST_BYTES + 1024;
 const IDLE: Duration = Duration::from_secs(60);
 /// A fetcher drops a pooled stream idle this long (before the holder's [`IDLE`]: while it
 /// exists the swarm keeps its connection open, and the trimmer spares it).
-const POOLED: Duration = Duration::from_secs(45);
+pub(super) const POOLED: Duration = Duration::from_secs(45);
 /// How long a request for a chunk the holder is fetching waits there for it (for a
 /// [`Request::Chunks`], for the next of its chunks).
 pub const WAIT: Duration = Duration::from_secs(2);
