@@ -111,7 +111,7 @@ fn compress(data: &[u8]) -> std::io::Result<Vec<u8>> {
 
 thread_local! {
     /// Each thread's buffer for a delta's byte planes, decoded there and then into the
-    /// chunk (one allocation per chunk, not two: a hundred netsim followers on two cores
+    /// chunk's place (no allocation per chunk: a hundred netsim followers on two cores
     /// were bound by memory traffic).
     static PLANES: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
@@ -336,6 +336,32 @@ mod tests {
             new.extend_from_slice(&((u.to_bits() >> 16) as u16).to_le_bytes());
         }
         (old, new)
+    }
+
+    #[test]
+    fn a_frame_decodes_into_a_used_buffer_and_a_short_or_baseless_one_is_refused() {
+        let (old, new) = bf16_pair(1 << 14);
+        let want = *blake3::hash(&new).as_bytes();
+        // Into a buffer that held other bytes (a fetch's slot, a failed decode before).
+        for f in [encode(&new, Some(&old), 2), encode(&new, None, 2)] {
+            let mut out = vec![0xa5u8; new.len()];
+            decode_into(&f, Some(&old), &mut out, &want).unwrap();
+            assert_eq!(out, new, "{:?}", encoding_of(&f));
+        }
+        // A zstd payload of fewer bytes than the chunk.
+        let mut short = vec![Encoding::Zstd as u8, 2];
+        short.extend(zstd::bulk::compress(&new[..new.len() / 2], 3).unwrap());
+        let mut out = vec![0u8; new.len()];
+        assert!(matches!(
+            decode_into(&short, None, &mut out, &want),
+            Err(CodecError::Malformed(_))
+        ));
+        // A delta against a base of another length.
+        let delta = encode(&new, Some(&old), 2);
+        assert_eq!(
+            decode_into(&delta, Some(&old[1..]), &mut out, &want),
+            Err(CodecError::NoBase)
+        );
     }
 
     #[test]

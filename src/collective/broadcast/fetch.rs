@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
 
-use super::codec::{decode_into, CodecError};
+use super::codec::{decode_into, encoding_of, CodecError, Encoding};
 use super::manifest::Manifest;
 
 /// Why a source gave no chunk.
@@ -318,8 +318,15 @@ pub async fn fetch_async(
         let base_of = |i: usize| -> Option<Base<'_>> {
             base.map(|(m, b)| (m.version, m.chunks[i], &b[target.chunk_range(i)]))
         };
-        // Decoded into its slot already.
-        let keep = |i: usize, frame: Vec<u8>| on_chunk(i, frame, base_of(i).map(|(_, h, _)| h));
+        // Decoded into its slot already; a delta is handed on with the hash of its base.
+        let keep = |i: usize, frame: Vec<u8>| {
+            let delta = matches!(
+                encoding_of(&frame),
+                Some(Encoding::XorZstd | Encoding::XorPlanesZstd)
+            );
+            let base = base_of(i).filter(|_| delta).map(|(_, h, _)| h);
+            on_chunk(i, frame, base)
+        };
         let total = needed.len();
         // Sharing, each other owner's chunks are asked of it in batches (it sends each the
         // moment it has it), and this follower's own share of the members, dealt over them;
@@ -888,7 +895,7 @@ mod tests {
             .map(|k| local(&format!("f{k}"), &[(&ma, &a)]))
             .collect();
         for f in &followers {
-            f.store.begin(Arc::new(mb.clone()));
+            f.store.begin(Arc::new(mb.clone()), f.store.latest("m"));
         }
         let results: Vec<_> = std::thread::scope(|s| {
             let handles: Vec<_> = (0..3)

@@ -227,6 +227,13 @@ pub struct Follower {
     spare: Arc<Spare>,
 }
 
+/// The largest snapshot a follower writes a buffer for ahead (between versions):
+/// the allocator keeps up to this much freed memory anyway (`base::alloc`'s trim
+/// threshold, 1 GiB), so such a buffer holds about what the version freed before it
+/// stayed resident as; a bigger one would be a snapshot's worth more memory between
+/// versions.
+pub const SPARE_MAX: usize = 1 << 30;
+
 #[derive(Default)]
 struct Spare {
     buffer: Mutex<Option<Vec<u8>>>,
@@ -421,6 +428,7 @@ impl Follower {
                     spare_at = Some(Instant::now() + Duration::from_secs(1));
                 }
                 Err(Failure::Refused(why)) => {
+                    spare_at = Some(Instant::now() + Duration::from_secs(1));
                     tracing::warn!(
                         model = h.model,
                         version = target.version,
@@ -434,6 +442,8 @@ impl Follower {
                     }
                 }
                 Err(Failure::Again(e)) => {
+                    // The failed fetch took the buffer.
+                    spare_at = Some(Instant::now() + Duration::from_secs(1));
                     tracing::warn!(model = h.model, version = target.version, "following: {e}");
                     // The group moved on meanwhile: the newer version is fetched at once
                     // (its members hold it), not after a pause; once, so that a follower
@@ -489,12 +499,15 @@ impl Follower {
     }
 
     /// Writes a buffer of the held snapshot's size for the next fetch, on a thread, unless
-    /// one is there (or being written).
+    /// one is there (or being written), for a snapshot of at most [`SPARE_MAX`] bytes.
     fn make_spare(&self) {
         let h = &self.holder;
         let Some(bytes) = h.store.latest(&h.model).map(|x| x.snapshot.len()) else {
             return;
         };
+        if bytes > SPARE_MAX {
+            return;
+        }
         let spare = self.spare.clone();
         let ready = lock(&spare.buffer)
             .as_ref()
@@ -600,10 +613,11 @@ impl Follower {
         lock(&self.sources).retain(|p, _| followers.contains(p) || target.members.contains(p));
         let started = Instant::now();
         let store = h.store.clone();
-        store.begin(Arc::new(manifest.clone()));
+        store.begin(Arc::new(manifest.clone()), held.clone());
+        let need = manifest.total_bytes() as usize;
         let buffer = lock(&self.spare.buffer)
             .take()
-            .filter(|b| b.capacity() >= manifest.total_bytes() as usize)
+            .filter(|b| (need..=need.saturating_mul(2)).contains(&b.capacity()))
             .unwrap_or_default();
         let fetched = if manifest.chunk_bytes as usize <= INLINE_CHUNK_BYTES {
             // Decoded on this task (see INLINE_CHUNK_BYTES).

@@ -25,8 +25,10 @@ use super::wire::Request;
 use crate::base::lock;
 use crate::swarm::PeerId;
 
-/// How long before a poll's wait at the member ends the next poll is sent (more than a
-/// one-way trip: it is there before the first one's wait ends).
+/// How long before a poll's wait at the member ends the next poll is sent: more than a
+/// one-way trip (and a stream's opening, when the first poll holds the pooled one), so it
+/// is there before the first one's wait ends. A version held in that second is sent to
+/// both (one manifest more for that follower).
 const OVERLAP: Duration = Duration::from_secs(1);
 
 /// A manifest a member sent, with its id.

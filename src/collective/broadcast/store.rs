@@ -81,8 +81,8 @@ struct Partial {
     manifest: Arc<Manifest>,
     /// [`Manifest::layout_id`].
     layout: [u8; 32],
-    /// The version held when the fetch began, if of the same layout: the chunks kept
-    /// from it, and the bases of the deltas that came.
+    /// The version the fetch began from, if of the same layout: the chunks kept from it,
+    /// and the bases of the deltas that came.
     base: Option<Held>,
     chunks: Vec<OnceLock<Part>>,
     /// Per chunk: wakes the requests waiting for it (see [`VersionStore::wait_chunk`]).
@@ -103,9 +103,10 @@ impl Partial {
 enum Part {
     /// Unchanged since the version the fetch began from ([`Partial::base`]).
     Kept,
-    /// The frame the fetcher took and checked, a delta against the chunk of hash `base`
-    /// (`None`: the fetcher had none). Served as it is to a peer holding that chunk (what
-    /// its sender made for it): not decoded again, nor encoded.
+    /// The frame the fetcher took and checked: a delta against the chunk of hash `base`
+    /// (that of [`Partial::base`]), or whole (`None`). Served as it is to a peer holding
+    /// that chunk, or to one holding none for a whole frame (what its sender made for
+    /// it): not decoded again, nor encoded.
     Frame {
         frame: Arc<Vec<u8>>,
         base: Option<[u8; 32]>,
@@ -284,17 +285,16 @@ impl VersionStore {
             .map(|k| k.held.clone())
     }
 
-    /// Starts fetching `manifest`'s version: its chunks are served as they arrive
+    /// Starts fetching `manifest`'s version from `base` (the version the fetch decodes
+    /// its deltas against, if any): its chunks are served as they arrive
     /// ([`VersionStore::received`]) until [`VersionStore::put`] or
     /// [`VersionStore::abandon`].
-    pub fn begin(&self, manifest: Arc<Manifest>) {
+    pub fn begin(&self, manifest: Arc<Manifest>, base: Option<Held>) {
         let chunks: Vec<OnceLock<Part>> = (0..manifest.chunks.len())
             .map(|_| OnceLock::new())
             .collect();
         // The chunks it keeps from the version it holds are in from the start.
-        let base = self
-            .latest(&manifest.model)
-            .filter(|held| held.manifest.changed_since(&manifest).is_ok());
+        let base = base.filter(|held| held.manifest.changed_since(&manifest).is_ok());
         if let Some(held) = &base {
             for (i, c) in chunks.iter().enumerate() {
                 if held.manifest.chunks[i] == manifest.chunks[i] {
@@ -375,8 +375,9 @@ impl VersionStore {
             .is_some_and(|p| p.manifest.version == version)
     }
 
-    /// Chunk `index` of the version being fetched arrived (checked) as `frame`, a delta
-    /// against the chunk of hash `base` (the one of the version the fetch began from).
+    /// Chunk `index` of the version being fetched arrived (checked) as `frame`: a delta
+    /// against the chunk of hash `base` (the version the fetch began from has it), or
+    /// whole (`None`).
     pub fn received(
         &self,
         model: &str,
@@ -409,9 +410,12 @@ impl VersionStore {
 
     /// The frame of chunk `index` of `model`'s `version` (held, or being fetched and
     /// that chunk in): a delta against version `base` when it is held with the same
-    /// layout, else the chunk on its own. A chunk of the version being fetched that is not
-    /// in yet is [`Miss::NotYet`]; a version newer than any held or fetched,
-    /// [`Miss::NotStarted`].
+    /// layout, else the chunk on its own. A chunk of the version being fetched goes as
+    /// the frame it came in when `base`'s chunk is the one that frame needs (or neither
+    /// has one), else decoded here and encoded as above. A chunk of the version being
+    /// fetched that is not in yet is [`Miss::NotYet`]; a version newer than any held or
+    /// fetched, [`Miss::NotStarted`]; a chunk whose frame needs a base this peer no
+    /// longer holds, [`Miss::Failed`].
     pub fn frame(
         &self,
         model: &str,
@@ -463,18 +467,7 @@ impl VersionStore {
                 return Ok(frame.clone());
             }
         }
-        let bytes = chunk.bytes(index, r.clone())?;
-        let bytes = bytes.as_ref();
         let width = element_width(&manifest);
-        if tamper {
-            // A well-formed frame of the chunk with one byte changed: only its hash
-            // tells.
-            let mut bad = bytes.to_vec();
-            if let Some(b) = bad.first_mut() {
-                *b ^= 0x5a;
-            }
-            return Ok(Arc::new(encode(&bad, None, width)));
-        }
         // Against the asker's chunk only if this peer holds the same bytes under that
         // version (numbers may repeat after a restart).
         let base = base
@@ -489,6 +482,23 @@ impl VersionStore {
             index,
             base.as_ref().map(Held::version),
         );
+        // Made before: a chunk kept as its frame is not decoded again for it.
+        if let Some(frame) = self.made(&key).filter(|_| !tamper) {
+            self.served_bytes
+                .fetch_add(frame.len() as u64, Ordering::Relaxed);
+            return Ok(frame);
+        }
+        let bytes = chunk.bytes(index, r.clone())?;
+        let bytes = bytes.as_ref();
+        if tamper {
+            // A well-formed frame of the chunk with one byte changed: only its hash
+            // tells.
+            let mut bad = bytes.to_vec();
+            if let Some(b) = bad.first_mut() {
+                *b ^= 0x5a;
+            }
+            return Ok(Arc::new(encode(&bad, None, width)));
+        }
         let frame = self.cached(key, || {
             encode(bytes, base.as_ref().map(|b| &b.snapshot[r]), width)
         });
@@ -532,6 +542,12 @@ impl VersionStore {
             }
         });
         changed.len()
+    }
+
+    /// The frame of `key` if it is made and cached.
+    fn made(&self, key: &FrameKey) -> Option<Arc<Vec<u8>>> {
+        let cell = lock(&self.frames).map.get(key).cloned()?;
+        cell.get().cloned()
     }
 
     /// The frame of `key`, made by `make` once: a thread asking while another makes it
@@ -717,7 +733,7 @@ mod tests {
         let s = VersionStore::new(2, 1 << 20);
         s.put(version(1, 3));
         let next = version(2, 5);
-        s.begin(next.manifest.clone());
+        s.begin(next.manifest.clone(), s.latest("m"));
         let base = |i: usize| Some((1, s.get("m", 1).unwrap().manifest.chunks[i]));
         assert_eq!(s.frame("m", 2, 1, base(1)), Err(Miss::NotYet));
         let r = next.manifest.chunk_range(1);
@@ -753,6 +769,23 @@ mod tests {
             next.snapshot[r2].to_vec()
         );
         assert_eq!(s.frame("m", 2, 0, base(0)), Err(Miss::NotYet));
+        // A whole frame goes as it came to a peer without a base, and as a delta
+        // against the held chunk to one that holds it (no base needed to decode it here).
+        let r0 = next.manifest.chunk_range(0);
+        let whole0 = encode(&next.snapshot[r0.clone()], None, 4);
+        s.received("m", 2, 0, whole0.clone(), None);
+        assert_eq!(*s.frame("m", 2, 0, None).unwrap(), whole0);
+        let f0 = s.frame("m", 2, 0, base(0)).unwrap();
+        assert_eq!(
+            decode(
+                &f0,
+                Some(&old.snapshot[r0.clone()]),
+                r0.len(),
+                &next.manifest.chunks[0]
+            )
+            .unwrap(),
+            next.snapshot[r0].to_vec()
+        );
         s.put(next);
         assert!(s.frame("m", 2, 0, base(0)).is_ok());
     }
@@ -765,7 +798,7 @@ mod tests {
         let s = Arc::new(VersionStore::new(2, 1 << 20));
         s.put(version(1, 3));
         let next = version(2, 5);
-        s.begin(next.manifest.clone());
+        s.begin(next.manifest.clone(), s.latest("m"));
         let long = Duration::from_secs(600);
         let waiting = |i: usize| {
             let s = s.clone();
@@ -797,7 +830,7 @@ mod tests {
         let w = waiting(0);
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert!(!w.is_finished());
-        s.begin(next.manifest.clone());
+        s.begin(next.manifest.clone(), s.latest("m"));
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert!(!w.is_finished(), "begun, but chunk 0 is not in");
         s.received(
