@@ -278,220 +278,230 @@ pub async fn fetch_async(
         let me = share.owners.iter().position(Option::is_none).unwrap_or(0);
         needed.sort_by_key(|&i| (share.owners[i % n].is_some(), i / n, (i % n + n - me) % n));
     }
-    // The slots borrow `out` until the block ends.
-    let report = {
-        let chunk = target.chunk_bytes as usize;
-        let slots: Vec<Mutex<&mut [u8]>> = out.chunks_mut(chunk).map(Mutex::new).collect();
-        let run = Run {
-            target,
-            sources,
-            standing: sources
+    let report = fetch_into(target, base, needed, &mut out, sources, cfg, on_chunk).await?;
+    Ok((out, report))
+}
+
+/// [`fetch_async`]'s work: the `needed` chunks (in the order asked) fetched, checked and
+/// decoded into their places in `out` (built from `base`'s snapshot, if any).
+async fn fetch_into(
+    target: &Manifest,
+    base: Option<(&Manifest, &[u8])>,
+    mut needed: Vec<usize>,
+    out: &mut [u8],
+    sources: &[Arc<dyn ChunkSource>],
+    cfg: &FetchConfig,
+    on_chunk: &OnChunk<'_>,
+) -> Result<FetchReport, FetchError> {
+    let chunk = target.chunk_bytes as usize;
+    let slots: Vec<Mutex<&mut [u8]>> = out.chunks_mut(chunk).map(Mutex::new).collect();
+    let run = Run {
+        target,
+        sources,
+        standing: sources
+            .iter()
+            .map(|_| Standing {
+                failures_in_a_row: AtomicUsize::new(0),
+                backed_off: Mutex::new(None),
+            })
+            .collect(),
+        cfg,
+        report: Mutex::new(FetchReport {
+            chunks: needed.len(),
+            ..Default::default()
+        }),
+        progress: sources.iter().map(|_| Mutex::new(None)).collect(),
+        started: Instant::now(),
+        absent: sources
+            .iter()
+            .map(|_| std::sync::atomic::AtomicBool::new(false))
+            .collect(),
+        room: (0..sources.len())
+            .map(|j| match &cfg.share {
+                Some(s) if !s.owners.contains(&Some(j)) => {
+                    Some(tokio::sync::Semaphore::new(s.member_in_flight.max(1)))
+                }
+                _ => None,
+            })
+            .collect(),
+        ended: tokio::sync::Notify::new(),
+        names: sources.iter().map(|s| s.name()).collect(),
+        slots: &slots,
+    };
+    let base_of = |i: usize| -> Option<Base<'_>> {
+        base.map(|(m, b)| (m.version, m.chunks[i], &b[target.chunk_range(i)]))
+    };
+    // Decoded into its slot already; a delta is handed on with the hash of its base.
+    let keep = |i: usize, frame: Vec<u8>| {
+        let delta = matches!(
+            encoding_of(&frame),
+            Some(Encoding::XorZstd | Encoding::XorPlanesZstd)
+        );
+        let base = base_of(i).filter(|_| delta).map(|(_, h, _)| h);
+        on_chunk(i, frame, base)
+    };
+    let total = needed.len();
+    // Sharing, each other owner's chunks are asked of it in batches (it sends each the
+    // moment it has it), and this follower's own share of the members, dealt over them;
+    // what a batch does not give joins the queue of single requests.
+    let mut batches: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+    if let Some(share) = cfg.share.as_ref().filter(|s| !s.owners.is_empty()) {
+        let n = share.owners.len();
+        let members: Vec<usize> = (0..sources.len())
+            .filter(|j| !share.owners.contains(&Some(*j)))
+            .collect();
+        let mut own = 0;
+        needed.retain(
+            |&i| match share.owners[i % n].filter(|&j| j < sources.len()) {
+                Some(j) => {
+                    batches.entry(j).or_default().push(i);
+                    false
+                }
+                None if !members.is_empty() => {
+                    batches
+                        .entry(members[own % members.len()])
+                        .or_default()
+                        .push(i);
+                    own += 1;
+                    false
+                }
+                None => true,
+            },
+        );
+    }
+    let queue: Mutex<std::collections::VecDeque<usize>> = Mutex::new(needed.into());
+    let batching = AtomicUsize::new(batches.len());
+    let more = tokio::sync::Notify::new();
+    let failed: Mutex<Option<FetchError>> = Mutex::new(None);
+    let batch = |j: usize, chunks: Vec<usize>| {
+        let (run, queue, more, batching, keep, failed) =
+            (&run, &queue, &more, &batching, &keep, &failed);
+        async move {
+            let asked: Vec<_> = chunks
                 .iter()
-                .map(|_| Standing {
-                    failures_in_a_row: AtomicUsize::new(0),
-                    backed_off: Mutex::new(None),
-                })
-                .collect(),
-            cfg,
-            report: Mutex::new(FetchReport {
-                chunks: needed.len(),
-                ..Default::default()
-            }),
-            progress: sources.iter().map(|_| Mutex::new(None)).collect(),
-            started: Instant::now(),
-            absent: sources
-                .iter()
-                .map(|_| std::sync::atomic::AtomicBool::new(false))
-                .collect(),
-            room: (0..sources.len())
-                .map(|j| match &cfg.share {
-                    Some(s) if !s.owners.contains(&Some(j)) => {
-                        Some(tokio::sync::Semaphore::new(s.member_in_flight.max(1)))
-                    }
-                    _ => None,
-                })
-                .collect(),
-            ended: tokio::sync::Notify::new(),
-            names: sources.iter().map(|s| s.name()).collect(),
-            slots: &slots,
-        };
-        let base_of = |i: usize| -> Option<Base<'_>> {
-            base.map(|(m, b)| (m.version, m.chunks[i], &b[target.chunk_range(i)]))
-        };
-        // Decoded into its slot already; a delta is handed on with the hash of its base.
-        let keep = |i: usize, frame: Vec<u8>| {
-            let delta = matches!(
-                encoding_of(&frame),
-                Some(Encoding::XorZstd | Encoding::XorPlanesZstd)
-            );
-            let base = base_of(i).filter(|_| delta).map(|(_, h, _)| h);
-            on_chunk(i, frame, base)
-        };
-        let total = needed.len();
-        // Sharing, each other owner's chunks are asked of it in batches (it sends each the
-        // moment it has it), and this follower's own share of the members, dealt over them;
-        // what a batch does not give joins the queue of single requests.
-        let mut batches: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
-        if let Some(share) = cfg.share.as_ref().filter(|s| !s.owners.is_empty()) {
-            let n = share.owners.len();
-            let members: Vec<usize> = (0..sources.len())
-                .filter(|j| !share.owners.contains(&Some(*j)))
+                .map(|&i| (i, base_of(i).map(|(v, h, _)| (v, h))))
                 .collect();
-            let mut own = 0;
-            needed.retain(
-                |&i| match share.owners[i % n].filter(|&j| j < sources.len()) {
-                    Some(j) => {
-                        batches.entry(j).or_default().push(i);
-                        false
-                    }
-                    None if !members.is_empty() => {
-                        batches
-                            .entry(members[own % members.len()])
-                            .or_default()
-                            .push(i);
-                        own += 1;
-                        false
-                    }
-                    None => true,
-                },
-            );
-        }
-        let queue: Mutex<std::collections::VecDeque<usize>> = Mutex::new(needed.into());
-        let batching = AtomicUsize::new(batches.len());
-        let more = tokio::sync::Notify::new();
-        let failed: Mutex<Option<FetchError>> = Mutex::new(None);
-        let batch = |j: usize, chunks: Vec<usize>| {
-            let (run, queue, more, batching, keep, failed) =
-                (&run, &queue, &more, &batching, &keep, &failed);
-            async move {
-                let asked: Vec<_> = chunks
-                    .iter()
-                    .map(|&i| (i, base_of(i).map(|(v, h, _)| (v, h))))
-                    .collect();
-                let take = |i: usize, r: Result<Vec<u8>, Miss>| {
-                    // An owner that has not started the version after the batch's wait (at
-                    // least the grace) is absent: its share comes from the members at once.
-                    let grace = run.cfg.share.as_ref().map_or(Duration::ZERO, |s| s.grace);
-                    if matches!(r, Err(Miss::NotStarted)) && run.started.elapsed() >= grace {
-                        run.absent[j].store(true, Ordering::Relaxed);
-                    }
-                    let got = match r {
-                        Ok(f) if !run.backed_off(j) => run.checked(j, i, base_of(i), Ok(f)),
-                        _ => Asked::NotYet,
-                    };
-                    match got {
-                        Asked::Got(bytes) => {
-                            *lock(&run.progress[j]) = Some(Instant::now());
-                            keep(i, bytes);
-                        }
-                        _ => {
-                            lock(queue).push_back(i);
-                            // One worker takes it (the others sleep on).
-                            more.notify_one();
-                        }
-                    }
+            let take = |i: usize, r: Result<Vec<u8>, Miss>| {
+                // An owner that has not started the version after the batch's wait (at
+                // least the grace) is absent: its share comes from the members at once.
+                let grace = run.cfg.share.as_ref().map_or(Duration::ZERO, |s| s.grace);
+                if matches!(r, Err(Miss::NotStarted)) && run.started.elapsed() >= grace {
+                    run.absent[j].store(true, Ordering::Relaxed);
+                }
+                let got = match r {
+                    Ok(f) if !run.backed_off(j) => run.checked(j, i, base_of(i), Ok(f)),
+                    _ => Asked::NotYet,
                 };
-                let handled: Mutex<Vec<usize>> = Mutex::new(Vec::new());
-                let mut each = |i: usize, r: Result<Vec<u8>, Miss>| {
-                    lock(&handled).push(i);
-                    take(i, r);
-                };
-                // The batch ends early when its source is backed off (a wrong chunk), an
-                // owner makes no progress for the patience, or the fetch failed: what it has
-                // not handed back joins the queue. Woken by those events and the patience's
-                // deadline alone (a timer per batch ticking every 100 ms, with a hundred
-                // followers each batching to every other, was a hundred thousand wake-ups a
-                // second in netsim's one process).
-                let started = Instant::now();
-                let owner = run
-                    .cfg
-                    .share
-                    .as_ref()
-                    .filter(|s| s.owners.contains(&Some(j)));
-                let watch = async {
-                    loop {
-                        let ended = run.ended.notified();
-                        tokio::pin!(ended);
-                        ended.as_mut().enable();
-                        if run.backed_off(j) || lock(failed).is_some() {
-                            return;
-                        }
-                        match owner {
-                            Some(s) => {
-                                let last =
-                                    lock(&run.progress[j]).map_or(started, |t| t.max(started));
-                                let due = last + s.patience;
-                                if Instant::now() >= due {
-                                    return;
-                                }
-                                tokio::select! {
-                                    _ = ended => {}
-                                    _ = tokio::time::sleep_until(due.into()) => {}
-                                }
+                match got {
+                    Asked::Got(bytes) => {
+                        *lock(&run.progress[j]) = Some(Instant::now());
+                        keep(i, bytes);
+                    }
+                    _ => {
+                        lock(queue).push_back(i);
+                        // One worker takes it (the others sleep on).
+                        more.notify_one();
+                    }
+                }
+            };
+            let handled: Mutex<Vec<usize>> = Mutex::new(Vec::new());
+            let mut each = |i: usize, r: Result<Vec<u8>, Miss>| {
+                lock(&handled).push(i);
+                take(i, r);
+            };
+            // The batch ends early when its source is backed off (a wrong chunk), an
+            // owner makes no progress for the patience, or the fetch failed: what it has
+            // not handed back joins the queue. Woken by those events and the patience's
+            // deadline alone (a timer per batch ticking every 100 ms, with a hundred
+            // followers each batching to every other, was a hundred thousand wake-ups a
+            // second in netsim's one process).
+            let started = Instant::now();
+            let owner = run
+                .cfg
+                .share
+                .as_ref()
+                .filter(|s| s.owners.contains(&Some(j)));
+            let watch = async {
+                loop {
+                    let ended = run.ended.notified();
+                    tokio::pin!(ended);
+                    ended.as_mut().enable();
+                    if run.backed_off(j) || lock(failed).is_some() {
+                        return;
+                    }
+                    match owner {
+                        Some(s) => {
+                            let last = lock(&run.progress[j]).map_or(started, |t| t.max(started));
+                            let due = last + s.patience;
+                            if Instant::now() >= due {
+                                return;
                             }
-                            None => ended.await,
+                            tokio::select! {
+                                _ = ended => {}
+                                _ = tokio::time::sleep_until(due.into()) => {}
+                            }
                         }
+                        None => ended.await,
                     }
-                };
-                {
-                    let asked_all = run.sources[j].fetch_many(run.target.version, asked, &mut each);
-                    futures::future::select(asked_all, Box::pin(watch)).await;
                 }
-                let handled = lock(&handled).clone();
-                let left: Vec<usize> = chunks
-                    .into_iter()
-                    .filter(|i| !handled.contains(i))
-                    .collect();
-                if !left.is_empty() {
-                    lock(queue).extend(left);
-                }
-                batching.fetch_sub(1, Ordering::Relaxed);
-                more.notify_waiters();
+            };
+            {
+                let asked_all = run.sources[j].fetch_many(run.target.version, asked, &mut each);
+                futures::future::select(asked_all, Box::pin(watch)).await;
             }
-        };
-        let workers = cfg.parallel.clamp(1, total.max(1));
-        let worker = || async {
-            loop {
-                if lock(&failed).is_some() {
+            let handled = lock(&handled).clone();
+            let left: Vec<usize> = chunks
+                .into_iter()
+                .filter(|i| !handled.contains(i))
+                .collect();
+            if !left.is_empty() {
+                lock(queue).extend(left);
+            }
+            batching.fetch_sub(1, Ordering::Relaxed);
+            more.notify_waiters();
+        }
+    };
+    let workers = cfg.parallel.clamp(1, total.max(1));
+    let worker = || async {
+        loop {
+            if lock(&failed).is_some() {
+                return;
+            }
+            let next = lock(&queue).pop_front();
+            let Some(i) = next else {
+                // Only idle workers wait (a chunk put back wakes one of them, not one busy
+                // with a chunk of its own), registered before looking again: a chunk
+                // queued, or the last batch ending, in between still wakes it.
+                let wait = more.notified();
+                tokio::pin!(wait);
+                wait.as_mut().enable();
+                if !lock(&queue).is_empty() || lock(&failed).is_some() {
+                    continue;
+                }
+                if batching.load(Ordering::Relaxed) == 0 {
                     return;
                 }
-                let next = lock(&queue).pop_front();
-                let Some(i) = next else {
-                    // Only idle workers wait (a chunk put back wakes one of them, not one busy
-                    // with a chunk of its own), registered before looking again: a chunk
-                    // queued, or the last batch ending, in between still wakes it.
-                    let wait = more.notified();
-                    tokio::pin!(wait);
-                    wait.as_mut().enable();
-                    if !lock(&queue).is_empty() || lock(&failed).is_some() {
-                        continue;
-                    }
-                    if batching.load(Ordering::Relaxed) == 0 {
-                        return;
-                    }
-                    wait.await;
-                    continue;
-                };
-                match run.chunk(i, base_of(i)).await {
-                    Ok(bytes) => keep(i, bytes),
-                    Err(e) => {
-                        lock(&failed).get_or_insert(e);
-                        run.ended.notify_waiters();
-                        more.notify_waiters();
-                        return;
-                    }
+                wait.await;
+                continue;
+            };
+            match run.chunk(i, base_of(i)).await {
+                Ok(bytes) => keep(i, bytes),
+                Err(e) => {
+                    lock(&failed).get_or_insert(e);
+                    run.ended.notify_waiters();
+                    more.notify_waiters();
+                    return;
                 }
             }
-        };
-        let batches = futures::future::join_all(batches.into_iter().map(|(j, c)| batch(j, c)));
-        let workers = futures::future::join_all((0..workers).map(|_| worker()));
-        futures::future::join(batches, workers).await;
-        if let Some(e) = lock(&failed).take() {
-            return Err(e);
         }
-        run.report.into_inner().unwrap_or_else(|p| p.into_inner())
     };
-    Ok((out, report))
+    let batches = futures::future::join_all(batches.into_iter().map(|(j, c)| batch(j, c)));
+    let workers = futures::future::join_all((0..workers).map(|_| worker()));
+    futures::future::join(batches, workers).await;
+    if let Some(e) = lock(&failed).take() {
+        return Err(e);
+    }
+    Ok(run.report.into_inner().unwrap_or_else(|p| p.into_inner()))
 }
 
 /// The fetcher's copy of a chunk: its version, its hash and its bytes.

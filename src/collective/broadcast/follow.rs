@@ -240,6 +240,13 @@ struct Spare {
     making: std::sync::atomic::AtomicBool,
 }
 
+impl Spare {
+    /// Whether `b` can hold a snapshot of `bytes` without holding much more.
+    fn fits(b: &[u8], bytes: usize) -> bool {
+        (bytes..=bytes.saturating_mul(2)).contains(&b.len())
+    }
+}
+
 /// Ends a follower's long polls when its loop ends.
 struct ClosePolls<'a>(&'a NextPolls);
 
@@ -417,6 +424,8 @@ impl Follower {
                 // Its chunks are not served on (a no-op once it is held).
                 h.store.abandon(&h.model, target.version);
             }
+            // The fetch took the buffer, whatever its end.
+            spare_at = Some(Instant::now() + Duration::from_secs(1));
             match done {
                 Ok(()) => {
                     failures = 0;
@@ -425,10 +434,8 @@ impl Follower {
                     // since).
                     self.warm(&target, false);
                     warmed = Some(Instant::now());
-                    spare_at = Some(Instant::now() + Duration::from_secs(1));
                 }
                 Err(Failure::Refused(why)) => {
-                    spare_at = Some(Instant::now() + Duration::from_secs(1));
                     tracing::warn!(
                         model = h.model,
                         version = target.version,
@@ -442,8 +449,6 @@ impl Follower {
                     }
                 }
                 Err(Failure::Again(e)) => {
-                    // The failed fetch took the buffer.
-                    spare_at = Some(Instant::now() + Duration::from_secs(1));
                     tracing::warn!(model = h.model, version = target.version, "following: {e}");
                     // The group moved on meanwhile: the newer version is fetched at once
                     // (its members hold it), not after a pause; once, so that a follower
@@ -511,7 +516,7 @@ impl Follower {
         let spare = self.spare.clone();
         let ready = lock(&spare.buffer)
             .as_ref()
-            .is_some_and(|b| b.capacity() >= bytes);
+            .is_some_and(|b| Spare::fits(b, bytes));
         if ready || spare.making.swap(true, Ordering::AcqRel) {
             return;
         }
@@ -617,7 +622,7 @@ impl Follower {
         let need = manifest.total_bytes() as usize;
         let buffer = lock(&self.spare.buffer)
             .take()
-            .filter(|b| (need..=need.saturating_mul(2)).contains(&b.capacity()))
+            .filter(|b| Spare::fits(b, need))
             .unwrap_or_default();
         let fetched = if manifest.chunk_bytes as usize <= INLINE_CHUNK_BYTES {
             // Decoded on this task (see INLINE_CHUNK_BYTES).

@@ -92,9 +92,12 @@ impl NextPolls {
         };
         let after = |last: Option<u64>| store.latest(&model).map(|h| h.version()).max(last);
         let mut polls = FuturesUnordered::new();
-        polls.push(ask(after(last)));
         let mut newest = Instant::now();
         loop {
+            if polls.is_empty() {
+                polls.push(ask(after(last)));
+                newest = Instant::now();
+            }
             let renew = newest + (super::wire::NEXT_WAIT.saturating_sub(OVERLAP));
             let (asked, answer) = tokio::select! {
                 Some(done) = polls.next() => done,
@@ -132,10 +135,6 @@ impl NextPolls {
                     tokio::time::sleep(pause).await;
                     pause = (pause * 2).min(Duration::from_secs(300));
                 }
-            }
-            if polls.is_empty() {
-                polls.push(ask(after(last)));
-                newest = Instant::now();
             }
         }
     }
