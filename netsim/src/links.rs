@@ -6,17 +6,15 @@
 //! is refused when nothing listens on the port.
 
 use std::collections::HashMap;
-use std::io::{self, Read, Write};
+use std::io;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicU16, Ordering};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use agentjet::collective::{Conn, LinkError, LinkNet, LinkPort, LinkRead, LinkWrite};
+use agentjet::collective::{Conn, LinkError, LinkNet, LinkPort};
 use agentjet::swarm::Multiaddr;
-use futures::io::{ReadHalf, WriteHalf};
-use futures::{AsyncReadExt, AsyncWriteExt};
 use tokio::runtime::Handle;
 
 use crate::net::{lock, Network, NodeId};
@@ -60,20 +58,9 @@ impl SimLinks {
         }
     }
 
+    /// Read and written from the blocking threads the ring runs on.
     fn blocking(&self, s: SimStream) -> Conn {
-        let (r, w) = s.split();
-        Conn {
-            read: Box::new(SimRead {
-                rt: self.rt.clone(),
-                half: r,
-                timeout: Mutex::new(None),
-            }),
-            write: Box::new(SimWrite {
-                rt: self.rt.clone(),
-                half: Some(w),
-                timeout: Mutex::new(None),
-            }),
-        }
+        Conn::blocking(self.rt.clone(), s)
     }
 }
 
@@ -149,82 +136,5 @@ impl LinkNet for SimLinks {
             .send(self.blocking(theirs))
             .map_err(|_| io::Error::from(io::ErrorKind::ConnectionRefused))?;
         Ok(self.blocking(mine))
-    }
-}
-
-/// Reads a simulated stream from a blocking thread (never from the runtime's own).
-struct SimRead {
-    rt: Handle,
-    half: ReadHalf<SimStream>,
-    timeout: Mutex<Option<Duration>>,
-}
-
-struct SimWrite {
-    rt: Handle,
-    /// Taken by the drop, which closes it.
-    half: Option<WriteHalf<SimStream>>,
-    timeout: Mutex<Option<Duration>>,
-}
-
-/// Runs `fut` on `rt`, failing as timed out after `t`.
-fn bounded<T>(
-    rt: &Handle,
-    t: Option<Duration>,
-    fut: impl std::future::Future<Output = io::Result<T>>,
-) -> io::Result<T> {
-    rt.block_on(async move {
-        match t {
-            Some(t) => tokio::time::timeout(t, fut)
-                .await
-                .unwrap_or_else(|_| Err(io::ErrorKind::TimedOut.into())),
-            None => fut.await,
-        }
-    })
-}
-
-impl Read for SimRead {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let t = *lock(&self.timeout);
-        bounded(&self.rt, t, self.half.read(buf))
-    }
-}
-
-impl LinkRead for SimRead {
-    fn set_timeout(&self, t: Duration) -> io::Result<()> {
-        *lock(&self.timeout) = Some(t);
-        Ok(())
-    }
-}
-
-impl Write for SimWrite {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        let t = *lock(&self.timeout);
-        match self.half.as_mut() {
-            Some(h) => bounded(&self.rt, t, h.write(buf)),
-            None => Err(io::ErrorKind::BrokenPipe.into()),
-        }
-    }
-
-    fn flush(&mut self) -> io::Result<()> {
-        Ok(())
-    }
-}
-
-impl LinkWrite for SimWrite {
-    fn set_timeout(&self, t: Duration) -> io::Result<()> {
-        *lock(&self.timeout) = Some(t);
-        Ok(())
-    }
-}
-
-impl Drop for SimWrite {
-    fn drop(&mut self) {
-        // The close travels like data, so the reader sees the end after what was sent.
-        // Spawned, not waited for: a drop may happen on any thread.
-        if let Some(mut h) = self.half.take() {
-            self.rt.spawn(async move {
-                let _ = tokio::time::timeout(Duration::from_secs(5), h.close()).await;
-            });
-        }
     }
 }

@@ -14,6 +14,9 @@ pub enum ClientEvent {
         peer_id: String,
         listen: Vec<String>,
     },
+    /// What happened to its network: reachability, connections and their kind (direct,
+    /// hole-punched, relayed), relay reservations, hole punches, bootstrap failures.
+    Network(crate::swarm::NetEvent),
     /// The OpenAI-compatible proxy answers at `url` (`http://127.0.0.1:PORT/v1`) for
     /// these trainable models.
     Proxy {

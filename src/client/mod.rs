@@ -174,6 +174,13 @@ async fn start(cfg: ClientConfig, stop: Stop) -> Result<Client, ClientError> {
         peer_id: swarm.peer_id.to_string(),
         listen: listen_addrs.iter().map(ToString::to_string).collect(),
     });
+    let ev = events.clone();
+    swarm.forward_net_events(move |e| {
+        if let Some(l) = e.line() {
+            println!("{l}");
+        }
+        ev.emit(ClientEvent::Network(e));
+    });
     let backend = Arc::new(
         SwarmBackend::connect(
             swarm.clone(),

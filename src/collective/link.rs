@@ -6,9 +6,12 @@
 //! payload moves. A connection that presents an unknown token, or whose hello does not
 //! open, is dropped.
 //!
-//! The byte stream comes from a [`LinkNet`]: TCP ([`TcpLinks`], what servers use), or a
-//! network the caller simulates (netsim hands its own in). Everything above the stream
-//! (the token, the sealing, the frames, the timeouts) is the same for both.
+//! The byte stream comes from a [`LinkNet`]: TCP ([`TcpLinks`], what servers use where the
+//! acceptor is reachable), or a network the caller simulates (netsim hands its own in);
+//! or from a stream over the swarm's own connection to the peer (direct, hole-punched or
+//! relayed), made blocking by [`Conn::blocking`] and handed to the acceptor's listener
+//! with [`LinkListener::deliver`]. Everything above the stream (the token, the sealing,
+//! the frames, the timeouts) is the same for all of them.
 //!
 //! Links are blocking (read and write timeouts): the collective runs on the training
 //! thread and its helpers, never on the async runtime. A link splits into a sending and a
@@ -63,6 +66,10 @@ pub struct LinkOffer {
     pub port: u16,
     pub key: [u8; 32],
     pub token: [u8; 32],
+    /// The acceptor is reachable at its addresses (publicly, or all peers are on its
+    /// host): a connection to `port` is worth trying. Otherwise the link runs over the
+    /// swarm's connection.
+    pub direct: bool,
 }
 
 /// Why a link failed.
@@ -227,7 +234,17 @@ pub fn dial(
     offer: &LinkOffer,
     timeout: Duration,
 ) -> Result<(LinkTx, LinkRx), LinkError> {
-    let mut conn = net.connect(addrs, offer.port, timeout)?;
+    let conn = net.connect(addrs, offer.port, timeout)?;
+    handshake(conn, offer, timeout)
+}
+
+/// The dialer's side of a link on a connection made to `offer`: the token, then the
+/// sealed hello both ways.
+pub fn handshake(
+    mut conn: Conn,
+    offer: &LinkOffer,
+    timeout: Duration,
+) -> Result<(LinkTx, LinkRx), LinkError> {
     conn.read.set_timeout(timeout)?;
     conn.write.set_timeout(timeout)?;
     conn.write
@@ -270,8 +287,10 @@ fn read_within(r: &mut dyn LinkRead, buf: &mut [u8], wait: Duration) -> io::Resu
 pub const TOKEN_WAIT: Duration = Duration::from_secs(2);
 
 /// How long one look at the port waits: an accept looks for a connection another accept
-/// kept for it at least this often.
-const ACCEPT_SLICE: Duration = Duration::from_millis(100);
+/// kept for it, or one delivered over the swarm, at least this often.
+const ACCEPT_SLICE: Duration = Duration::from_millis(20);
+/// Connections delivered over the swarm and not looked at yet, at most (the oldest go).
+const INBOX: usize = 16;
 /// Offers remembered as live (an offer whose accept never ran leaves this way).
 const LIVE_OFFERS: usize = 64;
 /// Connections kept for another offer's accept, at most.
@@ -291,6 +310,8 @@ pub struct LinkListener {
     live: std::sync::Mutex<std::collections::VecDeque<[u8; 32]>>,
     /// Connections that presented another live offer's token.
     parked: std::sync::Mutex<Vec<([u8; 32], Conn)>>,
+    /// Connections delivered over the swarm (see [`LinkListener::deliver`]).
+    inbox: std::sync::Mutex<std::collections::VecDeque<Conn>>,
 }
 
 impl LinkListener {
@@ -306,7 +327,20 @@ impl LinkListener {
             port,
             live: Default::default(),
             parked: Default::default(),
+            inbox: Default::default(),
         }
+    }
+
+    /// A connection that came over the swarm (a stream on the peer's connection): taken
+    /// by the accepts as one that came to the port. At most [`INBOX`] wait (the oldest go:
+    /// an accept looks at them every [`ACCEPT_SLICE`]).
+    pub fn deliver(&self, conn: Conn) {
+        let mut inbox = crate::base::lock(&self.inbox);
+        if inbox.len() >= INBOX {
+            inbox.pop_front();
+            tracing::warn!("dropped a link connection nobody took");
+        }
+        inbox.push_back(conn);
     }
 
     /// Listens through `net` (`ip`: the swarm's listen address).
@@ -318,12 +352,14 @@ impl LinkListener {
         self.port.port()
     }
 
-    /// A new offer on this listener (give it to exactly one peer, over the swarm).
-    pub fn offer(&self) -> LinkOffer {
+    /// A new offer on this listener (give it to exactly one peer, over the swarm);
+    /// `direct`: this member is reachable at its addresses (see [`LinkOffer::direct`]).
+    pub fn offer(&self, direct: bool) -> LinkOffer {
         let offer = LinkOffer {
             port: self.port(),
             key: random_secret(),
             token: random_secret(),
+            direct,
         };
         let mut live = crate::base::lock(&self.live);
         live.push_back(offer.token);
@@ -370,7 +406,12 @@ impl LinkListener {
             if left.is_zero() {
                 return Err(LinkError::Timeout("waiting for the dialer"));
             }
-            let Some(mut conn) = self.port.accept(left.min(ACCEPT_SLICE))? else {
+            let delivered = crate::base::lock(&self.inbox).pop_front();
+            let conn = match delivered {
+                Some(c) => Some(c),
+                None => self.port.accept(left.min(ACCEPT_SLICE))?,
+            };
+            let Some(mut conn) = conn else {
                 continue;
             };
             // The dialer sends its token as soon as it is connected: a connection whose
@@ -474,6 +515,115 @@ impl Conn {
     }
 }
 
+/// The blocking read half of an async byte stream (see [`Conn::blocking`]).
+struct AsyncRead<S> {
+    rt: tokio::runtime::Handle,
+    half: futures::io::ReadHalf<S>,
+    timeout: std::sync::Mutex<Option<Duration>>,
+}
+
+/// The blocking write half of an async byte stream (see [`Conn::blocking`]).
+struct AsyncWrite<S: futures::AsyncWrite + Send + Unpin + 'static> {
+    rt: tokio::runtime::Handle,
+    /// Taken by the drop, which closes it.
+    half: Option<futures::io::WriteHalf<S>>,
+    timeout: std::sync::Mutex<Option<Duration>>,
+}
+
+/// Runs `fut` on `rt`, failing as timed out after `t`.
+fn bounded<T>(
+    rt: &tokio::runtime::Handle,
+    t: Option<Duration>,
+    fut: impl std::future::Future<Output = io::Result<T>>,
+) -> io::Result<T> {
+    rt.block_on(async move {
+        match t {
+            Some(t) => tokio::time::timeout(t, fut)
+                .await
+                .unwrap_or_else(|_| Err(io::ErrorKind::TimedOut.into())),
+            None => fut.await,
+        }
+    })
+}
+
+impl<S: futures::AsyncRead + Send + Unpin> Read for AsyncRead<S> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let t = *crate::base::lock(&self.timeout);
+        bounded(&self.rt, t, futures::AsyncReadExt::read(&mut self.half, buf))
+    }
+}
+
+impl<S: futures::AsyncRead + Send + Unpin> LinkRead for AsyncRead<S> {
+    fn set_timeout(&self, t: Duration) -> io::Result<()> {
+        *crate::base::lock(&self.timeout) = Some(t);
+        Ok(())
+    }
+}
+
+impl<S: futures::AsyncWrite + Send + Unpin + 'static> Write for AsyncWrite<S> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let t = *crate::base::lock(&self.timeout);
+        match self.half.as_mut() {
+            Some(h) => bounded(&self.rt, t, futures::AsyncWriteExt::write(h, buf)),
+            None => Err(io::ErrorKind::BrokenPipe.into()),
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        let t = *crate::base::lock(&self.timeout);
+        match self.half.as_mut() {
+            Some(h) => bounded(&self.rt, t, futures::AsyncWriteExt::flush(h)),
+            None => Err(io::ErrorKind::BrokenPipe.into()),
+        }
+    }
+}
+
+impl<S: futures::AsyncWrite + Send + Unpin + 'static> LinkWrite for AsyncWrite<S> {
+    fn set_timeout(&self, t: Duration) -> io::Result<()> {
+        *crate::base::lock(&self.timeout) = Some(t);
+        Ok(())
+    }
+}
+
+impl<S: futures::AsyncWrite + Send + Unpin + 'static> Drop for AsyncWrite<S> {
+    fn drop(&mut self) {
+        // The close travels like data, so the reader sees the end after what was sent.
+        // Spawned, not waited for: a drop may happen on any thread.
+        if let Some(mut h) = self.half.take() {
+            self.rt.spawn(async move {
+                let _ = tokio::time::timeout(
+                    Duration::from_secs(5),
+                    futures::AsyncWriteExt::close(&mut h),
+                )
+                .await;
+            });
+        }
+    }
+}
+
+impl Conn {
+    /// Both directions of an async byte stream (a libp2p stream, a simulated one), read
+    /// and written from blocking threads (never from `rt`'s own: each call waits on `rt`).
+    pub fn blocking<S>(rt: tokio::runtime::Handle, stream: S) -> Conn
+    where
+        S: futures::AsyncRead + futures::AsyncWrite + Send + Unpin + 'static,
+    {
+        let (r, w) = futures::AsyncReadExt::split(stream);
+        Conn {
+            read: Box::new(AsyncRead {
+                rt: rt.clone(),
+                half: r,
+                timeout: Default::default(),
+            }),
+            write: Box::new(AsyncWrite {
+                rt,
+                half: Some(w),
+                timeout: Default::default(),
+            }),
+        }
+    }
+}
+
 impl LinkPort for TcpPort {
     fn port(&self) -> u16 {
         self.0.local_addr().map(|a| a.port()).unwrap_or(0)
@@ -514,10 +664,25 @@ impl LinkNet for TcpLinks {
         port: u16,
         timeout: Duration,
     ) -> Result<Conn, LinkError> {
-        let ip = ip_of(addrs).ok_or_else(|| LinkError::NoAddress(addrs.to_vec()))?;
-        let tcp = TcpStream::connect_timeout(&SocketAddr::new(ip, port), timeout)
-            .map_err(|e| io_err(e, "connecting"))?;
-        Ok(Conn::tcp(tcp)?)
+        // Each distinct IP of a direct address, in the order given (the peer's offered
+        // order: the one other hosts should use first), at most three.
+        let mut ips: Vec<IpAddr> = Vec::new();
+        for a in addrs.iter().filter(|a| !crate::swarm::addrs::is_relayed(a)) {
+            if let Some(ip) = ip_of(std::slice::from_ref(a)) {
+                if !ips.contains(&ip) {
+                    ips.push(ip);
+                }
+            }
+        }
+        ips.truncate(3);
+        let mut last = LinkError::NoAddress(addrs.to_vec());
+        for ip in ips {
+            match TcpStream::connect_timeout(&SocketAddr::new(ip, port), timeout) {
+                Ok(tcp) => return Ok(Conn::tcp(tcp)?),
+                Err(e) => last = io_err(e, "connecting"),
+            }
+        }
+        Err(last)
     }
 }
 
@@ -532,7 +697,7 @@ mod tests {
     fn silent_connections_do_not_block_the_dialer_behind_them() {
         let ip = std::net::Ipv4Addr::LOCALHOST;
         let l = LinkListener::bind(SocketAddr::new(ip.into(), 0)).unwrap();
-        let offer = l.offer();
+        let offer = l.offer(true);
         let to = SocketAddr::new(ip.into(), l.port());
         let silent: Vec<TcpStream> = (0..2).map(|_| TcpStream::connect(to).unwrap()).collect();
         // One that trickles its token a byte a second (each read within the wait).
@@ -568,7 +733,7 @@ mod tests {
     fn a_connection_for_another_waiting_offer_is_kept_for_it() {
         let ip = std::net::Ipv4Addr::LOCALHOST;
         let l = LinkListener::bind(SocketAddr::new(ip.into(), 0)).unwrap();
-        let (stale, next) = (l.offer(), l.offer());
+        let (stale, next) = (l.offer(true), l.offer(true));
         std::thread::scope(|s| {
             let first = s.spawn(|| l.accept(&stale, Duration::from_secs(3)));
             // It looks at the port alone now.

@@ -1,12 +1,21 @@
-//! Setting links up through the swarm: `/agentjet/collective/1`.
+//! Setting links up through the swarm: `/agentjet/collective/2`, and links that run over
+//! the swarm's connection: `/agentjet/link/1`.
 //!
 //! The dialer sends a [`LinkAsk`] (which group, epoch and rank it is); the acceptor makes
-//! an offer on its [`LinkListener`] (port, fresh key, one-use token), records it in its
-//! [`OfferBook`] under the asker's peer id and the ask, and answers it. Only the peer the
-//! swarm authenticated on this stream learns the key; the acceptor then waits for that
-//! offer's connection ([`LinkListener::accept`]).
+//! an offer on its [`LinkListener`] (port, fresh key, one-use token, and whether it is
+//! reachable at its addresses), records it in its [`OfferBook`] under the asker's peer id
+//! and the ask, and answers it. Only the peer the swarm authenticated on this stream
+//! learns the key; the acceptor then waits for that offer's connection
+//! ([`LinkListener::accept`]).
 //!
-//! Owns: the ask/offer exchange. Never carries tensor bytes (the links do).
+//! The dialer connects to the offer's port where the acceptor said it is reachable; else
+//! (or when that fails) it opens a `/agentjet/link/1` stream to the acceptor, over
+//! whatever connection the swarm has to it (direct, hole-punched or relayed): the stream's
+//! first frame names the group, and the rest of it is the link's bytes, handed to that
+//! group's listener as a connection ([`LinkListener::deliver`]).
+//!
+//! Owns: the ask/offer exchange and the link streams' arrival. Never carries tensor bytes
+//! itself (the links do).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -16,12 +25,15 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
 
 pub use super::link::ip_of;
-use super::link::{LinkListener, LinkOffer};
+use super::link::{Conn, LinkListener, LinkOffer};
 use crate::base::lock;
 use crate::swarm::frame::{read_frame, write_frame, FrameError};
 use crate::swarm::{Multiaddr, PeerId, StreamProtocol, SwarmError, SwarmHandle};
 
-pub const COLLECTIVE: StreamProtocol = StreamProtocol::new("/agentjet/collective/1");
+/// `/2`: offers say whether the acceptor is reachable at its addresses.
+pub const COLLECTIVE: StreamProtocol = StreamProtocol::new("/agentjet/collective/2");
+/// A link over the swarm's connection (see the module docs).
+pub const LINK_STREAM: StreamProtocol = StreamProtocol::new("/agentjet/link/1");
 
 /// A request for a link: who asks, for which group and membership epoch.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -50,6 +62,8 @@ pub enum RendezvousError {
     NoAddress(PeerId),
     #[error("timed out waiting for a link ask from {0}")]
     Timeout(PeerId),
+    #[error("{peer} refused the link stream: {reason}")]
+    StreamRefused { peer: PeerId, reason: String },
 }
 
 /// The offers an acceptor has made, by (asker, ask), until it takes them. Bounded so
@@ -175,19 +189,17 @@ pub fn serve_group_links(
     let links = Arc::new(GroupLinks::default());
     lock(&links.groups).insert(group.map(str::to_string), entry.clone());
     let table = links.clone();
+    // Reachable at its addresses: publicly, or a swarm of one host (read at each ask).
+    let sw = swarm.clone();
+    let direct = move || sw.reachability().dialable();
+    let (streams, keeper) = (links.clone(), swarm.clone());
     let registered = swarm.serve(COLLECTIVE, move |peer, mut s| {
         let links = links.clone();
+        let direct = direct.clone();
         async move {
             let ask: LinkAsk = read_frame(&mut s, 4096).await?;
             // A group's asks carry `NAME@EPOCH:PROPOSER` (see `collective::group`).
-            let name = ask.group.rsplit_once('@').map_or(&ask.group[..], |(n, _)| n);
-            let entry = {
-                let g = lock(&links.groups);
-                g.get(&Some(ask.group.clone()))
-                    .or_else(|| g.get(&Some(name.to_string())))
-                    .or_else(|| g.get(&None))
-                    .cloned()
-            };
+            let entry = links.entry(&ask.group);
             let Some((listener, book, admit)) = entry else {
                 let no = LinkAnswer::Refused(format!("this peer is not in group {:?}", ask.group));
                 write_frame(&mut s, &no, 4096).await?;
@@ -201,12 +213,21 @@ pub fn serve_group_links(
                 let _ = futures::io::AsyncWriteExt::close(&mut s).await;
                 return Ok(());
             }
-            let offer = listener.offer();
+            let offer = listener.offer(direct());
             book.put(peer, ask, offer.clone());
             write_frame(&mut s, &LinkAnswer::Offer(offer), 4096).await?;
             let _ = futures::io::AsyncWriteExt::close(&mut s).await;
             Ok::<(), FrameError>(())
         }
+    });
+    let registered = registered.and_then(|()| {
+        swarm.serve(LINK_STREAM, move |peer, s| {
+            let links = streams.clone();
+            // Held as an open stream while the link lives (the trimmer spares its
+            // connection).
+            let s = keeper.keep(peer, s);
+            async move { take_link_stream(&links, peer, s).await }
+        })
     });
     match registered {
         Ok(()) => {
@@ -234,6 +255,68 @@ type GroupEntry = (Arc<LinkListener>, Arc<OfferBook>, LinkAdmit);
 #[derive(Default)]
 struct GroupLinks {
     groups: Mutex<HashMap<Option<String>, GroupEntry>>,
+}
+
+impl GroupLinks {
+    /// The entry serving the link asks of `group` (`NAME@EPOCH:PROPOSER` or `NAME`).
+    fn entry(&self, group: &str) -> Option<GroupEntry> {
+        let name = group.rsplit_once('@').map_or(group, |(n, _)| n);
+        let g = lock(&self.groups);
+        g.get(&Some(group.to_string()))
+            .or_else(|| g.get(&Some(name.to_string())))
+            .or_else(|| g.get(&None))
+            .cloned()
+    }
+}
+
+/// How long the group's frame may take to arrive on a link stream.
+const GROUP_FRAME_WAIT: Duration = Duration::from_secs(5);
+
+/// An inbound link stream: its group frame, then the stream handed to that group's
+/// listener as a connection (answered with `Ok(())` first, or with the refusal).
+async fn take_link_stream(
+    links: &GroupLinks,
+    peer: PeerId,
+    mut s: crate::swarm::PeerStream,
+) -> Result<(), FrameError> {
+    let group: String = match tokio::time::timeout(GROUP_FRAME_WAIT, read_frame(&mut s, 4096)).await
+    {
+        Ok(g) => g?,
+        Err(_) => return Ok(()),
+    };
+    let refusal = match links.entry(&group) {
+        None => Some(format!("this peer is not in group {group:?}")),
+        Some((_, _, admit)) if !admit(&peer) => {
+            tracing::warn!(%peer, "refused a link stream from a peer not trusted to train in this group");
+            Some("not trusted to train in this group".to_string())
+        }
+        Some(_) => None,
+    };
+    let answer: Result<(), String> = refusal.clone().map_or(Ok(()), Err);
+    write_frame(&mut s, &answer, 4096).await?;
+    if refusal.is_some() {
+        let _ = futures::io::AsyncWriteExt::close(&mut s).await;
+        return Ok(());
+    }
+    if let Some((listener, _, _)) = links.entry(&group) {
+        listener.deliver(Conn::blocking(tokio::runtime::Handle::current(), s));
+    }
+    Ok(())
+}
+
+/// Opens a link stream to `peer` for group `group` (the ask's `group`): a connection for
+/// [`super::link::handshake`] over the swarm's connection to it.
+pub async fn open_link_stream(
+    swarm: &SwarmHandle,
+    peer: PeerId,
+    group: &str,
+) -> Result<Conn, RendezvousError> {
+    let mut s = swarm.open(peer, LINK_STREAM).await?;
+    write_frame(&mut s, &group.to_string(), 4096).await?;
+    match read_frame::<_, Result<(), String>>(&mut s, 4096).await? {
+        Ok(()) => Ok(Conn::blocking(tokio::runtime::Handle::current(), s)),
+        Err(reason) => Err(RendezvousError::StreamRefused { peer, reason }),
+    }
 }
 
 /// Asks `peer` for a link: the offer, and the addresses the swarm knows for `peer` (its
@@ -279,6 +362,7 @@ mod tests {
             port,
             key: [1; 32],
             token: [2; 32],
+            direct: true,
         }
     }
 

@@ -344,7 +344,7 @@ impl Ring {
         let listeners = (0..n)
             .map(|_| LinkListener::bind(std::net::SocketAddr::new(loopback, 0)))
             .collect::<Result<Vec<_>, _>>()?;
-        let offers: Vec<LinkOffer> = listeners.iter().map(|l| l.offer()).collect();
+        let offers: Vec<LinkOffer> = listeners.iter().map(|l| l.offer(true)).collect();
         let t = Duration::from_secs(10);
         std::thread::scope(|s| {
             let accepts: Vec<_> = (0..n)

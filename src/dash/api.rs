@@ -21,6 +21,7 @@ use super::assets;
 use super::runs::{self, LogRefusal, RunRef};
 use super::state::{DashState, MAX_EVENT_STREAMS, MAX_QUERY_BYTES};
 use crate::base::prom::Prom;
+use crate::swarm::Reachability;
 
 /// Bytes of a points file one answer carries at most (a first read: its tail).
 const MAX_POINTS_BYTES: usize = 4 << 20;
@@ -113,6 +114,13 @@ fn live_json(st: &DashState) -> Value {
         "role": st.role,
         "peer": st.swarm.peer_id.to_string(),
         "trust": st.swarm.trust().describe(),
+        "reach": st.swarm.reachability().as_str(),
+        "addrs": st.swarm.offered_addrs().iter().map(ToString::to_string).collect::<Vec<_>>(),
+        "links": {
+            "direct": st.swarm.link_counts().0,
+            "hole_punched": st.swarm.link_counts().1,
+            "relayed": st.swarm.link_counts().2,
+        },
         "view": st.swarm.view().iter().map(peer_json).collect::<Vec<_>>(),
         "live": st.source.live(),
         "runs": st.source.runs(),
@@ -247,6 +255,60 @@ async fn metrics(State(st): St) -> Response {
             n as f64,
         );
     }
+    // This peer's reachability (1 for the one it has) and its connections by kind.
+    let reach = st.swarm.reachability();
+    for r in [
+        Reachability::Public,
+        Reachability::Relayed,
+        Reachability::Unreachable,
+        Reachability::Local,
+        Reachability::Unknown,
+    ] {
+        p.gauge(
+            "agentjet_swarm_reachability",
+            "1 for this peer's reachability: public, relayed (behind NAT, through a relay), unreachable (behind NAT, no relay yet), local (loopback only) or unknown.",
+            &[("reach", r.as_str())],
+            f64::from(u8::from(r == reach)),
+        );
+    }
+    let (direct, punched, relayed) = st.swarm.link_counts();
+    for (kind, n) in [
+        ("direct", direct),
+        ("hole_punched", punched),
+        ("relayed", relayed),
+    ] {
+        p.gauge(
+            "agentjet_swarm_connected_peers",
+            "Connected peers by their best connection: direct, hole-punched (DCUtR) or relayed.",
+            &[("kind", kind)],
+            n as f64,
+        );
+    }
+    let load = st.swarm.relay_load();
+    p.gauge(
+        "agentjet_relay_reservations",
+        "Peers behind NAT holding a reservation on this peer's relay service.",
+        &[],
+        load.reservations as f64,
+    );
+    p.gauge(
+        "agentjet_relay_circuits",
+        "Connections this peer relays now.",
+        &[],
+        load.circuits as f64,
+    );
+    p.counter(
+        "agentjet_relay_circuits_total",
+        "Connections this peer has relayed.",
+        &[],
+        load.circuits_total as f64,
+    );
+    p.counter(
+        "agentjet_relay_refused_total",
+        "Reservations and circuits this peer's relay service refused (limits).",
+        &[],
+        load.circuits_refused as f64,
+    );
     st.source.metrics(&mut p);
     (
         [(

@@ -16,6 +16,9 @@ pub enum ServerEvent {
         peer_id: String,
         listen: Vec<String>,
     },
+    /// What happened to its network: reachability, connections and their kind (direct,
+    /// hole-punched, relayed), relay reservations, hole punches, bootstrap failures.
+    Network(crate::swarm::NetEvent),
     /// Its model is announced to the swarm.
     Serving {
         model: String,
@@ -122,6 +125,12 @@ pub enum ServerEvent {
         epoch: u64,
         error: String,
     },
+    /// The ring of an epoch could not be built (a link that was not made within the link
+    /// bound: the error names the neighbour); the next epoch is formed without the member
+    /// that could not be linked.
+    BuildFailed {
+        error: String,
+    },
     /// Its training ended with an error (it left its group).
     TrainingFailed {
         error: String,
@@ -195,6 +204,9 @@ impl ServerEvent {
             },
             MemberEvent::RoundFailed { epoch, error } => ServerEvent::RoundFailed {
                 epoch: *epoch,
+                error: error.clone(),
+            },
+            MemberEvent::BuildFailed { error } => ServerEvent::BuildFailed {
                 error: error.clone(),
             },
             MemberEvent::Failed { error } => ServerEvent::TrainingFailed {

@@ -407,6 +407,13 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
         peer_id: swarm.peer_id.to_string(),
         listen: listen_addrs.iter().map(ToString::to_string).collect(),
     });
+    let ev = events.clone();
+    swarm.forward_net_events(move |e| {
+        if let Some(l) = e.line() {
+            println!("{l}");
+        }
+        ev.emit(ServerEvent::Network(e));
+    });
     let mut models = Vec::with_capacity(units.len());
     // Each model's layout, which a followed version must have.
     let mut shapes = Vec::with_capacity(units.len());
@@ -467,8 +474,9 @@ async fn start(cfg: ServerConfig, stop: Stop, tasks: TaskTracker) -> Result<Serv
             settings.lora = unit.lora;
             let served = served.clone();
             let rt = tokio::runtime::Handle::current();
-            // Group links listen where the swarm does.
-            let ip = crate::collective::rendezvous::ip_of(&listen_addrs)
+            // Group links listen where the swarm was told to (every interface for the
+            // default 0.0.0.0; its expansions include loopback, never the only one).
+            let ip = crate::collective::rendezvous::ip_of(&cfg.swarm.listen)
                 .unwrap_or(std::net::Ipv4Addr::UNSPECIFIED.into());
             training.push(
                 tokio::task::spawn_blocking(move || {

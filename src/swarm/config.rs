@@ -56,9 +56,54 @@ pub struct SwarmConfig {
     pub max_requests_per_s: f64,
     pub request_burst: f64,
     pub kad_server: bool,
+    /// Addresses other hosts reach this peer at, as the user knows them (a public address,
+    /// a forwarded port; `--external-addr`): offered first, and this peer counts as
+    /// publicly reachable. A DNS name is resolved at start.
+    pub external: Vec<Multiaddr>,
+    /// Offer relay service (circuit relay v2) to peers behind NAT while this peer is
+    /// publicly reachable, within `relay`'s limits.
+    pub relay_service: bool,
+    pub relay: RelayLimits,
+    /// Behind NAT: reserve slots on relays and punch holes (DCUtR) to the peers met
+    /// through them.
+    pub nat_traversal: bool,
+    /// Ask a UPnP gateway on the local network to forward the listen ports.
+    pub upnp: bool,
+    /// AutoNAT: how soon after start, and how often, other peers are asked to dial this
+    /// one back; how long a dial-back may take.
+    pub autonat_first: Duration,
+    pub autonat_every: Duration,
+    pub autonat_timeout: Duration,
     /// A transport beside TCP and QUIC (dialed for the addresses it supports): netsim's
     /// simulated network. None in the peer binary.
     pub other_transport: Option<OtherTransport>,
+}
+
+/// What a relay carries for the peers behind NAT that reserve a slot on it (see the
+/// README's "Ports and NAT" for why these sizes).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RelayLimits {
+    /// Peers holding a reservation at once.
+    pub reservations: usize,
+    /// Connections relayed at once, in all and per peer.
+    pub circuits: usize,
+    pub circuits_per_peer: usize,
+    /// A relayed connection closes after this many bytes (both ways together) or this
+    /// long; the peers then connect again.
+    pub circuit_bytes: u64,
+    pub circuit_duration: Duration,
+}
+
+impl Default for RelayLimits {
+    fn default() -> Self {
+        RelayLimits {
+            reservations: 128,
+            circuits: 64,
+            circuits_per_peer: 8,
+            circuit_bytes: 4 << 30,
+            circuit_duration: Duration::from_secs(30 * 60),
+        }
+    }
 }
 
 /// An authenticated, multiplexed transport, as libp2p's swarm takes one.
@@ -107,6 +152,14 @@ impl SwarmConfig {
             max_requests_per_s: 500.0,
             request_burst: 1000.0,
             kad_server: true,
+            external: Vec::new(),
+            relay_service: true,
+            relay: RelayLimits::default(),
+            nat_traversal: true,
+            upnp: true,
+            autonat_first: Duration::from_secs(1),
+            autonat_every: Duration::from_secs(5),
+            autonat_timeout: Duration::from_secs(8),
             other_transport: None,
         }
     }

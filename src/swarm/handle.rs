@@ -76,7 +76,11 @@ impl SwarmHandle {
         rx.await.map_err(|_| SwarmError::Stopped)
     }
 
-    /// This peer's listen addresses, each ending in `/p2p/<peer id>`.
+    /// The addresses this peer offers other peers (what they pass as `--bootstrap`), each
+    /// ending in `/p2p/<peer id>`, the one another host should use first: confirmed or
+    /// given external addresses, then the interface addresses it listens on (loopback
+    /// only when it listens on loopback alone), relayed ones last (see
+    /// [`super::addrs::offered`]).
     pub async fn listen_addrs(&self) -> Vec<Multiaddr> {
         let (tx, rx) = oneshot::channel();
         if self.send(Command::ListenAddrs(tx)).await.is_err() {
@@ -321,6 +325,13 @@ impl SwarmHandle {
         }
     }
 
+    /// `stream` (an inbound one, from `peer`) as a [`PeerStream`]: the connection trimmer
+    /// leaves its connection open while it exists (a long-lived stream a handler keeps
+    /// after it returns).
+    pub fn keep(&self, peer: PeerId, stream: Stream) -> PeerStream {
+        PeerStream::new(stream, self.shared.usage.open(peer))
+    }
+
     /// Serves `protocol`: every inbound stream is admitted (swarm key, concurrent streams
     /// per peer, request rate: a refusal is written to the stream and logged) and handed
     /// to `handler` on its own task; a handler's error is logged with the peer. The accept
@@ -357,10 +368,92 @@ impl SwarmHandle {
     pub fn introduction(&self, addrs: &[Multiaddr]) -> String {
         let mut lines = vec![format!("peer id: {}", self.peer_id)];
         lines.extend(addrs.iter().map(|a| format!("listening on {a}")));
+        if addrs.is_empty() {
+            lines.push("listening on no address other hosts can use (loopback only?)".into());
+        }
         if self.auth.key().is_some() {
             lines.push("swarm key: set (a closed swarm)".into());
         }
         lines.join("\n")
+    }
+
+    /// What this peer knows of its reachability now (see [`super::reach`]).
+    pub fn reachability(&self) -> super::Reachability {
+        lock(&self.shared.net).reach
+    }
+
+    /// The addresses this peer offers other peers now, the one to give another host first
+    /// (see [`super::addrs::offered`]).
+    pub fn offered_addrs(&self) -> Vec<Multiaddr> {
+        lock(&self.shared.net)
+            .offered
+            .iter()
+            .map(|a| a.clone().with_p2p(self.peer_id).unwrap_or_else(|a| a))
+            .collect()
+    }
+
+    /// How this peer is connected to `peer` now: one kind per connection (none when not
+    /// connected).
+    pub fn link_kinds(&self, peer: &PeerId) -> Vec<super::LinkKind> {
+        lock(&self.shared.net)
+            .links
+            .get(peer)
+            .map(|l| l.iter().map(|(_, k)| *k).collect())
+            .unwrap_or_default()
+    }
+
+    /// Connected peers by how they are connected: (direct, hole-punched, relayed).
+    pub fn link_counts(&self) -> (usize, usize, usize) {
+        let n = lock(&self.shared.net);
+        let mut c = (0, 0, 0);
+        for kinds in n.links.values() {
+            if kinds.iter().any(|(_, k)| *k == super::LinkKind::Direct) {
+                c.0 += 1;
+            } else if kinds.iter().any(|(_, k)| *k == super::LinkKind::HolePunched) {
+                c.1 += 1;
+            } else {
+                c.2 += 1;
+            }
+        }
+        c
+    }
+
+    /// What this peer's relay service carries now.
+    pub fn relay_load(&self) -> super::RelayLoad {
+        lock(&self.shared.net).relay
+    }
+
+    /// The network events so far (the last 1,024) and a receiver of the ones to come,
+    /// with none missed or seen twice in between.
+    pub fn net_events(
+        &self,
+    ) -> (
+        Vec<super::NetEvent>,
+        tokio::sync::broadcast::Receiver<super::NetEvent>,
+    ) {
+        let n = lock(&self.shared.net);
+        (n.log.iter().cloned().collect(), self.shared.net_tx.subscribe())
+    }
+
+    /// Passes every network event (those so far, then each as it comes) to `f` on a task
+    /// of the node, until the node ends. A receiver that falls more than 256 events behind
+    /// skips the ones it missed (and says how many).
+    pub fn forward_net_events(&self, f: impl Fn(super::NetEvent) + Send + 'static) {
+        let (past, mut rx) = self.net_events();
+        self.shared.spawn(async move {
+            for e in past {
+                f(e);
+            }
+            loop {
+                match rx.recv().await {
+                    Ok(e) => f(e),
+                    Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
+                        tracing::warn!("{n} network events skipped (a slow reader)");
+                    }
+                    Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+                }
+            }
+        });
     }
 
     /// A token cancelled when the node has ended (holding it does not keep the node up).

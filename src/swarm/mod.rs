@@ -1,6 +1,7 @@
 //! The swarm: one libp2p node per peer (QUIC, with TCP + noise + yamux as a fallback),
-//! identify, ping, a gossipsub status mesh, Kademlia for model discovery, and AgentJet's
-//! own stream protocols (see [`protocol`]), all behind the swarm key (see [`auth`]), and who is trusted to serve and train (see
+//! identify, ping, a gossipsub status mesh, Kademlia for model discovery, NAT traversal
+//! (AutoNAT, circuit relay v2 as client and service, DCUtR hole punching, UPnP; see
+//! [`reach`] and [`addrs`]), and AgentJet's own stream protocols (see [`protocol`]), all behind the swarm key (see [`auth`]), and who is trusted to serve and train (see
 //! [`trust`]).
 //!
 //! Owns: moving bytes and typed messages between peers, discovery, membership, access
@@ -9,6 +10,7 @@
 //! imports nothing of the crate but `base` (the layering test checks it).
 
 mod admission;
+pub mod addrs;
 pub mod auth;
 mod config;
 pub mod frame;
@@ -16,13 +18,14 @@ mod handle;
 mod limits;
 pub mod node;
 pub mod protocol;
+pub mod reach;
 mod shared;
 pub mod sign;
 pub mod trust;
 mod usage;
 
 pub use auth::{KeyError, SwarmKey};
-pub use config::{BoxedTransport, OtherTransport, SwarmConfig};
+pub use config::{BoxedTransport, OtherTransport, RelayLimits, SwarmConfig};
 pub use handle::SwarmHandle;
 pub use libp2p::multiaddr::Protocol;
 pub use libp2p::{identity::Keypair, Multiaddr, PeerId, Stream, StreamProtocol};
@@ -31,7 +34,8 @@ pub use node::spawn_node;
 pub use protocol::{
     CacheSummary, GroupStatus, ModelStatus, PeerStatus, Role, WeightsStatus, STOPPING_FIELD,
 };
-pub use shared::{ProviderLookup, ViewEntry};
+pub use reach::{LinkKind, NetEvent, Reachability};
+pub use shared::{ProviderLookup, RelayLoad, ViewEntry};
 pub use trust::{Certificate, Certified, Grant, RunId, RunKey, Trust, TrustError};
 pub use usage::PeerStream;
 

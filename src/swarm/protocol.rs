@@ -138,6 +138,14 @@ pub struct GroupStatus {
 /// records then): clients route no new calls to it.
 pub const STOPPING_FIELD: &str = "stopping";
 
+/// The [`PeerStatus::extra`] field that says a peer's reachability (see
+/// [`super::Reachability`]: `public`, `relayed`, `unreachable`, `local`, `unknown`).
+pub const REACH_FIELD: &str = "reach";
+
+/// The [`PeerStatus::extra`] field a publicly reachable peer sets ("1") while it offers
+/// relay service.
+pub const RELAY_FIELD: &str = "relay";
+
 /// What every peer gossips about itself every few seconds.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PeerStatus {

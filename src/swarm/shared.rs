@@ -14,6 +14,7 @@ use super::auth::{AuthTable, PeerAuth};
 use super::config::SwarmConfig;
 use super::limits::Limits;
 use super::protocol::PeerStatus;
+use super::reach::{LinkKind, NetEvent, Reachability};
 use super::trust::{Certificate, Certified, TrustError, CERT_FIELD};
 use super::usage::UseTable;
 use super::SwarmError;
@@ -77,7 +78,10 @@ pub(super) enum Command {
     Authed(PeerId, PeerAuth),
     /// The auth timeout of the connection that opened a spell of connections to a peer.
     AuthDeadline(PeerId, ConnectionId),
+    /// The addresses this peer offers others (first: the one to give another host).
     ListenAddrs(oneshot::Sender<Vec<Multiaddr>>),
+    /// Dial these (bootstrap addresses, resolved).
+    Dial(Vec<Multiaddr>),
     Connected(oneshot::Sender<Vec<PeerId>>),
     Addresses(PeerId, Vec<Multiaddr>),
     /// The addresses the address book holds for a peer.
@@ -111,6 +115,47 @@ pub(super) struct Shared {
     pub(super) ended: CancellationToken,
     /// Every task of the node, the event loop included.
     pub(super) tasks: TaskTracker,
+    /// What the node knows of the network (written by the event loop).
+    pub(super) net: Mutex<NetState>,
+    pub(super) net_tx: tokio::sync::broadcast::Sender<NetEvent>,
+}
+
+/// Network events kept for a subscriber that comes late.
+pub(super) const NET_LOG: usize = 1024;
+
+/// What the node knows of the network: its reachability, the addresses it offers, its
+/// connections by kind, and the last [`NET_LOG`] network events.
+#[derive(Default)]
+pub(super) struct NetState {
+    pub(super) reach: Reachability,
+    pub(super) offered: Vec<Multiaddr>,
+    pub(super) links: HashMap<PeerId, Vec<(ConnectionId, LinkKind)>>,
+    pub(super) log: std::collections::VecDeque<NetEvent>,
+    /// Relay service: reservations held by others now, circuits relayed now and in all.
+    pub(super) relay: RelayLoad,
+}
+
+/// What this peer's relay service carries.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RelayLoad {
+    pub reservations: u64,
+    pub circuits: u64,
+    pub circuits_total: u64,
+    pub circuits_refused: u64,
+}
+
+impl Shared {
+    /// Records a network event and hands it to subscribers.
+    pub(super) fn net_event(&self, e: NetEvent) {
+        let mut n = crate::base::lock(&self.net);
+        if n.log.len() == NET_LOG {
+            n.log.pop_front();
+        }
+        n.log.push_back(e.clone());
+        // Sent under the lock, so a subscriber (which takes the log under it) misses
+        // nothing and sees nothing twice.
+        let _ = self.net_tx.send(e);
+    }
 }
 
 /// The verdict on the certificate in `status`, presented by `peer`, for a peer that

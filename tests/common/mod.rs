@@ -2,6 +2,7 @@
 //! (HF safetensors directories and GGUF files), and access to the real default model.
 #![allow(dead_code)]
 
+pub mod netns;
 pub mod peer;
 
 /// The e2e tests run in two lanes (`bootstrap/test.sh` gives the binary more threads

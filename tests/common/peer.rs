@@ -56,6 +56,31 @@ impl Peer {
         args: &[&str],
         env: &[(&str, &str)],
     ) -> Peer {
+        Peer::spawn(bin, None, name, dir, args, env)
+    }
+
+    /// A peer on a host of a test network (`ip netns exec NS`), with its default listen
+    /// addresses (servers and plain peers on port 4001, clients on a free port, all
+    /// interfaces), as a user would start it there.
+    pub fn start_on(ns: &str, name: &str, dir: &Path, args: &[&str]) -> Peer {
+        Peer::spawn(
+            Path::new(env!("CARGO_BIN_EXE_agentjet-peer")),
+            Some(ns),
+            name,
+            dir,
+            args,
+            &[],
+        )
+    }
+
+    fn spawn(
+        bin: &Path,
+        ns: Option<&str>,
+        name: &str,
+        dir: &Path,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Peer {
         let log = dir.join(format!("{name}.log"));
         let role = args.windows(2).find_map(|w| match w {
             ["--role", "server"] => Some(Role::Server),
@@ -68,7 +93,19 @@ impl Peer {
         if let Some((path, _)) = &events {
             let _ = std::fs::remove_file(path);
         }
-        let mut child = Command::new(bin)
+        let mut cmd = match ns {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns]).arg(bin);
+                c
+            }
+            None => Command::new(bin),
+        };
+        let listen: &[&str] = match ns {
+            Some(_) => &[],
+            None => &["--listen", "/ip4/127.0.0.1/udp/0/quic-v1"],
+        };
+        let mut child = cmd
             .args(args)
             .args(
                 events
@@ -77,7 +114,7 @@ impl Peer {
             )
             .arg("--data-dir")
             .arg(dir.join(name))
-            .args(["--listen", "/ip4/127.0.0.1/udp/0/quic-v1"])
+            .args(listen)
             .args(["--provider-ttl", "4", "--status-interval", "0.5"])
             .args(["--log", "agentjet=info"])
             .envs(env.iter().copied())
@@ -166,6 +203,11 @@ impl Peer {
         f: impl Fn(&ServerEvent) -> bool,
     ) -> ServerEvent {
         self.wait_for(Role::Server, what, timeout, &f)
+    }
+
+    /// Whether this peer is a client whose events are watched.
+    pub fn is_client(&self) -> bool {
+        matches!(self.events, Some((_, Role::Client)))
     }
 
     /// A client's events so far.

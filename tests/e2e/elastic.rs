@@ -41,6 +41,19 @@ pub(crate) fn server(
     boot: Option<&str>,
     extra: &[&str],
 ) -> Peer {
+    server_on(None, dir, model, name, boot, extra)
+}
+
+/// [`server`] on the host of namespace `ns` (with its default listen addresses), or on
+/// loopback.
+pub(crate) fn server_on(
+    ns: Option<&str>,
+    dir: &Path,
+    model: &Path,
+    name: &str,
+    boot: Option<&str>,
+    extra: &[&str],
+) -> Peer {
     let mut args = vec![
         "--role",
         "server",
@@ -72,7 +85,10 @@ pub(crate) fn server(
     if !extra.contains(&"--swarm-key") && !extra.contains(&"--cert") {
         args.extend(["--run-key", &key]);
     }
-    Peer::start(name, dir, &args)
+    match ns {
+        Some(ns) => Peer::start_on(ns, name, dir, &args),
+        None => Peer::start(name, dir, &args),
+    }
 }
 
 /// Servers a, b and c of the tiny model (b and c bootstrap from a), in one 3-member epoch;
@@ -107,6 +123,19 @@ pub(crate) fn client(dir: &Path, boot: &str, groups: usize, run: &str) -> Peer {
 
 /// [`client`] with the agent script `script`.
 fn client_with(dir: &Path, boot: &str, groups: usize, run: &str, script: &str) -> Peer {
+    client_on(None, dir, boot, groups, run, script)
+}
+
+/// [`client_with`] on the host of namespace `ns` (default listen addresses), or on
+/// loopback.
+pub(crate) fn client_on(
+    ns: Option<&str>,
+    dir: &Path,
+    boot: &str,
+    groups: usize,
+    run: &str,
+    script: &str,
+) -> Peer {
     let agent = dir.join(format!("agent-{run}.sh"));
     std::fs::write(&agent, script).unwrap();
     let tasks = dir.join("tasks.jsonl");
@@ -117,10 +146,8 @@ fn client_with(dir: &Path, boot: &str, groups: usize, run: &str, script: &str) -
     let agent_cmd = format!("sh {}", agent.display());
     let groups = groups.to_string();
     let run_dir = dir.join(run);
-    Peer::start(
-        run,
-        dir,
-        &[
+    let run_id = common::run_key(dir).1;
+    let args = [
             "--role",
             "client",
             "--model",
@@ -137,12 +164,15 @@ fn client_with(dir: &Path, boot: &str, groups: usize, run: &str, script: &str) -
             &groups,
             "--concurrency",
             "8",
-            "--run-dir",
-            run_dir.to_str().unwrap(),
-            "--run",
-            &common::run_key(dir).1,
-        ],
-    )
+        "--run-dir",
+        run_dir.to_str().unwrap(),
+        "--run",
+        &run_id,
+    ];
+    match ns {
+        Some(ns) => Peer::start_on(ns, run, dir, &args),
+        None => Peer::start(run, dir, &args),
+    }
 }
 
 pub(crate) fn metrics_lines(dir: &Path, name: &str) -> Vec<Value> {
@@ -178,7 +208,7 @@ fn stored_ids(dir: &Path, name: &str) -> HashSet<String> {
 
 /// Waits (up to 60 s) until each named member consumed every episode it stored; on a
 /// timeout, prints the members' logs and fails.
-fn wait_all_consumed(d: &Path, names: &[&str], peers: &[&Peer]) {
+pub(crate) fn wait_all_consumed(d: &Path, names: &[&str], peers: &[&Peer]) {
     let t0 = std::time::Instant::now();
     loop {
         // (A step's metrics line is written before the ledger names its episodes.)
@@ -205,7 +235,7 @@ fn wait_all_consumed(d: &Path, names: &[&str], peers: &[&Peer]) {
 }
 
 /// Each member's hash per trained step.
-fn hashes(lines: &[Value]) -> BTreeMap<u64, String> {
+pub(crate) fn hashes(lines: &[Value]) -> BTreeMap<u64, String> {
     lines
         .iter()
         .filter(|l| l["trained"] == true)

@@ -15,6 +15,7 @@ mod dashboard;
 mod elastic;
 mod families;
 mod follow;
+mod network;
 mod openai_api;
 mod rogue;
 mod routing;

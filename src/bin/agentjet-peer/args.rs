@@ -18,9 +18,11 @@ Roles (each has its own flags: `agentjet-peer --role server --help`):
   --role server   host a model on this machine and train it (--model, --http, --no-train,
                   --follow, ...)
   --role client   run an agent on tasks against the swarm's models (--agent, --tasks, ...)
-  --role peer     only relay gossip and the DHT (a bootstrap peer)
-  Every role: --bootstrap MULTIADDR, --listen MULTIADDR, --data-dir DIR, --swarm-key FILE,
-  --drain-timeout SECONDS (Ctrl-C or SIGTERM drains; a second one aborts).
+  --role peer     a bootstrap peer: gossip, the DHT, and (when publicly reachable) relay
+                  service for peers behind NAT
+  Every role: --bootstrap MULTIADDR (DNS names too), --listen MULTIADDR, --external-addr
+  MULTIADDR, --no-relay, --data-dir DIR, --swarm-key FILE, --drain-timeout SECONDS
+  (Ctrl-C or SIGTERM drains; a second one aborts).
 
 Examples:
   # chat with the default model (SmolLM2-135M-Instruct; fetched by bootstrap/setup.sh)
@@ -44,7 +46,8 @@ pub enum Role {
     Server,
     /// Run agents on tasks against the swarm's models.
     Client,
-    /// Only relay gossip and the DHT: a bootstrap peer any other can join through.
+    /// A bootstrap peer any other can join through: gossip, the DHT, and relay service
+    /// for peers behind NAT while it is publicly reachable.
     Peer,
 }
 
@@ -93,6 +96,18 @@ pub struct SwarmArgs {
     /// A file of bootstrap addresses, one per line (default: bootstrap/peers.txt if it exists).
     #[arg(long)]
     pub bootstrap_file: Option<PathBuf>,
+    /// An address other hosts reach this peer at (repeatable): its public address, or a
+    /// port forwarded to it, e.g. /ip4/203.0.113.7/udp/4001/quic-v1 or
+    /// /dns4/gpu1.example.org/tcp/4001. Offered first; the peer counts as public.
+    #[arg(long = "external-addr", value_name = "MULTIADDR")]
+    pub external_addrs: Vec<String>,
+    /// Offer no relay service (a publicly reachable peer relays for peers behind NAT by
+    /// default, within the limits the README gives).
+    #[arg(long)]
+    pub no_relay: bool,
+    /// Do not ask a UPnP gateway on the local network to forward the listen ports.
+    #[arg(long)]
+    pub no_upnp: bool,
     /// Identity key, episodes, caches: one directory per peer (default:
     /// ~/.local/share/agentjet/<role>). Peers side by side on one machine need their own.
     #[arg(long)]
@@ -406,7 +421,7 @@ pub struct ClientCli {
 #[derive(Debug, Parser)]
 #[command(
     name = "agentjet-peer --role peer",
-    about = "Relay gossip and the DHT (a bootstrap peer)"
+    about = "A bootstrap peer: gossip, the DHT, and relay service for peers behind NAT"
 )]
 pub struct PeerCli {
     #[command(flatten)]
@@ -746,6 +761,9 @@ impl SwarmArgs {
             boot.extend(swarm::read_bootstrap_file(&f)?);
         }
         cfg.bootstrap = boot;
+        cfg.external = parse_addrs("external-addr", &self.external_addrs)?;
+        cfg.relay_service = !self.no_relay;
+        cfg.upnp = !self.no_upnp;
         cfg.swarm_key = load_key(self.swarm_key.as_deref())?;
         cfg.cert = self
             .cert

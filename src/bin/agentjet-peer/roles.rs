@@ -24,6 +24,12 @@ pub async fn peer(cli: PeerCli, stop: Stop) -> Result<()> {
     let node = swarm::spawn_node(cfg).await?;
     println!("{}", node.introduction(&node.listen_addrs().await));
     agentjet::base::flush_stdout();
+    node.forward_net_events(|e| {
+        if let Some(l) = e.line() {
+            println!("{l}");
+            agentjet::base::flush_stdout();
+        }
+    });
     stop.requested().await;
     node.shutdown(Duration::from_secs(5)).await;
     Ok(())

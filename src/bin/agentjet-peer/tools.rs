@@ -176,6 +176,10 @@ pub async fn status(
     cfg.bootstrap = parse_addrs("bootstrap", bootstrap)?;
     cfg.swarm_key = load_key(key)?;
     cfg.run = super::args::run_id(run)?;
+    // A short look: no relay service, reservations or gateway to ask.
+    cfg.relay_service = false;
+    cfg.nat_traversal = false;
+    cfg.upnp = false;
     let wait = secs("wait", wait)?;
     let h = swarm::spawn_node(cfg).await?;
     tokio::time::sleep(wait).await;
@@ -189,9 +193,10 @@ pub async fn status(
     let view: Vec<_> = h.view().into_iter().filter(|e| !e.is_self).collect();
     println!("trust: {}", h.trust().describe());
     println!(
-        "{:<54} {:<7} {:<28} {:>5} {:>6} {:>9} {:>13} {:>8} {:>6}  CERTIFIED",
+        "{:<54} {:<7} {:<17} {:<28} {:>5} {:>6} {:>9} {:>13} {:>8} {:>6}  CERTIFIED",
         "PEER",
         "ROLE",
+        "REACH",
         "MODELS (VERSION)",
         "LOAD",
         "QUEUE",
@@ -225,10 +230,25 @@ pub async fn status(
             (None, Some(why)) => format!("NO ({why})"),
             (None, None) => "- (no --run)".into(),
         };
+        // Its reachability (public, relayed, unreachable, local, unknown), and whether it
+        // relays for peers behind NAT.
+        let reach = format!(
+            "{}{}",
+            e.status
+                .extra
+                .get(swarm::protocol::REACH_FIELD)
+                .map_or("-", String::as_str),
+            if e.status.extra.get(swarm::protocol::RELAY_FIELD).is_some() {
+                "+relay"
+            } else {
+                ""
+            }
+        );
         println!(
-            "{:<54} {:<7} {:<28} {:>5.2} {:>6} {:>9} {:>13} {:>8} {:>5.1}s  {certified}",
+            "{:<54} {:<7} {:<17} {:<28} {:>5.2} {:>6} {:>9} {:>13} {:>8} {:>5.1}s  {certified}",
             e.peer.to_string(),
             e.status.role.as_str(),
+            reach,
             if models.is_empty() {
                 "-".to_string()
             } else {

@@ -21,8 +21,13 @@
 //!    hash, and what each member does first. Members accept a Start only for the ballot
 //!    they promised last, so two proposers never both get a member.
 //! 3. The members set up the ring's links for that ballot through the swarm
-//!    ([`super::rendezvous`]); a link that cannot be made fails the epoch and everyone
-//!    forms the next one.
+//!    ([`super::rendezvous`]): a direct TCP connection where the neighbour is reachable at
+//!    its addresses, else a stream over the swarm's connection to it (direct, hole-punched
+//!    or relayed). A link that cannot be made within the control timeout fails the epoch;
+//!    the member that dialed declines a ring with that neighbour for a decline period
+//!    (doubled at each failure in a row, up to [`proto::BAN`]), so the next proposer
+//!    leaves one of the two out (the one the others accuse) and the rest form a ring:
+//!    the same membership is never tried again and again.
 //!
 //! # Step boundaries: heartbeats
 //!
@@ -86,9 +91,10 @@ pub use proto::{
 };
 use serve::{serve_group, Trusted};
 
-use super::link::{self, LinkError, LinkListener, LinkNet, TcpLinks};
+use super::link::{self, Conn, LinkError, LinkListener, LinkNet, LinkOffer, TcpLinks};
 use super::rendezvous::{
-    ask_link, serve_group_links, LinkAdmit, LinkAsk, OfferBook, RendezvousError,
+    ask_link, open_link_stream, serve_group_links, LinkAdmit, LinkAsk, OfferBook,
+    RendezvousError,
 };
 use super::ring::{Ring, RingError, RoundStats, Wire};
 use crate::base::lock;
@@ -96,6 +102,14 @@ use crate::swarm::{PeerId, SwarmError, SwarmHandle};
 
 /// How long a waiting member's dial to a proposer it lost the connection to may take.
 const PROBE: Duration = Duration::from_secs(2);
+
+/// How long a direct TCP connection to a neighbour that says it is reachable may take
+/// before the link goes over the swarm's connection instead.
+const DIRECT_WAIT: Duration = Duration::from_millis(1500);
+
+/// How long after a direct connection to a neighbour failed its links go over the swarm
+/// without trying again (a firewall that lets the swarm's port through and not others).
+const DIRECT_RETRY: Duration = Duration::from_secs(600);
 
 /// How a group behaves.
 #[derive(Debug, Clone)]
@@ -131,6 +145,10 @@ pub enum GroupError {
     Ask { peer: PeerId, source: Box<AskError> },
     #[error("{0}")]
     Refused(String),
+    /// The link to the right neighbour could not be made within the link bound: this
+    /// member declines a ring with it for a while.
+    #[error("could not link with {peer}: {reason}")]
+    Unlinked { peer: PeerId, reason: String },
     /// Left out of an epoch as of another shape: the member waits `retry_in` and asks
     /// again (one proposer's word does not end its loop).
     #[error("{reason}")]
@@ -195,6 +213,10 @@ pub struct GroupNode {
     /// Starts in a row that left this member out as of another shape: each doubles the
     /// wait before it asks again (up to [`proto::BAN`]).
     shape_exclusions: u32,
+    /// Neighbours this member could not link with, as declines (each doubles the next).
+    unlinked: std::sync::Mutex<HashMap<PeerId, Decline>>,
+    /// Neighbours a direct TCP connection to failed, and when (see [`DIRECT_RETRY`]).
+    direct_failed: std::sync::Mutex<HashMap<PeerId, Instant>>,
 }
 
 fn peer_of(b: &[u8]) -> Result<PeerId, GroupError> {
@@ -261,6 +283,8 @@ impl GroupNode {
             suspected: HashMap::new(),
             shape_exclusions: 0,
             declined: HashMap::new(),
+            unlinked: Default::default(),
+            direct_failed: Default::default(),
         })
     }
 
@@ -301,6 +325,7 @@ impl GroupNode {
             .visible()
             .into_iter()
             .filter(|e| !self.shared.is_banned(&e.peer.to_bytes()))
+            .filter(|e| !self.shared.is_unlinked(&e.peer.to_bytes()))
             .filter(|e| !self.is_declined(&e.peer))
             .filter(|e| match self.suspected.get(&e.peer) {
                 // Gossiped since it was left out: a candidate again.
@@ -888,7 +913,8 @@ impl GroupNode {
         // leaves them out as long (see `Start::declined`).
         for e in self.visible() {
             let b = e.peer.to_bytes();
-            if self.shared.is_banned(&b) || self.is_declined(&e.peer) {
+            if self.shared.is_banned(&b) || self.shared.is_unlinked(&b) || self.is_declined(&e.peer)
+            {
                 if !start.declined.contains(&b) {
                     start.declined.push(b.clone());
                 }
@@ -954,6 +980,53 @@ impl GroupNode {
         Ok(m)
     }
 
+    /// Declines a ring with `peer` (it could not be linked) for a decline period, doubled
+    /// at each failure in a row; returns how long.
+    fn unlink(&self, peer: PeerId) -> Duration {
+        let mut u = lock(&self.unlinked);
+        let d = decline::next_decline(self.decline_for(), u.get(&peer).copied(), Instant::now());
+        u.insert(peer, d);
+        let wait = self.decline_len(d.times);
+        self.shared.unlink(peer.to_bytes(), wait);
+        wait
+    }
+
+    /// The byte stream of a link to `peer`'s `offer`: a direct TCP connection where it
+    /// says it is reachable (within [`DIRECT_WAIT`], and not after one failed within
+    /// [`DIRECT_RETRY`]), else a stream over the swarm's connection.
+    async fn connect_link(
+        &self,
+        peer: PeerId,
+        group: &str,
+        addrs: Vec<crate::swarm::Multiaddr>,
+        offer: &LinkOffer,
+    ) -> Result<Conn, GroupError> {
+        let failed_lately = lock(&self.direct_failed)
+            .get(&peer)
+            .is_some_and(|at| at.elapsed() < DIRECT_RETRY);
+        if offer.direct && !failed_lately {
+            let (links, port) = (self.links.clone(), offer.port);
+            let tried =
+                tokio::task::spawn_blocking(move || links.connect(&addrs, port, DIRECT_WAIT))
+                    .await;
+            match tried {
+                Ok(Ok(conn)) => return Ok(conn),
+                Ok(Err(e)) => {
+                    info!(
+                        group = self.cfg.name,
+                        %peer,
+                        "no direct link connection ({e}): the link runs over the swarm's connection"
+                    );
+                    lock(&self.direct_failed).insert(peer, Instant::now());
+                }
+                Err(_) => {
+                    return Err(GroupError::Refused("the dialing thread panicked".into()))
+                }
+            }
+        }
+        Ok(open_link_stream(&self.swarm, peer, group).await?)
+    }
+
     fn link_up(&self, start: Start) -> Result<Membership, GroupError> {
         let members = start
             .members
@@ -991,14 +1064,25 @@ impl GroupNode {
             epoch,
             from_rank: ((rank + n - 1) % n) as u32,
         };
+        let group = mine.group.clone();
         let (dialed, accepted) = self.rt.block_on(async {
             let dial = async {
                 let (addrs, offer) = ask_link(&self.swarm, right, &mine).await?;
-                let links = self.links.clone();
-                tokio::task::spawn_blocking(move || link::dial(&*links, &addrs, &offer, ctl))
+                let conn = self.connect_link(right, &group, addrs, &offer).await?;
+                tokio::task::spawn_blocking(move || link::handshake(conn, &offer, ctl))
                     .await
                     .map_err(|_| GroupError::Refused("the dialing thread panicked".into()))?
                     .map_err(GroupError::from)
+            };
+            // The link bound: a neighbour that cannot be linked within it is declined.
+            let dial = async {
+                match tokio::time::timeout(ctl, dial).await {
+                    Ok(r) => r,
+                    Err(_) => Err(GroupError::Refused(format!(
+                        "no link within {} s",
+                        ctl.as_secs_f64()
+                    ))),
+                }
             };
             let accept = async {
                 let offer = self.book.take(left, &theirs, ctl).await?;
@@ -1016,7 +1100,26 @@ impl GroupNode {
                 )),
             }
         })?;
-        let (tx, _) = dialed?;
+        let (tx, _) = match dialed {
+            Ok(link) => {
+                lock(&self.unlinked).remove(&right);
+                link
+            }
+            Err(e) => {
+                let wait = self.unlink(right);
+                warn!(
+                    group = self.cfg.name,
+                    peer = %right,
+                    epoch,
+                    wait_s = wait.as_secs(),
+                    "could not link with the right neighbour: declining a ring with it for a while ({e})"
+                );
+                return Err(GroupError::Unlinked {
+                    peer: right,
+                    reason: e.to_string(),
+                });
+            }
+        };
         let (_, rx) = accepted?;
         let ring = Ring::new(rank, n, tx, rx);
         ring.set_timeout(self.cfg.timeout)?;

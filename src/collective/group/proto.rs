@@ -194,6 +194,9 @@ pub(super) struct Shared {
     /// Members that sent this one non-finite values, and when: for [`BAN`] it does not
     /// train with them (no candidate, no ring, no request answered).
     pub banned: Mutex<HashMap<Vec<u8>, Instant>>,
+    /// Members this one could not link with (a dial that failed within the link bound),
+    /// when, and for how long it declines a ring with them.
+    pub unlinked: Mutex<HashMap<Vec<u8>, (Instant, Duration)>>,
 }
 
 /// How a member's refusal starts when a Prepare or Start names a member it does not train
@@ -224,7 +227,39 @@ impl Shared {
             inner: Mutex::new(Inner::default()),
             changed: Condvar::new(),
             banned: Mutex::new(HashMap::new()),
+            unlinked: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Declines a ring with `peer` (id bytes) for `wait`: this member could not link
+    /// with it.
+    pub fn unlink(&self, peer: Vec<u8>, wait: Duration) {
+        lock(&self.unlinked).insert(peer, (Instant::now(), wait));
+    }
+
+    /// Whether this member declines a ring with `peer` (id bytes) now, as one it could not
+    /// link with.
+    pub fn is_unlinked(&self, peer: &[u8]) -> bool {
+        let mut u = lock(&self.unlinked);
+        u.retain(|_, (at, wait)| at.elapsed() < *wait);
+        u.contains_key(peer)
+    }
+
+    /// Why this member declines a ring of `members` (a member that sent it non-finite
+    /// values, or one it could not link with), if it does.
+    fn declines_among(&self, members: &[Vec<u8>]) -> Option<String> {
+        if let Some(b) = self.banned_among(members) {
+            return Some(format!(
+                "{DECLINES} {}, which sent this member non-finite values",
+                peer_name(b)
+            ));
+        }
+        members.iter().find(|m| self.is_unlinked(m)).map(|b| {
+            format!(
+                "{DECLINES} {}, which this member could not link with",
+                peer_name(b)
+            )
+        })
     }
 
     /// Whether `peer` (id bytes) sent this member non-finite values within [`BAN`].
@@ -291,11 +326,8 @@ impl Shared {
                         ),
                     );
                 }
-                if let Some(b) = self.banned_among(&members) {
-                    return self.refuse(format!(
-                        "{DECLINES} {}, which sent this member non-finite values",
-                        peer_name(b)
-                    ));
+                if let Some(why) = self.declines_among(&members) {
+                    return self.refuse(why);
                 }
                 let mut g = lock(&self.inner);
                 if g.stopping {
@@ -366,11 +398,8 @@ impl Shared {
                 if start.ballot.proposer != from {
                     return self.reject(from, "a start whose proposer is not its sender".into());
                 }
-                if let Some(b) = self.banned_among(&start.members) {
-                    return self.refuse(format!(
-                        "{DECLINES} {}, which sent this member non-finite values",
-                        peer_name(b)
-                    ));
+                if let Some(why) = self.declines_among(&start.members) {
+                    return self.refuse(why);
                 }
                 let mut g = lock(&self.inner);
                 if start.group != self.group || start.ballot != g.promised || g.stopping {

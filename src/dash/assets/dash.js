@@ -34,6 +34,13 @@ function certified(p) {
   return '<span class="muted">– (no run)</span>';
 }
 
+// Whether other hosts can dial the peer (public, relayed, unreachable, local, unknown), and
+// whether it relays for peers behind NAT.
+function reach(p) {
+  const x = p.extra || {};
+  return `${esc(x.reach || "–")}${x.relay === "1" ? ' <span class="muted">+ relay</span>' : ""}`;
+}
+
 function renderSwarm(st) {
   const rows = st.view.map(p => {
     const models = (p.models || []).map(m =>
@@ -43,13 +50,15 @@ function renderSwarm(st) {
       ? `${num(100 * m.cache.hit_rate, 0)}% hit · ${num(m.cache.bytes / 1e6, 1)} MB` : "").join("<br>");
     return `<tr data-peer="${esc(p.peer)}" class="${p.self ? "self" : ""}">
       <td><code title="${esc(p.peer)}">${esc(short(p.peer))}</code>${p.self ? " (this peer)" : ""}</td>
-      <td>${esc(p.role)}</td><td>${models || '<span class="muted">–</span>'}</td>
+      <td>${esc(p.role)}</td><td>${reach(p)}</td><td>${models || '<span class="muted">–</span>'}</td>
       <td>${p.role === "server" ? num(100 * p.load, 0) + "%" : "–"}</td>
       <td>${p.role === "server" ? esc(p.queue_depth) : "–"}</td><td>${cache || "–"}</td>
       <td>${esc(p.episodes)}</td><td>${num(p.age_s, 1)} s ago</td><td>${certified(p)}</td></tr>`;
   });
   $("swarm").tBodies[0].innerHTML = rows.join("");
-  $("swarm-count").textContent = `${st.view.length} peers · trusts ${st.trust || "?"}`;
+  const links = st.links || {};
+  $("swarm-count").textContent = `${st.view.length} peers · trusts ${st.trust || "?"} · this peer: ${st.reach || "?"}` +
+    ` (connections: ${links.direct || 0} direct, ${links.hole_punched || 0} hole-punched, ${links.relayed || 0} relayed)`;
 }
 
 function renderGroups(st) {

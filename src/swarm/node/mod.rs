@@ -33,38 +33,37 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use futures::StreamExt;
+use libp2p::core::transport::OptionalTransport;
 use libp2p::gossipsub::{self, IdentTopic, MessageAcceptance};
 use libp2p::identity::Keypair;
-use libp2p::kad::{
-    self, store::MemoryStore, store::RecordStore, BucketInserts, Mode, QueryId, QueryResult,
-    StoreInserts,
-};
-use libp2p::swarm::{ConnectionId, DialError, NetworkBehaviour, SwarmEvent};
-use libp2p::{identify, noise, ping, tcp, yamux, Multiaddr, PeerId, Swarm};
+use libp2p::kad::{self, store::RecordStore, QueryId, QueryResult};
+use libp2p::swarm::{ConnectionId, DialError, ListenerId, SwarmEvent};
+use libp2p::{identify, noise, tcp, yamux, Multiaddr, PeerId, Swarm};
 use tokio::sync::{mpsc, oneshot};
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
+use super::addrs;
 use super::admission;
 use super::auth::{AuthTable, PeerAuth};
 use super::config::SwarmConfig;
 use super::handle::SwarmHandle;
 use super::limits::Limits;
-use super::protocol::{PeerStatus, StatusEnvelope, IDENTIFY, KAD, STATUS_TOPIC};
-use super::shared::{check_cert, Command, ProviderLookup, ProvidersReply, Shared, ViewSlot};
+use super::protocol::{
+    PeerStatus, StatusEnvelope, IDENTIFY, KAD, REACH_FIELD, RELAY_FIELD, STATUS_TOPIC,
+};
+use super::reach::{Bootstrap, LinkKind, NatState, NetEvent, Reachability};
+use super::shared::{
+    check_cert, Command, NetState, ProviderLookup, ProvidersReply, Shared, ViewSlot,
+};
 use super::trust::CERT_FIELD;
 use super::usage::{self, Candidate, Marks, UseTable};
 use super::SwarmError;
 use crate::base::lock;
 use crate::base::stop::{CancellationToken, TaskTracker};
+use behaviour::{behaviour, Behaviour, BehaviourEvent};
 
-#[derive(NetworkBehaviour)]
-struct Behaviour {
-    identify: identify::Behaviour,
-    ping: ping::Behaviour,
-    gossipsub: gossipsub::Behaviour,
-    kad: kad::Behaviour<MemoryStore>,
-    stream: libp2p_stream::Behaviour,
-}
+mod behaviour;
+mod nat;
 
 /// How long a provider lookup asked before the routing table has any entry waits for the
 /// first one (a node just started is still proving the swarm key to its bootstrap peers).
@@ -107,52 +106,50 @@ fn unix_ms() -> u64 {
         .unwrap_or(0)
 }
 
-/// The node's behaviours, configured from `c`.
-fn behaviour(key: &Keypair, peer_id: PeerId, c: &SwarmConfig) -> Result<Behaviour, String> {
-    let gs_cfg = gossipsub::ConfigBuilder::default()
-        .heartbeat_interval(Duration::from_millis(500))
-        .validation_mode(gossipsub::ValidationMode::Strict)
-        .validate_messages()
-        .max_transmit_size(64 * 1024)
-        .build()
-        .map_err(|e| e.to_string())?;
-    let gossipsub =
-        gossipsub::Behaviour::new(gossipsub::MessageAuthenticity::Signed(key.clone()), gs_cfg)
-            .map_err(|e| e.to_string())?;
-    let mut kcfg = kad::Config::new(KAD);
-    kcfg.set_provider_record_ttl(Some(c.provider_ttl))
-        .set_provider_publication_interval(None)
-        .set_record_filtering(StoreInserts::FilterBoth)
-        .set_kbucket_inserts(BucketInserts::Manual)
-        .set_query_timeout(Duration::from_secs(10))
-        .set_periodic_bootstrap_interval(None);
-    let mut kad = kad::Behaviour::with_config(peer_id, MemoryStore::new(peer_id), kcfg);
-    kad.set_mode(Some(if c.kad_server {
-        Mode::Server
-    } else {
-        Mode::Client
-    }));
-    Ok(Behaviour {
-        identify: identify::Behaviour::new(
-            identify::Config::new(IDENTIFY.into(), key.public())
-                .with_agent_version(format!("agentjet/{}", env!("CARGO_PKG_VERSION")))
-                .with_push_listen_addr_updates(true),
-        ),
-        ping: ping::Behaviour::new(ping::Config::new().with_interval(c.ping_interval)),
-        gossipsub,
-        kad,
-        stream: libp2p_stream::Behaviour::new(),
-    })
-}
+/// How long, after the first address of each listener, the others of a listener on every
+/// interface (`0.0.0.0`) may take to come up before the node reports its addresses.
+const MORE_ADDRS: Duration = Duration::from_millis(150);
 
 /// Starts the node on the current tokio runtime: binds every listen address (an error if
-/// one cannot be bound), dials the bootstrap peers, and returns the handle.
+/// one cannot be bound: a taken port says which and what to pass instead), dials the
+/// bootstrap peers (DNS names resolved; one that fails is said and tried again), and
+/// returns the handle.
 pub async fn spawn_node(cfg: SwarmConfig) -> Result<SwarmHandle, SwarmError> {
+    if let Some(why) = addrs::taken_port(&cfg.listen) {
+        return Err(SwarmError::Setup(why));
+    }
+    let mut cfg = cfg;
+    // The addresses the user gave this peer, DNS names resolved once here.
+    let mut external = Vec::new();
+    for a in &cfg.external {
+        match addrs::resolve(a).await {
+            Ok(r) => external.extend(r),
+            Err(e) => return Err(SwarmError::Setup(format!("--external-addr {e}"))),
+        }
+    }
+    cfg.external = external;
     let cfg = Arc::new(cfg);
     let keypair = cfg.keypair.clone();
     let peer_id = keypair.public().to_peer_id();
+    let local_only = addrs::all_loopback(&cfg.listen);
     let c = cfg.clone();
-    let builder = libp2p::SwarmBuilder::with_existing_identity(keypair.clone())
+    let other = cfg.other_transport.clone();
+    let behaviour = |key: &Keypair, relay_client| {
+        behaviour(key, peer_id, &c, relay_client, local_only)
+            .map_err(Box::<dyn std::error::Error + Send + Sync>::from)
+    };
+    let idle = c.idle_connection_timeout;
+    // Every substream negotiates its protocol lazily: the opener sends the protocol's name
+    // and its first bytes together instead of waiting a round trip for the echo (the
+    // builder's TCP transport does the same for noise and yamux). A Kademlia request on a
+    // new connection, a call stream or the swarm-key proof is one round trip shorter. The
+    // wire is multistream-select 1.0 either way; a peer that does not serve the protocol
+    // answers "na" and the opener's first read fails instead of the open.
+    let swarm_config = move |s: libp2p::swarm::Config| {
+        s.with_idle_connection_timeout(idle)
+            .with_substream_upgrade_protocol_override(libp2p::core::upgrade::Version::V1Lazy)
+    };
+    let mut swarm = libp2p::SwarmBuilder::with_existing_identity(keypair.clone())
         .with_tokio()
         .with_tcp(
             tcp::Config::default().nodelay(true),
@@ -167,37 +164,18 @@ pub async fn spawn_node(cfg: SwarmConfig) -> Result<SwarmHandle, SwarmError> {
             q.max_connection_data = c.quic_connection_window;
             q.max_concurrent_stream_limit = (c.max_streams_per_peer * 4) as u32;
             q
-        });
-    let behaviour = |key: &Keypair| {
-        behaviour(key, peer_id, &c).map_err(Box::<dyn std::error::Error + Send + Sync>::from)
-    };
-    let idle = c.idle_connection_timeout;
-    // Every substream negotiates its protocol lazily: the opener sends the protocol's name
-    // and its first bytes together instead of waiting a round trip for the echo (the
-    // builder's TCP transport does the same for noise and yamux). A Kademlia request on a
-    // new connection, a call stream or the swarm-key proof is one round trip shorter. The
-    // wire is multistream-select 1.0 either way; a peer that does not serve the protocol
-    // answers "na" and the opener's first read fails instead of the open.
-    let swarm_config = move |s: libp2p::swarm::Config| {
-        s.with_idle_connection_timeout(idle)
-            .with_substream_upgrade_protocol_override(libp2p::core::upgrade::Version::V1Lazy)
-    };
-    let mut swarm = match &cfg.other_transport {
-        None => builder
-            .with_behaviour(behaviour)
-            .map_err(|e| SwarmError::Setup(format!("behaviour: {e}")))?
-            .with_swarm_config(swarm_config)
-            .build(),
-        Some(other) => builder
-            .with_other_transport(|key| {
-                (other.0)(key).map_err(Box::<dyn std::error::Error + Send + Sync>::from)
-            })
-            .map_err(|e| SwarmError::Setup(format!("other transport: {e}")))?
-            .with_behaviour(behaviour)
-            .map_err(|e| SwarmError::Setup(format!("behaviour: {e}")))?
-            .with_swarm_config(swarm_config)
-            .build(),
-    };
+        })
+        .with_other_transport(|key| match &other {
+            Some(o) => (o.0)(key).map(OptionalTransport::some),
+            None => Ok(OptionalTransport::none()),
+        })
+        .map_err(|e| SwarmError::Setup(format!("other transport: {e}")))?
+        .with_relay_client(noise::Config::new, yamux::Config::default)
+        .map_err(|e| SwarmError::Setup(format!("relay client: {e}")))?
+        .with_behaviour(behaviour)
+        .map_err(|e| SwarmError::Setup(format!("behaviour: {e}")))?
+        .with_swarm_config(swarm_config)
+        .build();
 
     let topic = IdentTopic::new(STATUS_TOPIC);
     swarm
@@ -205,10 +183,15 @@ pub async fn spawn_node(cfg: SwarmConfig) -> Result<SwarmHandle, SwarmError> {
         .gossipsub
         .subscribe(&topic)
         .map_err(|e| SwarmError::Setup(format!("subscribing to the status topic: {e}")))?;
+    let mut listeners = HashSet::new();
     for addr in &cfg.listen {
-        swarm
+        let id = swarm
             .listen_on(addr.clone())
             .map_err(|e| SwarmError::Setup(format!("listening on {addr}: {e}")))?;
+        listeners.insert(id);
+    }
+    for a in &cfg.external {
+        swarm.add_external_address(a.clone());
     }
     let control = swarm.behaviour().stream.new_control();
     let auth = Arc::new(AuthTable::new(cfg.swarm_key.clone()));
@@ -240,6 +223,8 @@ pub async fn spawn_node(cfg: SwarmConfig) -> Result<SwarmHandle, SwarmError> {
         usage: Arc::new(UseTable::default()),
         ended: CancellationToken::new(),
         tasks: TaskTracker::new(),
+        net: Mutex::new(NetState::default()),
+        net_tx: tokio::sync::broadcast::channel(256).0,
     });
     admission::accept_auth(&shared, &control, tx.downgrade())?;
     let handle = SwarmHandle {
@@ -251,19 +236,35 @@ pub async fn spawn_node(cfg: SwarmConfig) -> Result<SwarmHandle, SwarmError> {
         control: control.clone(),
     };
 
-    // Wait for every listener to report its address (or fail), so the caller can print them.
-    let mut pending_listeners = cfg.listen.len();
+    // Wait for every listener to report an address (or fail), and for a listener on every
+    // interface to report the rest, so the caller can print them.
     let mut listen_addrs = Vec::new();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while pending_listeners > 0 {
-        let ev = tokio::time::timeout_at(deadline, swarm.select_next_some())
-            .await
-            .map_err(|_| SwarmError::Setup("listeners did not come up within 10 s".into()))?;
+    let mut all_up: Option<tokio::time::Instant> = None;
+    loop {
+        let until = all_up.map_or(deadline, |t| t + MORE_ADDRS);
+        let ev = match tokio::time::timeout_at(until, swarm.select_next_some()).await {
+            Ok(ev) => ev,
+            Err(_) if all_up.is_some() => break,
+            Err(_) => {
+                return Err(SwarmError::Setup(
+                    "listeners did not come up within 10 s".into(),
+                ))
+            }
+        };
         match ev {
-            SwarmEvent::NewListenAddr { address, .. } => {
-                swarm.add_external_address(address.clone());
+            SwarmEvent::NewListenAddr {
+                listener_id,
+                address,
+            } => {
+                if local_only {
+                    swarm.add_external_address(address.clone());
+                }
                 listen_addrs.push(address);
-                pending_listeners -= 1;
+                listeners.remove(&listener_id);
+                if listeners.is_empty() && all_up.is_none() {
+                    all_up = Some(tokio::time::Instant::now());
+                }
             }
             SwarmEvent::ListenerClosed {
                 addresses, reason, ..
@@ -278,12 +279,7 @@ pub async fn spawn_node(cfg: SwarmConfig) -> Result<SwarmHandle, SwarmError> {
             _ => {}
         }
     }
-    for addr in &cfg.bootstrap {
-        if let Err(e) = swarm.dial(addr.clone()) {
-            warn!(%addr, "dialing bootstrap peer: {e}");
-        }
-    }
-    let ev = EventLoop {
+    let mut ev = EventLoop {
         swarm,
         rx,
         cmd: tx.downgrade(),
@@ -302,10 +298,24 @@ pub async fn spawn_node(cfg: SwarmConfig) -> Result<SwarmHandle, SwarmError> {
         seq: 0,
         reprovide_soon: false,
         held_records: Vec::new(),
+        local_only,
+        conns: HashMap::new(),
+        nat: NatState::new(Instant::now()),
+        bootstrap: Bootstrap::new(&cfg.bootstrap),
     };
+    ev.update_reach();
+    ev.dial_bootstrap().await;
     // Not `Shared::spawn`: the loop ends by itself (and then cancels the rest).
     shared.tasks.spawn(ev.run());
     Ok(handle)
+}
+
+/// A live connection: its peer, how it runs and where the other end is.
+#[derive(Debug, Clone)]
+struct Conn {
+    peer: PeerId,
+    kind: LinkKind,
+    remote: Multiaddr,
 }
 
 struct EventLoop {
@@ -318,7 +328,8 @@ struct EventLoop {
     topic: IdentTopic,
     listen_addrs: Vec<Multiaddr>,
     addr_book: HashMap<PeerId, Vec<Multiaddr>>,
-    identified: HashMap<PeerId, Vec<Multiaddr>>,
+    /// Peers identify told about (AgentJet peers), and whether each serves the DHT.
+    identified: HashMap<PeerId, bool>,
     in_kad: HashSet<PeerId>,
     /// Per connected peer, the connection that opened the current spell of connections
     /// (its auth deadline applies), and when.
@@ -334,6 +345,14 @@ struct EventLoop {
     /// Provider records from peers whose proof had not arrived yet (at most
     /// [`MAX_HELD_RECORDS`]).
     held_records: Vec<kad::ProviderRecord>,
+    /// Every listen address is loopback: a swarm of this host alone.
+    local_only: bool,
+    /// Live connections.
+    conns: HashMap<ConnectionId, Conn>,
+    /// Reachability, relay reservations, hole punches (see `nat`).
+    nat: NatState,
+    /// The bootstrap peers, resolved and dialed (again) until they answer.
+    bootstrap: Bootstrap,
 }
 
 impl EventLoop {
@@ -369,6 +388,7 @@ impl EventLoop {
                         self.reprovide_soon = false;
                         self.reprovide();
                     }
+                    self.nat_tick();
                 }
                 _ = trim_tick.tick() => self.trim(),
                 _ = bootstrap_tick.tick() => {
@@ -447,14 +467,22 @@ impl EventLoop {
     }
 
     fn publish_status(&mut self) {
-        let status = lock(&self.shared.status).clone();
+        let mut status = lock(&self.shared.status).clone();
+        let reach = lock(&self.shared.net).reach;
+        status
+            .extra
+            .insert(REACH_FIELD.to_string(), reach.as_str().to_string());
+        if self.relaying() {
+            status.extra.insert(RELAY_FIELD.to_string(), "1".to_string());
+        }
+        let offered = self.offered();
         self.seq += 1;
         let mut env = StatusEnvelope {
             author: self.shared.peer_id.to_bytes(),
             seq: self.seq,
             unix_ms: unix_ms(),
             status: status.clone(),
-            addrs: self.listen_addrs.iter().map(|a| a.to_vec()).collect(),
+            addrs: offered.iter().map(|a| a.to_vec()).collect(),
             mac: None,
         };
         if let Some(k) = self.shared.auth.key() {
@@ -466,7 +494,7 @@ impl EventLoop {
             ViewSlot {
                 cert,
                 status,
-                addrs: self.listen_addrs.clone(),
+                addrs: offered,
                 seq: self.seq,
                 at: Instant::now(),
                 published_unix_ms: env.unix_ms,
@@ -583,7 +611,14 @@ impl EventLoop {
                 }
             }
             Command::ListenAddrs(reply) => {
-                let _ = reply.send(self.listen_addrs.clone());
+                let _ = reply.send(self.offered());
+            }
+            Command::Dial(addrs) => {
+                for a in addrs {
+                    if let Err(e) = self.swarm.dial(a.clone()) {
+                        warn!(addr = %a, "dialing a bootstrap peer: {e}");
+                    }
+                }
             }
             Command::Connected(reply) => {
                 let _ = reply.send(self.swarm.connected_peers().copied().collect());
@@ -645,9 +680,19 @@ impl EventLoop {
         if !self.shared.auth.is_member(&peer) || self.in_kad.contains(&peer) {
             return;
         }
-        let Some(addrs) = self.identified.get(&peer).cloned() else {
+        // An AgentJet peer (identify said so) that serves the DHT (a peer behind NAT is a
+        // Kademlia client: asking it would fail), at addresses other peers can dial.
+        if self.identified.get(&peer) != Some(&true) {
             return;
-        };
+        }
+        let addrs: Vec<Multiaddr> = self
+            .addr_book
+            .get(&peer)
+            .map(|b| b.iter().filter(|a| !addrs::is_relayed(a)).cloned().collect())
+            .unwrap_or_default();
+        if addrs.is_empty() {
+            return;
+        }
         for a in addrs {
             self.swarm.behaviour_mut().kad.add_address(&peer, a);
         }
@@ -668,11 +713,21 @@ impl EventLoop {
 
     fn on_swarm_event(&mut self, ev: SwarmEvent<BehaviourEvent>) {
         match ev {
-            SwarmEvent::NewListenAddr { address, .. } => {
-                self.swarm.add_external_address(address.clone());
-                if !self.listen_addrs.contains(&address) {
-                    self.listen_addrs.push(address);
-                }
+            SwarmEvent::NewListenAddr {
+                listener_id,
+                address,
+            } => self.on_listen_addr(listener_id, address),
+            SwarmEvent::ExpiredListenAddr { address, .. } => {
+                self.listen_addrs.retain(|a| *a != address);
+                self.update_reach();
+            }
+            SwarmEvent::ListenerClosed {
+                listener_id,
+                reason,
+                ..
+            } => self.on_listener_closed(listener_id, reason.err().map(|e| e.to_string())),
+            SwarmEvent::ExternalAddrConfirmed { .. } | SwarmEvent::ExternalAddrExpired { .. } => {
+                self.update_reach()
             }
             SwarmEvent::ConnectionEstablished {
                 peer_id,
@@ -681,8 +736,15 @@ impl EventLoop {
                 num_established,
                 ..
             } => {
+                let kind = if endpoint.is_relayed() {
+                    LinkKind::Relayed
+                } else {
+                    LinkKind::Direct
+                };
+                let remote = endpoint.get_remote_address().clone();
+                self.opened(connection_id, peer_id, kind, remote.clone());
                 if endpoint.is_dialer() {
-                    self.learn(peer_id, vec![endpoint.get_remote_address().clone()]);
+                    self.learn(peer_id, vec![remote]);
                 }
                 if let Some(ws) = self.connect_waiters.remove(&peer_id) {
                     for w in ws {
@@ -716,11 +778,17 @@ impl EventLoop {
                 }
             }
             SwarmEvent::ConnectionClosed {
+                connection_id,
+                num_established,
+                ..
+            } if num_established > 0 => self.closed(connection_id),
+            SwarmEvent::ConnectionClosed {
                 peer_id,
-                num_established: 0,
+                connection_id,
                 cause,
                 ..
             } => {
+                self.closed(connection_id);
                 // The peer stays in the routing table: a closed connection (idle, or the
                 // other end's choice) says nothing of whether it is alive, and a table
                 // that emptied with its connections would make every idle timeout a
@@ -743,13 +811,23 @@ impl EventLoop {
                 // Unreachable at every address it gave: out of the routing table, so
                 // lookups stop trying it (libp2p's Kademlia alone would keep it until its
                 // bucket needed the room).
+                // (A failed hole punch or AutoNAT dial-back to a peer still connected says
+                // nothing of its addresses.)
                 if matches!(
                     error,
                     DialError::Transport(_) | DialError::WrongPeerId { .. }
-                ) && self.in_kad.remove(&peer)
+                ) && !self.swarm.is_connected(&peer)
+                    && self.in_kad.remove(&peer)
                 {
                     debug!(%peer, "dropped from the routing table: {error}");
                     self.swarm.behaviour_mut().kad.remove_peer(&peer);
+                }
+                if self.bootstrap.peers().contains(&peer) && !self.swarm.is_connected(&peer) {
+                    warn!(%peer, "cannot reach a bootstrap peer (tried again): {error}");
+                    self.shared.net_event(NetEvent::Bootstrap {
+                        addr: peer.to_string(),
+                        error: error.to_string(),
+                    });
                 }
                 if let Some(ws) = self.connect_waiters.remove(&peer) {
                     for w in ws {
@@ -760,20 +838,44 @@ impl EventLoop {
                     }
                 }
             }
+            SwarmEvent::OutgoingConnectionError {
+                peer_id: None,
+                error,
+                connection_id,
+            } => {
+                // A bootstrap address without a peer id.
+                warn!(?connection_id, "a dial failed (tried again if a bootstrap peer): {error}");
+            }
             SwarmEvent::Behaviour(BehaviourEvent::Identify(identify::Event::Received {
                 peer_id,
+                connection_id,
                 info,
-                ..
             })) => {
                 if info.protocol_version != IDENTIFY {
                     warn!(peer = %peer_id, protocol = %info.protocol_version, "not an AgentJet peer");
                     return;
                 }
-                let addrs: Vec<Multiaddr> = info.listen_addrs.into_iter().take(16).collect();
-                self.learn(peer_id, addrs.clone());
-                self.identified.insert(peer_id, addrs);
+                let local = self.local_only
+                    || self
+                        .conns
+                        .get(&connection_id)
+                        .is_some_and(|c| addrs::is_local(&c.remote));
+                let addrs = addrs::usable(info.listen_addrs, local);
+                self.learn(peer_id, addrs);
+                let serves_dht = info.protocols.iter().any(|p| *p == KAD);
+                let was = self.identified.insert(peer_id, serves_dht);
+                if was == Some(true) && !serves_dht && self.in_kad.remove(&peer_id) {
+                    // It went behind NAT (a Kademlia client now): out of the table.
+                    self.swarm.behaviour_mut().kad.remove_peer(&peer_id);
+                }
+                self.on_identified(peer_id, &info.protocols);
                 self.maybe_add_to_kad(peer_id);
             }
+            SwarmEvent::Behaviour(BehaviourEvent::Autonat(e)) => self.on_autonat(e),
+            SwarmEvent::Behaviour(BehaviourEvent::RelayClient(e)) => self.on_relay_client(e),
+            SwarmEvent::Behaviour(BehaviourEvent::Relay(e)) => self.on_relay(e),
+            SwarmEvent::Behaviour(BehaviourEvent::Dcutr(e)) => self.on_dcutr(e),
+            SwarmEvent::Behaviour(BehaviourEvent::Upnp(e)) => self.on_upnp(e),
             SwarmEvent::Behaviour(BehaviourEvent::Gossipsub(gossipsub::Event::Message {
                 propagation_source,
                 message_id,
@@ -821,13 +923,24 @@ impl EventLoop {
         if author == self.shared.peer_id {
             return Ok(());
         }
-        let addrs: Vec<Multiaddr> = env
-            .addrs
-            .iter()
-            .take(16)
-            .filter_map(|a| Multiaddr::try_from(a.clone()).ok())
-            .collect();
+        let local = self.local_only
+            || self
+                .conns
+                .values()
+                .any(|c| c.peer == author && addrs::is_local(&c.remote));
+        let addrs = addrs::usable(
+            env.addrs
+                .iter()
+                .take(16)
+                .filter_map(|a| Multiaddr::try_from(a.clone()).ok()),
+            local,
+        );
         self.learn(author, addrs.clone());
+        // Its addresses may be what the routing table waited for (identify carries only
+        // confirmed external addresses between hosts).
+        if !self.in_kad.contains(&author) {
+            self.maybe_add_to_kad(author);
+        }
         // Checked before the view's lock is taken (a signature check per status).
         let cert = check_cert(&self.shared.cfg, &author, &env.status);
         let mut v = lock(&self.shared.view);

@@ -1,0 +1,466 @@
+//! The event loop's network-facing half: connections by kind, reachability (AutoNAT,
+//! UPnP, `--external-addr`), relay reservations of a peer behind NAT, the relay service
+//! of a public one, hole punches, and the bootstrap peers dialed again until they answer.
+//! The decisions are [`crate::swarm::reach`]'s; this file carries them out on the swarm.
+//!
+//! Owns: turning libp2p's NAT events into state, typed [`NetEvent`]s and actions. Never
+//! decides policy of its own (see `reach`).
+
+use std::time::Instant;
+
+use libp2p::kad::Mode;
+use libp2p::multiaddr::Protocol;
+use libp2p::swarm::{ConnectionId, ListenerId};
+use libp2p::{autonat, dcutr, relay, upnp, Multiaddr, PeerId, StreamProtocol};
+use tracing::{debug, info, warn};
+
+use super::{Conn, EventLoop};
+use crate::base::lock;
+use crate::swarm::addrs;
+use crate::swarm::protocol::{REACH_FIELD, RELAY_FIELD};
+use crate::swarm::reach::{reachability, LinkKind, NetEvent, Reachability};
+use crate::swarm::shared::Command;
+
+/// The relay service's protocol (circuit relay v2, the relay's side).
+const HOP: StreamProtocol = StreamProtocol::new("/libp2p/circuit/relay/0.2.0/hop");
+
+impl EventLoop {
+    /// The addresses this peer offers others (see `addrs::offered`).
+    pub(super) fn offered(&self) -> Vec<Multiaddr> {
+        let external: Vec<Multiaddr> = self.swarm.external_addresses().cloned().collect();
+        addrs::offered(&external, &self.listen_addrs, 16)
+    }
+
+    /// Whether this peer's relay service takes reservations now.
+    pub(super) fn relaying(&self) -> bool {
+        self.swarm.behaviour().relay.is_enabled()
+            && lock(&self.shared.net).reach == Reachability::Public
+    }
+
+    /// Works out the reachability again; on a change says so, switches Kademlia's mode
+    /// and the relay service, lets go of relay reservations a public peer does not need,
+    /// and gossips the news.
+    pub(super) fn update_reach(&mut self) {
+        let told = !self.shared.cfg.external.is_empty();
+        let reserved = !self.nat.relays.held_on().is_empty();
+        let now = reachability(
+            told || self.nat.upnp,
+            self.local_only,
+            self.nat.autonat,
+            reserved,
+        );
+        let offered = self.offered();
+        let changed = {
+            let mut n = lock(&self.shared.net);
+            let changed = n.reach != now || n.offered != offered;
+            n.reach = now;
+            n.offered = offered.clone();
+            changed
+        };
+        if !changed {
+            return;
+        }
+        if self.nat.said != now {
+            info!(
+                reachability = now.as_str(),
+                addrs = ?offered,
+                "this peer's reachability"
+            );
+            self.nat.said = now;
+            let dht = self.shared.cfg.kad_server
+                && matches!(
+                    now,
+                    Reachability::Public | Reachability::Local | Reachability::Unknown
+                );
+            self.swarm
+                .behaviour_mut()
+                .kad
+                .set_mode(Some(if dht { Mode::Server } else { Mode::Client }));
+            if let Some(r) = self.swarm.behaviour_mut().relay.as_mut() {
+                r.set_status(Some(if now == Reachability::Public {
+                    relay::Status::Enable
+                } else {
+                    relay::Status::Disable
+                }));
+            }
+            if now == Reachability::Public || now == Reachability::Local {
+                self.release_relays();
+            }
+        }
+        self.shared.net_event(NetEvent::Reachability {
+            status: now,
+            addrs: offered.iter().map(ToString::to_string).collect(),
+        });
+        let mut st = lock(&self.shared.status);
+        st.extra
+            .insert(REACH_FIELD.to_string(), now.as_str().to_string());
+        drop(st);
+        self.publish_status();
+    }
+
+    fn release_relays(&mut self) {
+        let now = Instant::now();
+        self.nat.relays.release_all(now);
+        for (id, relay) in std::mem::take(&mut self.nat.circuits) {
+            debug!(%relay, "releasing a relay reservation: this peer is reachable");
+            self.swarm.remove_listener(id);
+        }
+    }
+
+    pub(super) fn on_listen_addr(&mut self, id: ListenerId, address: Multiaddr) {
+        if self.local_only {
+            self.swarm.add_external_address(address.clone());
+        }
+        if let Some(relay) = self.nat.circuits.get(&id) {
+            debug!(%relay, %address, "listening through a relay");
+        }
+        if !self.listen_addrs.contains(&address) {
+            self.listen_addrs.push(address);
+        }
+        self.update_reach();
+    }
+
+    pub(super) fn on_listener_closed(&mut self, id: ListenerId, error: Option<String>) {
+        let Some(relay) = self.nat.circuits.remove(&id) else {
+            return;
+        };
+        let was_held = self.nat.relays.held_on().contains(&relay);
+        self.nat.relays.refused(&relay, Instant::now());
+        self.listen_addrs.retain(|a| !relay_of(a).is_some_and(|r| r == relay));
+        warn!(
+            %relay,
+            held = was_held,
+            "relay reservation {}: {}",
+            if was_held { "lost" } else { "refused" },
+            error.as_deref().unwrap_or("closed")
+        );
+        self.shared.net_event(NetEvent::Reservation {
+            relay: relay.to_string(),
+            ok: false,
+            error: Some(error.unwrap_or_else(|| "closed".into())),
+        });
+        self.update_reach();
+    }
+
+    /// Records a connection that opened.
+    pub(super) fn opened(&mut self, id: ConnectionId, peer: PeerId, kind: LinkKind, remote: Multiaddr) {
+        debug!(%peer, kind = kind.as_str(), %remote, "connection opened");
+        self.conns.insert(
+            id,
+            Conn {
+                peer,
+                kind,
+                remote: remote.clone(),
+            },
+        );
+        lock(&self.shared.net)
+            .links
+            .entry(peer)
+            .or_default()
+            .push((id, kind));
+        self.shared.net_event(NetEvent::Connected {
+            peer: peer.to_string(),
+            kind,
+            addr: remote.to_string(),
+        });
+    }
+
+    /// Records a connection that closed.
+    pub(super) fn closed(&mut self, id: ConnectionId) {
+        let Some(c) = self.conns.remove(&id) else {
+            return;
+        };
+        {
+            let mut n = lock(&self.shared.net);
+            if let Some(l) = n.links.get_mut(&c.peer) {
+                l.retain(|(i, _)| *i != id);
+                if l.is_empty() {
+                    n.links.remove(&c.peer);
+                }
+            }
+        }
+        self.shared.net_event(NetEvent::Closed {
+            peer: c.peer.to_string(),
+            kind: c.kind,
+        });
+    }
+
+    /// A bootstrap peer that offers relay service is the first relay a peer behind NAT
+    /// asks (it is known to be reachable: this peer dialed it).
+    pub(super) fn on_identified(&mut self, peer: PeerId, protocols: &[StreamProtocol]) {
+        if !self.shared.cfg.nat_traversal || self.local_only {
+            return;
+        }
+        if protocols.contains(&HOP) && self.bootstrap.peers().contains(&peer) {
+            let addrs = self.direct_addrs(&peer);
+            self.nat.relays.offer(peer, addrs, true, Instant::now());
+        }
+    }
+
+    /// The addresses of `peer` another host can dial directly.
+    fn direct_addrs(&self, peer: &PeerId) -> Vec<Multiaddr> {
+        self.addr_book
+            .get(peer)
+            .map(|b| {
+                b.iter()
+                    .filter(|a| !addrs::is_relayed(a) && !addrs::is_local(a))
+                    .cloned()
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Every half second: the bootstrap peers dialed again while none answers; relay
+    /// reservations asked, kept or let go.
+    pub(super) fn nat_tick(&mut self) {
+        let now = Instant::now();
+        let boot = self.bootstrap.peers();
+        let any = if boot.is_empty() {
+            self.swarm.connected_peers().next().is_some()
+        } else {
+            boot.iter().any(|p| self.swarm.is_connected(p))
+        };
+        if self.bootstrap.due(any, now) {
+            self.redial_bootstrap();
+        }
+        if !self.shared.cfg.nat_traversal || self.local_only {
+            return;
+        }
+        let told = !self.shared.cfg.external.is_empty();
+        if !self.nat.wants_relays(told, now) {
+            if !self.nat.circuits.is_empty() {
+                self.release_relays();
+            }
+            return;
+        }
+        // Public peers of the view that offer relay service.
+        let offers: Vec<PeerId> = lock(&self.shared.view)
+            .iter()
+            .filter(|(p, s)| {
+                **p != self.shared.peer_id
+                    && s.status.extra.get(RELAY_FIELD).is_some_and(|v| v == "1")
+            })
+            .map(|(p, _)| *p)
+            .collect();
+        for p in offers {
+            let addrs = self.direct_addrs(&p);
+            self.nat.relays.offer(p, addrs, false, now);
+        }
+        for (relay, addrs) in self.nat.relays.to_ask(now) {
+            let Some(a) = addrs.first() else { continue };
+            let circuit = a
+                .clone()
+                .with(Protocol::P2p(relay))
+                .with(Protocol::P2pCircuit);
+            match self.swarm.listen_on(circuit.clone()) {
+                Ok(id) => {
+                    debug!(%relay, %circuit, "asking for a relay reservation");
+                    self.nat.circuits.insert(id, relay);
+                }
+                Err(e) => {
+                    warn!(%relay, "asking for a relay reservation: {e}");
+                    self.nat.relays.refused(&relay, now);
+                }
+            }
+        }
+    }
+
+    /// Resolves the bootstrap addresses (DNS names anew) on a task of the node and has
+    /// the loop dial what they resolve to; each that fails is said (and tried again).
+    fn redial_bootstrap(&mut self) {
+        let addrs = self.bootstrap.addrs.clone();
+        let (shared, cmd) = (self.shared.clone(), self.cmd.clone());
+        self.shared.spawn(async move {
+            let resolved = resolve_all(&shared, &addrs).await;
+            if let (false, Some(tx)) = (resolved.is_empty(), cmd.upgrade()) {
+                let _ = tx.send(Command::Dial(resolved)).await;
+            }
+        });
+    }
+
+    /// At start: the bootstrap peers dialed (see [`EventLoop::redial_bootstrap`]).
+    pub(super) async fn dial_bootstrap(&mut self) {
+        let addrs = self.bootstrap.addrs.clone();
+        if addrs.is_empty() {
+            return;
+        }
+        self.bootstrap.due(false, Instant::now());
+        for a in resolve_all(&self.shared, &addrs).await {
+            if let Err(e) = self.swarm.dial(a.clone()) {
+                warn!(addr = %a, "dialing a bootstrap peer: {e}");
+                self.shared.net_event(NetEvent::Bootstrap {
+                    addr: a.to_string(),
+                    error: e.to_string(),
+                });
+            }
+        }
+    }
+
+    pub(super) fn on_autonat(&mut self, e: autonat::Event) {
+        match e {
+            autonat::Event::StatusChanged { old, new } => {
+                debug!(?old, ?new, "AutoNAT verdict");
+                self.nat.autonat = match new {
+                    autonat::NatStatus::Public(_) => Some(true),
+                    autonat::NatStatus::Private => Some(false),
+                    autonat::NatStatus::Unknown => None,
+                };
+                self.update_reach();
+            }
+            autonat::Event::OutboundProbe(p) => debug!(?p, "AutoNAT probe"),
+            autonat::Event::InboundProbe(p) => debug!(?p, "AutoNAT dial-back"),
+        }
+    }
+
+    pub(super) fn on_relay_client(&mut self, e: relay::client::Event) {
+        match e {
+            relay::client::Event::ReservationReqAccepted {
+                relay_peer_id,
+                renewal,
+                ..
+            } => {
+                self.nat.relays.held(&relay_peer_id);
+                if !renewal {
+                    info!(relay = %relay_peer_id, "holding a relay reservation");
+                    self.shared.net_event(NetEvent::Reservation {
+                        relay: relay_peer_id.to_string(),
+                        ok: true,
+                        error: None,
+                    });
+                }
+                self.update_reach();
+            }
+            other => debug!(?other, "relay client"),
+        }
+    }
+
+    pub(super) fn on_relay(&mut self, e: relay::Event) {
+        let mut n = lock(&self.shared.net);
+        let load = &mut n.relay;
+        match e {
+            relay::Event::ReservationReqAccepted { renewed: false, .. } => {
+                load.reservations += 1
+            }
+            relay::Event::ReservationClosed { .. } | relay::Event::ReservationTimedOut { .. } => {
+                load.reservations = load.reservations.saturating_sub(1)
+            }
+            relay::Event::CircuitReqAccepted { .. } => {
+                load.circuits += 1;
+                load.circuits_total += 1;
+            }
+            relay::Event::CircuitClosed { .. } => load.circuits = load.circuits.saturating_sub(1),
+            relay::Event::CircuitReqDenied { .. } | relay::Event::ReservationReqDenied { .. } => {
+                load.circuits_refused += 1
+            }
+            _ => {}
+        }
+    }
+
+    pub(super) fn on_dcutr(&mut self, e: dcutr::Event) {
+        let peer = e.remote_peer_id;
+        match e.result {
+            Ok(id) => {
+                info!(%peer, "hole punched: a direct connection");
+                if let Some(c) = self.conns.get_mut(&id) {
+                    c.kind = LinkKind::HolePunched;
+                    let remote = c.remote.to_string();
+                    if let Some(l) = lock(&self.shared.net).links.get_mut(&peer) {
+                        for (i, k) in l.iter_mut() {
+                            if *i == id {
+                                *k = LinkKind::HolePunched;
+                            }
+                        }
+                    }
+                    self.shared.net_event(NetEvent::HolePunch {
+                        peer: peer.to_string(),
+                        ok: true,
+                        error: None,
+                    });
+                    self.shared.net_event(NetEvent::Connected {
+                        peer: peer.to_string(),
+                        kind: LinkKind::HolePunched,
+                        addr: remote,
+                    });
+                }
+                // Streams pick one of a peer's connections at random: close the relayed
+                // ones, so bulk streams run on the direct connection.
+                let relayed: Vec<ConnectionId> = self
+                    .conns
+                    .iter()
+                    .filter(|(_, c)| c.peer == peer && c.kind == LinkKind::Relayed)
+                    .map(|(i, _)| *i)
+                    .collect();
+                for i in relayed {
+                    self.swarm.close_connection(i);
+                }
+            }
+            Err(error) => {
+                debug!(%peer, "hole punch failed: {error}");
+                self.shared.net_event(NetEvent::HolePunch {
+                    peer: peer.to_string(),
+                    ok: false,
+                    error: Some(error.to_string()),
+                });
+            }
+        }
+    }
+
+    pub(super) fn on_upnp(&mut self, e: upnp::Event) {
+        match e {
+            upnp::Event::NewExternalAddr { external_addr, .. } => {
+                info!(%external_addr, "a UPnP gateway forwards a listen port");
+                self.nat.upnp = true;
+                self.update_reach();
+            }
+            upnp::Event::ExpiredExternalAddr { external_addr, .. } => {
+                warn!(%external_addr, "the UPnP gateway's port forwarding expired");
+                self.nat.upnp = false;
+                self.update_reach();
+            }
+            upnp::Event::GatewayNotFound => debug!("no UPnP gateway"),
+            upnp::Event::NonRoutableGateway => debug!("the UPnP gateway is behind NAT too"),
+        }
+    }
+}
+
+/// The relay a relayed address goes through.
+fn relay_of(a: &Multiaddr) -> Option<PeerId> {
+    let mut last = None;
+    for p in a.iter() {
+        match p {
+            Protocol::P2p(id) => last = Some(id),
+            Protocol::P2pCircuit => return last,
+            _ => {}
+        }
+    }
+    None
+}
+
+/// Every address of `addrs` resolved (see `addrs::resolve`); each that fails is said,
+/// logged and recorded as a network event.
+async fn resolve_all(
+    shared: &crate::swarm::shared::Shared,
+    addrs: &[Multiaddr],
+) -> Vec<Multiaddr> {
+    let mut out = Vec::new();
+    for a in addrs {
+        match tokio::time::timeout(std::time::Duration::from_secs(5), addrs::resolve(a)).await {
+            Ok(Ok(r)) => out.extend(r),
+            Ok(Err(e)) => {
+                warn!("bootstrap peer {e} (tried again)");
+                shared.net_event(NetEvent::Bootstrap {
+                    addr: a.to_string(),
+                    error: e.to_string(),
+                });
+            }
+            Err(_) => {
+                warn!(addr = %a, "bootstrap peer: resolving took over 5 s (tried again)");
+                shared.net_event(NetEvent::Bootstrap {
+                    addr: a.to_string(),
+                    error: "resolving took over 5 s".into(),
+                });
+            }
+        }
+    }
+    out
+}

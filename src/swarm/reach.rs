@@ -1,0 +1,469 @@
+//! Reachability: whether other hosts can dial this peer, and what a peer behind NAT does
+//! about it.
+//!
+//! - [`Reachability`] is what a peer knows of itself: public (another host dialed it
+//!   back at an address, AutoNAT; or the user said so, `--external-addr`), relayed
+//!   (behind NAT or a firewall, with a reservation on a relay), unreachable (behind NAT
+//!   with no reservation yet), local (it listens on loopback alone), or not known yet.
+//! - [`Relays`] decides where a peer that is not public reserves a relay slot (its
+//!   bootstrap peers first, then public peers the view shows offering relay service), how
+//!   many at once, and when it tries again after a refusal.
+//! - [`LinkKind`] says how two peers are connected: directly, directly through a hole
+//!   punched in both NATs (DCUtR), or through a relay.
+//!
+//! Owns: those decisions, as plain state a test can drive. Never touches the `Swarm`
+//! (`swarm::node` carries them out).
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use libp2p::{Multiaddr, PeerId};
+use serde::{Deserialize, Serialize};
+
+/// What a peer knows of its own reachability (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Reachability {
+    #[default]
+    Unknown,
+    /// Listens on loopback only: a swarm of this host.
+    Local,
+    Public,
+    Relayed,
+    Unreachable,
+}
+
+impl Reachability {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reachability::Unknown => "unknown",
+            Reachability::Local => "local",
+            Reachability::Public => "public",
+            Reachability::Relayed => "relayed",
+            Reachability::Unreachable => "unreachable",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Reachability> {
+        Some(match s {
+            "unknown" => Reachability::Unknown,
+            "local" => Reachability::Local,
+            "public" => Reachability::Public,
+            "relayed" => Reachability::Relayed,
+            "unreachable" => Reachability::Unreachable,
+            _ => return None,
+        })
+    }
+
+    /// Whether other hosts can dial it at a direct address (so it may serve the DHT and
+    /// relay for others).
+    pub fn dialable(self) -> bool {
+        matches!(self, Reachability::Public | Reachability::Local)
+    }
+}
+
+/// How a connection between two peers runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LinkKind {
+    /// One peer dialed the other's address.
+    Direct,
+    /// Both dialed at once through their NATs, arranged over a relayed connection (DCUtR).
+    HolePunched,
+    /// Through a relay (circuit relay v2).
+    Relayed,
+}
+
+impl LinkKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LinkKind::Direct => "direct",
+            LinkKind::HolePunched => "hole_punched",
+            LinkKind::Relayed => "relayed",
+        }
+    }
+}
+
+/// What happened to the node's network, for the roles to pass on as typed events.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "net", rename_all = "snake_case")]
+pub enum NetEvent {
+    /// Its reachability changed; `addrs`: what it offers other peers now (first: the one
+    /// to give another host).
+    Reachability {
+        status: Reachability,
+        addrs: Vec<String>,
+    },
+    /// A connection to `peer` opened.
+    Connected {
+        peer: String,
+        kind: LinkKind,
+        addr: String,
+    },
+    /// A connection to `peer` closed.
+    Closed { peer: String, kind: LinkKind },
+    /// A relay took (or refused) this peer's reservation.
+    Reservation {
+        relay: String,
+        ok: bool,
+        error: Option<String>,
+    },
+    /// A hole punch to `peer` (over a relayed connection) ended.
+    HolePunch {
+        peer: String,
+        ok: bool,
+        error: Option<String>,
+    },
+    /// A bootstrap address resolved to nothing or could not be dialed (retried).
+    Bootstrap { addr: String, error: String },
+}
+
+impl NetEvent {
+    /// The line a person sees for this event, for those worth a line (connections opening
+    /// and closing are not).
+    pub fn line(&self) -> Option<String> {
+        Some(match self {
+            NetEvent::Reachability { status, addrs } => match (status, addrs.first()) {
+                (Reachability::Public, Some(a)) => {
+                    format!("reachability: public; other hosts reach this peer at {a}")
+                }
+                (Reachability::Relayed, _) => format!(
+                    "reachability: behind NAT; other hosts reach this peer through a relay{}",
+                    addrs
+                        .iter()
+                        .find(|a| a.contains("p2p-circuit"))
+                        .map(|a| format!(" at {a}"))
+                        .unwrap_or_default()
+                ),
+                (Reachability::Unreachable, _) => {
+                    "reachability: behind NAT, no relay reservation yet (other hosts cannot dial this peer)".to_string()
+                }
+                _ => return None,
+            },
+            NetEvent::Reservation {
+                relay,
+                ok: false,
+                error,
+            } => format!(
+                "relay {relay} refused a reservation: {} (asked again later)",
+                error.as_deref().unwrap_or("no reason")
+            ),
+            NetEvent::HolePunch {
+                peer, ok: true, ..
+            } => format!("hole punched to {peer}: a direct connection"),
+            NetEvent::Bootstrap { addr, error } => {
+                format!("bootstrap peer {addr}: {error} (tried again)")
+            }
+            _ => return None,
+        })
+    }
+}
+
+/// Relay reservations kept at once by a peer behind NAT.
+pub const RESERVATIONS: usize = 2;
+/// The first wait before a refused reservation is asked again; doubled at each refusal
+/// in a row, at most [`RETRY_MAX`].
+pub const RETRY_FIRST: Duration = Duration::from_secs(2);
+pub const RETRY_MAX: Duration = Duration::from_secs(60);
+
+/// A relay this peer knows.
+#[derive(Debug, Clone)]
+struct Relay {
+    addrs: Vec<Multiaddr>,
+    /// A bootstrap peer (tried first).
+    bootstrap: bool,
+    state: SlotState,
+    /// Refusals since the last reservation held.
+    refusals: u32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum SlotState {
+    /// Not asked (or not to be asked before `at`).
+    Idle { at: Instant },
+    /// Asked; waiting for the relay's answer.
+    Asked,
+    /// Holds a reservation.
+    Held,
+}
+
+/// Where a peer that is not public keeps its relay reservations (see the module docs).
+#[derive(Debug, Default)]
+pub struct Relays {
+    relays: HashMap<PeerId, Relay>,
+}
+
+impl Relays {
+    /// A relay candidate: `addrs` its direct addresses; `bootstrap` when the user named it.
+    pub fn offer(&mut self, peer: PeerId, addrs: Vec<Multiaddr>, bootstrap: bool, now: Instant) {
+        let r = self.relays.entry(peer).or_insert(Relay {
+            addrs: Vec::new(),
+            bootstrap,
+            state: SlotState::Idle { at: now },
+            refusals: 0,
+        });
+        r.bootstrap |= bootstrap;
+        for a in addrs {
+            if !r.addrs.contains(&a) {
+                r.addrs.push(a);
+            }
+        }
+        r.addrs.truncate(8);
+    }
+
+    /// A peer no longer offered (it left the view, or stopped relaying); its reservation,
+    /// if held, is the caller's to drop.
+    pub fn forget(&mut self, peer: &PeerId) {
+        self.relays.remove(peer);
+    }
+
+    /// The relays to ask now (at most enough to hold [`RESERVATIONS`] with those asked
+    /// and held): bootstrap peers first, then by peer id. Each is marked asked.
+    pub fn to_ask(&mut self, now: Instant) -> Vec<(PeerId, Vec<Multiaddr>)> {
+        let busy = self
+            .relays
+            .values()
+            .filter(|r| matches!(r.state, SlotState::Asked | SlotState::Held))
+            .count();
+        let mut ready: Vec<(&PeerId, &Relay)> = self
+            .relays
+            .iter()
+            .filter(|(_, r)| matches!(r.state, SlotState::Idle { at, .. } if at <= now))
+            .filter(|(_, r)| !r.addrs.is_empty())
+            .collect();
+        ready.sort_by_key(|(p, r)| (!r.bootstrap, **p));
+        let pick: Vec<(PeerId, Vec<Multiaddr>)> = ready
+            .into_iter()
+            .take(RESERVATIONS.saturating_sub(busy))
+            .map(|(p, r)| (*p, r.addrs.clone()))
+            .collect();
+        for (p, _) in &pick {
+            if let Some(r) = self.relays.get_mut(p) {
+                r.state = SlotState::Asked;
+            }
+        }
+        pick
+    }
+
+    /// The relay took the reservation.
+    pub fn held(&mut self, peer: &PeerId) {
+        if let Some(r) = self.relays.get_mut(peer) {
+            r.state = SlotState::Held;
+            r.refusals = 0;
+        }
+    }
+
+    /// The reservation was refused or lost: asked again after a wait that doubles with
+    /// each refusal in a row.
+    pub fn refused(&mut self, peer: &PeerId, now: Instant) {
+        if let Some(r) = self.relays.get_mut(peer) {
+            // Held, then lost: the first wait again.
+            r.refusals = if r.state == SlotState::Held {
+                1
+            } else {
+                r.refusals.saturating_add(1)
+            };
+            let wait = RETRY_FIRST
+                .saturating_mul(1 << (r.refusals - 1).min(16))
+                .min(RETRY_MAX);
+            r.state = SlotState::Idle { at: now + wait };
+        }
+    }
+
+    /// Relays whose reservation is held.
+    pub fn held_on(&self) -> Vec<PeerId> {
+        self.relays
+            .iter()
+            .filter(|(_, r)| r.state == SlotState::Held)
+            .map(|(p, _)| *p)
+            .collect()
+    }
+
+    /// Every relay asked or held (to release when the peer turns out public).
+    pub fn release_all(&mut self, now: Instant) -> Vec<PeerId> {
+        let out: Vec<PeerId> = self
+            .relays
+            .iter()
+            .filter(|(_, r)| matches!(r.state, SlotState::Asked | SlotState::Held))
+            .map(|(p, _)| *p)
+            .collect();
+        for r in self.relays.values_mut() {
+            r.state = SlotState::Idle { at: now };
+            r.refusals = 0;
+        }
+        out
+    }
+}
+
+/// What the event loop knows of this peer's reachability (the inputs of
+/// [`reachability`]) and what it does about it.
+#[derive(Debug)]
+pub struct NatState {
+    /// AutoNAT's verdict: Some(true) public, Some(false) private, None not yet.
+    pub autonat: Option<bool>,
+    /// A UPnP gateway forwards a listen port.
+    pub upnp: bool,
+    pub relays: Relays,
+    /// Relay reservations asked or held, by their listener.
+    pub circuits: HashMap<libp2p::core::transport::ListenerId, PeerId>,
+    /// The reachability said last.
+    pub said: Reachability,
+    /// When the node started (a peer with no verdict for a while reserves anyway).
+    pub started: Instant,
+}
+
+/// How long a peer with no AutoNAT verdict waits before it reserves relay slots anyway.
+pub const NO_VERDICT: Duration = Duration::from_secs(15);
+
+impl NatState {
+    pub fn new(now: Instant) -> NatState {
+        NatState {
+            autonat: None,
+            upnp: false,
+            relays: Relays::default(),
+            circuits: HashMap::new(),
+            said: Reachability::Unknown,
+            started: now,
+        }
+    }
+
+    /// Whether a peer in this state should hold relay reservations: not public (AutoNAT
+    /// said private, or said nothing for [`NO_VERDICT`]).
+    pub fn wants_relays(&self, told: bool, now: Instant) -> bool {
+        !told
+            && !self.upnp
+            && match self.autonat {
+                Some(public) => !public,
+                None => now.saturating_duration_since(self.started) >= NO_VERDICT,
+            }
+    }
+}
+
+/// The bootstrap peers: resolved and dialed at start, and again (resolving DNS names
+/// anew) while none of them is connected, each time twice as late up to [`BOOT_MAX`].
+#[derive(Debug)]
+pub struct Bootstrap {
+    pub addrs: Vec<Multiaddr>,
+    pub next: Instant,
+    pub wait: Duration,
+}
+
+pub const BOOT_FIRST: Duration = Duration::from_secs(2);
+pub const BOOT_MAX: Duration = Duration::from_secs(30);
+
+impl Bootstrap {
+    pub fn new(addrs: &[Multiaddr]) -> Bootstrap {
+        Bootstrap {
+            addrs: addrs.to_vec(),
+            next: Instant::now(),
+            wait: BOOT_FIRST,
+        }
+    }
+
+    /// The peer ids the bootstrap addresses name.
+    pub fn peers(&self) -> Vec<PeerId> {
+        self.addrs
+            .iter()
+            .filter_map(|a| {
+                a.iter().find_map(|p| match p {
+                    libp2p::multiaddr::Protocol::P2p(id) => Some(id),
+                    _ => None,
+                })
+            })
+            .collect()
+    }
+
+    /// Whether to dial again now (none connected, and the wait has passed); if so the
+    /// next wait doubles.
+    pub fn due(&mut self, any_connected: bool, now: Instant) -> bool {
+        if self.addrs.is_empty() || any_connected {
+            self.wait = BOOT_FIRST;
+            return false;
+        }
+        if now < self.next {
+            return false;
+        }
+        self.next = now + self.wait;
+        self.wait = (self.wait * 2).min(BOOT_MAX);
+        true
+    }
+}
+
+/// A peer's reachability from what it knows: `told` (`--external-addr`), whether it listens
+/// on loopback alone, AutoNAT's verdict (Some(true): public, Some(false): private, None:
+/// none yet) and whether it holds a relay reservation.
+pub fn reachability(
+    told: bool,
+    local_only: bool,
+    autonat: Option<bool>,
+    reserved: bool,
+) -> Reachability {
+    if local_only {
+        return Reachability::Local;
+    }
+    if told || autonat == Some(true) {
+        return Reachability::Public;
+    }
+    if reserved {
+        return Reachability::Relayed;
+    }
+    match autonat {
+        Some(false) => Reachability::Unreachable,
+        _ => Reachability::Unknown,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reservations_go_to_bootstrap_peers_first_and_refusals_back_off() {
+        let t0 = Instant::now();
+        let mut r = Relays::default();
+        let (boot, a, b) = (PeerId::random(), PeerId::random(), PeerId::random());
+        let addr: Multiaddr = "/ip4/198.51.100.1/tcp/4001".parse().unwrap();
+        r.offer(a, vec![addr.clone()], false, t0);
+        r.offer(b, vec![addr.clone()], false, t0);
+        r.offer(boot, vec![addr.clone()], true, t0);
+        let first = r.to_ask(t0);
+        assert_eq!(first.len(), RESERVATIONS);
+        assert_eq!(first[0].0, boot);
+        // Nothing more while two are asked.
+        assert!(r.to_ask(t0).is_empty());
+        r.held(&boot);
+        let other = first[1].0;
+        r.refused(&other, t0);
+        // The third relay is asked in its place; the refused one waits.
+        let next = r.to_ask(t0);
+        assert_eq!(next.len(), 1);
+        assert_ne!(next[0].0, other);
+        r.refused(&next[0].0, t0);
+        assert!(r.to_ask(t0 + Duration::from_secs(1)).is_empty());
+        // One relay alone: each refusal in a row waits twice as long.
+        let mut one = Relays::default();
+        one.offer(a, vec![addr.clone()], false, t0);
+        assert_eq!(one.to_ask(t0).len(), 1);
+        one.refused(&a, t0);
+        assert!(one.to_ask(t0 + RETRY_FIRST / 2).is_empty());
+        assert_eq!(one.to_ask(t0 + RETRY_FIRST).len(), 1);
+        one.refused(&a, t0);
+        assert!(one.to_ask(t0 + RETRY_FIRST).is_empty());
+        assert_eq!(one.to_ask(t0 + RETRY_FIRST * 2).len(), 1);
+        assert_eq!(r.held_on(), vec![boot]);
+        assert_eq!(r.release_all(t0), vec![boot]);
+        assert!(r.held_on().is_empty());
+    }
+
+    #[test]
+    fn reachability_follows_what_the_peer_knows() {
+        use Reachability::*;
+        assert_eq!(reachability(false, true, None, false), Local);
+        assert_eq!(reachability(true, false, None, false), Public);
+        assert_eq!(reachability(false, false, Some(true), true), Public);
+        assert_eq!(reachability(false, false, Some(false), true), Relayed);
+        assert_eq!(reachability(false, false, Some(false), false), Unreachable);
+        assert_eq!(reachability(false, false, None, false), Unknown);
+        assert_eq!(Reachability::parse(Relayed.as_str()), Some(Relayed));
+    }
+}

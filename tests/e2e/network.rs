@@ -1,0 +1,477 @@
+//! The swarm across networks: real `agentjet-peer` processes on hosts in network
+//! namespaces this test makes (`common::netns`): public hosts on a switch standing for
+//! the internet, home hosts behind cone or symmetric NAT routers, documentation addresses
+//! only, a DNS name in the hosts' own hosts files. Every peer runs with its default listen
+//! addresses and the README's keys (a run key for servers, its id for clients), as a user
+//! would start it on those hosts. Each test says which kind of connection (direct,
+//! hole-punched, relayed) each pair of peers ended with.
+
+use crate::common;
+use crate::elastic::{
+    client_on, hashes, metrics_lines, server_on, tiny_model, wait_all_consumed, AGENT,
+};
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Duration;
+
+use agentjet::server::ServerEvent;
+use agentjet::swarm::{LinkKind, NetEvent};
+use common::netns::{Host, Nat, Net};
+use common::peer::{wait_until, Peer};
+
+/// A peer's network events so far (a server's or a client's).
+fn net_events(p: &Peer) -> Vec<NetEvent> {
+    if p.is_client() {
+        return p
+            .client_events()
+            .into_iter()
+            .filter_map(|e| match e {
+                agentjet::client::ClientEvent::Network(n) => Some(n),
+                _ => None,
+            })
+            .collect();
+    }
+    p.events()
+        .into_iter()
+        .filter_map(|e| match e {
+            ServerEvent::Network(n) => Some(n),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The connections `p` has to `peer` now, by kind (from its events: each opened, closed,
+/// or turned hole-punched).
+fn links(p: &Peer, peer: &str) -> BTreeMap<&'static str, usize> {
+    let mut live: BTreeMap<&'static str, usize> = BTreeMap::new();
+    for e in net_events(p) {
+        match e {
+            NetEvent::Connected { peer: q, kind, .. } if q == peer => {
+                *live.entry(kind.as_str()).or_default() += 1;
+            }
+            NetEvent::Closed { peer: q, kind } if q == peer => {
+                let n = live.entry(kind.as_str()).or_default();
+                *n = n.saturating_sub(1);
+            }
+            NetEvent::HolePunch {
+                peer: q, ok: true, ..
+            } if q == peer => {
+                // The direct connection the punch made.
+                let n = live.entry(LinkKind::Direct.as_str()).or_default();
+                *n = n.saturating_sub(1);
+                *live.entry(LinkKind::HolePunched.as_str()).or_default() += 1;
+            }
+            _ => {}
+        }
+    }
+    live.retain(|_, n| *n > 0);
+    live
+}
+
+/// Waits until `p` has a connection of `kind` to `peer`.
+fn wait_link(p: &Peer, peer: &str, kind: LinkKind, within: Duration) {
+    let t0 = std::time::Instant::now();
+    while !links(p, peer).contains_key(kind.as_str()) {
+        assert!(
+            t0.elapsed() < within,
+            "no {} connection to {peer} within {within:?}: {:?}; events {:#?}\nlog:\n{}",
+            kind.as_str(),
+            links(p, peer),
+            net_events(p),
+            p.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// The reachability a peer said last.
+fn reach(p: &Peer) -> Option<agentjet::swarm::Reachability> {
+    net_events(p).into_iter().rev().find_map(|e| match e {
+        NetEvent::Reachability { status, .. } => Some(status),
+        _ => None,
+    })
+}
+
+fn wait_reach(p: &Peer, want: agentjet::swarm::Reachability, within: Duration) {
+    let t0 = std::time::Instant::now();
+    while reach(p) != Some(want) {
+        assert!(
+            t0.elapsed() < within,
+            "reachability {:?}, not {want:?}, after {within:?}; log:\n{}",
+            reach(p),
+            p.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// A server of the tiny model on `host`.
+fn server(
+    host: &Host,
+    d: &Path,
+    model: &Path,
+    name: &str,
+    boot: Option<&str>,
+    extra: &[&str],
+) -> Peer {
+    server_on(Some(&host.ns), d, model, name, boot, extra)
+}
+
+/// A client on `host` running [`AGENT`] on `groups` groups.
+fn client(host: &Host, d: &Path, boot: &str, groups: usize, run: &str) -> Peer {
+    client_on(Some(&host.ns), d, boot, groups, run, AGENT)
+}
+
+/// Every step both members took has one parameter hash at both; at least `min` steps,
+/// each with `members` members.
+fn assert_one_group(d: &Path, names: &[&str], members: u64, min: usize) {
+    let per: Vec<BTreeMap<u64, String>> = names
+        .iter()
+        .map(|n| hashes(&metrics_lines(d, n)))
+        .collect();
+    assert!(
+        per[0].len() >= min,
+        "{} took {} steps: {:?}",
+        names[0],
+        per[0].len(),
+        per[0]
+    );
+    for (n, h) in names.iter().zip(&per).skip(1) {
+        assert_eq!(&per[0], h, "{} and {n} differ", names[0]);
+    }
+    for n in names {
+        for l in metrics_lines(d, n).iter().filter(|l| l["trained"] == true) {
+            assert_eq!(l["members"], members, "{n}: {l}");
+        }
+    }
+}
+
+/// The bytes of a drained server's checkpointed optimizer state and its step.
+fn optimizer_state(d: &Path, name: &str) -> (Vec<u8>, serde_json::Value) {
+    let ck = d.join(name).join("runs/tiny/checkpoint");
+    let opt = std::fs::read(ck.join("optimizer.safetensors"))
+        .unwrap_or_else(|e| panic!("{name}'s checkpoint: {e}"));
+    let state: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(ck.join("state.json")).unwrap()).unwrap();
+    (opt, state["step"].clone())
+}
+
+fn drain(peers: &mut [&mut Peer]) {
+    for p in peers.iter() {
+        unsafe { libc::kill(p.child.id() as i32, libc::SIGTERM) };
+    }
+    for p in peers.iter_mut() {
+        let st = p.child.wait().unwrap();
+        assert!(st.success(), "{st}: {}", p.log_text());
+    }
+}
+
+/// Two servers on two public hosts, the second joining through the first by DNS name, and
+/// a client on a third: one group, the same parameters after every step and the same
+/// optimizer state at the end, every connection direct.
+#[test]
+fn two_public_servers_train_as_one_group_joined_by_dns_name() {
+    let _heavy = common::heavy();
+    let mut net = Net::new();
+    let (ha, hb, hc) = (net.public("a"), net.public("b"), net.public("c"));
+    net.name("boot.agentjet.test", ha.ip);
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = tiny_model(d);
+    let extra = ["--groups-per-step", "1"];
+    let mut a = server(&ha, d, &model, "a", None, &extra);
+    let (id_a, addr_a) = (a.peer_id(), a.addr());
+    // The first address a peer gives is the one another host should use.
+    assert!(
+        addr_a.starts_with(&format!("/ip4/{}/", ha.ip)),
+        "{addr_a} is not on the host's public address"
+    );
+    let boot = format!("/dns4/boot.agentjet.test/udp/4001/quic-v1/p2p/{id_a}");
+    let mut b = server(&hb, d, &model, "b", Some(&boot), &extra);
+    let id_b = b.peer_id();
+    for s in [&mut a, &mut b] {
+        s.wait_epoch(2, Duration::from_secs(90));
+    }
+    let mut cl = client(&hc, d, &boot, 12, "run1");
+    assert!(cl.child.wait().unwrap().success(), "{}", cl.log_text());
+    wait_all_consumed(d, &["a", "b"], &[&a, &b]);
+    assert_one_group(d, &["a", "b"], 2, 3);
+    // Direct connections between every pair; both servers public.
+    wait_link(&a, &id_b, LinkKind::Direct, Duration::from_secs(5));
+    wait_link(&b, &id_a, LinkKind::Direct, Duration::from_secs(5));
+    for p in [&a, &b] {
+        assert_eq!(reach(p), Some(agentjet::swarm::Reachability::Public));
+    }
+    drain(&mut [&mut a, &mut b]);
+    let (oa, sa) = optimizer_state(d, "a");
+    let (ob, sb) = optimizer_state(d, "b");
+    assert_eq!(sa, sb, "checkpoints at different steps");
+    assert!(oa == ob, "the optimizer states differ at step {sa}");
+}
+
+/// Three servers on public hosts, two of which cannot reach each other (a firewall
+/// between their hosts, no relay): the group leaves one of the two out within the link
+/// bound, says why, and the other two step; no membership is tried forever.
+#[test]
+fn a_member_that_cannot_be_linked_is_left_out_and_the_others_step() {
+    let _heavy = common::heavy();
+    let mut net = Net::new();
+    let (ha, hb, hx, hc) = (
+        net.public("a"),
+        net.public("b"),
+        net.public("x"),
+        net.public("c"),
+    );
+    // b and x cannot reach each other at all.
+    for (h, other) in [(&hx, &hb), (&hb, &hx)] {
+        let o = other.ip.to_string();
+        net.exec(h, &["iptables", "-A", "INPUT", "-s", &o, "-j", "DROP"]);
+        net.exec(h, &["iptables", "-A", "OUTPUT", "-d", &o, "-j", "DROP"]);
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = tiny_model(d);
+    // No relay service anywhere: a cut stays cut.
+    let extra = ["--groups-per-step", "1", "--no-relay"];
+    let mut a = server(&ha, d, &model, "a", None, &extra);
+    let boot = a.addr();
+    let mut b = server(&hb, d, &model, "b", Some(&boot), &extra);
+    let mut x = server(&hx, d, &model, "x", Some(&boot), &extra);
+    let mut cl = client(&hc, d, &boot, 12, "run1");
+    assert!(cl.child.wait().unwrap().success(), "{}", cl.log_text());
+    // Two of the three step together; which two depends on who accused whom.
+    let names = ["a", "b", "x"];
+    let t0 = std::time::Instant::now();
+    let pair: Vec<&str> = loop {
+        let stepped: Vec<&str> = names
+            .iter()
+            .copied()
+            .filter(|n| {
+                metrics_lines(d, n)
+                    .iter()
+                    .filter(|l| l["trained"] == true && l["members"] == 2)
+                    .count()
+                    >= 3
+            })
+            .collect();
+        if stepped.len() >= 2 {
+            break stepped;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(240),
+            "no two members took 3 steps together; logs:\n{}\n----\n{}\n----\n{}",
+            a.log_text(),
+            b.log_text(),
+            x.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    assert_eq!(pair.len(), 2, "{pair:?}");
+    assert!(pair.contains(&"a"), "a reaches both: it is in the pair {pair:?}");
+    // No step ever had three members, and the one left out was left out with a reason.
+    for n in names {
+        for l in metrics_lines(d, n).iter().filter(|l| l["trained"] == true) {
+            assert!(l["members"].as_u64().unwrap() <= 2, "{n}: {l}");
+        }
+    }
+    let logs = [a.log_text(), b.log_text(), x.log_text()].join("\n");
+    assert!(
+        logs.contains("could not link with") || logs.contains("no answer to the prepare"),
+        "nobody said why the third member was left out:\n{logs}"
+    );
+    let peers: Vec<&Peer> = pair
+        .iter()
+        .map(|n| match *n {
+            "a" => &a,
+            "b" => &b,
+            _ => &x,
+        })
+        .collect();
+    wait_all_consumed(d, &pair, &peers);
+    // The pair's steps of two: the same parameters at both.
+    let of_two = |n: &str| -> BTreeMap<u64, String> {
+        metrics_lines(d, n)
+            .iter()
+            .filter(|l| l["trained"] == true && l["members"] == 2)
+            .map(|l| {
+                (
+                    l["step"].as_u64().unwrap(),
+                    l["param_hash"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect()
+    };
+    let (h0, h1) = (of_two(pair[0]), of_two(pair[1]));
+    assert_eq!(h0, h1, "the pair's steps differ");
+    x.kill9();
+    b.kill9();
+}
+
+/// A public `--role peer` bootstrap (given by DNS name) and two servers behind two
+/// different cone NATs: they meet through the bootstrap's relay, punch a hole (DCUtR),
+/// and train as one group over the direct connection.
+#[test]
+fn two_servers_behind_cone_nats_train_over_a_hole_punched_connection() {
+    let _heavy = common::heavy();
+    let mut net = Net::new();
+    let (hp, hc) = (net.public("boot"), net.public("c"));
+    let (h1, h2) = (net.home("s1", Nat::Cone), net.home("s2", Nat::Cone));
+    net.name("boot.agentjet.test", hp.ip);
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = tiny_model(d);
+    let mut boot_peer = Peer::start_on(&hp.ns, "boot", d, &["--role", "peer"]);
+    let boot_id = boot_peer.peer_id();
+    let boot = format!("/dns4/boot.agentjet.test/udp/4001/quic-v1/p2p/{boot_id}");
+    boot_peer.wait_line("reachability: public", Duration::from_secs(60));
+    let extra = ["--groups-per-step", "1"];
+    let mut s1 = server(&h1, d, &model, "s1", Some(&boot), &extra);
+    let mut s2 = server(&h2, d, &model, "s2", Some(&boot), &extra);
+    let (id1, id2) = (s1.peer_id(), s2.peer_id());
+    for s in [&s1, &s2] {
+        wait_reach(s, agentjet::swarm::Reachability::Relayed, Duration::from_secs(90));
+    }
+    for s in [&mut s1, &mut s2] {
+        s.wait_epoch(2, Duration::from_secs(120));
+    }
+    wait_link(&s1, &id2, LinkKind::HolePunched, Duration::from_secs(60));
+    let mut cl = client(&hc, d, &boot, 8, "run1");
+    assert!(cl.child.wait().unwrap().success(), "{}", cl.log_text());
+    wait_all_consumed(d, &["s1", "s2"], &[&s1, &s2]);
+    assert_one_group(d, &["s1", "s2"], 2, 2);
+    // The two servers ended with the hole-punched connection only (the relayed one is
+    // closed once the direct one exists, so bulk streams cannot land on it).
+    let l = links(&s1, &id2);
+    assert!(
+        l.contains_key("hole_punched") && !l.contains_key("relayed"),
+        "s1 to s2: {l:?}"
+    );
+    let l = links(&s2, &id1);
+    assert!(l.contains_key("hole_punched"), "s2 to s1: {l:?}");
+}
+
+/// A public server, a server behind a cone NAT, a server behind a symmetric NAT, and a
+/// client behind a symmetric NAT: one group of three (the symmetric server trains through
+/// the public peer's relay: no hole can be punched to a symmetric NAT), and the client
+/// finishes episodes on every server.
+#[test]
+fn servers_behind_cone_and_symmetric_nats_train_with_a_public_one_through_its_relay() {
+    let _heavy = common::heavy();
+    let mut net = Net::new();
+    let hp = net.public("p");
+    let (hc, hs, hcl) = (
+        net.home("cone", Nat::Cone),
+        net.home("sym", Nat::Symmetric),
+        net.home("cl", Nat::Symmetric),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = tiny_model(d);
+    let extra = ["--groups-per-step", "1"];
+    let mut p = server(&hp, d, &model, "p", None, &extra);
+    let boot = p.addr();
+    let mut c = server(&hc, d, &model, "cone", Some(&boot), &extra);
+    let mut s = server(&hs, d, &model, "sym", Some(&boot), &extra);
+    let (id_p, id_c, id_s) = (p.peer_id(), c.peer_id(), s.peer_id());
+    for x in [&mut p, &mut c, &mut s] {
+        x.wait_epoch(3, Duration::from_secs(180));
+    }
+    let mut cl = client(&hcl, d, &boot, 16, "run1");
+    assert!(cl.child.wait().unwrap().success(), "{}", cl.log_text());
+    wait_all_consumed(d, &["p", "cone", "sym"], &[&p, &c, &s]);
+    assert_one_group(d, &["p", "cone", "sym"], 3, 2);
+    // Episodes finished on each server (each stored some).
+    for (name, x) in [("p", &p), ("cone", &c), ("sym", &s)] {
+        let stored = x
+            .events()
+            .iter()
+            .filter(|e| matches!(e, ServerEvent::EpisodeStored { .. }))
+            .count();
+        assert!(stored > 0, "no episode stored on {name}");
+    }
+    // Direct to the public server; between the NATs, relayed (symmetric: no hole).
+    wait_link(&c, &id_p, LinkKind::Direct, Duration::from_secs(5));
+    wait_link(&s, &id_p, LinkKind::Direct, Duration::from_secs(5));
+    let l = links(&s, &id_c);
+    assert!(l.contains_key("relayed"), "sym to cone: {l:?}");
+    assert_eq!(reach(&p), Some(agentjet::swarm::Reachability::Public));
+    for x in [&c, &s] {
+        assert_eq!(reach(x), Some(agentjet::swarm::Reachability::Relayed));
+    }
+    let _ = id_s;
+}
+
+/// A public trainer and two followers behind two cone NATs: each follows every version,
+/// and some of each version's chunks travel between the followers.
+#[test]
+fn followers_behind_nats_follow_every_version_and_share_chunks() {
+    let _heavy = common::heavy();
+    let mut net = Net::new();
+    let (ha, hc) = (net.public("a"), net.public("c"));
+    let (h1, h2) = (net.home("f1", Nat::Cone), net.home("f2", Nat::Cone));
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = tiny_model(d);
+    let chunks = ["--weights-chunk-kib", "16"];
+    let mut a = server(
+        &ha,
+        d,
+        &model,
+        "a",
+        None,
+        &[&chunks[..], &["--groups-per-step", "1", "--max-batch", "2"]].concat(),
+    );
+    let boot = a.addr();
+    a.wait_serving(Duration::from_secs(120));
+    let follow = [&chunks[..], &["--follow"]].concat();
+    let mut f1 = server(&h1, d, &model, "f1", Some(&boot), &follow);
+    let mut f2 = server(&h2, d, &model, "f2", Some(&boot), &follow);
+    let (id1, id2) = (f1.peer_id(), f2.peer_id());
+    let mut cl = client(&hc, d, &boot, 12, "run1");
+    assert!(cl.child.wait().unwrap().success(), "{}", cl.log_text());
+    let group: BTreeMap<u64, String> = hashes(&metrics_lines(d, "a"))
+        .into_iter()
+        .map(|(s, h)| (s, h[..16].to_string()))
+        .collect();
+    let newest = *group.keys().max().expect("the trainer took steps");
+    assert!(newest >= 2, "{newest} steps");
+    let followed = |f: &Peer| -> BTreeMap<u64, (String, BTreeMap<String, u64>)> {
+        f.events()
+            .into_iter()
+            .filter_map(|e| match e {
+                ServerEvent::Followed {
+                    version,
+                    param_hash,
+                    bytes_by_source,
+                    ..
+                } => Some((version, (param_hash, bytes_by_source))),
+                _ => None,
+            })
+            .collect()
+    };
+    for f in [&f1, &f2] {
+        wait_until("the newest version followed", Duration::from_secs(120), || {
+            followed(f).contains_key(&newest)
+        });
+    }
+    let mut shared = 0;
+    for (f, other) in [(&f1, &id2), (&f2, &id1)] {
+        let got = followed(f);
+        for (v, (h, by)) in &got {
+            if let Some(want) = group.get(v) {
+                assert_eq!(h, want, "version {v}");
+            }
+            shared += by.get(other.as_str()).copied().unwrap_or(0);
+        }
+        // Every version the trainer made after the follower's first.
+        let first = *got.keys().min().unwrap();
+        for v in group.keys().filter(|v| **v > first) {
+            assert!(got.contains_key(v), "version {v} not followed: {got:?}");
+        }
+    }
+    assert!(shared > 0, "no chunk travelled between the followers");
+    let l = links(&f1, &id2);
+    assert!(!l.is_empty(), "the followers never connected");
+    println!("f1 to f2: {l:?}");
+}
