@@ -549,7 +549,11 @@ fn bounded<T>(
 impl<S: futures::AsyncRead + Send + Unpin> Read for AsyncRead<S> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         let t = *crate::base::lock(&self.timeout);
-        bounded(&self.rt, t, futures::AsyncReadExt::read(&mut self.half, buf))
+        bounded(
+            &self.rt,
+            t,
+            futures::AsyncReadExt::read(&mut self.half, buf),
+        )
     }
 }
 

@@ -251,7 +251,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_dns_address_resolves_through_the_hosts_file_and_an_unknown_name_says_so() {
-        let a = m("/dns4/localhost/tcp/4001/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN");
+        let a =
+            m("/dns4/localhost/tcp/4001/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN");
         let got = resolve(&a).await.unwrap();
         assert!(got.contains(&m(
             "/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"

@@ -159,7 +159,8 @@ impl SwarmConfig {
             upnp: true,
             autonat_first: Duration::from_secs(1),
             autonat_every: Duration::from_secs(5),
-            autonat_timeout: Duration::from_secs(8),
+            // Above two dial timeouts: the peer asked dials each address back in turn.
+            autonat_timeout: Duration::from_secs(30),
             other_transport: None,
         }
     }

@@ -409,7 +409,10 @@ impl SwarmHandle {
         for kinds in n.links.values() {
             if kinds.iter().any(|(_, k)| *k == super::LinkKind::Direct) {
                 c.0 += 1;
-            } else if kinds.iter().any(|(_, k)| *k == super::LinkKind::HolePunched) {
+            } else if kinds
+                .iter()
+                .any(|(_, k)| *k == super::LinkKind::HolePunched)
+            {
                 c.1 += 1;
             } else {
                 c.2 += 1;
@@ -432,7 +435,10 @@ impl SwarmHandle {
         tokio::sync::broadcast::Receiver<super::NetEvent>,
     ) {
         let n = lock(&self.shared.net);
-        (n.log.iter().cloned().collect(), self.shared.net_tx.subscribe())
+        (
+            n.log.iter().cloned().collect(),
+            self.shared.net_tx.subscribe(),
+        )
     }
 
     /// Passes every network event (those so far, then each as it comes) to `f` on a task

@@ -9,8 +9,8 @@
 //! client roles give meaning to the messages, see `rpc`) and never touches LibTorch; it
 //! imports nothing of the crate but `base` (the layering test checks it).
 
-mod admission;
 pub mod addrs;
+mod admission;
 pub mod auth;
 mod config;
 pub mod frame;

@@ -94,6 +94,8 @@ pub enum NetEvent {
         status: Reachability,
         addrs: Vec<String>,
     },
+    /// The addresses it offers other peers changed (its reachability did not).
+    Addresses { addrs: Vec<String> },
     /// A connection to `peer` opened.
     Connected {
         peer: String,
@@ -313,7 +315,7 @@ pub struct NatState {
 }
 
 /// How long a peer with no AutoNAT verdict waits before it reserves relay slots anyway.
-pub const NO_VERDICT: Duration = Duration::from_secs(15);
+pub const NO_VERDICT: Duration = Duration::from_secs(10);
 
 impl NatState {
     pub fn new(now: Instant) -> NatState {

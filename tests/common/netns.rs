@@ -149,12 +149,21 @@ impl Net {
         let inet = self.namespaces[0].clone();
         let port = format!("p{}", self.namespaces.len());
         must(&[
-            "ip", "link", "add", dev, "netns", ns, "type", "veth", "peer", "name", &port,
-            "netns", &inet,
+            "ip", "link", "add", dev, "netns", ns, "type", "veth", "peer", "name", &port, "netns",
+            &inet,
         ]);
         must(&["ip", "-n", &inet, "link", "set", &port, "master", "sw"]);
         must(&["ip", "-n", &inet, "link", "set", &port, "up"]);
-        must(&["ip", "-n", ns, "addr", "add", &format!("{ip}/24"), "dev", dev]);
+        must(&[
+            "ip",
+            "-n",
+            ns,
+            "addr",
+            "add",
+            &format!("{ip}/24"),
+            "dev",
+            dev,
+        ]);
         must(&["ip", "-n", ns, "link", "set", dev, "up"]);
     }
 
@@ -188,36 +197,92 @@ impl Net {
             Ipv4Addr::new(203, 0, 113, 16 * i + 2),
         );
         must(&[
-            "ip", "link", "add", "lan", "netns", &router, "type", "veth", "peer", "name",
-            "eth0", "netns", &ns,
+            "ip", "link", "add", "lan", "netns", &router, "type", "veth", "peer", "name", "eth0",
+            "netns", &ns,
         ]);
-        must(&["ip", "-n", &router, "addr", "add", &format!("{gw}/28"), "dev", "lan"]);
+        must(&[
+            "ip",
+            "-n",
+            &router,
+            "addr",
+            "add",
+            &format!("{gw}/28"),
+            "dev",
+            "lan",
+        ]);
         must(&["ip", "-n", &router, "link", "set", "lan", "up"]);
-        must(&["ip", "-n", &ns, "addr", "add", &format!("{ip}/28"), "dev", "eth0"]);
+        must(&[
+            "ip",
+            "-n",
+            &ns,
+            "addr",
+            "add",
+            &format!("{ip}/28"),
+            "dev",
+            "eth0",
+        ]);
         must(&["ip", "-n", &ns, "link", "set", "eth0", "up"]);
-        must(&["ip", "-n", &ns, "route", "add", "default", "via", &gw.to_string()]);
+        must(&[
+            "ip",
+            "-n",
+            &ns,
+            "route",
+            "add",
+            "default",
+            "via",
+            &gw.to_string(),
+        ]);
         let x = |args: &[&str]| {
             let mut all = vec!["ip", "netns", "exec", &router];
             all.extend_from_slice(args);
             must(&all);
         };
         x(&["sysctl", "-qw", "net.ipv4.ip_forward=1"]);
-        let mut masq = vec!["iptables", "-t", "nat", "-A", "POSTROUTING", "-o", "wan", "-j"];
+        let mut masq = vec![
+            "iptables",
+            "-t",
+            "nat",
+            "-A",
+            "POSTROUTING",
+            "-o",
+            "wan",
+            "-j",
+        ];
         masq.push("MASQUERADE");
         if nat == Nat::Symmetric {
             masq.push("--random-fully");
         }
         x(&masq);
         // Out: anything. In: replies only (to the home host and to the router itself).
-        x(&["iptables", "-A", "FORWARD", "-i", "lan", "-o", "wan", "-j", "ACCEPT"]);
         x(&[
-            "iptables", "-A", "FORWARD", "-i", "wan", "-m", "conntrack", "--ctstate",
-            "ESTABLISHED,RELATED", "-j", "ACCEPT",
+            "iptables", "-A", "FORWARD", "-i", "lan", "-o", "wan", "-j", "ACCEPT",
+        ]);
+        x(&[
+            "iptables",
+            "-A",
+            "FORWARD",
+            "-i",
+            "wan",
+            "-m",
+            "conntrack",
+            "--ctstate",
+            "ESTABLISHED,RELATED",
+            "-j",
+            "ACCEPT",
         ]);
         x(&["iptables", "-P", "FORWARD", "DROP"]);
         x(&[
-            "iptables", "-A", "INPUT", "-i", "wan", "-m", "conntrack", "--ctstate",
-            "ESTABLISHED,RELATED", "-j", "ACCEPT",
+            "iptables",
+            "-A",
+            "INPUT",
+            "-i",
+            "wan",
+            "-m",
+            "conntrack",
+            "--ctstate",
+            "ESTABLISHED,RELATED",
+            "-j",
+            "ACCEPT",
         ]);
         x(&["iptables", "-A", "INPUT", "-i", "wan", "-j", "DROP"]);
         let h = Host {

@@ -93,8 +93,7 @@ use serve::{serve_group, Trusted};
 
 use super::link::{self, Conn, LinkError, LinkListener, LinkNet, LinkOffer, TcpLinks};
 use super::rendezvous::{
-    ask_link, open_link_stream, serve_group_links, LinkAdmit, LinkAsk, OfferBook,
-    RendezvousError,
+    ask_link, open_link_stream, serve_group_links, LinkAdmit, LinkAsk, OfferBook, RendezvousError,
 };
 use super::ring::{Ring, RingError, RoundStats, Wire};
 use crate::base::lock;
@@ -209,12 +208,10 @@ pub struct GroupNode {
     /// once; twice as long at each decline that follows the last one's end within
     /// [`proto::BAN`] (so a member that keeps sending NaN costs the group a failed round
     /// less and less often). This member's own entry times its wait when declined.
-    declined: HashMap<PeerId, Decline>,
+    declined: std::sync::Mutex<HashMap<PeerId, Decline>>,
     /// Starts in a row that left this member out as of another shape: each doubles the
     /// wait before it asks again (up to [`proto::BAN`]).
     shape_exclusions: u32,
-    /// Neighbours this member could not link with, as declines (each doubles the next).
-    unlinked: std::sync::Mutex<HashMap<PeerId, Decline>>,
     /// Neighbours a direct TCP connection to failed, and when (see [`DIRECT_RETRY`]).
     direct_failed: std::sync::Mutex<HashMap<PeerId, Instant>>,
 }
@@ -282,8 +279,7 @@ impl GroupNode {
             links,
             suspected: HashMap::new(),
             shape_exclusions: 0,
-            declined: HashMap::new(),
-            unlinked: Default::default(),
+            declined: Default::default(),
             direct_failed: Default::default(),
         })
     }
@@ -305,14 +301,17 @@ impl GroupNode {
     }
 
     /// Declines `p` from now (see `declined`); returns how long.
-    fn decline(&mut self, p: PeerId) -> Duration {
+    fn decline(&self, p: PeerId) -> Duration {
+        let mut declined = lock(&self.declined);
         let d = decline::next_decline(
             self.decline_for(),
-            self.declined.get(&p).copied(),
+            declined.get(&p).copied(),
             Instant::now(),
         );
-        self.declined.insert(p, d);
-        self.decline_len(d.times)
+        declined.insert(p, d);
+        let wait = self.decline_len(d.times);
+        self.shared.decline(p.to_bytes(), wait);
+        wait
     }
 
     pub fn config(&self) -> &GroupConfig {
@@ -341,7 +340,7 @@ impl GroupNode {
     }
 
     fn is_declined(&self, p: &PeerId) -> bool {
-        self.declined
+        lock(&self.declined)
             .get(p)
             .is_some_and(|d| d.at.elapsed() <= self.decline_len(d.times))
     }
@@ -873,7 +872,17 @@ impl GroupNode {
                     excluded.push(*p);
                 }
                 Err(e) => {
-                    warn!(group = self.cfg.name, peer = %p, "no answer to the prepare: {e}");
+                    // Alive or not, it could not be reached within the bound: left out
+                    // for a decline period (doubled in a row), not just until its next
+                    // gossip (a peer that gossips but cannot be reached from here would
+                    // be proposed to again and again).
+                    let wait = self.unlink(*p);
+                    warn!(
+                        group = self.cfg.name,
+                        peer = %p,
+                        wait_s = wait.as_secs(),
+                        "no answer to the prepare: left out for a while ({e})"
+                    );
                     excluded.push(*p);
                 }
             }
@@ -932,7 +941,15 @@ impl GroupNode {
             .iter()
             .filter_map(|b| peer_of(b).ok())
             .filter(|p| *p != self.me)
-            .chain(start.excluded.iter().filter_map(|b| peer_of(b).ok()))
+            // (Not to one this member just failed to reach: the Start would wait out the
+            // same failure.)
+            .chain(
+                start
+                    .excluded
+                    .iter()
+                    .filter(|b| !self.shared.is_unlinked(b))
+                    .filter_map(|b| peer_of(b).ok()),
+            )
             .collect();
         let sent: Vec<Result<Reply, AskError>> = self.rt.block_on(async {
             futures::future::join_all(to.iter().map(|p| ask(&self.swarm, *p, &req, ctl))).await
@@ -980,13 +997,10 @@ impl GroupNode {
         Ok(m)
     }
 
-    /// Declines a ring with `peer` (it could not be linked) for a decline period, doubled
-    /// at each failure in a row; returns how long.
+    /// Declines a ring with `peer` (it could not be linked or reached) for a decline
+    /// period, doubled at each decline in a row; returns how long.
     fn unlink(&self, peer: PeerId) -> Duration {
-        let mut u = lock(&self.unlinked);
-        let d = decline::next_decline(self.decline_for(), u.get(&peer).copied(), Instant::now());
-        u.insert(peer, d);
-        let wait = self.decline_len(d.times);
+        let wait = self.decline(peer);
         self.shared.unlink(peer.to_bytes(), wait);
         wait
     }
@@ -1007,8 +1021,7 @@ impl GroupNode {
         if offer.direct && !failed_lately {
             let (links, port) = (self.links.clone(), offer.port);
             let tried =
-                tokio::task::spawn_blocking(move || links.connect(&addrs, port, DIRECT_WAIT))
-                    .await;
+                tokio::task::spawn_blocking(move || links.connect(&addrs, port, DIRECT_WAIT)).await;
             match tried {
                 Ok(Ok(conn)) => return Ok(conn),
                 Ok(Err(e)) => {
@@ -1019,9 +1032,7 @@ impl GroupNode {
                     );
                     lock(&self.direct_failed).insert(peer, Instant::now());
                 }
-                Err(_) => {
-                    return Err(GroupError::Refused("the dialing thread panicked".into()))
-                }
+                Err(_) => return Err(GroupError::Refused("the dialing thread panicked".into())),
             }
         }
         Ok(open_link_stream(&self.swarm, peer, group).await?)
@@ -1101,10 +1112,7 @@ impl GroupNode {
             }
         })?;
         let (tx, _) = match dialed {
-            Ok(link) => {
-                lock(&self.unlinked).remove(&right);
-                link
-            }
+            Ok(link) => link,
             Err(e) => {
                 let wait = self.unlink(right);
                 warn!(

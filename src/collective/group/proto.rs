@@ -194,9 +194,12 @@ pub(super) struct Shared {
     /// Members that sent this one non-finite values, and when: for [`BAN`] it does not
     /// train with them (no candidate, no ring, no request answered).
     pub banned: Mutex<HashMap<Vec<u8>, Instant>>,
-    /// Members this one could not link with (a dial that failed within the link bound),
-    /// when, and for how long it declines a ring with them.
-    pub unlinked: Mutex<HashMap<Vec<u8>, (Instant, Duration)>>,
+    /// Members this one could not link with or reach (a link or a prepare that failed
+    /// within the bound), and until when it declines a ring with them.
+    pub unlinked: Mutex<HashMap<Vec<u8>, Instant>>,
+    /// Peers this member leaves out for a while, whoever decided it (a Start's decline,
+    /// its own), and until when: it promises no ballot they propose.
+    pub declined: Mutex<HashMap<Vec<u8>, Instant>>,
 }
 
 /// How a member's refusal starts when a Prepare or Start names a member it does not train
@@ -228,21 +231,35 @@ impl Shared {
             changed: Condvar::new(),
             banned: Mutex::new(HashMap::new()),
             unlinked: Mutex::new(HashMap::new()),
+            declined: Mutex::new(HashMap::new()),
         }
     }
 
-    /// Declines a ring with `peer` (id bytes) for `wait`: this member could not link
-    /// with it.
+    /// Declines a ring with `peer` (id bytes) for `wait`: this member could not link with
+    /// it or reach it.
     pub fn unlink(&self, peer: Vec<u8>, wait: Duration) {
-        lock(&self.unlinked).insert(peer, (Instant::now(), wait));
+        lock(&self.unlinked).insert(peer, Instant::now() + wait);
     }
 
     /// Whether this member declines a ring with `peer` (id bytes) now, as one it could not
-    /// link with.
+    /// link with or reach.
     pub fn is_unlinked(&self, peer: &[u8]) -> bool {
         let mut u = lock(&self.unlinked);
-        u.retain(|_, (at, wait)| at.elapsed() < *wait);
+        u.retain(|_, until| *until > Instant::now());
         u.contains_key(peer)
+    }
+
+    /// Leaves `peer` (id bytes) out for `wait`: no ballot it proposes is promised.
+    pub fn decline(&self, peer: Vec<u8>, wait: Duration) {
+        if peer != self.me {
+            lock(&self.declined).insert(peer, Instant::now() + wait);
+        }
+    }
+
+    fn is_declined(&self, peer: &[u8]) -> bool {
+        let mut d = lock(&self.declined);
+        d.retain(|_, until| *until > Instant::now());
+        d.contains_key(peer)
     }
 
     /// Why this member declines a ring of `members` (a member that sent it non-finite
@@ -256,7 +273,7 @@ impl Shared {
         }
         members.iter().find(|m| self.is_unlinked(m)).map(|b| {
             format!(
-                "{DECLINES} {}, which this member could not link with",
+                "{DECLINES} {}, which this member could not link with or reach",
                 peer_name(b)
             )
         })
@@ -328,6 +345,15 @@ impl Shared {
                 }
                 if let Some(why) = self.declines_among(&members) {
                     return self.refuse(why);
+                }
+                // A proposer this member leaves out (it could not be reached or linked by
+                // a member, or sent non-finite values) does not pull it out of its ring:
+                // two proposers would take it in turns.
+                if self.is_declined(from) {
+                    return self.refuse(format!(
+                        "{DECLINES} {}, which this member leaves out for a while",
+                        peer_name(from)
+                    ));
                 }
                 let mut g = lock(&self.inner);
                 if g.stopping {

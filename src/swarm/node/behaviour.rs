@@ -91,22 +91,24 @@ pub(super) fn behaviour(
     } else {
         Mode::Client
     }));
-    let autonat = (!local_only).then(|| autonat::Behaviour::new(
-        peer_id,
-        autonat::Config {
-            timeout: c.autonat_timeout,
-            boot_delay: c.autonat_first,
-            retry_interval: c.autonat_every,
-            refresh_interval: c.autonat_every * 12,
-            throttle_server_period: Duration::from_secs(5),
-            // Private networks are networks too: a swarm on a LAN or in a cluster
-            // reaches its peers at their private addresses.
-            only_global_ips: false,
-            // One answer decides at first; a verdict then flips after two against it.
-            confidence_max: 2,
-            ..Default::default()
-        },
-    ));
+    let autonat = (!local_only).then(|| {
+        autonat::Behaviour::new(
+            peer_id,
+            autonat::Config {
+                timeout: c.autonat_timeout,
+                boot_delay: c.autonat_first,
+                retry_interval: c.autonat_every,
+                refresh_interval: c.autonat_every * 12,
+                throttle_server_period: Duration::from_secs(5),
+                // Private networks are networks too: a swarm on a LAN or in a cluster
+                // reaches its peers at their private addresses.
+                only_global_ips: false,
+                // One answer decides at first; a verdict then flips after two against it.
+                confidence_max: 2,
+                ..Default::default()
+            },
+        )
+    });
     let relay = (c.relay_service && !local_only).then(|| {
         let mut r = relay::Behaviour::new(peer_id, relay_config(c));
         // Off until this peer is publicly reachable (the event loop turns it on).

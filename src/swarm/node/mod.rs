@@ -37,10 +37,10 @@ use libp2p::core::transport::OptionalTransport;
 use libp2p::gossipsub::{self, IdentTopic, MessageAcceptance};
 use libp2p::identity::Keypair;
 use libp2p::kad::{self, store::RecordStore, QueryId, QueryResult};
-use libp2p::swarm::{ConnectionId, DialError, ListenerId, SwarmEvent};
+use libp2p::swarm::{ConnectionId, DialError, SwarmEvent};
 use libp2p::{identify, noise, tcp, yamux, Multiaddr, PeerId, Swarm};
 use tokio::sync::{mpsc, oneshot};
-use tracing::{debug, info, warn};
+use tracing::{debug, warn};
 
 use super::addrs;
 use super::admission;
@@ -51,7 +51,7 @@ use super::limits::Limits;
 use super::protocol::{
     PeerStatus, StatusEnvelope, IDENTIFY, KAD, REACH_FIELD, RELAY_FIELD, STATUS_TOPIC,
 };
-use super::reach::{Bootstrap, LinkKind, NatState, NetEvent, Reachability};
+use super::reach::{Bootstrap, LinkKind, NatState, NetEvent};
 use super::shared::{
     check_cert, Command, NetState, ProviderLookup, ProvidersReply, Shared, ViewSlot,
 };
@@ -105,6 +105,9 @@ fn unix_ms() -> u64 {
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0)
 }
+
+/// How long a dial may take to connect (transport, security and multiplexing).
+const DIAL_TIMEOUT: Duration = Duration::from_secs(8);
 
 /// How long, after the first address of each listener, the others of a listener on every
 /// interface (`0.0.0.0`) may take to come up before the node reports its addresses.
@@ -166,7 +169,9 @@ pub async fn spawn_node(cfg: SwarmConfig) -> Result<SwarmHandle, SwarmError> {
             q
         })
         .with_other_transport(|key| match &other {
-            Some(o) => (o.0)(key).map(OptionalTransport::some),
+            Some(o) => (o.0)(key)
+                .map(OptionalTransport::some)
+                .map_err(Box::<dyn std::error::Error + Send + Sync>::from),
             None => Ok(OptionalTransport::none()),
         })
         .map_err(|e| SwarmError::Setup(format!("other transport: {e}")))?
@@ -175,6 +180,9 @@ pub async fn spawn_node(cfg: SwarmConfig) -> Result<SwarmHandle, SwarmError> {
         .with_behaviour(behaviour)
         .map_err(|e| SwarmError::Setup(format!("behaviour: {e}")))?
         .with_swarm_config(swarm_config)
+        // A dial that has not connected in this long fails (an AutoNAT dial-back to a
+        // peer behind NAT among them: its verdict waits for it).
+        .with_connection_timeout(DIAL_TIMEOUT)
         .build();
 
     let topic = IdentTopic::new(STATUS_TOPIC);
@@ -473,7 +481,9 @@ impl EventLoop {
             .extra
             .insert(REACH_FIELD.to_string(), reach.as_str().to_string());
         if self.relaying() {
-            status.extra.insert(RELAY_FIELD.to_string(), "1".to_string());
+            status
+                .extra
+                .insert(RELAY_FIELD.to_string(), "1".to_string());
         }
         let offered = self.offered();
         self.seq += 1;
@@ -638,6 +648,8 @@ impl EventLoop {
         }
         let book = self.addr_book.entry(peer).or_default();
         for a in addrs {
+            // Kept without the peer's own id (dials add it).
+            let a = addrs::without_peer(&a);
             if !book.contains(&a) {
                 book.push(a);
             }
@@ -688,7 +700,12 @@ impl EventLoop {
         let addrs: Vec<Multiaddr> = self
             .addr_book
             .get(&peer)
-            .map(|b| b.iter().filter(|a| !addrs::is_relayed(a)).cloned().collect())
+            .map(|b| {
+                b.iter()
+                    .filter(|a| !addrs::is_relayed(a))
+                    .cloned()
+                    .collect()
+            })
             .unwrap_or_default();
         if addrs.is_empty() {
             return;
@@ -844,7 +861,10 @@ impl EventLoop {
                 connection_id,
             } => {
                 // A bootstrap address without a peer id.
-                warn!(?connection_id, "a dial failed (tried again if a bootstrap peer): {error}");
+                warn!(
+                    ?connection_id,
+                    "a dial failed (tried again if a bootstrap peer): {error}"
+                );
             }
             SwarmEvent::Behaviour(BehaviourEvent::Identify(identify::Event::Received {
                 peer_id,

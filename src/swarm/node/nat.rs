@@ -8,9 +8,10 @@
 
 use std::time::Instant;
 
+use libp2p::core::transport::ListenerId;
 use libp2p::kad::Mode;
 use libp2p::multiaddr::Protocol;
-use libp2p::swarm::{ConnectionId, ListenerId};
+use libp2p::swarm::ConnectionId;
 use libp2p::{autonat, dcutr, relay, upnp, Multiaddr, PeerId, StreamProtocol};
 use tracing::{debug, info, warn};
 
@@ -27,8 +28,13 @@ const HOP: StreamProtocol = StreamProtocol::new("/libp2p/circuit/relay/0.2.0/hop
 impl EventLoop {
     /// The addresses this peer offers others (see `addrs::offered`).
     pub(super) fn offered(&self) -> Vec<Multiaddr> {
-        let external: Vec<Multiaddr> = self.swarm.external_addresses().cloned().collect();
-        addrs::offered(&external, &self.listen_addrs, 16)
+        let external: Vec<Multiaddr> = self
+            .swarm
+            .external_addresses()
+            .map(addrs::without_peer)
+            .collect();
+        let listen: Vec<Multiaddr> = self.listen_addrs.iter().map(addrs::without_peer).collect();
+        addrs::offered(&external, &listen, 16)
     }
 
     /// Whether this peer's relay service takes reservations now.
@@ -60,7 +66,8 @@ impl EventLoop {
         if !changed {
             return;
         }
-        if self.nat.said != now {
+        let status_changed = self.nat.said != now;
+        if status_changed {
             info!(
                 reachability = now.as_str(),
                 addrs = ?offered,
@@ -72,10 +79,11 @@ impl EventLoop {
                     now,
                     Reachability::Public | Reachability::Local | Reachability::Unknown
                 );
-            self.swarm
-                .behaviour_mut()
-                .kad
-                .set_mode(Some(if dht { Mode::Server } else { Mode::Client }));
+            self.swarm.behaviour_mut().kad.set_mode(Some(if dht {
+                Mode::Server
+            } else {
+                Mode::Client
+            }));
             if let Some(r) = self.swarm.behaviour_mut().relay.as_mut() {
                 r.set_status(Some(if now == Reachability::Public {
                     relay::Status::Enable
@@ -87,9 +95,11 @@ impl EventLoop {
                 self.release_relays();
             }
         }
-        self.shared.net_event(NetEvent::Reachability {
-            status: now,
-            addrs: offered.iter().map(ToString::to_string).collect(),
+        let addrs = offered.iter().map(ToString::to_string).collect();
+        self.shared.net_event(if status_changed {
+            NetEvent::Reachability { status: now, addrs }
+        } else {
+            NetEvent::Addresses { addrs }
         });
         let mut st = lock(&self.shared.status);
         st.extra
@@ -126,7 +136,8 @@ impl EventLoop {
         };
         let was_held = self.nat.relays.held_on().contains(&relay);
         self.nat.relays.refused(&relay, Instant::now());
-        self.listen_addrs.retain(|a| !relay_of(a).is_some_and(|r| r == relay));
+        self.listen_addrs
+            .retain(|a| !relay_of(a).is_some_and(|r| r == relay));
         warn!(
             %relay,
             held = was_held,
@@ -143,7 +154,13 @@ impl EventLoop {
     }
 
     /// Records a connection that opened.
-    pub(super) fn opened(&mut self, id: ConnectionId, peer: PeerId, kind: LinkKind, remote: Multiaddr) {
+    pub(super) fn opened(
+        &mut self,
+        id: ConnectionId,
+        peer: PeerId,
+        kind: LinkKind,
+        remote: Multiaddr,
+    ) {
         debug!(%peer, kind = kind.as_str(), %remote, "connection opened");
         self.conns.insert(
             id,
@@ -338,9 +355,7 @@ impl EventLoop {
         let mut n = lock(&self.shared.net);
         let load = &mut n.relay;
         match e {
-            relay::Event::ReservationReqAccepted { renewed: false, .. } => {
-                load.reservations += 1
-            }
+            relay::Event::ReservationReqAccepted { renewed: false, .. } => load.reservations += 1,
             relay::Event::ReservationClosed { .. } | relay::Event::ReservationTimedOut { .. } => {
                 load.reservations = load.reservations.saturating_sub(1)
             }
@@ -438,10 +453,7 @@ fn relay_of(a: &Multiaddr) -> Option<PeerId> {
 
 /// Every address of `addrs` resolved (see `addrs::resolve`); each that fails is said,
 /// logged and recorded as a network event.
-async fn resolve_all(
-    shared: &crate::swarm::shared::Shared,
-    addrs: &[Multiaddr],
-) -> Vec<Multiaddr> {
+async fn resolve_all(shared: &crate::swarm::shared::Shared, addrs: &[Multiaddr]) -> Vec<Multiaddr> {
     let mut out = Vec::new();
     for a in addrs {
         match tokio::time::timeout(std::time::Duration::from_secs(5), addrs::resolve(a)).await {
