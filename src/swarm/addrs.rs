@@ -241,7 +241,7 @@ mod tests {
         assert_eq!(offered(&[], &lo, 16), lo.to_vec());
         // A relayed address comes after the direct ones.
         let circuit = m("/ip4/198.51.100.2/udp/4001/quic-v1/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN/p2p-circuit");
-        let got = offered(&[circuit.clone()], &listen[1..2], 16);
+        let got = offered(std::slice::from_ref(&circuit), &listen[1..2], 16);
         assert_eq!(got, vec![listen[1].clone(), circuit]);
         // What another peer says is kept without its local addresses unless local.
         let said = vec![listen[0].clone(), listen[1].clone()];

@@ -653,7 +653,7 @@ pub enum StudyAction {
     Report(StudyArgs),
     /// Run study arms on this machine for the drivers named (a peer of a closed swarm:
     /// a study file's `[workers]` finds it there).
-    Worker(WorkerArgs),
+    Worker(Box<WorkerArgs>),
 }
 
 #[derive(Debug, clap::Args)]

@@ -123,7 +123,7 @@ pub fn run(action: StudyAction) -> Result<()> {
                      the arms' servers; run the worker with the full build"
                 );
             }
-            super::run::with_signals(|stop| worker(a, stop))
+            super::run::with_signals(|stop| worker(*a, stop))
         }
     }
 }

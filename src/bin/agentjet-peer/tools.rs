@@ -238,7 +238,7 @@ pub async fn status(
                 .extra
                 .get(swarm::protocol::REACH_FIELD)
                 .map_or("-", String::as_str),
-            if e.status.extra.get(swarm::protocol::RELAY_FIELD).is_some() {
+            if e.status.extra.contains_key(swarm::protocol::RELAY_FIELD) {
                 "+relay"
             } else {
                 ""

@@ -882,7 +882,7 @@ impl EventLoop {
                         .is_some_and(|c| addrs::is_local(&c.remote));
                 let addrs = addrs::usable(info.listen_addrs, local);
                 self.learn(peer_id, addrs);
-                let serves_dht = info.protocols.iter().any(|p| *p == KAD);
+                let serves_dht = info.protocols.contains(&KAD);
                 let was = self.identified.insert(peer_id, serves_dht);
                 if was == Some(true) && !serves_dht && self.in_kad.remove(&peer_id) {
                     // It went behind NAT (a Kademlia client now): out of the table.

@@ -137,7 +137,7 @@ impl EventLoop {
         let was_held = self.nat.relays.held_on().contains(&relay);
         self.nat.relays.refused(&relay, Instant::now());
         self.listen_addrs
-            .retain(|a| !relay_of(a).is_some_and(|r| r == relay));
+            .retain(|a| relay_of(a).is_none_or(|r| r != relay));
         warn!(
             %relay,
             held = was_held,
