@@ -65,11 +65,15 @@ phase() {
 
 debian() {
   # Debian packages the tests use, installed only when missing: Chromium (the dashboard
-  # test opens the page in it, headless), jq and curl (the shell agents).
+  # test opens the page in it, headless), jq and curl (the shell agents), iproute2 and
+  # iptables (the hosts in network namespaces of tests/e2e/network.rs and their NAT
+  # routers).
   local missing=()
   command -v chromium >/dev/null || command -v chromium-browser >/dev/null || missing+=(chromium)
   command -v jq >/dev/null || missing+=(jq)
   command -v curl >/dev/null || missing+=(curl)
+  command -v ip >/dev/null || missing+=(iproute2)
+  command -v iptables >/dev/null || missing+=(iptables)
   if [ ${#missing[@]} -gt 0 ]; then
     echo "[test] installing from Debian's packages: ${missing[*]}"
     local sudo=""

@@ -249,6 +249,7 @@ pub fn spawn(
             mode: cfg.mode.name(),
             timeout: cfg.timeout,
             heartbeat: cfg.heartbeat,
+            direct_links: true,
         },
         std::net::Ipv4Addr::LOCALHOST.into(),
         Arc::new(links),

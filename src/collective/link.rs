@@ -332,8 +332,8 @@ impl LinkListener {
     }
 
     /// A connection that came over the swarm (a stream on the peer's connection): taken
-    /// by the accepts as one that came to the port. At most [`INBOX`] wait (the oldest go:
-    /// an accept looks at them every [`ACCEPT_SLICE`]).
+    /// by the accepts as one that came to the port. At most 16 wait (the oldest go: an
+    /// accept looks at them every 20 ms).
     pub fn deliver(&self, conn: Conn) {
         let mut inbox = crate::base::lock(&self.inbox);
         if inbox.len() >= INBOX {
@@ -678,7 +678,7 @@ impl LinkNet for TcpLinks {
                 }
             }
         }
-        ips.truncate(3);
+        ips.truncate(2);
         let mut last = LinkError::NoAddress(addrs.to_vec());
         for ip in ips {
             match TcpStream::connect_timeout(&SocketAddr::new(ip, port), timeout) {

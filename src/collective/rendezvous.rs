@@ -58,8 +58,6 @@ pub enum RendezvousError {
     Frame(#[from] FrameError),
     #[error("{peer} refused the link: {reason}")]
     Refused { peer: PeerId, reason: String },
-    #[error("no address known for {0}")]
-    NoAddress(PeerId),
     #[error("timed out waiting for a link ask from {0}")]
     Timeout(PeerId),
     #[error("{peer} refused the link stream: {reason}")]
@@ -339,9 +337,7 @@ pub async fn ask_link(
         .map(|e| e.addrs)
         .unwrap_or_default();
     addrs.extend(swarm.addresses_of(peer).await);
-    if addrs.is_empty() {
-        return Err(RendezvousError::NoAddress(peer));
-    }
+    // (No address: the link runs over the swarm's connection.)
     Ok((addrs, offer))
 }
 

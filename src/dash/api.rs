@@ -307,7 +307,7 @@ async fn metrics(State(st): St) -> Response {
         "agentjet_relay_refused_total",
         "Reservations and circuits this peer's relay service refused (limits).",
         &[],
-        load.circuits_refused as f64,
+        load.refused as f64,
     );
     st.source.metrics(&mut p);
     (

@@ -109,6 +109,9 @@ pub struct CollectiveSettings {
     /// Tests only: from this group step on, this member sends NaN values (see
     /// `LoopConfig::send_nan_from`).
     pub send_nan_from: Option<u64>,
+    /// Ring links may be direct TCP connections (`--group-links auto`); false: streams
+    /// over the swarm's connections only (`--group-links swarm`).
+    pub direct_links: bool,
 }
 
 impl Default for CollectiveSettings {
@@ -118,6 +121,7 @@ impl Default for CollectiveSettings {
             heartbeat: Duration::from_millis(500),
             wire: Wire::F32,
             midway_pause: None,
+            direct_links: true,
             group: None,
             hash_every: 10,
             perturb_at: None,

@@ -172,6 +172,7 @@ pub fn start_training(
             mode,
             timeout: settings.collective.timeout,
             heartbeat: settings.collective.heartbeat,
+            direct_links: settings.collective.direct_links,
         },
         ip,
     )

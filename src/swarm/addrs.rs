@@ -67,20 +67,30 @@ pub fn all_loopback(listen: &[Multiaddr]) -> bool {
 /// docs). Each once, at most `max`.
 pub fn offered(external: &[Multiaddr], listen: &[Multiaddr], max: usize) -> Vec<Multiaddr> {
     let local_only = all_loopback(listen);
-    let mut out: Vec<Multiaddr> = Vec::new();
-    let direct = external.iter().filter(|a| !is_relayed(a));
-    let relayed = external.iter().filter(|a| is_relayed(a));
-    let candidates = direct
-        .chain(listen.iter().filter(|a| !is_relayed(a)))
-        .chain(listen.iter().filter(|a| is_relayed(a)))
-        .chain(relayed);
-    for a in candidates {
-        if (local_only || !is_local(a)) && !out.contains(a) {
-            out.push(a.clone());
+    let keep = |a: &&Multiaddr| local_only || !is_local(a);
+    let mut direct: Vec<Multiaddr> = Vec::new();
+    for a in external
+        .iter()
+        .chain(listen)
+        .filter(|a| !is_relayed(a))
+        .filter(keep)
+    {
+        if !direct.contains(a) {
+            direct.push(a.clone());
         }
     }
-    out.truncate(max);
-    out
+    let mut relayed: Vec<Multiaddr> = Vec::new();
+    for a in listen.iter().chain(external).filter(|a| is_relayed(a)) {
+        if !relayed.contains(a) {
+            relayed.push(a.clone());
+        }
+    }
+    // The relayed ones are kept whatever the number of interfaces (a host behind NAT
+    // with many has no other address another host can use), up to half of `max`.
+    relayed.truncate(max / 2);
+    direct.truncate(max - relayed.len());
+    direct.extend(relayed);
+    direct
 }
 
 /// The addresses of a peer worth keeping, from what it (or another peer) said of it:
@@ -172,12 +182,30 @@ pub async fn resolve(a: &Multiaddr) -> Result<Vec<Multiaddr>, ResolveError> {
     Ok(out)
 }
 
-/// Says which listen address's port is taken (another process listens there), before the
-/// node tries to listen: `Some(message)` naming the address and what to pass instead.
-/// Ports 0 (any free one) and addresses that are not TCP or UDP are never taken.
-pub fn taken_port(listen: &[Multiaddr]) -> Option<String> {
+/// A listen address whose port another process holds.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error(
+    "{proto} port {port} is taken ({addr}: another process listens there, perhaps another \
+     agentjet-peer on this machine): give this peer other ports, e.g. --listen \
+     /ip4/0.0.0.0/udp/{other}/quic-v1 --listen /ip4/0.0.0.0/tcp/{other}, or port 0 for any \
+     free one",
+    other = port.saturating_add(1)
+)]
+pub struct PortTaken {
+    pub addr: Multiaddr,
+    pub proto: &'static str,
+    pub port: u16,
+}
+
+/// The first listen address whose port is taken (another process listens there), found
+/// before the node tries to listen. Ports 0 (any free one), addresses that are not TCP or
+/// UDP, and IPv6 ones (a probe socket there would be dual-stack where libp2p's is not)
+/// are never reported.
+pub fn taken_port(listen: &[Multiaddr]) -> Option<PortTaken> {
     for a in listen {
-        let Some(ip) = ip_of(a) else { continue };
+        let Some(ip @ IpAddr::V4(_)) = ip_of(a) else {
+            continue;
+        };
         let (udp, port) = match a.iter().find_map(|p| match p {
             Protocol::Tcp(port) => Some((false, port)),
             Protocol::Udp(port) => Some((true, port)),
@@ -197,14 +225,11 @@ pub fn taken_port(listen: &[Multiaddr]) -> Option<String> {
         };
         if let Err(e) = bound {
             if e.kind() == std::io::ErrorKind::AddrInUse {
-                let proto = if udp { "UDP" } else { "TCP" };
-                return Some(format!(
-                    "{proto} port {port} is taken ({a}: another process listens there, \
-                     perhaps another agentjet-peer on this machine): give this peer other \
-                     ports, e.g. --listen /ip4/0.0.0.0/udp/{other}/quic-v1 --listen \
-                     /ip4/0.0.0.0/tcp/{other}, or port 0 for any free one",
-                    other = port.saturating_add(1)
-                ));
+                return Some(PortTaken {
+                    addr: a.clone(),
+                    proto: if udp { "UDP" } else { "TCP" },
+                    port,
+                });
             }
         }
     }
@@ -269,7 +294,9 @@ mod tests {
         let held = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
         let port = held.local_addr().unwrap().port();
         let a = m(&format!("/ip4/127.0.0.1/udp/{port}/quic-v1"));
-        let why = taken_port(&[m("/ip4/127.0.0.1/udp/0/quic-v1"), a]).unwrap();
+        let why = taken_port(&[m("/ip4/127.0.0.1/udp/0/quic-v1"), a])
+            .unwrap()
+            .to_string();
         assert!(why.contains(&format!("UDP port {port} is taken")), "{why}");
         assert!(why.contains("--listen"), "{why}");
         drop(held);

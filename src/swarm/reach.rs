@@ -110,11 +110,13 @@ pub enum NetEvent {
         ok: bool,
         error: Option<String>,
     },
-    /// A hole punch to `peer` (over a relayed connection) ended.
+    /// A hole punch to `peer` (over a relayed connection) ended; `addr`: the direct
+    /// connection's other end when it worked (that connection is now hole-punched).
     HolePunch {
         peer: String,
         ok: bool,
         error: Option<String>,
+        addr: Option<String>,
     },
     /// A bootstrap address resolved to nothing or could not be dialed (retried).
     Bootstrap { addr: String, error: String },
@@ -213,10 +215,12 @@ impl Relays {
         r.addrs.truncate(8);
     }
 
-    /// A peer no longer offered (it left the view, or stopped relaying); its reservation,
-    /// if held, is the caller's to drop.
-    pub fn forget(&mut self, peer: &PeerId) {
-        self.relays.remove(peer);
+    /// Keeps the relays `keep` says (peer, whether a bootstrap peer) are still offered,
+    /// and those asked or held (their listener's end says when they go).
+    pub fn retain(&mut self, keep: impl Fn(&PeerId, bool) -> bool) {
+        self.relays.retain(|p, r| {
+            matches!(r.state, SlotState::Asked | SlotState::Held) || keep(p, r.bootstrap)
+        });
     }
 
     /// The relays to ask now (at most enough to hold [`RESERVATIONS`] with those asked
@@ -312,6 +316,8 @@ pub struct NatState {
     pub said: Reachability,
     /// When the node started (a peer with no verdict for a while reserves anyway).
     pub started: Instant,
+    /// Peers holding a reservation on this peer's relay service.
+    pub holders: std::collections::HashSet<PeerId>,
 }
 
 /// How long a peer with no AutoNAT verdict waits before it reserves relay slots anyway.
@@ -326,6 +332,7 @@ impl NatState {
             circuits: HashMap::new(),
             said: Reachability::Unknown,
             started: now,
+            holders: Default::default(),
         }
     }
 

@@ -82,6 +82,8 @@ pub(super) enum Command {
     ListenAddrs(oneshot::Sender<Vec<Multiaddr>>),
     /// Dial these (bootstrap addresses, resolved).
     Dial(Vec<Multiaddr>),
+    /// Close the relayed connections to this peer (a hole punched a direct one).
+    CloseRelayed(PeerId),
     Connected(oneshot::Sender<Vec<PeerId>>),
     Addresses(PeerId, Vec<Multiaddr>),
     /// The addresses the address book holds for a peer.
@@ -141,7 +143,8 @@ pub struct RelayLoad {
     pub reservations: u64,
     pub circuits: u64,
     pub circuits_total: u64,
-    pub circuits_refused: u64,
+    /// Reservations and circuits refused (limits).
+    pub refused: u64,
 }
 
 impl Shared {

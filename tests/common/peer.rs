@@ -205,6 +205,65 @@ impl Peer {
         self.wait_for(Role::Server, what, timeout, &f)
     }
 
+    /// Its network events so far (a server's or a client's): reachability, connections,
+    /// reservations, hole punches.
+    pub fn net_events(&self) -> Vec<agentjet::swarm::NetEvent> {
+        if self.is_client() {
+            return self
+                .client_events()
+                .into_iter()
+                .filter_map(|e| match e {
+                    ClientEvent::Network(n) => Some(n),
+                    _ => None,
+                })
+                .collect();
+        }
+        self.events()
+            .into_iter()
+            .filter_map(|e| match e {
+                ServerEvent::Network(n) => Some(n),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Its connections to `peer` now, by kind (from its network events: each opened,
+    /// closed, or turned hole-punched).
+    pub fn links_to(&self, peer: &str) -> std::collections::BTreeMap<&'static str, usize> {
+        use agentjet::swarm::{LinkKind, NetEvent};
+        let mut live: std::collections::BTreeMap<&'static str, usize> = Default::default();
+        for e in self.net_events() {
+            match e {
+                NetEvent::Connected { peer: q, kind, .. } if q == peer => {
+                    *live.entry(kind.as_str()).or_default() += 1;
+                }
+                NetEvent::Closed { peer: q, kind } if q == peer => {
+                    let n = live.entry(kind.as_str()).or_default();
+                    *n = n.saturating_sub(1);
+                }
+                NetEvent::HolePunch {
+                    peer: q, ok: true, ..
+                } if q == peer => {
+                    // The direct connection the punch made is hole-punched.
+                    let n = live.entry(LinkKind::Direct.as_str()).or_default();
+                    *n = n.saturating_sub(1);
+                    *live.entry(LinkKind::HolePunched.as_str()).or_default() += 1;
+                }
+                _ => {}
+            }
+        }
+        live.retain(|_, n| *n > 0);
+        live
+    }
+
+    /// The reachability it said last.
+    pub fn reachability(&self) -> Option<agentjet::swarm::Reachability> {
+        self.net_events().into_iter().rev().find_map(|e| match e {
+            agentjet::swarm::NetEvent::Reachability { status, .. } => Some(status),
+            _ => None,
+        })
+    }
+
     /// Whether this peer is a client whose events are watched.
     pub fn is_client(&self) -> bool {
         matches!(self.events, Some((_, Role::Client)))

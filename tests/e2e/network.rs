@@ -16,90 +16,33 @@ use std::path::Path;
 use std::time::Duration;
 
 use agentjet::server::ServerEvent;
-use agentjet::swarm::{LinkKind, NetEvent};
+use agentjet::swarm::LinkKind;
 use common::netns::{Host, Nat, Net};
 use common::peer::{wait_until, Peer};
-
-/// A peer's network events so far (a server's or a client's).
-fn net_events(p: &Peer) -> Vec<NetEvent> {
-    if p.is_client() {
-        return p
-            .client_events()
-            .into_iter()
-            .filter_map(|e| match e {
-                agentjet::client::ClientEvent::Network(n) => Some(n),
-                _ => None,
-            })
-            .collect();
-    }
-    p.events()
-        .into_iter()
-        .filter_map(|e| match e {
-            ServerEvent::Network(n) => Some(n),
-            _ => None,
-        })
-        .collect()
-}
-
-/// The connections `p` has to `peer` now, by kind (from its events: each opened, closed,
-/// or turned hole-punched).
-fn links(p: &Peer, peer: &str) -> BTreeMap<&'static str, usize> {
-    let mut live: BTreeMap<&'static str, usize> = BTreeMap::new();
-    for e in net_events(p) {
-        match e {
-            NetEvent::Connected { peer: q, kind, .. } if q == peer => {
-                *live.entry(kind.as_str()).or_default() += 1;
-            }
-            NetEvent::Closed { peer: q, kind } if q == peer => {
-                let n = live.entry(kind.as_str()).or_default();
-                *n = n.saturating_sub(1);
-            }
-            NetEvent::HolePunch {
-                peer: q, ok: true, ..
-            } if q == peer => {
-                // The direct connection the punch made.
-                let n = live.entry(LinkKind::Direct.as_str()).or_default();
-                *n = n.saturating_sub(1);
-                *live.entry(LinkKind::HolePunched.as_str()).or_default() += 1;
-            }
-            _ => {}
-        }
-    }
-    live.retain(|_, n| *n > 0);
-    live
-}
 
 /// Waits until `p` has a connection of `kind` to `peer`.
 fn wait_link(p: &Peer, peer: &str, kind: LinkKind, within: Duration) {
     let t0 = std::time::Instant::now();
-    while !links(p, peer).contains_key(kind.as_str()) {
+    while !p.links_to(peer).contains_key(kind.as_str()) {
         assert!(
             t0.elapsed() < within,
             "no {} connection to {peer} within {within:?}: {:?}; events {:#?}\nlog:\n{}",
             kind.as_str(),
-            links(p, peer),
-            net_events(p),
+            p.links_to(peer),
+            p.net_events(),
             p.log_text()
         );
         std::thread::sleep(Duration::from_millis(200));
     }
 }
 
-/// The reachability a peer said last.
-fn reach(p: &Peer) -> Option<agentjet::swarm::Reachability> {
-    net_events(p).into_iter().rev().find_map(|e| match e {
-        NetEvent::Reachability { status, .. } => Some(status),
-        _ => None,
-    })
-}
-
 fn wait_reach(p: &Peer, want: agentjet::swarm::Reachability, within: Duration) {
     let t0 = std::time::Instant::now();
-    while reach(p) != Some(want) {
+    while p.reachability() != Some(want) {
         assert!(
             t0.elapsed() < within,
             "reachability {:?}, not {want:?}, after {within:?}; log:\n{}",
-            reach(p),
+            p.reachability(),
             p.log_text()
         );
         std::thread::sleep(Duration::from_millis(200));
@@ -198,14 +141,17 @@ fn two_public_servers_train_as_one_group_joined_by_dns_name() {
     println!(
         "steps {:?}; a to b {:?}, b to a {:?}",
         hashes(&metrics_lines(d, "a")).keys().collect::<Vec<_>>(),
-        links(&a, &id_b),
-        links(&b, &id_a)
+        a.links_to(&id_b),
+        b.links_to(&id_a)
     );
     // Direct connections between every pair; both servers public.
     wait_link(&a, &id_b, LinkKind::Direct, Duration::from_secs(5));
     wait_link(&b, &id_a, LinkKind::Direct, Duration::from_secs(5));
     for p in [&a, &b] {
-        assert_eq!(reach(p), Some(agentjet::swarm::Reachability::Public));
+        assert_eq!(
+            p.reachability(),
+            Some(agentjet::swarm::Reachability::Public)
+        );
     }
     drain(&mut [&mut a, &mut b]);
     let (oa, sa) = optimizer_state(d, "a");
@@ -372,12 +318,12 @@ fn two_servers_behind_cone_nats_train_over_a_hole_punched_connection() {
     assert_one_group(d, &["s1", "s2"], 2, 2);
     // The two servers ended with the hole-punched connection only (the relayed one is
     // closed once the direct one exists, so bulk streams cannot land on it).
-    let l = links(&s1, &id2);
+    let l = s1.links_to(&id2);
     assert!(
         l.contains_key("hole_punched") && !l.contains_key("relayed"),
         "s1 to s2: {l:?}"
     );
-    let l = links(&s2, &id1);
+    let l = s2.links_to(&id1);
     assert!(l.contains_key("hole_punched"), "s2 to s1: {l:?}");
 }
 
@@ -423,13 +369,46 @@ fn servers_behind_cone_and_symmetric_nats_train_with_a_public_one_through_its_re
     // Direct to the public server; between the NATs, relayed (symmetric: no hole).
     wait_link(&c, &id_p, LinkKind::Direct, Duration::from_secs(5));
     wait_link(&s, &id_p, LinkKind::Direct, Duration::from_secs(5));
-    let l = links(&s, &id_c);
+    let l = s.links_to(&id_c);
     assert!(l.contains_key("relayed"), "sym to cone: {l:?}");
-    assert_eq!(reach(&p), Some(agentjet::swarm::Reachability::Public));
+    assert_eq!(
+        p.reachability(),
+        Some(agentjet::swarm::Reachability::Public)
+    );
     for x in [&c, &s] {
-        assert_eq!(reach(x), Some(agentjet::swarm::Reachability::Relayed));
+        assert_eq!(
+            x.reachability(),
+            Some(agentjet::swarm::Reachability::Relayed)
+        );
     }
-    let _ = id_s;
+    // What the relay carried between the two servers behind NAT exceeds a default
+    // circuit's 128 KiB: each step's gradient ring passes 2(n-1)/n of the model's float32
+    // values over every link, the relayed one included.
+    let values: u64 = std::fs::read_dir(&model)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
+        .map(|e| e.metadata().unwrap().len() / 4)
+        .sum();
+    let steps = hashes(&metrics_lines(d, "sym")).len() as u64;
+    let relayed = steps * values * 4 * 4 / 3;
+    println!("{steps} steps of 3: about {relayed} bytes over the relayed link");
+    assert!(relayed > 128 << 10, "{relayed} bytes");
+    // The client behind its symmetric NAT: direct to the public server, relayed to the
+    // others.
+    let seen = |to: &str| -> Vec<LinkKind> {
+        cl.net_events()
+            .into_iter()
+            .filter_map(|e| match e {
+                agentjet::swarm::NetEvent::Connected { peer, kind, .. } if peer == to => Some(kind),
+                _ => None,
+            })
+            .collect()
+    };
+    assert!(seen(&id_p).contains(&LinkKind::Direct), "{:?}", seen(&id_p));
+    for id in [&id_c, &id_s] {
+        assert!(seen(id).contains(&LinkKind::Relayed), "{:?}", seen(id));
+    }
 }
 
 /// A public trainer and two followers behind two cone NATs: each keeps up with the
@@ -459,11 +438,17 @@ fn followers_behind_nats_follow_every_version_and_share_chunks() {
     let mut f1 = server(&h1, d, &model, "f1", Some(&boot), &follow);
     let mut f2 = server(&h2, d, &model, "f2", Some(&boot), &follow);
     let (id1, id2) = (f1.peer_id(), f2.peer_id());
-    // Both serve the trainer's version 0 (through their NATs) before any step.
+    // Both serve the trainer's version 0 (through their NATs) before any step, and hold
+    // a relay reservation: each can be reached by the other.
     for f in [&mut f1, &mut f2] {
         f.wait_event("version 0 followed", Duration::from_secs(120), |e| {
             matches!(e, ServerEvent::Followed { .. })
         });
+        wait_reach(
+            f,
+            agentjet::swarm::Reachability::Relayed,
+            Duration::from_secs(90),
+        );
     }
     let mut cl = client(&hc, d, &boot, 12, "run1");
     assert!(cl.child.wait().unwrap().success(), "{}", cl.log_text());
@@ -512,8 +497,9 @@ fn followers_behind_nats_follow_every_version_and_share_chunks() {
         let kept = group.keys().filter(|v| got.contains_key(v)).count();
         assert!(
             kept >= 3 && kept * 2 > group.len(),
-            "followed {kept} of the trainer's {} versions: {got:?}",
-            group.len()
+            "followed {kept} of the trainer's {} versions: {got:?}; log:\n{}",
+            group.len(),
+            f.log_text()
         );
     }
     println!(
@@ -523,7 +509,101 @@ fn followers_behind_nats_follow_every_version_and_share_chunks() {
         followed(&f2).keys().collect::<Vec<_>>()
     );
     assert!(shared > 0, "no chunk travelled between the followers");
-    let l = links(&f1, &id2);
+    let l = f1.links_to(&id2);
     assert!(!l.is_empty(), "the followers never connected");
     println!("f1 to f2: {l:?}");
+}
+
+/// A study's driver on a public host and its worker behind a cone NAT, both joined
+/// through a public bootstrap peer given by DNS name (a closed swarm): the driver finds
+/// the worker, every arm runs there, and the driver reads them as its own to the study's
+/// end.
+#[test]
+fn a_study_worker_behind_nat_runs_the_drivers_arms() {
+    let _heavy = common::heavy();
+    let mut net = Net::new();
+    let (hb, hd) = (net.public("boot"), net.public("drv"));
+    let hw = net.home("w", Nat::Cone);
+    net.name("boot.agentjet.test", hb.ip);
+    let root = tempfile::tempdir().unwrap();
+    let r = root.path();
+    let key = crate::study_workers::swarm_key(r);
+    let key = key.to_str().unwrap();
+    let dir = r.join("s");
+    let me = crate::study_workers::driver_id(&dir);
+    let mut boot = Peer::start_on(&hb.ns, "boot", r, &["--role", "peer", "--swarm-key", key]);
+    let boot_addr = format!(
+        "/dns4/boot.agentjet.test/udp/4001/quic-v1/p2p/{}",
+        boot.peer_id()
+    );
+    let mut worker = Peer::start_on(
+        &hw.ns,
+        "worker",
+        r,
+        &[
+            "study",
+            "worker",
+            "--swarm-key",
+            key,
+            "--allow-driver",
+            &me,
+            "--slots",
+            "2",
+            "--bootstrap",
+            &boot_addr,
+        ],
+    );
+    let worker_id = worker.peer_id();
+    let file = crate::study::write_study(
+        r,
+        "grid",
+        &format!(
+            "[budget]\nsteps = 2\nat_once = 2\n\n[space.bias]\nenv = \"BIAS\"\nvalues = [0, 3]\n\n\
+             [workers]\nswarm_key = \"{key}\"\nbootstrap = [\"{boot_addr}\"]\nlocal = 0\nwait_seconds = 120\n"
+        ),
+    );
+    let log = std::fs::File::create(dir.with_extension("run.out")).unwrap();
+    let driver = crate::study::Driver(
+        std::process::Command::new("ip")
+            .args(["netns", "exec", &hd.ns, env!("CARGO_BIN_EXE_agentjet-peer")])
+            .args(["study", "run"])
+            .arg(&file)
+            .arg("--dir")
+            .arg(&dir)
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .stdin(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    crate::study::finish(driver, &dir, "run", Duration::from_secs(400));
+    let j = crate::study::journal(&dir);
+    let launches: Vec<&serde_json::Value> = j
+        .iter()
+        .filter(|l| crate::study::kind(l) == "launch")
+        .collect();
+    assert_eq!(launches.len(), 2, "{launches:#?}");
+    for l in &launches {
+        assert_eq!(l["host"].as_str(), Some(worker_id.as_str()), "{l}");
+    }
+    // Each arm's steps, mirrored from the worker to the driver's own files.
+    for arm in 0..2 {
+        let mirror = dir.join(format!("arms/{arm:03}/server/runs/tiny/metrics.jsonl"));
+        let steps = crate::client::metrics_lines(&mirror).len();
+        assert!(
+            steps >= 2,
+            "arm {arm}: {steps} steps in {}",
+            mirror.display()
+        );
+    }
+    println!(
+        "worker reachability: {}",
+        worker
+            .stdout()
+            .lines()
+            .filter(|l| l.starts_with("reachability") || l.starts_with("hole punched"))
+            .collect::<Vec<_>>()
+            .join("; ")
+    );
+    let _ = boot.stdout_so_far();
 }

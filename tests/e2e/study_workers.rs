@@ -22,7 +22,7 @@ fn bin() -> &'static str {
 }
 
 /// A new swarm key file.
-fn swarm_key(root: &Path) -> PathBuf {
+pub(crate) fn swarm_key(root: &Path) -> PathBuf {
     let key = root.join("study.key");
     let out = Command::new(bin())
         .args(["swarm-key", "--out"])
@@ -34,7 +34,7 @@ fn swarm_key(root: &Path) -> PathBuf {
 }
 
 /// The peer id of the driver of the study in `dir` (`agentjet-peer id`).
-fn driver_id(dir: &Path) -> String {
+pub(crate) fn driver_id(dir: &Path) -> String {
     let out = Command::new(bin())
         .args(["id", "--data-dir"])
         .arg(dir)

@@ -309,6 +309,12 @@ pub struct ServerCli {
     /// How the training group's gradients travel: `f32` (exact) or `bf16` (half the bytes).
     #[arg(long, default_value = "f32")]
     pub allreduce_wire: String,
+    /// How the training group's ring links run: `auto` (a direct TCP connection to a
+    /// member reachable at its addresses, else a stream over the swarm's connection) or
+    /// `swarm` (always a stream over the swarm's connection: only the swarm's port needs
+    /// to be open).
+    #[arg(long, default_value = "auto")]
+    pub group_links: String,
     /// DiLoCo mode, for members far apart: each member takes N inner steps on its own
     /// episodes, then the group averages the parameter deltas and takes one outer step
     /// (Nesterov momentum). Policy versions count outer steps. 0: synchronous (every step

@@ -140,6 +140,13 @@ mod torch {
                             group: self.train_group.clone(),
                             perturb_at: self.test_perturb_at_step,
                             send_nan_from: self.test_send_nan_from_step,
+                            direct_links: match self.group_links.as_str() {
+                                "auto" => true,
+                                "swarm" => false,
+                                other => anyhow::bail!(
+                                    "--group-links {other:?}: expected auto or swarm"
+                                ),
+                            },
                             ..CollectiveSettings::default()
                         },
                         outer: (self.sync_every > 0)

@@ -25,7 +25,7 @@
 //!    its addresses, else a stream over the swarm's connection to it (direct, hole-punched
 //!    or relayed). A link that cannot be made within the control timeout fails the epoch;
 //!    the member that dialed declines a ring with that neighbour for a decline period
-//!    (doubled at each failure in a row, up to [`proto::BAN`]), so the next proposer
+//!    (doubled at each failure in a row, up to 10 minutes), so the next proposer
 //!    leaves one of the two out (the one the others accuse) and the rest form a ring:
 //!    the same membership is never tried again and again.
 //!
@@ -104,7 +104,7 @@ const PROBE: Duration = Duration::from_secs(2);
 
 /// How long a direct TCP connection to a neighbour that says it is reachable may take
 /// before the link goes over the swarm's connection instead.
-const DIRECT_WAIT: Duration = Duration::from_millis(1500);
+const DIRECT_WAIT: Duration = Duration::from_millis(1000);
 
 /// How long after a direct connection to a neighbour failed its links go over the swarm
 /// without trying again (a firewall that lets the swarm's port through and not others).
@@ -125,6 +125,9 @@ pub struct GroupConfig {
     pub timeout: Duration,
     /// Time between heartbeat rounds while no step is due.
     pub heartbeat: Duration,
+    /// Links may be direct TCP connections to a neighbour reachable at its addresses
+    /// (false: every link is a stream over the swarm's connection).
+    pub direct_links: bool,
 }
 
 /// Why the group could not go on.
@@ -511,6 +514,9 @@ impl GroupNode {
             let start = if cands[0] == self.me {
                 match self.propose(&cands, state) {
                     Ok(s) => s,
+                    // Left out by the others: the member loop waits (a new promise ends
+                    // the wait).
+                    Err(e @ GroupError::LeftOut { .. }) => return Err(e),
                     Err(e) => {
                         warn!(group = self.cfg.name, "proposal failed: {e}");
                         std::thread::sleep(Duration::from_millis(200));
@@ -842,6 +848,7 @@ impl GroupNode {
         let mut excluded = Vec::new();
         let mut refused = Vec::new();
         let mut accusations: Vec<(PeerId, PeerId)> = Vec::new();
+        let mut left_out_by: Vec<PeerId> = Vec::new();
         for (p, r) in others.iter().zip(replies) {
             match r {
                 Ok(Reply::State(st)) => states.push((*p, st)),
@@ -857,7 +864,10 @@ impl GroupNode {
                     }
                     drop(g);
                     info!(group = self.cfg.name, peer = %p, "refused the ballot: {reason}");
-                    if reason == proto::STOPPING {
+                    if reason == proto::LEAVES_OUT {
+                        left_out_by.push(*p);
+                        refused.push(*p);
+                    } else if reason == proto::STOPPING {
                         excluded.push(*p);
                     } else if let Some(accused) = declined_peer(&reason) {
                         // Alive: only whom `left_out` names is left out.
@@ -871,7 +881,7 @@ impl GroupNode {
                     warn!(group = self.cfg.name, peer = %p, "answered {other:?} to a prepare");
                     excluded.push(*p);
                 }
-                Err(e) => {
+                Err(e) if Self::unreachable(&e) => {
                     // Alive or not, it could not be reached within the bound: left out
                     // for a decline period (doubled in a row), not just until its next
                     // gossip (a peer that gossips but cannot be reached from here would
@@ -885,7 +895,26 @@ impl GroupNode {
                     );
                     excluded.push(*p);
                 }
+                Err(e) => {
+                    warn!(group = self.cfg.name, peer = %p, "no answer to the prepare: {e}");
+                    excluded.push(*p);
+                }
             }
+        }
+        if !left_out_by.is_empty() {
+            // Members that leave this one out (a Start declined it, and its own wait ended
+            // first): it waits out a decline period of its own instead of proposing again
+            // at once (or declining them back).
+            let wait = self.decline(self.me);
+            return Err(GroupError::LeftOut {
+                reason: format!(
+                    "{} member(s) of group {:?} leave this one out for a while; asking again in {} s",
+                    left_out_by.len(),
+                    self.cfg.name,
+                    wait.as_secs()
+                ),
+                retry_in: wait,
+            });
         }
         if !accusations.is_empty() {
             for p in left_out(self.me, &accusations) {
@@ -1005,6 +1034,16 @@ impl GroupNode {
         wait
     }
 
+    /// Whether a failed ask means `peer` could not be reached (not a refusal or a bad
+    /// answer: those say it is alive).
+    fn unreachable(e: &AskError) -> bool {
+        matches!(
+            e,
+            AskError::Timeout(_)
+                | AskError::Swarm(SwarmError::Unreachable { .. } | SwarmError::Timeout(_))
+        )
+    }
+
     /// The byte stream of a link to `peer`'s `offer`: a direct TCP connection where it
     /// says it is reachable (within [`DIRECT_WAIT`], and not after one failed within
     /// [`DIRECT_RETRY`]), else a stream over the swarm's connection.
@@ -1018,7 +1057,7 @@ impl GroupNode {
         let failed_lately = lock(&self.direct_failed)
             .get(&peer)
             .is_some_and(|at| at.elapsed() < DIRECT_RETRY);
-        if offer.direct && !failed_lately {
+        if self.cfg.direct_links && offer.direct && !failed_lately && !addrs.is_empty() {
             let (links, port) = (self.links.clone(), offer.port);
             let tried =
                 tokio::task::spawn_blocking(move || links.connect(&addrs, port, DIRECT_WAIT)).await;
@@ -1078,22 +1117,33 @@ impl GroupNode {
         let group = mine.group.clone();
         let (dialed, accepted) = self.rt.block_on(async {
             let dial = async {
-                let (addrs, offer) = ask_link(&self.swarm, right, &mine).await?;
-                let conn = self.connect_link(right, &group, addrs, &offer).await?;
+                // The link bound: a neighbour this member cannot ask and connect to within
+                // it is declined. (Its hello may come later: a neighbour that fetches the
+                // group's state accepts once it has it; that failure declines nobody.)
+                let connect = async {
+                    let (addrs, offer) = ask_link(&self.swarm, right, &mine).await?;
+                    let conn = self.connect_link(right, &group, addrs, &offer).await?;
+                    Ok::<_, GroupError>((conn, offer))
+                };
+                let (conn, offer) = match tokio::time::timeout(ctl, connect).await {
+                    Ok(Ok(c)) => c,
+                    Ok(Err(e)) => {
+                        return Err(GroupError::Unlinked {
+                            peer: right,
+                            reason: e.to_string(),
+                        })
+                    }
+                    Err(_) => {
+                        return Err(GroupError::Unlinked {
+                            peer: right,
+                            reason: format!("no connection within {} s", ctl.as_secs_f64()),
+                        })
+                    }
+                };
                 tokio::task::spawn_blocking(move || link::handshake(conn, &offer, ctl))
                     .await
                     .map_err(|_| GroupError::Refused("the dialing thread panicked".into()))?
                     .map_err(GroupError::from)
-            };
-            // The link bound: a neighbour that cannot be linked within it is declined.
-            let dial = async {
-                match tokio::time::timeout(ctl, dial).await {
-                    Ok(r) => r,
-                    Err(_) => Err(GroupError::Refused(format!(
-                        "no link within {} s",
-                        ctl.as_secs_f64()
-                    ))),
-                }
             };
             let accept = async {
                 let offer = self.book.take(left, &theirs, ctl).await?;
@@ -1113,20 +1163,18 @@ impl GroupNode {
         })?;
         let (tx, _) = match dialed {
             Ok(link) => link,
-            Err(e) => {
+            Err(e @ GroupError::Unlinked { .. }) => {
                 let wait = self.unlink(right);
                 warn!(
                     group = self.cfg.name,
                     peer = %right,
                     epoch,
                     wait_s = wait.as_secs(),
-                    "could not link with the right neighbour: declining a ring with it for a while ({e})"
+                    "declining a ring with the right neighbour for a while: {e}"
                 );
-                return Err(GroupError::Unlinked {
-                    peer: right,
-                    reason: e.to_string(),
-                });
+                return Err(e);
             }
+            Err(e) => return Err(e),
         };
         let (_, rx) = accepted?;
         let ring = Ring::new(rank, n, tx, rx);

@@ -206,6 +206,10 @@ pub(super) struct Shared {
 /// with (the proposer then leaves the refuser out for a while, see `GroupNode`).
 pub const DECLINES: &str = "declines a ring with";
 
+/// How a member's refusal of a Prepare starts when it leaves the proposer itself out for
+/// a while (a Start's decline): no accusation, the proposer waits instead.
+pub const LEAVES_OUT: &str = "leaves out the proposer for a while";
+
 /// How long a member that sent non-finite values is not trained with.
 pub const BAN: Duration = Duration::from_secs(600);
 
@@ -350,10 +354,7 @@ impl Shared {
                 // a member, or sent non-finite values) does not pull it out of its ring:
                 // two proposers would take it in turns.
                 if self.is_declined(from) {
-                    return self.refuse(format!(
-                        "{DECLINES} {}, which this member leaves out for a while",
-                        peer_name(from)
-                    ));
+                    return self.refuse(LEAVES_OUT);
                 }
                 let mut g = lock(&self.inner);
                 if g.stopping {

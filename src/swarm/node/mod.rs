@@ -118,16 +118,21 @@ const MORE_ADDRS: Duration = Duration::from_millis(150);
 /// bootstrap peers (DNS names resolved; one that fails is said and tried again), and
 /// returns the handle.
 pub async fn spawn_node(cfg: SwarmConfig) -> Result<SwarmHandle, SwarmError> {
-    if let Some(why) = addrs::taken_port(&cfg.listen) {
-        return Err(SwarmError::Setup(why));
+    if let Some(taken) = addrs::taken_port(&cfg.listen) {
+        return Err(SwarmError::Setup(taken.to_string()));
     }
     let mut cfg = cfg;
     // The addresses the user gave this peer, DNS names resolved once here.
     let mut external = Vec::new();
     for a in &cfg.external {
-        match addrs::resolve(a).await {
-            Ok(r) => external.extend(r),
-            Err(e) => return Err(SwarmError::Setup(format!("--external-addr {e}"))),
+        match tokio::time::timeout(Duration::from_secs(10), addrs::resolve(a)).await {
+            Ok(Ok(r)) => external.extend(r),
+            Ok(Err(e)) => return Err(SwarmError::Setup(format!("--external-addr {e}"))),
+            Err(_) => {
+                return Err(SwarmError::Setup(format!(
+                    "--external-addr {a}: resolving took over 10 s"
+                )))
+            }
         }
     }
     cfg.external = external;
@@ -623,6 +628,7 @@ impl EventLoop {
             Command::ListenAddrs(reply) => {
                 let _ = reply.send(self.offered());
             }
+            Command::CloseRelayed(peer) => self.close_relayed(peer),
             Command::Dial(addrs) => {
                 for a in addrs {
                     if let Err(e) = self.swarm.dial(a.clone()) {
@@ -648,11 +654,11 @@ impl EventLoop {
         }
         let book = self.addr_book.entry(peer).or_default();
         for a in addrs {
-            // Kept without the peer's own id (dials add it).
+            // Kept without the peer's own id (dials add it); the newest first (a peer
+            // behind NAT gains its relayed address after the others), at most 16.
             let a = addrs::without_peer(&a);
-            if !book.contains(&a) {
-                book.push(a);
-            }
+            book.retain(|b| *b != a);
+            book.insert(0, a);
         }
         book.truncate(16);
     }
@@ -740,9 +746,13 @@ impl EventLoop {
             }
             SwarmEvent::ListenerClosed {
                 listener_id,
+                addresses,
                 reason,
-                ..
-            } => self.on_listener_closed(listener_id, reason.err().map(|e| e.to_string())),
+            } => {
+                self.listen_addrs.retain(|a| !addresses.contains(a));
+                self.on_listener_closed(listener_id, reason.err().map(|e| e.to_string()));
+                self.update_reach();
+            }
             SwarmEvent::ExternalAddrConfirmed { .. } | SwarmEvent::ExternalAddrExpired { .. } => {
                 self.update_reach()
             }

@@ -22,6 +22,9 @@ use crate::swarm::protocol::{REACH_FIELD, RELAY_FIELD};
 use crate::swarm::reach::{reachability, LinkKind, NetEvent, Reachability};
 use crate::swarm::shared::Command;
 
+/// How long the relayed connections to a peer stay after a hole punched a direct one.
+const RELAYED_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// The relay service's protocol (circuit relay v2, the relay's side).
 const HOP: StreamProtocol = StreamProtocol::new("/libp2p/circuit/relay/0.2.0/hop");
 
@@ -259,6 +262,10 @@ impl EventLoop {
             })
             .map(|(p, _)| *p)
             .collect();
+        // Relays that left the view (or stopped relaying) are no longer asked.
+        self.nat
+            .relays
+            .retain(|p, bootstrap| bootstrap || offers.contains(p));
         for p in offers {
             let addrs = self.direct_addrs(&p);
             self.nat.relays.offer(p, addrs, false, now);
@@ -278,6 +285,25 @@ impl EventLoop {
                     warn!(%relay, "asking for a relay reservation: {e}");
                     self.nat.relays.refused(&relay, now);
                 }
+            }
+        }
+    }
+
+    /// Closes the relayed connections to `peer` (a direct one stands).
+    pub(super) fn close_relayed(&mut self, peer: PeerId) {
+        let relayed: Vec<ConnectionId> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| c.peer == peer && c.kind == LinkKind::Relayed)
+            .map(|(i, _)| *i)
+            .collect();
+        let direct = self
+            .conns
+            .values()
+            .any(|c| c.peer == peer && c.kind != LinkKind::Relayed);
+        if direct {
+            for i in relayed {
+                self.swarm.close_connection(i);
             }
         }
     }
@@ -352,20 +378,33 @@ impl EventLoop {
     }
 
     pub(super) fn on_relay(&mut self, e: relay::Event) {
+        // (libp2p says "reservation closed" at every close of a connection of a peer it
+        // knows: a holder counts until its last connection closes or its slot times out.)
+        match &e {
+            relay::Event::ReservationReqAccepted { src_peer_id, .. } => {
+                self.nat.holders.insert(*src_peer_id);
+            }
+            relay::Event::ReservationClosed { src_peer_id }
+                if !self.swarm.is_connected(src_peer_id) =>
+            {
+                self.nat.holders.remove(src_peer_id);
+            }
+            relay::Event::ReservationTimedOut { src_peer_id } => {
+                self.nat.holders.remove(src_peer_id);
+            }
+            _ => {}
+        }
         let mut n = lock(&self.shared.net);
         let load = &mut n.relay;
+        load.reservations = self.nat.holders.len() as u64;
         match e {
-            relay::Event::ReservationReqAccepted { renewed: false, .. } => load.reservations += 1,
-            relay::Event::ReservationClosed { .. } | relay::Event::ReservationTimedOut { .. } => {
-                load.reservations = load.reservations.saturating_sub(1)
-            }
             relay::Event::CircuitReqAccepted { .. } => {
                 load.circuits += 1;
                 load.circuits_total += 1;
             }
             relay::Event::CircuitClosed { .. } => load.circuits = load.circuits.saturating_sub(1),
             relay::Event::CircuitReqDenied { .. } | relay::Event::ReservationReqDenied { .. } => {
-                load.circuits_refused += 1
+                load.refused += 1
             }
             _ => {}
         }
@@ -390,24 +429,20 @@ impl EventLoop {
                         peer: peer.to_string(),
                         ok: true,
                         error: None,
-                    });
-                    self.shared.net_event(NetEvent::Connected {
-                        peer: peer.to_string(),
-                        kind: LinkKind::HolePunched,
-                        addr: remote,
+                        addr: Some(remote),
                     });
                 }
-                // Streams pick one of a peer's connections at random: close the relayed
-                // ones, so bulk streams run on the direct connection.
-                let relayed: Vec<ConnectionId> = self
-                    .conns
-                    .iter()
-                    .filter(|(_, c)| c.peer == peer && c.kind == LinkKind::Relayed)
-                    .map(|(i, _)| *i)
-                    .collect();
-                for i in relayed {
-                    self.swarm.close_connection(i);
-                }
+                // Streams pick one of a peer's connections at random: the relayed ones
+                // are closed, so bulk streams run on the direct connection; after a
+                // grace, so what runs on them now (often the very request that made the
+                // connection) can end.
+                let cmd = self.cmd.clone();
+                self.shared.spawn(async move {
+                    tokio::time::sleep(RELAYED_GRACE).await;
+                    if let Some(tx) = cmd.upgrade() {
+                        let _ = tx.send(Command::CloseRelayed(peer)).await;
+                    }
+                });
             }
             Err(error) => {
                 debug!(%peer, "hole punch failed: {error}");
@@ -415,6 +450,7 @@ impl EventLoop {
                     peer: peer.to_string(),
                     ok: false,
                     error: Some(error.to_string()),
+                    addr: None,
                 });
             }
         }
