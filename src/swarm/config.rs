@@ -80,7 +80,7 @@ pub struct SwarmConfig {
 }
 
 /// What a relay carries for the peers behind NAT that reserve a slot on it (see the
-/// README's "Ports and NAT" for why these sizes).
+/// README's "Across networks" for why these sizes).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RelayLimits {
     /// Peers holding a reservation at once.
