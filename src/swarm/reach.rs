@@ -307,8 +307,8 @@ impl Relays {
 pub struct NatState {
     /// AutoNAT's verdict: Some(true) public, Some(false) private, None not yet.
     pub autonat: Option<bool>,
-    /// A UPnP gateway forwards a listen port.
-    pub upnp: bool,
+    /// Listen ports a UPnP gateway forwards now.
+    pub upnp: u32,
     pub relays: Relays,
     /// Relay reservations asked or held, by their listener.
     pub circuits: HashMap<libp2p::core::transport::ListenerId, PeerId>,
@@ -327,7 +327,7 @@ impl NatState {
     pub fn new(now: Instant) -> NatState {
         NatState {
             autonat: None,
-            upnp: false,
+            upnp: 0,
             relays: Relays::default(),
             circuits: HashMap::new(),
             said: Reachability::Unknown,
@@ -340,7 +340,7 @@ impl NatState {
     /// said private, or said nothing for [`NO_VERDICT`]).
     pub fn wants_relays(&self, told: bool, now: Instant) -> bool {
         !told
-            && !self.upnp
+            && self.upnp == 0
             && match self.autonat {
                 Some(public) => !public,
                 None => now.saturating_duration_since(self.started) >= NO_VERDICT,

@@ -53,7 +53,7 @@ impl EventLoop {
         let told = !self.shared.cfg.external.is_empty();
         let reserved = !self.nat.relays.held_on().is_empty();
         let now = reachability(
-            told || self.nat.upnp,
+            told || self.nat.upnp > 0,
             self.local_only,
             self.nat.autonat,
             reserved,
@@ -460,12 +460,12 @@ impl EventLoop {
         match e {
             upnp::Event::NewExternalAddr { external_addr, .. } => {
                 info!(%external_addr, "a UPnP gateway forwards a listen port");
-                self.nat.upnp = true;
+                self.nat.upnp += 1;
                 self.update_reach();
             }
             upnp::Event::ExpiredExternalAddr { external_addr, .. } => {
                 warn!(%external_addr, "the UPnP gateway's port forwarding expired");
-                self.nat.upnp = false;
+                self.nat.upnp = self.nat.upnp.saturating_sub(1);
                 self.update_reach();
             }
             upnp::Event::GatewayNotFound => debug!("no UPnP gateway"),
