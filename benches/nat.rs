@@ -196,8 +196,8 @@ fn measure(s: &Setup, name: &str) -> Measured {
     if let Some(h) = &boot_host {
         net.name("boot.agentjet.test", h.ip);
     }
-    let _ = std::fs::remove_dir_all(&s.dir.join("a"));
-    let _ = std::fs::remove_dir_all(&s.dir.join("b"));
+    let _ = std::fs::remove_dir_all(s.dir.join("a"));
+    let _ = std::fs::remove_dir_all(s.dir.join("b"));
     let t0 = Instant::now();
     let mut boot_peer = boot_host
         .as_ref()

@@ -429,6 +429,7 @@ impl EventLoop {
             .copied()
             .collect();
         let now = Instant::now();
+        let relays = self.nat.relays.held_on();
         let candidates: Vec<Candidate> = self
             .swarm
             .connected_peers()
@@ -438,7 +439,11 @@ impl EventLoop {
                 usage: self.shared.usage.get(p),
                 protected: mesh.contains(p)
                     || self.connect_waiters.contains_key(p)
-                    || self.shared.auth.state(p) == PeerAuth::Pending,
+                    || self.shared.auth.state(p) == PeerAuth::Pending
+                    // A relay this peer holds a reservation on, or a peer holding one
+                    // here: closing it drops the reservation.
+                    || relays.contains(p)
+                    || self.nat.holders.contains(p),
             })
             .collect();
         let marks = Marks {
