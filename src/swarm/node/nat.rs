@@ -344,6 +344,9 @@ impl EventLoop {
             autonat::Event::StatusChanged { old, new } => {
                 debug!(?old, ?new, "AutoNAT verdict");
                 self.nat.autonat = match new {
+                    // Dialed back over loopback (a peer of this host): says nothing of
+                    // other hosts.
+                    autonat::NatStatus::Public(a) if addrs::is_local(&a) => None,
                     autonat::NatStatus::Public(_) => Some(true),
                     autonat::NatStatus::Private => Some(false),
                     autonat::NatStatus::Unknown => None,
