@@ -211,7 +211,7 @@ pub struct GroupNode {
     /// once; twice as long at each decline that follows the last one's end within
     /// [`proto::BAN`] (so a member that keeps sending NaN costs the group a failed round
     /// less and less often). This member's own entry times its wait when declined.
-    declined: std::sync::Mutex<HashMap<PeerId, Decline>>,
+    declined: std::sync::Mutex<HashMap<PeerId, (Decline, Instant)>>,
     /// Starts in a row that left this member out as of another shape: each doubles the
     /// wait before it asks again (up to [`proto::BAN`]).
     shape_exclusions: u32,
@@ -305,16 +305,26 @@ impl GroupNode {
 
     /// Declines `p` from now (see `declined`); returns how long.
     fn decline(&self, p: PeerId) -> Duration {
+        self.decline_with(p, self.decline_for())
+    }
+
+    /// Declines `p` from now for `base`, doubled at each decline in a row (up to
+    /// [`proto::BAN`]); returns how long.
+    fn decline_with(&self, p: PeerId, base: Duration) -> Duration {
+        let now = Instant::now();
         let mut declined = lock(&self.declined);
-        let d = decline::next_decline(
-            self.decline_for(),
-            declined.get(&p).copied(),
-            Instant::now(),
-        );
-        declined.insert(p, d);
-        let wait = self.decline_len(d.times);
+        let d = decline::next_decline(base, declined.get(&p).map(|x| x.0), now);
+        let wait = decline::decline_len(base, d.times);
+        declined.insert(p, (d, now + wait));
         self.shared.decline(p.to_bytes(), wait);
         wait
+    }
+
+    /// How long a peer that could not be reached or linked is left out at first: a
+    /// retry costs the group up to a control timeout, so about half its time at worst,
+    /// less at each doubling.
+    fn unlink_for(&self) -> Duration {
+        self.control_timeout().max(Duration::from_secs(10))
     }
 
     pub fn config(&self) -> &GroupConfig {
@@ -345,7 +355,7 @@ impl GroupNode {
     fn is_declined(&self, p: &PeerId) -> bool {
         lock(&self.declined)
             .get(p)
-            .is_some_and(|d| d.at.elapsed() <= self.decline_len(d.times))
+            .is_some_and(|(_, until)| *until > Instant::now())
     }
 
     /// The peers the view shows training this model in this group, that this member may
@@ -368,6 +378,18 @@ impl GroupNode {
             .filter(|e| {
                 self.swarm
                     .may_train_with(e, &self.cfg.model, &self.cfg.name)
+            })
+            // Reachable by others, by its own word (gossiped: every member sees the same):
+            // a peer behind NAT with no relay reservation yet, or one that does not know
+            // yet, would only fail a Prepare (and be left out for a while).
+            .filter(|e| {
+                !matches!(
+                    e.status
+                        .extra
+                        .get(crate::swarm::protocol::REACH_FIELD)
+                        .map(String::as_str),
+                    Some("unreachable" | "unknown")
+                )
             })
             .collect()
     }
@@ -1029,7 +1051,7 @@ impl GroupNode {
     /// Declines a ring with `peer` (it could not be linked or reached) for a decline
     /// period, doubled at each decline in a row; returns how long.
     fn unlink(&self, peer: PeerId) -> Duration {
-        let wait = self.decline(peer);
+        let wait = self.decline_with(peer, self.unlink_for());
         self.shared.unlink(peer.to_bytes(), wait);
         wait
     }
