@@ -29,7 +29,7 @@
 //! attempts, arXiv 2510.27500: not this machine's figure, printed for scale).
 //!
 //! Flags: `--only NAME[,NAME]`, `--hidden N` [512], `--layers N` [4], `--groups N` [24],
-//! `--punches N` [20] (0: none).
+//! `--punches N` [20] (0: none), `--keep` (the peers' files and logs stay).
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -332,6 +332,14 @@ fn main() -> anyhow::Result<()> {
     let punches: usize = flags::parse(&args, "--punches", 20)?;
     let tmp = tempfile::tempdir()?;
     let dir = tmp.path().to_path_buf();
+    // `--keep`: the peers' directories and logs stay (their path is printed).
+    let _tmp = if args.iter().any(|a| a == "--keep") {
+        println!("peers' files in {}", dir.display());
+        tmp.keep();
+        None
+    } else {
+        Some(tmp)
+    };
     let tiny = common::Tiny {
         hidden,
         inter: hidden * 4,

@@ -321,7 +321,7 @@ pub struct NatState {
 }
 
 /// How long a peer with no AutoNAT verdict waits before it reserves relay slots anyway.
-pub const NO_VERDICT: Duration = Duration::from_secs(10);
+pub const NO_VERDICT: Duration = Duration::from_secs(8);
 
 impl NatState {
     pub fn new(now: Instant) -> NatState {

@@ -768,7 +768,9 @@ impl SwarmArgs {
         }
         cfg.bootstrap = boot;
         cfg.external = parse_addrs("external-addr", &self.external_addrs)?;
-        cfg.relay_service = !self.no_relay;
+        // Servers and plain peers relay (long-lived); a client never does (it comes and
+        // goes with its job).
+        cfg.relay_service = !self.no_relay && role != WireRole::Client;
         cfg.upnp = !self.no_upnp;
         cfg.swarm_key = load_key(self.swarm_key.as_deref())?;
         cfg.cert = self

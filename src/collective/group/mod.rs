@@ -97,7 +97,7 @@ use super::rendezvous::{
 };
 use super::ring::{Ring, RingError, RoundStats, Wire};
 use crate::base::lock;
-use crate::swarm::{PeerId, SwarmError, SwarmHandle};
+use crate::swarm::{PeerId, Reachability, SwarmError, SwarmHandle};
 
 /// How long a waiting member's dial to a proposer it lost the connection to may take.
 const PROBE: Duration = Duration::from_secs(2);
@@ -105,6 +105,10 @@ const PROBE: Duration = Duration::from_secs(2);
 /// How long a direct TCP connection to a neighbour that says it is reachable may take
 /// before the link goes over the swarm's connection instead.
 const DIRECT_WAIT: Duration = Duration::from_millis(1000);
+
+/// A second failure to reach or link a peer within this declines it (see
+/// `GroupNode::unlink`).
+const STRIKE_WINDOW: Duration = Duration::from_secs(120);
 
 /// How long after a direct connection to a neighbour failed its links go over the swarm
 /// without trying again (a firewall that lets the swarm's port through and not others).
@@ -217,6 +221,21 @@ pub struct GroupNode {
     shape_exclusions: u32,
     /// Neighbours a direct TCP connection to failed, and when (see [`DIRECT_RETRY`]).
     direct_failed: std::sync::Mutex<HashMap<PeerId, Instant>>,
+    /// Peers that could not be reached or linked once, and when (see
+    /// [`GroupNode::unlink`]).
+    strikes: std::sync::Mutex<HashMap<PeerId, Instant>>,
+}
+
+/// Whether the peer of `e` says other hosts cannot reach it yet (see
+/// [`GroupNode::candidates`]).
+fn unreachable_yet(e: &crate::swarm::ViewEntry) -> bool {
+    matches!(
+        e.status
+            .extra
+            .get(crate::swarm::protocol::REACH_FIELD)
+            .map(String::as_str),
+        Some("unreachable" | "unknown")
+    )
 }
 
 fn peer_of(b: &[u8]) -> Result<PeerId, GroupError> {
@@ -284,6 +303,7 @@ impl GroupNode {
             shape_exclusions: 0,
             declined: Default::default(),
             direct_failed: Default::default(),
+            strikes: Default::default(),
         })
     }
 
@@ -332,10 +352,23 @@ impl GroupNode {
     }
 
     /// The live candidates (this member included), in ring order.
+    ///
+    /// Only peers that say other hosts can reach them count (their gossiped
+    /// reachability: public, relayed or local; every member reads the same): a peer behind
+    /// NAT with no relay reservation yet, or one that does not know yet (just started),
+    /// would only fail a Prepare. A member that says so of itself trains alone until it
+    /// can be reached (the others do not count it either, and it asks nobody).
     pub fn candidates(&self) -> Vec<PeerId> {
+        if matches!(
+            self.swarm.reachability(),
+            Reachability::Unknown | Reachability::Unreachable
+        ) {
+            return vec![self.me];
+        }
         let mut c: Vec<PeerId> = self
             .visible()
             .into_iter()
+            .filter(|e| !unreachable_yet(e))
             .filter(|e| !self.shared.is_banned(&e.peer.to_bytes()))
             .filter(|e| !self.shared.is_unlinked(&e.peer.to_bytes()))
             .filter(|e| !self.is_declined(&e.peer))
@@ -378,18 +411,6 @@ impl GroupNode {
             .filter(|e| {
                 self.swarm
                     .may_train_with(e, &self.cfg.model, &self.cfg.name)
-            })
-            // Reachable by others, by its own word (gossiped: every member sees the same):
-            // a peer behind NAT with no relay reservation yet, or one that does not know
-            // yet, would only fail a Prepare (and be left out for a while).
-            .filter(|e| {
-                !matches!(
-                    e.status
-                        .extra
-                        .get(crate::swarm::protocol::REACH_FIELD)
-                        .map(String::as_str),
-                    Some("unreachable" | "unknown")
-                )
             })
             .collect()
     }
@@ -903,18 +924,24 @@ impl GroupNode {
                     warn!(group = self.cfg.name, peer = %p, "answered {other:?} to a prepare");
                     excluded.push(*p);
                 }
-                Err(e) if Self::unreachable(&e) => {
+                Err(e) if Self::unreachable(&e) && !self.reachable_later(p) => {
                     // Alive or not, it could not be reached within the bound: left out
                     // for a decline period (doubled in a row), not just until its next
                     // gossip (a peer that gossips but cannot be reached from here would
                     // be proposed to again and again).
-                    let wait = self.unlink(*p);
-                    warn!(
-                        group = self.cfg.name,
-                        peer = %p,
-                        wait_s = wait.as_secs(),
-                        "no answer to the prepare: left out for a while ({e})"
-                    );
+                    match self.unlink(*p) {
+                        Some(wait) => warn!(
+                            group = self.cfg.name,
+                            peer = %p,
+                            wait_s = wait.as_secs(),
+                            "no answer to the prepare again: left out for a while ({e})"
+                        ),
+                        None => warn!(
+                            group = self.cfg.name,
+                            peer = %p,
+                            "no answer to the prepare: left out until its next status ({e})"
+                        ),
+                    }
                     excluded.push(*p);
                 }
                 Err(e) => {
@@ -1048,12 +1075,32 @@ impl GroupNode {
         Ok(m)
     }
 
-    /// Declines a ring with `peer` (it could not be linked or reached) for a decline
-    /// period, doubled at each decline in a row; returns how long.
-    fn unlink(&self, peer: PeerId) -> Duration {
+    /// `peer` could not be linked or reached. The first time (within
+    /// [`STRIKE_WINDOW`]) it is only suspected (a candidate again at its next status: a
+    /// peer that just became reachable may fail once); the second declines a ring with it
+    /// for a decline period, doubled at each decline in a row. Returns that period.
+    fn unlink(&self, peer: PeerId) -> Option<Duration> {
+        {
+            let mut strikes = lock(&self.strikes);
+            strikes.retain(|_, at| at.elapsed() < STRIKE_WINDOW);
+            if strikes.remove(&peer).is_none() {
+                strikes.insert(peer, Instant::now());
+                return None;
+            }
+        }
         let wait = self.decline_with(peer, self.unlink_for());
         self.shared.unlink(peer.to_bytes(), wait);
-        wait
+        Some(wait)
+    }
+
+    /// Whether `peer` says it cannot be reached yet (behind NAT with no relay reservation,
+    /// or it does not know yet: a peer just started): a Prepare it did not answer leaves
+    /// it out until its next gossip only, not for a decline period.
+    fn reachable_later(&self, peer: &PeerId) -> bool {
+        self.swarm
+            .view()
+            .iter()
+            .any(|e| e.peer == *peer && unreachable_yet(e))
     }
 
     /// Whether a failed ask means `peer` could not be reached (not a refusal or a bad
@@ -1186,14 +1233,21 @@ impl GroupNode {
         let (tx, _) = match dialed {
             Ok(link) => link,
             Err(e @ GroupError::Unlinked { .. }) => {
-                let wait = self.unlink(right);
-                warn!(
-                    group = self.cfg.name,
-                    peer = %right,
-                    epoch,
-                    wait_s = wait.as_secs(),
-                    "declining a ring with the right neighbour for a while: {e}"
-                );
+                match self.unlink(right) {
+                    Some(wait) => warn!(
+                        group = self.cfg.name,
+                        peer = %right,
+                        epoch,
+                        wait_s = wait.as_secs(),
+                        "declining a ring with the right neighbour for a while: {e}"
+                    ),
+                    None => warn!(
+                        group = self.cfg.name,
+                        peer = %right,
+                        epoch,
+                        "could not link with the right neighbour (once: tried again): {e}"
+                    ),
+                }
                 return Err(e);
             }
             Err(e) => return Err(e),
