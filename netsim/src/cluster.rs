@@ -1,6 +1,12 @@
 //! Many peers in one process: each a real swarm node (`agentjet::swarm::spawn_node`: the
 //! same gossip, Kademlia, admission and swarm-key proof the binary runs), reaching the
 //! others only through the simulated [`Network`].
+//!
+//! With a [`NatMix`], each peer sits where the mix says (bootstrap peers public) and runs
+//! the binary's NAT traversal as on a real network: public peers are told their address
+//! (as `--external-addr` does; AutoNAT cannot judge a `/memory` address) and offer relay
+//! service, the others find no verdict, reserve relay slots and punch holes (DCUtR).
+//! [`crate::routes::Routes`] keeps what they report.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -12,7 +18,8 @@ use agentjet::swarm::{
 };
 use anyhow::Context as _;
 
-use crate::net::{lock, Network, NodeId};
+use crate::net::{lock, Nat, Network, NodeId};
+use crate::routes::Routes;
 use crate::transport::{addr_of, other_transport, Listeners};
 
 /// The swarm's timers, as the scenarios set them.
@@ -47,9 +54,61 @@ impl Default for PeerTiming {
     }
 }
 
+/// What share of the peers sits where, in percent (bootstrap peers are public).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NatMix {
+    pub public: u32,
+    pub cone: u32,
+    pub symmetric: u32,
+}
+
+impl NatMix {
+    /// "30,50,20": percent public, behind cone NATs, behind symmetric NATs.
+    pub fn parse(s: &str) -> anyhow::Result<NatMix> {
+        let v: Vec<u32> = s
+            .split(',')
+            .map(|x| x.trim().parse::<u32>())
+            .collect::<Result<_, _>>()
+            .map_err(|e| {
+                anyhow::anyhow!("--nat {s:?}: {e} (want PUBLIC,CONE,SYMMETRIC in percent)")
+            })?;
+        anyhow::ensure!(
+            v.len() == 3 && v.iter().sum::<u32>() == 100,
+            "--nat {s:?}: want three percentages (public, cone, symmetric) that sum to 100"
+        );
+        Ok(NatMix {
+            public: v[0],
+            cone: v[1],
+            symmetric: v[2],
+        })
+    }
+
+    /// "30/50/20".
+    pub fn label(&self) -> String {
+        format!("{}/{}/{}", self.public, self.cone, self.symmetric)
+    }
+
+    /// The next peer's place, given how many of each its role has: the class furthest
+    /// behind its share (so every role gets the mix, as closely as its count allows).
+    fn pick(&self, placed: &[usize; 3]) -> Nat {
+        let n = placed.iter().sum::<usize>() as f64 + 1.0;
+        let want = [self.public, self.cone, self.symmetric];
+        let classes = [Nat::Public, Nat::Cone, Nat::Symmetric];
+        let mut best = (f64::MIN, Nat::Public);
+        for i in 0..3 {
+            let behind = want[i] as f64 / 100.0 * n - placed[i] as f64;
+            if want[i] > 0 && behind > best.0 {
+                best = (behind, classes[i]);
+            }
+        }
+        best.1
+    }
+}
+
 /// One running peer.
 pub struct SimPeer {
     pub node: NodeId,
+    pub nat: Nat,
     pub peer_id: PeerId,
     pub role: Role,
     pub handle: SwarmHandle,
@@ -65,6 +124,11 @@ pub struct Cluster {
     rng: Mutex<Rng>,
     peers: Mutex<Vec<Arc<SimPeer>>>,
     bootstrap: Vec<Multiaddr>,
+    nat: Option<NatMix>,
+    /// Peers placed so far per role (public, cone, symmetric).
+    placed: Mutex<Vec<(Role, [usize; 3])>>,
+    /// What the peers reported of their connections (with a mix).
+    pub routes: Arc<Routes>,
 }
 
 /// Model name the servers provide.
@@ -76,6 +140,17 @@ impl Cluster {
         net: Network,
         timing: PeerTiming,
         bootstraps: usize,
+    ) -> anyhow::Result<Cluster> {
+        Cluster::behind_nat(net, timing, bootstraps, None).await
+    }
+
+    /// [`Cluster::new`], with each later peer placed where `nat` says (none: all public,
+    /// without the NAT traversal, as on one host).
+    pub async fn behind_nat(
+        net: Network,
+        timing: PeerTiming,
+        bootstraps: usize,
+        nat: Option<NatMix>,
     ) -> anyhow::Result<Cluster> {
         let mut rng = Rng::seeded(net.config().seed ^ 0xc1u64);
         let mut key = [0u8; 32];
@@ -90,10 +165,13 @@ impl Cluster {
             rng: Mutex::new(rng),
             peers: Mutex::new(Vec::new()),
             bootstrap: Vec::new(),
+            nat,
+            placed: Mutex::new(Vec::new()),
+            routes: Arc::new(Routes::default()),
         };
         let mut addrs = Vec::new();
         for _ in 0..bootstraps {
-            let p = c.start(Role::Plain).await?;
+            let p = c.start_at(Role::Plain, Some(Nat::Public)).await?;
             addrs.push(addr_of(p.node).with(Protocol::P2p(p.peer_id)));
         }
         c.bootstrap = addrs;
@@ -103,7 +181,34 @@ impl Cluster {
     /// Starts one more peer (joining through the bootstrap peers). Its identity comes
     /// from the seed and its index, so a seed fixes every peer id.
     pub async fn start(&self, role: Role) -> anyhow::Result<Arc<SimPeer>> {
-        let node = self.net.add_node();
+        self.start_at(role, None).await
+    }
+
+    /// Whether the peers run the NAT traversal (a mix was given).
+    pub fn nat_mix(&self) -> Option<NatMix> {
+        self.nat
+    }
+
+    /// [`Cluster::start`] at a given place (None: where the mix says next).
+    pub async fn start_at(&self, role: Role, at: Option<Nat>) -> anyhow::Result<Arc<SimPeer>> {
+        let nat = match (at, self.nat) {
+            (Some(n), _) => n,
+            (None, None) => Nat::Public,
+            (None, Some(mix)) => {
+                let mut placed = lock(&self.placed);
+                let i = match placed.iter().position(|(r, _)| *r == role) {
+                    Some(i) => i,
+                    None => {
+                        placed.push((role, [0; 3]));
+                        placed.len() - 1
+                    }
+                };
+                let n = mix.pick(&placed[i].1);
+                placed[i].1[n as usize] += 1;
+                n
+            }
+        };
+        let node = self.net.add_node_behind(nat);
         let mut seed = [0u8; 32];
         {
             let mut rng = lock(&self.rng);
@@ -126,15 +231,29 @@ impl Cluster {
         cfg.trim_grace = self.timing.trim_grace;
         cfg.ping_interval = self.timing.ping_interval;
         cfg.other_transport = Some(other_transport(&self.net, &self.listeners, node));
+        if self.nat.is_some() {
+            cfg.single_host = Some(false);
+            // No gateway to ask, and AutoNAT's servers refuse addresses without an IP.
+            cfg.upnp = false;
+            cfg.autonat_first = Duration::from_secs(24 * 3600);
+            cfg.autonat_every = Duration::from_secs(24 * 3600);
+            if nat == Nat::Public {
+                cfg.external = vec![addr_of(node)];
+            }
+        }
         let handle = spawn_node(cfg)
             .await
             .with_context(|| format!("starting simulated peer {node}"))?;
         let p = Arc::new(SimPeer {
             node,
+            nat,
             peer_id,
             role,
             handle,
         });
+        if self.nat.is_some() {
+            self.routes.watch(&p);
+        }
         lock(&self.peers).push(p.clone());
         Ok(p)
     }
@@ -159,6 +278,13 @@ impl Cluster {
             .into_iter()
             .filter(|p| !self.net.is_crashed(p.node))
             .collect()
+    }
+
+    /// Hole punches that met in the transport (simultaneous opens).
+    pub fn punches_met(&self) -> u64 {
+        self.listeners
+            .met
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// A hard crash: the network drops the peer (nothing in or out, no goodbye), then its

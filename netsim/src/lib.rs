@@ -23,9 +23,10 @@ pub mod member;
 pub mod net;
 pub mod pipe;
 pub mod report;
+pub mod routes;
 pub mod scenario;
 pub mod transport;
 pub mod weights;
 
-pub use cluster::{Cluster, PeerTiming, SimPeer, MODEL};
-pub use net::{NetConfig, Network, NodeId};
+pub use cluster::{Cluster, NatMix, PeerTiming, SimPeer, MODEL};
+pub use net::{Nat, NetConfig, Network, NodeId};

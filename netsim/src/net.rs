@@ -9,10 +9,17 @@
 //! retransmitting) and arrive if the partition heals before a timeout of the protocol
 //! above closes the connection; dials to it fail after the connect timeout.
 //!
+//! Each node sits on the internet directly ([`Nat::Public`]) or behind its own NAT router
+//! ([`Nat::Cone`]: one mapping per local port, inbound let in only from an endpoint the
+//! node sent to; [`Nat::Symmetric`]: a new mapping per destination, so nothing it did not
+//! dial gets in). The router's mappings ("holes") last [`NetConfig::hole_ttl`]; the
+//! transport ([`crate::transport`]) asks [`Network::admits`] before a dial gets through.
+//!
 //! An access link is one queue, but a connection keeps at most [`SEND_AHEAD`] of bytes
 //! queued on it (see [`crate::pipe`]): a bulk transfer delays the others by that, as a
 //! TCP flow's window and the bottleneck's buffer would, not by everything it wrote.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -37,8 +44,38 @@ pub struct NetConfig {
     pub bandwidth: f64,
     /// Probability that one 1,400-byte segment is lost (and retransmitted).
     pub loss: f64,
-    /// A dial to a node that does not answer (crashed, partitioned away) fails after this.
+    /// A dial to a node that does not answer (crashed, partitioned away, dropped by its
+    /// NAT) fails after this.
     pub connect_timeout: Duration,
+    /// How long a NAT router keeps a mapping after its node last sent through it (Linux
+    /// conntrack keeps an established TCP flow far longer; an unanswered one, 120 s).
+    pub hole_ttl: Duration,
+    /// How long a dial its peer's NAT dropped waits for the peer's own dial to meet it (a
+    /// simultaneous open, as a hole punch arranges).
+    pub punch_window: Duration,
+}
+
+/// Where a node sits on the network.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Nat {
+    /// A public address: any node can dial it.
+    Public,
+    /// Behind a cone NAT (Linux MASQUERADE): a node it has sent to can reach it back at
+    /// the port it sent from, so two cone nodes dialing each other at once connect.
+    Cone,
+    /// Behind a symmetric NAT (MASQUERADE --random-fully): each destination sees another
+    /// port, so only the peers it dials reach it, on those connections alone.
+    Symmetric,
+}
+
+impl Nat {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Nat::Public => "public",
+            Nat::Cone => "cone",
+            Nat::Symmetric => "symmetric",
+        }
+    }
 }
 
 impl Default for NetConfig {
@@ -49,6 +86,8 @@ impl Default for NetConfig {
             bandwidth: 0.0,
             loss: 0.0,
             connect_timeout: Duration::from_secs(3),
+            hole_ttl: Duration::from_secs(120),
+            punch_window: Duration::from_secs(2),
         }
     }
 }
@@ -69,6 +108,7 @@ pub struct Traffic {
 
 #[derive(Debug)]
 struct Node {
+    nat: Nat,
     /// When its upload and download links are next free.
     up_free: Mutex<Instant>,
     down_free: Mutex<Instant>,
@@ -90,6 +130,8 @@ struct Inner {
     partitioned: AtomicBool,
     /// Draws of segment loss (in the order writes happen: not fixed by the seed).
     loss_rng: Mutex<Rng>,
+    /// NAT mappings: (a, b) -> when a last sent to b through its router.
+    holes: Mutex<HashMap<(NodeId, NodeId), Instant>>,
 }
 
 impl Network {
@@ -101,6 +143,7 @@ impl Network {
                 sides: Mutex::new(None),
                 partitioned: AtomicBool::new(false),
                 loss_rng: Mutex::new(Rng::seeded(cfg.seed ^ 0x5eed)),
+                holes: Mutex::new(HashMap::new()),
             }),
         }
     }
@@ -109,11 +152,17 @@ impl Network {
         &self.inner.cfg
     }
 
-    /// A new node (its id is the next index).
+    /// A new node with a public address (its id is the next index).
     pub fn add_node(&self) -> NodeId {
+        self.add_node_behind(Nat::Public)
+    }
+
+    /// A new node where `nat` says.
+    pub fn add_node_behind(&self, nat: Nat) -> NodeId {
         let now = Instant::now();
         let mut nodes = lock(&self.inner.nodes);
         nodes.push(Arc::new(Node {
+            nat,
             up_free: Mutex::new(now),
             down_free: Mutex::new(now),
             crashed: AtomicBool::new(false),
@@ -124,6 +173,44 @@ impl Network {
 
     fn node(&self, id: NodeId) -> Option<Arc<Node>> {
         lock(&self.inner.nodes).get(id as usize).cloned()
+    }
+
+    /// Where node `id` sits (an unknown node: public).
+    pub fn nat(&self, id: NodeId) -> Nat {
+        self.node(id).map_or(Nat::Public, |n| n.nat)
+    }
+
+    /// `from` sends to `to`: its router (if any) maps the flow for [`NetConfig::hole_ttl`].
+    pub fn open_hole(&self, from: NodeId, to: NodeId) {
+        if self.nat(from) != Nat::Public {
+            lock(&self.inner.holes).insert((from, to), Instant::now());
+        }
+    }
+
+    /// Whether a dial from `from` to `to` gets through `to`'s router (if it has one).
+    /// `reuse`: the dial leaves from the port `from` listens on (libp2p's default; AutoNAT's
+    /// dial-back uses a new port). A cone router lets it in when `to` sent to `from` lately
+    /// and `from` is not behind a symmetric NAT (whose port for `to` nobody knows); a
+    /// symmetric router never does.
+    pub fn admits(&self, from: NodeId, to: NodeId, reuse: bool) -> bool {
+        match self.nat(to) {
+            Nat::Public => true,
+            Nat::Symmetric => false,
+            Nat::Cone => {
+                reuse && self.nat(from) != Nat::Symmetric && {
+                    let ttl = self.inner.cfg.hole_ttl;
+                    lock(&self.inner.holes)
+                        .get(&(to, from))
+                        .is_some_and(|t| t.elapsed() < ttl)
+                }
+            }
+        }
+    }
+
+    /// Whether two nodes dialing each other at once meet (a hole punch): neither router
+    /// is symmetric.
+    pub fn punchable(&self, a: NodeId, b: NodeId) -> bool {
+        self.nat(a) != Nat::Symmetric && self.nat(b) != Nat::Symmetric
     }
 
     /// The one-way latency between two nodes (drawn from the seed and the pair).
@@ -275,6 +362,45 @@ mod tests {
         assert_eq!(second - now, Duration::from_millis(250));
         assert_eq!(net.traffic(a), (200_000, 0));
         assert_eq!(net.traffic(b), (0, 200_000));
+    }
+
+    #[tokio::test]
+    async fn routers_let_in_only_what_their_node_asked_for() {
+        let net = Network::new(NetConfig::default());
+        let p = net.add_node();
+        let (c, d) = (
+            net.add_node_behind(Nat::Cone),
+            net.add_node_behind(Nat::Cone),
+        );
+        let s = net.add_node_behind(Nat::Symmetric);
+        // Anyone reaches a public node; nobody reaches a NAT'd one unasked.
+        assert!(net.admits(c, p, true) && net.admits(s, p, true));
+        assert!(!net.admits(p, c, true) && !net.admits(d, c, true) && !net.admits(p, s, true));
+        // c sent to p and to d: both may answer at that port, not from a new one.
+        net.open_hole(c, p);
+        net.open_hole(c, d);
+        assert!(net.admits(p, c, true) && net.admits(d, c, true));
+        assert!(!net.admits(p, c, false));
+        // A symmetric node's port for c is not the one c sent to.
+        net.open_hole(c, s);
+        assert!(!net.admits(s, c, true));
+        net.open_hole(s, p);
+        assert!(!net.admits(p, s, true));
+        assert!(net.punchable(c, d) && !net.punchable(c, s) && net.punchable(p, c));
+    }
+
+    #[tokio::test]
+    async fn a_hole_closes_after_its_ttl() {
+        let net = Network::new(NetConfig {
+            hole_ttl: Duration::from_millis(100),
+            ..Default::default()
+        });
+        let (p, c) = (net.add_node(), net.add_node_behind(Nat::Cone));
+        net.open_hole(c, p);
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        assert!(!net.admits(p, c, true));
+        net.open_hole(c, p);
+        assert!(net.admits(p, c, true));
     }
 
     #[tokio::test]

@@ -77,6 +77,10 @@ pub struct SwarmConfig {
     /// A transport beside TCP and QUIC (dialed for the addresses it supports): netsim's
     /// simulated network. None in the peer binary.
     pub other_transport: Option<OtherTransport>,
+    /// Whether every peer this one can meet is on its own host (no NAT to traverse, no
+    /// relay, no AutoNAT, listen addresses shown to all). None: decided from `listen`
+    /// (all loopback: yes). netsim says no, so its `/memory` nodes run the traversal.
+    pub single_host: Option<bool>,
 }
 
 /// What a relay carries for the peers behind NAT that reserve a slot on it (see the
@@ -162,6 +166,7 @@ impl SwarmConfig {
             // Above two dial timeouts: the peer asked dials each address back in turn.
             autonat_timeout: Duration::from_secs(30),
             other_transport: None,
+            single_host: None,
         }
     }
 }

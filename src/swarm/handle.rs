@@ -402,6 +402,15 @@ impl SwarmHandle {
             .unwrap_or_default()
     }
 
+    /// Every connected peer and how: one kind per connection.
+    pub fn links(&self) -> Vec<(PeerId, Vec<super::LinkKind>)> {
+        lock(&self.shared.net)
+            .links
+            .iter()
+            .map(|(p, l)| (*p, l.iter().map(|(_, k)| *k).collect()))
+            .collect()
+    }
+
     /// Connected peers by how they are connected: (direct, hole-punched, relayed).
     pub fn link_counts(&self) -> (usize, usize, usize) {
         let n = lock(&self.shared.net);

@@ -139,7 +139,9 @@ pub async fn spawn_node(cfg: SwarmConfig) -> Result<SwarmHandle, SwarmError> {
     let cfg = Arc::new(cfg);
     let keypair = cfg.keypair.clone();
     let peer_id = keypair.public().to_peer_id();
-    let local_only = addrs::all_loopback(&cfg.listen);
+    let local_only = cfg
+        .single_host
+        .unwrap_or_else(|| addrs::all_loopback(&cfg.listen));
     let c = cfg.clone();
     let other = cfg.other_transport.clone();
     let behaviour = |key: &Keypair, relay_client| {
