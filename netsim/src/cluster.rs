@@ -252,7 +252,7 @@ impl Cluster {
             handle,
         });
         if self.nat.is_some() {
-            self.routes.watch(&p);
+            self.routes.watch(p.node, p.peer_id, p.nat, &p.handle);
         }
         lock(&self.peers).push(p.clone());
         Ok(p)
@@ -278,6 +278,15 @@ impl Cluster {
             .into_iter()
             .filter(|p| !self.net.is_crashed(p.node))
             .collect()
+    }
+
+    /// How `peers` are connected now (see [`Routes::snapshot`]).
+    pub fn nat_snapshot(&self, peers: &[Arc<SimPeer>]) -> crate::routes::Snapshot {
+        let list: Vec<_> = peers
+            .iter()
+            .map(|p| (p.peer_id, p.nat, &p.handle))
+            .collect();
+        self.routes.snapshot(&list)
     }
 
     /// Hole punches that met in the transport (simultaneous opens).

@@ -12,8 +12,12 @@
 //! its timers fired (`timer lag`): when one process runs a thousand peers on two cores,
 //! a figure measured while the lag is high is an upper bound.
 //!
-//! Layers: `net` (links) -> `pipe` (one shaped connection) -> `transport` (libp2p) and
-//! `links` (the collective's data plane) and `weights` (the weight broadcast's) -> `cluster`
+//! Peers may sit behind NAT routers (`net::Nat`, obeyed by the transport) and run the
+//! binary's traversal over them (relays, hole punches); `routes` keeps what they report.
+//!
+//! Layers: `net` (links, NAT routers) -> `pipe` (one shaped connection) -> `transport`
+//! (libp2p) -> `routes` (what NAT'd peers report) -> `links` (the collective's data
+//! plane) and `weights` (the weight broadcast's) -> `cluster`
 //! (peers) and `member` (a training-group member) -> `scenario` (the measurements) ->
 //! `report`.
 

@@ -4,28 +4,44 @@
 //! the ring runs on. A node's link ports are numbered from 1; a dial takes one round trip
 //! (the handshake), fails after the connect timeout when the peer cannot be reached, and
 //! is refused when nothing listens on the port.
+//!
+//! With peers behind NAT ([`SimLinks::routed`]), a link follows the connection the two
+//! members' swarms have, as the product's link over a swarm stream does: to a public
+//! acceptor directly (the product's TCP link); to one behind NAT over their direct or
+//! hole-punched connection, or through the relay that carries their relayed one (the
+//! relay's links carry every byte twice, and it cuts the circuit at its data limit).
 
 use std::collections::HashMap;
 use std::io;
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicU16, Ordering};
+use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use agentjet::collective::{Conn, LinkError, LinkNet, LinkPort};
-use agentjet::swarm::Multiaddr;
+use agentjet::swarm::{LinkKind, Multiaddr, RelayLimits, SwarmHandle};
 use tokio::runtime::Handle;
 
-use crate::net::{lock, Network, NodeId};
-use crate::pipe::{weighted_pair, SimStream};
+use crate::net::{lock, Nat, Network, NodeId};
+use crate::pipe::{relayed_pair, weighted_pair, SimStream};
+use crate::routes::Routes;
 use crate::transport::node_of;
 
-/// Every node's listening link ports (one registry per simulated network).
+/// Every node's listening link ports (one registry per simulated network), and how the
+/// links went.
 #[derive(Default)]
 pub struct LinkPorts {
     ports: Mutex<HashMap<(NodeId, u16), Sender<Conn>>>,
     next: AtomicU16,
+    /// Links made directly, through a relay, and not made here (no connection between
+    /// the two swarms: the product then runs the link over a swarm stream, which this
+    /// simulation does not weigh).
+    pub direct: AtomicU64,
+    pub relayed: AtomicU64,
+    pub unrouted: AtomicU64,
+    /// Relayed links the relay cut at its data limit.
+    pub cut: Arc<AtomicU64>,
 }
 
 /// One node's links.
@@ -36,6 +52,14 @@ pub struct SimLinks {
     rt: Handle,
     ports: Arc<LinkPorts>,
     weight: f64,
+    /// This member's swarm and the cluster's routes (peers behind NAT).
+    routing: Option<(SwarmHandle, Arc<Routes>)>,
+}
+
+/// How a link reaches its acceptor.
+enum Route {
+    Direct,
+    Via(NodeId),
 }
 
 impl SimLinks {
@@ -55,7 +79,48 @@ impl SimLinks {
             rt,
             ports,
             weight,
+            routing: None,
         }
+    }
+
+    /// Links that follow the swarm's connections (see the module docs).
+    pub fn routed(mut self, handle: SwarmHandle, routes: Arc<Routes>) -> SimLinks {
+        self.routing = Some((handle, routes));
+        self
+    }
+
+    /// How to reach `to`: directly when it is public or the swarms have a direct
+    /// connection, else through the relay of their relayed one (connecting the swarms
+    /// first when they are not).
+    fn route(&self, to: NodeId, timeout: Duration) -> Result<Route, LinkError> {
+        let Some((handle, routes)) = &self.routing else {
+            return Ok(Route::Direct);
+        };
+        if self.net.nat(to) == Nat::Public {
+            return Ok(Route::Direct);
+        }
+        let peer = routes
+            .peer_at(to)
+            .ok_or(LinkError::Timeout("no such node"))?;
+        let mut kinds = handle.link_kinds(&peer);
+        if kinds.is_empty() {
+            // Not connected (the product's stream would dial now): connect, through a relay
+            // if need be, within a few seconds.
+            let wait = timeout.max(Duration::from_secs(5));
+            let _ = self
+                .rt
+                .block_on(async { tokio::time::timeout(wait, handle.connect(peer)).await });
+            kinds = handle.link_kinds(&peer);
+        }
+        if kinds.iter().any(|k| *k != LinkKind::Relayed) {
+            return Ok(Route::Direct);
+        }
+        if kinds.contains(&LinkKind::Relayed) {
+            if let Some(r) = routes.relay_between(handle.peer_id, peer) {
+                return Ok(Route::Via(r));
+            }
+        }
+        Err(LinkError::Timeout("no connection between the swarms"))
     }
 
     /// Read and written from the blocking threads the ring runs on.
@@ -108,6 +173,10 @@ impl LinkNet for SimLinks {
         }))
     }
 
+    fn routes_itself(&self) -> bool {
+        self.routing.is_some()
+    }
+
     fn connect(
         &self,
         addrs: &[Multiaddr],
@@ -123,7 +192,24 @@ impl LinkNet for SimLinks {
             std::thread::sleep(self.net.config().connect_timeout.min(timeout));
             return Err(LinkError::Timeout("connecting"));
         }
-        std::thread::sleep(self.net.latency(from, to) * 2);
+        let route = match self.route(to, timeout) {
+            Ok(r) => r,
+            Err(e) => {
+                self.ports.unrouted.fetch_add(1, Ordering::Relaxed);
+                return Err(e);
+            }
+        };
+        if let Route::Via(r) = route {
+            if self.net.cut(from, r) || self.net.cut(r, to) {
+                std::thread::sleep(self.net.config().connect_timeout.min(timeout));
+                return Err(LinkError::Timeout("connecting through the relay"));
+            }
+        }
+        let rtt = match route {
+            Route::Direct => self.net.latency(from, to) * 2,
+            Route::Via(r) => (self.net.latency(from, r) + self.net.latency(r, to)) * 2,
+        };
+        std::thread::sleep(rtt);
         let Some(listener) = lock(&self.ports.ports).get(&(to, port)).cloned() else {
             return Err(io::Error::new(
                 io::ErrorKind::ConnectionRefused,
@@ -131,7 +217,25 @@ impl LinkNet for SimLinks {
             )
             .into());
         };
-        let (mine, theirs) = weighted_pair(&self.net, from, to, self.weight);
+        let (mine, theirs) = match route {
+            Route::Direct => {
+                self.ports.direct.fetch_add(1, Ordering::Relaxed);
+                weighted_pair(&self.net, from, to, self.weight)
+            }
+            Route::Via(r) => {
+                self.ports.relayed.fetch_add(1, Ordering::Relaxed);
+                // The relay peers' own limits (netsim's peers keep the binary's).
+                let limits = RelayLimits::default();
+                relayed_pair(
+                    &self.net,
+                    &self.rt,
+                    (from, r, to),
+                    self.weight,
+                    (limits.circuit_bytes, limits.circuit_duration),
+                    self.ports.cut.clone(),
+                )
+            }
+        };
         listener
             .send(self.blocking(theirs))
             .map_err(|_| io::Error::from(io::ErrorKind::ConnectionRefused))?;

@@ -7,17 +7,18 @@ use std::time::Duration;
 use agentjet::collective::Wire;
 use agentjet_netsim::member::Mode;
 use agentjet_netsim::scenario::{broadcast, churn, discovery, gossip, partition, training, Env};
-use agentjet_netsim::NetConfig;
+use agentjet_netsim::{NatMix, NetConfig};
 
 const USAGE: &str = "usage: netsim <discovery|gossip|churn|partition|training|broadcast> [--peers N,N,..] [--servers N] [--clients N]
   [--seed N] [--latency-ms LO-HI] [--bandwidth-mbit X] [--loss P] [--out DIR]
+  [--nat P,C,S (discovery, training: percent of peers public, behind cone NATs, behind symmetric NATs)]
   [--rates R,R,.. (churn: crashes per server per hour)] [--seconds S (churn: per rate; gossip: window)]
   [--hold S (partition)] [--idle-s S (discovery: idle connection timeout, default 120)]
   [--rebootstrap-s S (discovery: DHT walk interval, default 30)]
   [--max-conns N (discovery: connection trimmer's high mark, default 96)] [--grace-s S (discovery: trimmer's grace, default 30)]
-  [--ping-s S (discovery: default 5)]
+  [--ping-s S (discovery: default 5)] [--settle-s S (discovery: the longest wait to settle, default 300)]
   training: [--members N] [--peers N (plain peers besides them)] [--modes sync,diloco/H,..] [--seconds S (per mode)] [--values N]
-  [--model-values N] [--step-s X] [--crashes N] [--wire f32|bf16] [--timeout-s S]
+  [--model-values N] [--step-s X] [--crashes N] [--wire f32|bf16] [--timeout-s S] [--status-s S (default 2)]
   broadcast: [--followers N] [--model-mb X (bfloat16 bytes it stands for, default 500)] [--scale X (default 100)]
   [--chunk-kib N (default 1024)] [--versions N] [--lr X] [--parallel N (requests in flight per follower)] [--timeout-s S]
   [--status-s S (regular status interval; default n^2/1250 s)]";
@@ -104,6 +105,8 @@ fn run(args: Vec<String>) -> anyhow::Result<()> {
         "--lr",
         "--parallel",
         "--status-s",
+        "--nat",
+        "--settle-s",
     ];
     let mut i = 1;
     while i < args.len() {
@@ -161,6 +164,7 @@ fn run(args: Vec<String>) -> anyhow::Result<()> {
             ..Default::default()
         },
         out: get("--out").map_or_else(|| PathBuf::from("netsim/results"), PathBuf::from),
+        nat: get("--nat").map(|m| NatMix::parse(&m)).transpose()?,
     };
     let sizes = |d: &[usize]| -> anyhow::Result<Vec<usize>> {
         get("--peers").map_or(Ok(d.to_vec()), |s| list("--peers", &s))
@@ -176,6 +180,11 @@ fn run(args: Vec<String>) -> anyhow::Result<()> {
         .with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "error".into()))
         .with_writer(std::io::stderr)
         .try_init();
+    if env.nat.is_some() && !matches!(name.as_str(), "discovery" | "training") {
+        anyhow::bail!(
+            "--nat: only the discovery and training scenarios place peers behind NAT so far"
+        );
+    }
     rt.block_on(async {
         match name.as_str() {
             "discovery" => {
@@ -192,6 +201,11 @@ fn run(args: Vec<String>) -> anyhow::Result<()> {
                     max_connections: one("--max-conns", get("--max-conns"), 96)?,
                     grace: Duration::from_secs(one("--grace-s", get("--grace-s"), 30)?),
                     ping: Duration::from_secs(one("--ping-s", get("--ping-s"), 5)?),
+                    settle_max: Duration::from_secs(one(
+                        "--settle-s",
+                        get("--settle-s"),
+                        discovery::SETTLE_MAX.as_secs(),
+                    )?),
                 };
                 discovery::run(&env, &a, &command).await.map(drop)
             }
@@ -261,6 +275,10 @@ fn run(args: Vec<String>) -> anyhow::Result<()> {
                     },
                     timeout: Duration::from_secs(one("--timeout-s", get("--timeout-s"), 60)?),
                     form_limit: Duration::from_secs(300),
+                    status: get("--status-s")
+                        .map(|v| one("--status-s", Some(v), 2.0f64))
+                        .transpose()?
+                        .map(Duration::from_secs_f64),
                 };
                 anyhow::ensure!(
                     a.values >= 1 && a.model_values >= a.values as u64,

@@ -232,13 +232,16 @@ pub fn spawn(
     spec: MemberSpec,
 ) -> anyhow::Result<Running> {
     let rt = tokio::runtime::Handle::current();
-    let links = SimLinks::new(
+    let mut links = SimLinks::new(
         c.net.clone(),
         peer.node,
         rt.clone(),
         ports.clone(),
         spec.weight,
     );
+    if c.nat_mix().is_some() {
+        links = links.routed(peer.handle.clone(), c.routes.clone());
+    }
     let cfg = spec.cfg;
     let node = GroupNode::start_with(
         peer.handle.clone(),

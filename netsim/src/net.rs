@@ -12,7 +12,8 @@
 //! Each node sits on the internet directly ([`Nat::Public`]) or behind its own NAT router
 //! ([`Nat::Cone`]: one mapping per local port, inbound let in only from an endpoint the
 //! node sent to; [`Nat::Symmetric`]: a new mapping per destination, so nothing it did not
-//! dial gets in). The router's mappings ("holes") last [`NetConfig::hole_ttl`]; the
+//! dial gets in). A mapping ("hole") lasts [`NetConfig::hole_ttl`] from the node's last
+//! dial toward that peer (traffic on a connection does not refresh it here); the
 //! transport ([`crate::transport`]) asks [`Network::admits`] before a dial gets through.
 //!
 //! An access link is one queue, but a connection keeps at most [`SEND_AHEAD`] of bytes

@@ -10,8 +10,11 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
 use futures::channel::mpsc;
-use futures::{AsyncRead, AsyncWrite, Stream};
+use futures::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, Stream};
 use tokio::time::{Instant, Sleep};
 
 use crate::net::{Network, NodeId, SEND_AHEAD};
@@ -53,6 +56,62 @@ pub struct SimStream {
 /// A connected pair: (the dialer's end, the listener's end).
 pub fn pair(net: &Network, dialer: NodeId, listener: NodeId) -> (SimStream, SimStream) {
     weighted_pair(net, dialer, listener, 1.0)
+}
+
+/// A connection from `dialer` to `listener` through `relay` (a relay's circuit): two
+/// pairs, a task at the relay copying between them on `rt`, so each byte crosses the
+/// relay's download and upload too. Like circuit relay v2's limits, the relay closes the
+/// circuit once more than `bytes` (as weighted, both ways together) passed or after
+/// `duration`: both ends then read EOF, and `cut` counts it.
+pub fn relayed_pair(
+    net: &Network,
+    rt: &tokio::runtime::Handle,
+    (dialer, relay, listener): (NodeId, NodeId, NodeId),
+    weight: f64,
+    (bytes, duration): (u64, Duration),
+    cut: Arc<AtomicU64>,
+) -> (SimStream, SimStream) {
+    let (a, r_in) = weighted_pair(net, dialer, relay, weight);
+    let (r_out, b) = weighted_pair(net, relay, listener, weight);
+    let (in_r, in_w) = r_in.split();
+    let (out_r, out_w) = r_out.split();
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let stop = Arc::new(stop);
+    let passed = Arc::new(AtomicU64::new(0));
+    let deadline = Instant::now() + duration;
+    for (mut from, mut to) in [(in_r, out_w), (out_r, in_w)] {
+        let (stop, mut stopped, cut, passed) =
+            (stop.clone(), stopped.clone(), cut.clone(), passed.clone());
+        rt.spawn(async move {
+            let mut buf = vec![0u8; 64 << 10];
+            loop {
+                let n = tokio::select! {
+                    r = from.read(&mut buf) => match r {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => n,
+                    },
+                    _ = stopped.changed() => break,
+                    _ = tokio::time::sleep_until(deadline) => {
+                        cut.fetch_add(1, Ordering::Relaxed);
+                        break;
+                    }
+                };
+                let total = passed.fetch_add((n as f64 * weight) as u64, Ordering::Relaxed)
+                    + (n as f64 * weight) as u64;
+                if total > bytes {
+                    cut.fetch_add(1, Ordering::Relaxed);
+                    break;
+                }
+                if to.write_all(&buf[..n]).await.is_err() {
+                    break;
+                }
+            }
+            let _ = to.close().await;
+            let _ = stop.send(true);
+        });
+    }
+    drop(stopped);
+    (a, b)
 }
 
 /// A pair whose every byte counts as `weight` bytes on the links (a scaled-down payload
@@ -269,6 +328,31 @@ mod tests {
         let mut four = [0u8; 4];
         x.read_exact(&mut four).await.unwrap();
         assert_eq!(&four, b"back");
+    }
+
+    #[tokio::test]
+    async fn a_relayed_pair_carries_bytes_through_the_relay_and_is_cut_at_its_limit() {
+        let net = Network::new(NetConfig {
+            latency: (Duration::from_millis(5), Duration::from_millis(5)),
+            ..Default::default()
+        });
+        let (a, r, b) = (net.add_node(), net.add_node(), net.add_node());
+        let cut = Arc::new(AtomicU64::new(0));
+        let rt = tokio::runtime::Handle::current();
+        let limits = (1000, Duration::from_secs(60));
+        let (mut x, mut y) = relayed_pair(&net, &rt, (a, r, b), 1.0, limits, cut.clone());
+        x.write_all(&[7u8; 600]).await.unwrap();
+        let mut got = [0u8; 600];
+        y.read_exact(&mut got).await.unwrap();
+        assert_eq!(got, [7u8; 600]);
+        assert_eq!(net.traffic(r), (600, 600));
+        // 1,200 bytes both ways together pass the 1,000 the relay allows: it closes the
+        // circuit instead of forwarding them.
+        y.write_all(&[1u8; 600]).await.unwrap();
+        let mut rest = Vec::new();
+        x.read_to_end(&mut rest).await.unwrap();
+        assert!(rest.is_empty());
+        assert_eq!(cut.load(Ordering::Relaxed), 1);
     }
 
     #[tokio::test]

@@ -51,6 +51,13 @@ pub trait LinkNet: Send + Sync {
     /// Connects to `port` of the peer reachable at `addrs` (its swarm addresses).
     fn connect(&self, addrs: &[Multiaddr], port: u16, timeout: Duration)
         -> Result<Conn, LinkError>;
+    /// Whether this network finds its own way to every acceptor, reachable or not (netsim:
+    /// its links follow the connection the two swarms have, direct, hole-punched or
+    /// relayed), so `connect` is tried even where the acceptor cannot be dialed directly.
+    /// TCP: no.
+    fn routes_itself(&self) -> bool {
+        false
+    }
 }
 
 /// A member's listening port for links.

@@ -5,9 +5,9 @@
 //!   back at an address, AutoNAT; or the user said so, `--external-addr`), relayed
 //!   (behind NAT or a firewall, with a reservation on a relay), unreachable (behind NAT
 //!   with no reservation yet), local (it listens on loopback alone), or not known yet.
-//! - [`Relays`] decides where a peer that is not public reserves a relay slot (its
-//!   bootstrap peers first, then public peers the view shows offering relay service), how
-//!   many at once, and when it tries again after a refusal.
+//! - [`Relays`] decides where a peer that is not public reserves a relay slot (one on a
+//!   bootstrap peer, then the public peers the view shows offering relay service, closest
+//!   to its own id first), how many at once, and when it tries again after a refusal.
 //! - [`LinkKind`] says how two peers are connected: directly, directly through a hole
 //!   punched in both NATs (DCUtR), or through a relay.
 //!
@@ -170,6 +170,13 @@ pub const RESERVATIONS: usize = 2;
 pub const RETRY_FIRST: Duration = Duration::from_secs(2);
 pub const RETRY_MAX: Duration = Duration::from_secs(60);
 
+/// The XOR of two peer ids' bytes, compared as a number (Kademlia compares the hashes of
+/// its keys this way; the ids are already hashes of the peers' keys, or the keys).
+fn distance(a: &PeerId, b: &PeerId) -> Vec<u8> {
+    let (a, b) = (a.to_bytes(), b.to_bytes());
+    a.iter().zip(b.iter()).map(|(x, y)| x ^ y).collect()
+}
+
 /// A relay this peer knows.
 #[derive(Debug, Clone)]
 struct Relay {
@@ -224,31 +231,47 @@ impl Relays {
     }
 
     /// The relays to ask now (at most enough to hold [`RESERVATIONS`] with those asked
-    /// and held): bootstrap peers first, then by peer id. Each is marked asked.
-    pub fn to_ask(&mut self, now: Instant) -> Vec<(PeerId, Vec<Multiaddr>)> {
-        let busy = self
-            .relays
-            .values()
-            .filter(|r| matches!(r.state, SlotState::Asked | SlotState::Held))
-            .count();
+    /// and held), each marked asked: one bootstrap peer first (known to be reachable), then
+    /// the relays closest to `me` by XOR distance of their ids, so that the peers behind
+    /// NAT of a large swarm spread over its relays instead of all asking the same ones;
+    /// more bootstrap peers only when no other relay is known.
+    pub fn to_ask(&mut self, me: &PeerId, now: Instant) -> Vec<(PeerId, Vec<Multiaddr>)> {
+        let busy = |r: &Relay| matches!(r.state, SlotState::Asked | SlotState::Held);
+        let want = RESERVATIONS.saturating_sub(self.relays.values().filter(|r| busy(r)).count());
+        let mut on_bootstrap = self.relays.values().any(|r| r.bootstrap && busy(r));
         let mut ready: Vec<(&PeerId, &Relay)> = self
             .relays
             .iter()
             .filter(|(_, r)| matches!(r.state, SlotState::Idle { at, .. } if at <= now))
             .filter(|(_, r)| !r.addrs.is_empty())
             .collect();
-        ready.sort_by_key(|(p, r)| (!r.bootstrap, **p));
-        let pick: Vec<(PeerId, Vec<Multiaddr>)> = ready
-            .into_iter()
-            .take(RESERVATIONS.saturating_sub(busy))
-            .map(|(p, r)| (*p, r.addrs.clone()))
-            .collect();
+        ready.sort_by_cached_key(|(p, r)| (!r.bootstrap, distance(me, p)));
+        let mut pick: Vec<(PeerId, Vec<Multiaddr>)> = Vec::new();
+        let mut spare = Vec::new();
+        for (p, r) in ready {
+            if r.bootstrap && on_bootstrap {
+                spare.push((*p, r.addrs.clone()));
+                continue;
+            }
+            on_bootstrap |= r.bootstrap;
+            pick.push((*p, r.addrs.clone()));
+        }
+        pick.extend(spare);
+        pick.truncate(want);
         for (p, _) in &pick {
             if let Some(r) = self.relays.get_mut(p) {
                 r.state = SlotState::Asked;
             }
         }
         pick
+    }
+
+    /// Relays asked or held now.
+    pub fn busy(&self) -> usize {
+        self.relays
+            .values()
+            .filter(|r| matches!(r.state, SlotState::Asked | SlotState::Held))
+            .count()
     }
 
     /// The relay took the reservation.
@@ -318,7 +341,13 @@ pub struct NatState {
     pub started: Instant,
     /// Peers holding a reservation on this peer's relay service.
     pub holders: std::collections::HashSet<PeerId>,
+    /// When the view's relays are read again (see [`RELAY_SCAN`]).
+    pub next_scan: Instant,
 }
+
+/// How often a peer short of relay slots reads the view for relays (netsim: every peer
+/// behind NAT reading hundreds of relays twice a second took a core at 1,000 peers).
+pub const RELAY_SCAN: Duration = Duration::from_secs(5);
 
 /// How long a peer with no AutoNAT verdict waits before it reserves relay slots anyway.
 pub const NO_VERDICT: Duration = Duration::from_secs(8);
@@ -333,6 +362,7 @@ impl NatState {
             said: Reachability::Unknown,
             started: now,
             holders: Default::default(),
+            next_scan: now,
         }
     }
 
@@ -349,12 +379,18 @@ impl NatState {
 }
 
 /// The bootstrap peers: resolved and dialed at start, and again (resolving DNS names
-/// anew) while none of them is connected, each time twice as late up to [`BOOT_MAX`].
+/// anew) while none of them has answered yet, each time twice as late up to
+/// [`BOOT_MAX`]. Once one has, only a peer left with no connection at all dials them
+/// again: a connection to a bootstrap peer that its trimmer closed is no failure, and
+/// redialing it then would have every peer of a large swarm hammer the bootstrap peers
+/// (netsim at 1,000 peers: both cores busy with the handshakes).
 #[derive(Debug)]
 pub struct Bootstrap {
     pub addrs: Vec<Multiaddr>,
     pub next: Instant,
     pub wait: Duration,
+    /// A bootstrap peer answered once.
+    pub reached: bool,
 }
 
 pub const BOOT_FIRST: Duration = Duration::from_secs(2);
@@ -366,6 +402,7 @@ impl Bootstrap {
             addrs: addrs.to_vec(),
             next: Instant::now(),
             wait: BOOT_FIRST,
+            reached: false,
         }
     }
 
@@ -382,10 +419,17 @@ impl Bootstrap {
             .collect()
     }
 
-    /// Whether to dial again now (none connected, and the wait has passed); if so the
-    /// next wait doubles.
-    pub fn due(&mut self, any_connected: bool, now: Instant) -> bool {
-        if self.addrs.is_empty() || any_connected {
+    /// Whether to dial again now (see the type's docs; `bootstrap_connected`: one of them
+    /// is connected now, `any_connected`: any peer is), after the wait; if so the next
+    /// wait doubles.
+    pub fn due(&mut self, bootstrap_connected: bool, any_connected: bool, now: Instant) -> bool {
+        self.reached |= bootstrap_connected;
+        let fine = if self.reached {
+            any_connected
+        } else {
+            bootstrap_connected
+        };
+        if self.addrs.is_empty() || fine {
             self.wait = BOOT_FIRST;
             return false;
         }
@@ -425,43 +469,104 @@ pub fn reachability(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::HashSet;
 
     #[test]
     fn reservations_go_to_bootstrap_peers_first_and_refusals_back_off() {
         let t0 = Instant::now();
+        let me = PeerId::random();
         let mut r = Relays::default();
         let (boot, a, b) = (PeerId::random(), PeerId::random(), PeerId::random());
         let addr: Multiaddr = "/ip4/198.51.100.1/tcp/4001".parse().unwrap();
         r.offer(a, vec![addr.clone()], false, t0);
         r.offer(b, vec![addr.clone()], false, t0);
         r.offer(boot, vec![addr.clone()], true, t0);
-        let first = r.to_ask(t0);
+        let first = r.to_ask(&me, t0);
         assert_eq!(first.len(), RESERVATIONS);
         assert_eq!(first[0].0, boot);
         // Nothing more while two are asked.
-        assert!(r.to_ask(t0).is_empty());
+        assert!(r.to_ask(&me, t0).is_empty());
         r.held(&boot);
         let other = first[1].0;
         r.refused(&other, t0);
         // The third relay is asked in its place; the refused one waits.
-        let next = r.to_ask(t0);
+        let next = r.to_ask(&me, t0);
         assert_eq!(next.len(), 1);
         assert_ne!(next[0].0, other);
         r.refused(&next[0].0, t0);
-        assert!(r.to_ask(t0 + Duration::from_secs(1)).is_empty());
+        assert!(r.to_ask(&me, t0 + Duration::from_secs(1)).is_empty());
         // One relay alone: each refusal in a row waits twice as long.
         let mut one = Relays::default();
         one.offer(a, vec![addr.clone()], false, t0);
-        assert_eq!(one.to_ask(t0).len(), 1);
+        assert_eq!(one.to_ask(&me, t0).len(), 1);
         one.refused(&a, t0);
-        assert!(one.to_ask(t0 + RETRY_FIRST / 2).is_empty());
-        assert_eq!(one.to_ask(t0 + RETRY_FIRST).len(), 1);
+        assert!(one.to_ask(&me, t0 + RETRY_FIRST / 2).is_empty());
+        assert_eq!(one.to_ask(&me, t0 + RETRY_FIRST).len(), 1);
         one.refused(&a, t0);
-        assert!(one.to_ask(t0 + RETRY_FIRST).is_empty());
-        assert_eq!(one.to_ask(t0 + RETRY_FIRST * 2).len(), 1);
+        assert!(one.to_ask(&me, t0 + RETRY_FIRST).is_empty());
+        assert_eq!(one.to_ask(&me, t0 + RETRY_FIRST * 2).len(), 1);
         assert_eq!(r.held_on(), vec![boot]);
         assert_eq!(r.release_all(t0), vec![boot]);
         assert!(r.held_on().is_empty());
+    }
+
+    fn seeded(i: u8) -> PeerId {
+        libp2p::identity::Keypair::ed25519_from_bytes([i; 32])
+            .unwrap()
+            .public()
+            .to_peer_id()
+    }
+
+    #[test]
+    fn peers_behind_nat_take_one_bootstrap_slot_and_spread_the_other_over_the_relays() {
+        let t0 = Instant::now();
+        let addr: Multiaddr = "/ip4/198.51.100.1/tcp/4001".parse().unwrap();
+        let boots: Vec<PeerId> = (1..=3).map(seeded).collect();
+        let relays: Vec<PeerId> = (10..30).map(seeded).collect();
+        let mut second = HashSet::new();
+        for i in 100..160 {
+            let me = seeded(i);
+            let mut r = Relays::default();
+            for b in &boots {
+                r.offer(*b, vec![addr.clone()], true, t0);
+            }
+            for p in &relays {
+                r.offer(*p, vec![addr.clone()], false, t0);
+            }
+            let pick = r.to_ask(&me, t0);
+            assert_eq!(pick.len(), RESERVATIONS);
+            assert!(boots.contains(&pick[0].0));
+            assert!(relays.contains(&pick[1].0), "one bootstrap slot only");
+            second.insert(pick[1].0);
+        }
+        // 60 peers over 20 relays: not all on the same few.
+        assert!(second.len() >= 10, "{} relays used", second.len());
+        // Bootstrap peers alone: both slots on them.
+        let mut r = Relays::default();
+        for b in &boots {
+            r.offer(*b, vec![addr.clone()], true, t0);
+        }
+        let pick = r.to_ask(&seeded(99), t0);
+        assert!(pick.len() == 2 && pick.iter().all(|(p, _)| boots.contains(p)));
+    }
+
+    #[test]
+    fn bootstrap_peers_are_redialed_until_one_answers_then_only_when_alone() {
+        let t0 = Instant::now();
+        let addr: Multiaddr = "/dns4/boot.example/tcp/4001".parse().unwrap();
+        let mut b = Bootstrap::new(&[addr]);
+        // Not reached: dialed again after 2 s, then 4 s, whatever else is connected.
+        assert!(b.due(false, true, t0));
+        assert!(!b.due(false, true, t0 + BOOT_FIRST / 2));
+        assert!(b.due(false, true, t0 + BOOT_FIRST));
+        assert!(!b.due(false, true, t0 + BOOT_FIRST * 2));
+        assert!(b.due(false, true, t0 + BOOT_FIRST * 3));
+        // It answered; its connection is trimmed later: no redial while others are
+        // connected, one once this peer is alone.
+        assert!(!b.due(true, true, t0 + BOOT_FIRST * 4));
+        assert!(!b.due(false, true, t0 + BOOT_FIRST * 10));
+        assert!(b.due(false, false, t0 + BOOT_FIRST * 10));
+        assert!(!b.due(false, false, t0 + BOOT_FIRST * 10 + BOOT_FIRST / 2));
     }
 
     #[test]

@@ -16,6 +16,7 @@ use super::{gossip_interval, start_many, Env};
 use crate::cluster::{Cluster, LagProbe, PeerTiming, MODEL};
 use crate::net::Network;
 use crate::report::{quantile, rss_bytes, secs, svg_plot, write_results, Series, Table};
+use crate::routes::Snapshot;
 
 /// The status gossip interval at `n` peers. Discovery does not use gossip; one process
 /// verifying every peer's status signatures would only slow the lookups it measures (see
@@ -26,9 +27,10 @@ fn gossip(n: usize) -> Duration {
     gossip_interval(n).max(Duration::from_secs(600))
 }
 
-/// The longest wait for a settled peer's lookup to find every server. At 1,000 peers every
-/// peer's first DHT walk runs at once and keeps both cores busy; it took 64-147 s here.
-const SETTLE_MAX: Duration = Duration::from_secs(300);
+/// The longest wait for a settled peer's lookup to find every server, by default
+/// (`--settle-s`). At 1,000 peers every peer's first DHT walk runs at once and keeps both
+/// cores busy; it took 64-147 s here.
+pub const SETTLE_MAX: Duration = Duration::from_secs(300);
 /// Quiet 2 s windows in a row before the clients start (see `run_size`).
 const QUIET_WINDOWS: usize = 5;
 /// The longest wait for them.
@@ -55,6 +57,8 @@ pub struct Args {
     pub grace: Duration,
     /// How often each connection is pinged (the binary: 5 s).
     pub ping: Duration,
+    /// The longest wait for the swarm to settle ([`SETTLE_MAX`] by default).
+    pub settle_max: Duration,
 }
 
 /// What one size measured.
@@ -78,6 +82,8 @@ pub struct Outcome {
     pub settle: Duration,
     pub lag_p99: Duration,
     pub rss: u64,
+    /// With a NAT mix: how the peers were connected at the end.
+    pub routes: Option<Snapshot>,
 }
 
 /// Runs one size and returns what it measured.
@@ -98,7 +104,7 @@ pub async fn run_size(env: &Env, a: &Args, n: usize) -> anyhow::Result<Outcome> 
         ping_interval: a.ping,
         ..Default::default()
     };
-    let c = Cluster::new(Network::new(env.net.clone()), timing, 3).await?;
+    let c = Cluster::behind_nat(Network::new(env.net.clone()), timing, 3, env.nat).await?;
     let lag = LagProbe::start(Duration::from_millis(100));
     for _ in 0..a.servers {
         c.start_server(1).await?;
@@ -107,18 +113,40 @@ pub async fn run_size(env: &Env, a: &Args, n: usize) -> anyhow::Result<Outcome> 
     // Settled: a plain peer's lookup finds every server.
     let t0 = Instant::now();
     let probe = plain.last().cloned();
+    let mut said = Instant::now();
     loop {
-        let found = match &probe {
-            Some(p) => p.handle.providers(MODEL).await?.len(),
-            None => a.servers,
+        let lookup = match &probe {
+            Some(p) => Some(p.handle.lookup_providers(MODEL, false).await?),
+            None => None,
         };
+        let found = lookup.as_ref().map_or(a.servers, |l| l.providers.len());
         if found >= a.servers {
             break;
         }
+        if said.elapsed() > Duration::from_secs(30) {
+            said = Instant::now();
+            let p = probe.as_ref().expect("a probe");
+            let l = lookup.expect("a lookup");
+            println!(
+                "discovery: {n} peers, {:.0} s: the probe (node {}, {}, {}) found {found} of {} servers ({} requests, {:.1} s); {} connected {:?}",
+                t0.elapsed().as_secs_f64(),
+                p.node,
+                p.nat.as_str(),
+                p.handle.reachability().as_str(),
+                a.servers,
+                l.requests,
+                l.duration.as_secs_f64(),
+                p.handle.connected_peers().await.len(),
+                p.handle.link_counts(),
+            );
+            if c.nat_mix().is_some() {
+                println!("  network events so far: {:?}", c.routes.event_counts());
+            }
+        }
         anyhow::ensure!(
-            t0.elapsed() < SETTLE_MAX,
+            t0.elapsed() < a.settle_max,
             "{n} peers: the swarm did not settle in {} s ({found} of {} servers found)",
-            SETTLE_MAX.as_secs(),
+            a.settle_max.as_secs(),
             a.servers
         );
         tokio::time::sleep(Duration::from_millis(500)).await;
@@ -156,6 +184,7 @@ pub async fn run_size(env: &Env, a: &Args, n: usize) -> anyhow::Result<Outcome> 
         settle,
         lag_p99: Duration::ZERO,
         rss: 0,
+        routes: None,
     };
     for _ in 0..a.clients {
         let t = Instant::now();
@@ -204,6 +233,13 @@ pub async fn run_size(env: &Env, a: &Args, n: usize) -> anyhow::Result<Outcome> 
     tracing::info!(?samples, "connections per peer, every 2 s");
     out.connections = samples.last().copied().unwrap_or_default();
     out.connections_wait = t.elapsed();
+    if env.nat.is_some() {
+        out.routes = Some(c.nat_snapshot(&live));
+        println!(
+            "discovery: {n} peers: network events over the run: {:?}",
+            c.routes.event_counts()
+        );
+    }
     c.shutdown().await;
     Ok(out)
 }
@@ -266,7 +302,7 @@ pub async fn run(env: &Env, a: &Args, command: &str) -> anyhow::Result<Vec<Outco
         ]);
         outcomes.push(o);
     }
-    let md = format!(
+    let mut md = format!(
         "{}{}\nClients start once the process is quiet after the swarm settled (timers at most 50 ms late at p99 in each of {} 2 s windows in a row, or after {} s). A client counts from its start (connecting to a bootstrap peer and proving the swarm key included) to the first lookup that returns a provider, looking again every 500 ms as the client role does. {} servers provide the model; gossip runs every max(600 s, n^2 / 1,250 s) (discovery does not use it). The idle connection timeout is {} s (the binary: 120 s; gossipsub's substreams keep connections between peers open regardless); above {} connected peers a peer closes its least recently used connections down to {}, sparing those used within {} s (the binary: 96, 64 and 30 s), pings each connection every {} s (the binary: 5 s), and walks the DHT again every {} s (the binary: 30 s); connections per peer are counted from the trimmer's grace plus 3 s after the last client's lookup, every 2 s until at most the high mark are left (at most 90 s; in brackets, how long that took): a DHT walk that started before keeps reopening trimmed connections. A client's lookup ends at the first answer that names a provider (the client role's start; its refresh every 2 s asks for all). Timer lag: how late a 100 ms timer fired while clients looked up (large: CPU-bound, the times are then upper bounds).\n",
         env.preamble("Scenario 1: finding a provider", command),
         table.markdown(),
@@ -280,6 +316,15 @@ pub async fn run(env: &Env, a: &Args, command: &str) -> anyhow::Result<Vec<Outco
         a.ping.as_secs(),
         a.rebootstrap.as_secs(),
     );
+    for o in &outcomes {
+        if let (Some(r), Some(m)) = (&o.routes, env.nat) {
+            md.push_str(&format!(
+                "\n## {} peers: connections through NAT\n\n",
+                o.peers
+            ));
+            md.push_str(&r.markdown(&m.label()));
+        }
+    }
     let json = json!(outcomes
         .iter()
         .map(|o| json!({
@@ -295,6 +340,7 @@ pub async fn run(env: &Env, a: &Args, command: &str) -> anyhow::Result<Vec<Outco
             "quiet_s": o.quiet.as_secs_f64(),
             "lag_p99_ms": o.lag_p99.as_millis() as u64,
             "rss_bytes": o.rss,
+            "nat": o.routes.as_ref().map(Snapshot::json),
         }))
         .collect::<Vec<_>>());
     let series = ["p50", "p99"]

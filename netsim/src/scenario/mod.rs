@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use agentjet::swarm::Role;
 
-use crate::cluster::{Cluster, SimPeer};
+use crate::cluster::{Cluster, NatMix, SimPeer};
 use crate::net::NetConfig;
 
 /// What every scenario shares: the network's settings and where results go.
@@ -22,6 +22,9 @@ use crate::net::NetConfig;
 pub struct Env {
     pub net: NetConfig,
     pub out: PathBuf,
+    /// Where the peers sit (`--nat P,C,S`): None, all public without NAT traversal (the
+    /// swarm as on one host); with a mix, every peer runs the binary's traversal.
+    pub nat: Option<NatMix>,
 }
 
 impl Env {
@@ -38,6 +41,12 @@ impl Env {
         }
         if self.net.loss > 0.0 {
             s.push_str(&format!(", loss {}%", self.net.loss * 100.0));
+        }
+        if let Some(m) = self.nat {
+            s.push_str(&format!(
+                "; peers public / behind cone NAT / behind symmetric NAT: {}%",
+                m.label()
+            ));
         }
         s
     }

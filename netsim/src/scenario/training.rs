@@ -36,6 +36,7 @@ use crate::member::{
 };
 use crate::net::Network;
 use crate::report::{svg_plot, write_results, Series, Table};
+use crate::routes::Snapshot;
 
 /// SmolLM2-135M's parameter count.
 pub const SMOLLM2_VALUES: u64 = 134_515_008;
@@ -64,6 +65,9 @@ pub struct Args {
     pub timeout: Duration,
     /// Give up forming the first full epoch after this.
     pub form_limit: Duration,
+    /// Every peer's status gossip interval (None: the binary's 2 s; a thousand peers in
+    /// one process need far longer, see `gossip_interval`).
+    pub status: Option<Duration>,
 }
 
 /// One mode's figures.
@@ -106,6 +110,10 @@ pub struct Outcome {
     pub lag_p99: Duration,
     /// (seconds, group steps) while it ran.
     pub curve: Vec<(f64, f64)>,
+    /// With peers behind NAT: ring links made directly, through a relay, not routed
+    /// (over a swarm stream, unweighted), and relayed ones the relay cut at its limit.
+    pub links: [u64; 4],
+    pub routes: Option<Snapshot>,
 }
 
 /// The member's group node and its loop, on its own thread.
@@ -137,7 +145,11 @@ pub async fn run_mode(env: &Env, a: &Args, mode: Mode) -> anyhow::Result<Outcome
     anyhow::ensure!(a.members >= 2, "a group needs at least 2 members");
     let weight = a.model_values as f64 / a.values as f64;
     let net = Network::new(env.net.clone());
-    let c = Cluster::new(net.clone(), PeerTiming::default(), 1).await?;
+    let timing = PeerTiming {
+        status_interval: a.status.unwrap_or(Duration::from_secs(2)),
+        ..Default::default()
+    };
+    let c = Cluster::behind_nat(net.clone(), timing, 1, env.nat).await?;
     let ports = Arc::new(LinkPorts::default());
     let cfg = MemberConfig {
         values: a.values,
@@ -342,6 +354,13 @@ pub async fn run_mode(env: &Env, a: &Args, mode: Mode) -> anyhow::Result<Outcome
         syncs += p.syncs.load(Ordering::Relaxed);
         final_steps.push(p.group_steps.load(Ordering::Relaxed));
     }
+    let routes = env.nat.map(|_| c.nat_snapshot(&c.live()));
+    let links = [
+        ports.direct.load(Ordering::Relaxed),
+        ports.relayed.load(Ordering::Relaxed),
+        ports.unrouted.load(Ordering::Relaxed),
+        ports.cut.load(Ordering::Relaxed),
+    ];
     c.shutdown().await;
     let n = a.members as f64;
     Ok(Outcome {
@@ -376,6 +395,8 @@ pub async fn run_mode(env: &Env, a: &Args, mode: Mode) -> anyhow::Result<Outcome
         after_crash,
         lag_p99,
         curve,
+        links,
+        routes,
     })
 }
 
@@ -457,7 +478,7 @@ pub async fn run(env: &Env, a: &Args, command: &str) -> anyhow::Result<Vec<Outco
             o.lag_p99.as_millis().to_string(),
         ]);
     }
-    let md = format!(
+    let mut md = format!(
         "{}{}\n{} members per mode, measured for {} s from the first step with every member; one step's gradient takes {:.1} s (slept); {:?} wire; a round's timeout {} s. Members hold {} values; each byte of the group's links counts as {:.1} on the network, standing for a model of {} values (a transfer takes its time; bytes are its bytes). The modes ran at once, each on its own network. Steps per hour: each member's optimizer steps (DiLoCo: inner steps on its own batches; sync: steps on the whole group's). Every member always has a batch ready.\n",
         env.preamble("Scenario 4: a training group, synchronous against DiLoCo", command),
         table.markdown(),
@@ -470,6 +491,22 @@ pub async fn run(env: &Env, a: &Args, command: &str) -> anyhow::Result<Vec<Outco
         a.model_values as f64 / a.values as f64,
         a.model_values,
     );
+    if let Some(m) = env.nat {
+        for o in &outs {
+            md.push_str(&format!(
+                "\n## {}: the ring behind NAT\n\nRing links made directly: {}, through a relay: {}, not routed (run over a swarm stream, which this simulation does not weigh): {}; relayed links the relay cut at its data limit ({} GiB): {}.\n\n",
+                o.mode.name(),
+                o.links[0],
+                o.links[1],
+                o.links[2],
+                agentjet::swarm::RelayLimits::default().circuit_bytes >> 30,
+                o.links[3],
+            ));
+            if let Some(r) = &o.routes {
+                md.push_str(&r.markdown(&m.label()));
+            }
+        }
+    }
     let json = json!(outs
         .iter()
         .map(|o| json!({
@@ -493,6 +530,8 @@ pub async fn run(env: &Env, a: &Args, command: &str) -> anyhow::Result<Vec<Outco
             "settled_s": o.settled_s,
             "member_errors": o.member_errors,
             "final_group_steps": o.final_group_steps,
+            "links_direct_relayed_unrouted_cut": o.links,
+            "nat": o.routes.as_ref().map(Snapshot::json),
         }))
         .collect::<Vec<_>>());
     let svg = svg_plot(

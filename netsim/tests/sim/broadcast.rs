@@ -24,6 +24,7 @@ async fn six_followers_reach_every_version_and_the_trainer_sends_about_one_copy(
             ..Default::default()
         },
         out: std::env::temp_dir(),
+        nat: None,
     };
     let a = broadcast::Args {
         followers: 6,

@@ -83,7 +83,7 @@ async fn nat_peers_reserve_relays_punch_through_cone_nats_and_stay_relayed_behin
     // A symmetric NAT defeats the punch: the pair stays relayed.
     connect(&s1, &c1).await;
     connect(&s1, &s2).await;
-    let snap = || c.routes.snapshot(&c.peers());
+    let snap = || c.nat_snapshot(&c.peers());
     wait_for(
         "punches with a symmetric end tried",
         Duration::from_secs(60),
@@ -125,4 +125,51 @@ async fn nat_peers_reserve_relays_punch_through_cone_nats_and_stay_relayed_behin
     let held: u64 = s.relay_reservations.iter().sum();
     assert!((4..=8).contains(&held), "{s:?}");
     c.shutdown().await;
+}
+
+/// A four-member group whose members sit public, behind a cone NAT, behind a symmetric
+/// NAT and public (the mix 50/25/25 in start order) trains over ring links that follow
+/// the swarms' connections (direct, hole-punched or through a relay: none left unrouted)
+/// and ends bit-identical.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_with_members_behind_cone_and_symmetric_nats_trains_and_ends_bit_identical() {
+    let _one = one_at_a_time().await;
+    use agentjet::collective::Wire;
+    use agentjet_netsim::member::Mode;
+    use agentjet_netsim::scenario::{training, Env};
+    let env = Env {
+        net: NetConfig {
+            seed: 8,
+            latency: (Duration::from_millis(10), Duration::from_millis(60)),
+            bandwidth: 100e6 / 8.0,
+            ..Default::default()
+        },
+        out: std::env::temp_dir(),
+        nat: Some(NatMix::parse("50,25,25").unwrap()),
+    };
+    let a = training::Args {
+        members: 4,
+        peers: 12,
+        modes: vec![],
+        duration: Duration::from_secs(60),
+        values: 50_000,
+        model_values: 5_000_000,
+        compute: Duration::from_millis(100),
+        crashes: 0,
+        crash_every_steps: None,
+        wire: Wire::F32,
+        timeout: Duration::from_secs(10),
+        form_limit: Duration::from_secs(120),
+        status: None,
+    };
+    let mode = Mode::Diloco { every: 3 };
+    let o = training::run_mode(&env, &a, mode).await.unwrap();
+    assert_eq!(o.member_errors, 0, "{o:?}");
+    assert!(o.identical, "members differ at the end: {o:?}");
+    assert!(o.final_group_steps >= 2, "{o:?}");
+    let [direct, relayed, unrouted, _cut] = o.links;
+    assert!(direct + relayed >= 4, "{o:?}");
+    assert_eq!(unrouted, 0, "{o:?}");
+    let r = o.routes.expect("routes");
+    assert_eq!(r.relayed_peers, r.natted, "{r:?}");
 }

@@ -23,6 +23,7 @@ fn env(seed: u64) -> Env {
             ..Default::default()
         },
         out: std::env::temp_dir(),
+        nat: None,
     }
 }
 
@@ -43,6 +44,7 @@ async fn every_new_client_finds_a_provider_among_50_peers_that_trim_connections(
         max_connections: 16,
         grace: Duration::from_secs(5),
         ping: Duration::from_secs(5),
+        settle_max: discovery::SETTLE_MAX,
     };
     let o = discovery::run_size(&env(3), &a, 50).await.unwrap();
     assert_eq!(o.found, 5, "{o:?}");
@@ -106,6 +108,7 @@ async fn a_four_member_group_trains_through_a_crash_and_ends_bit_identical() {
         wire: Wire::F32,
         timeout: Duration::from_secs(10),
         form_limit: Duration::from_secs(120),
+        status: None,
     };
     let mode = Mode::Diloco { every: 3 };
     let o = training::run_mode(&env(7), &a, mode).await.unwrap();

@@ -1126,7 +1126,8 @@ impl GroupNode {
         let failed_lately = lock(&self.direct_failed)
             .get(&peer)
             .is_some_and(|at| at.elapsed() < DIRECT_RETRY);
-        if self.cfg.direct_links && offer.direct && !failed_lately && !addrs.is_empty() {
+        let direct = offer.direct || self.links.routes_itself();
+        if self.cfg.direct_links && direct && !failed_lately && !addrs.is_empty() {
             let (links, port) = (self.links.clone(), offer.port);
             let tried =
                 tokio::task::spawn_blocking(move || links.connect(&addrs, port, DIRECT_WAIT)).await;

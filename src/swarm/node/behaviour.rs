@@ -85,12 +85,15 @@ pub(super) fn behaviour(
         .set_query_timeout(Duration::from_secs(10))
         .set_periodic_bootstrap_interval(None);
     let mut kad = kad::Behaviour::with_config(peer_id, MemoryStore::new(peer_id), kcfg);
-    // Server until this peer learns it is behind NAT (the event loop switches it).
-    kad.set_mode(Some(if c.kad_server {
-        Mode::Server
-    } else {
-        Mode::Client
-    }));
+    // A server on one host or when told it is public; else a client until it learns it
+    // is reachable (the event loop switches it).
+    kad.set_mode(Some(
+        if c.kad_server && (local_only || !c.external.is_empty()) {
+            Mode::Server
+        } else {
+            Mode::Client
+        },
+    ));
     let autonat = (!local_only).then(|| {
         autonat::Behaviour::new(
             peer_id,

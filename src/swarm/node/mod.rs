@@ -10,7 +10,8 @@
 //! weak command sender, and are cancelled when the loop ends. Then the `Swarm` is dropped:
 //! connections close and the listen ports are free again.
 //!
-//! Discovery: Kademlia (protocol `/agentjet/kad/1`) in server mode, with manual routing
+//! Discovery: Kademlia (protocol `/agentjet/kad/1`), a server once the peer is public or
+//! on one host (a client before and behind NAT, see `nat`), with manual routing
 //! table inserts: a peer enters the table only after it proved the swarm key and identify
 //! told us its listen addresses; it stays there when its connections close (idle ones
 //! close after `idle_connection_timeout`) and leaves when a dial to it fails or it fails

@@ -6,6 +6,7 @@
 //! Owns: turning libp2p's NAT events into state, typed [`NetEvent`]s and actions. Never
 //! decides policy of its own (see `reach`).
 
+use std::collections::HashSet;
 use std::time::Instant;
 
 use libp2p::core::transport::ListenerId;
@@ -19,7 +20,9 @@ use super::{Conn, EventLoop};
 use crate::base::lock;
 use crate::swarm::addrs;
 use crate::swarm::protocol::{REACH_FIELD, RELAY_FIELD};
-use crate::swarm::reach::{reachability, LinkKind, NetEvent, Reachability};
+use crate::swarm::reach::{
+    reachability, LinkKind, NetEvent, Reachability, RELAY_SCAN, RESERVATIONS,
+};
 use crate::swarm::shared::Command;
 
 /// How long the relayed connections to a peer stay after a hole punched a direct one.
@@ -77,11 +80,11 @@ impl EventLoop {
                 "this peer's reachability"
             );
             self.nat.said = now;
+            // A DHT server only once others can dial it: a peer behind NAT that served
+            // it while it did not know yet would sit in routing tables where every
+            // lookup's request to it times out.
             let dht = self.shared.cfg.kad_server
-                && matches!(
-                    now,
-                    Reachability::Public | Reachability::Local | Reachability::Unknown
-                );
+                && matches!(now, Reachability::Public | Reachability::Local);
             self.swarm.behaviour_mut().kad.set_mode(Some(if dht {
                 Mode::Server
             } else {
@@ -235,12 +238,13 @@ impl EventLoop {
     pub(super) fn nat_tick(&mut self) {
         let now = Instant::now();
         let boot = self.bootstrap.peers();
-        let any = if boot.is_empty() {
-            self.swarm.connected_peers().next().is_some()
+        let any = self.swarm.connected_peers().next().is_some();
+        let to_bootstrap = if boot.is_empty() {
+            any
         } else {
             boot.iter().any(|p| self.swarm.is_connected(p))
         };
-        if self.bootstrap.due(any, now) {
+        if self.bootstrap.due(to_bootstrap, any, now) {
             self.redial_bootstrap();
         }
         if !self.shared.cfg.nat_traversal || self.local_only {
@@ -253,24 +257,32 @@ impl EventLoop {
             }
             return;
         }
-        // Public peers of the view that offer relay service.
-        let offers: Vec<PeerId> = lock(&self.shared.view)
-            .iter()
-            .filter(|(p, s)| {
-                **p != self.shared.peer_id
-                    && s.status.extra.get(RELAY_FIELD).is_some_and(|v| v == "1")
-            })
-            .map(|(p, _)| *p)
-            .collect();
-        // Relays that left the view (or stopped relaying) are no longer asked.
-        self.nat
-            .relays
-            .retain(|p, bootstrap| bootstrap || offers.contains(p));
-        for p in offers {
-            let addrs = self.direct_addrs(&p);
-            self.nat.relays.offer(p, addrs, false, now);
+        // Holding (or asking) its slots: nothing to do. Else the view's relays are read
+        // again at most every few seconds (a peer of a large swarm knows hundreds).
+        if self.nat.relays.busy() >= RESERVATIONS {
+            return;
         }
-        for (relay, addrs) in self.nat.relays.to_ask(now) {
+        if now >= self.nat.next_scan {
+            self.nat.next_scan = now + RELAY_SCAN;
+            // Public peers of the view that offer relay service.
+            let offers: HashSet<PeerId> = lock(&self.shared.view)
+                .iter()
+                .filter(|(p, s)| {
+                    **p != self.shared.peer_id
+                        && s.status.extra.get(RELAY_FIELD).is_some_and(|v| v == "1")
+                })
+                .map(|(p, _)| *p)
+                .collect();
+            // Relays that left the view (or stopped relaying) are no longer asked.
+            self.nat
+                .relays
+                .retain(|p, bootstrap| bootstrap || offers.contains(p));
+            for p in offers {
+                let addrs = self.direct_addrs(&p);
+                self.nat.relays.offer(p, addrs, false, now);
+            }
+        }
+        for (relay, addrs) in self.nat.relays.to_ask(&self.shared.peer_id, now) {
             let Some(a) = addrs.first() else { continue };
             let circuit = a
                 .clone()
@@ -327,7 +339,7 @@ impl EventLoop {
         if addrs.is_empty() {
             return;
         }
-        self.bootstrap.due(false, Instant::now());
+        self.bootstrap.due(false, false, Instant::now());
         for a in resolve_all(&self.shared, &addrs).await {
             if let Err(e) = self.swarm.dial(a.clone()) {
                 warn!(addr = %a, "dialing a bootstrap peer: {e}");
