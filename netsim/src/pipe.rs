@@ -60,9 +60,10 @@ pub fn pair(net: &Network, dialer: NodeId, listener: NodeId) -> (SimStream, SimS
 
 /// A connection from `dialer` to `listener` through `relay` (a relay's circuit): two
 /// pairs, a task at the relay copying between them on `rt`, so each byte crosses the
-/// relay's download and upload too. Like circuit relay v2's limits, the relay closes the
-/// circuit once more than `bytes` (as weighted, both ways together) passed or after
-/// `duration`: both ends then read EOF, and `cut` counts it.
+/// relay's download and upload too. A closed sending half closes that direction only.
+/// Like circuit relay v2's limits, the relay closes the circuit once more than `bytes` (as
+/// weighted, both ways together) passed or after `duration`: both ends then read EOF,
+/// and `cut` counts it.
 pub fn relayed_pair(
     net: &Network,
     rt: &tokio::runtime::Handle,
@@ -85,6 +86,8 @@ pub fn relayed_pair(
         rt.spawn(async move {
             let mut buf = vec![0u8; 64 << 10];
             loop {
+                // An end that closes its sending half closes this direction only (the
+                // other goes on, as over a relay); the relay's limits close both.
                 let n = tokio::select! {
                     r = from.read(&mut buf) => match r {
                         Ok(0) | Err(_) => break,
@@ -93,6 +96,7 @@ pub fn relayed_pair(
                     _ = stopped.changed() => break,
                     _ = tokio::time::sleep_until(deadline) => {
                         cut.fetch_add(1, Ordering::Relaxed);
+                        let _ = stop.send(true);
                         break;
                     }
                 };
@@ -100,6 +104,7 @@ pub fn relayed_pair(
                     + (n as f64 * weight) as u64;
                 if total > bytes {
                     cut.fetch_add(1, Ordering::Relaxed);
+                    let _ = stop.send(true);
                     break;
                 }
                 if to.write_all(&buf[..n]).await.is_err() {
@@ -107,7 +112,6 @@ pub fn relayed_pair(
                 }
             }
             let _ = to.close().await;
-            let _ = stop.send(true);
         });
     }
     drop(stopped);
@@ -346,7 +350,16 @@ mod tests {
         y.read_exact(&mut got).await.unwrap();
         assert_eq!(got, [7u8; 600]);
         assert_eq!(net.traffic(r), (600, 600));
-        // 1,200 bytes both ways together pass the 1,000 the relay allows: it closes the
+        // A closed sending half closes that direction only.
+        x.close().await.unwrap();
+        let mut none = Vec::new();
+        y.read_to_end(&mut none).await.unwrap();
+        assert!(none.is_empty());
+        y.write_all(&[2u8; 100]).await.unwrap();
+        let mut back = [0u8; 100];
+        x.read_exact(&mut back).await.unwrap();
+        assert_eq!(back, [2u8; 100]);
+        // 1,300 bytes both ways together pass the 1,000 the relay allows: it closes the
         // circuit instead of forwarding them.
         y.write_all(&[1u8; 600]).await.unwrap();
         let mut rest = Vec::new();
