@@ -343,7 +343,13 @@ pub struct NatState {
     pub holders: std::collections::HashSet<PeerId>,
     /// When the view's relays are read again (see [`RELAY_SCAN`]).
     pub next_scan: Instant,
+    /// When to gossip the status that a change of reachability or addresses asked for.
+    pub publish_at: Option<Instant>,
 }
+
+/// How long a change of reachability or addresses waits to be gossiped, so that those
+/// that come together go out in one message.
+pub const STATUS_COALESCE: Duration = Duration::from_secs(1);
 
 /// How often a peer short of relay slots reads the view for relays (netsim: every peer
 /// behind NAT reading hundreds of relays twice a second took a core at 1,000 peers).
@@ -363,6 +369,7 @@ impl NatState {
             started: now,
             holders: Default::default(),
             next_scan: now,
+            publish_at: None,
         }
     }
 

@@ -404,6 +404,9 @@ impl EventLoop {
                         self.reprovide_soon = false;
                         self.reprovide();
                     }
+                    if self.nat.publish_at.is_some_and(|t| Instant::now() >= t) {
+                        self.publish_status();
+                    }
                     self.nat_tick();
                 }
                 _ = trim_tick.tick() => self.trim(),
@@ -488,6 +491,7 @@ impl EventLoop {
     }
 
     fn publish_status(&mut self) {
+        self.nat.publish_at = None;
         let mut status = lock(&self.shared.status).clone();
         let reach = lock(&self.shared.net).reach;
         status

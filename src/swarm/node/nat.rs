@@ -21,7 +21,7 @@ use crate::base::lock;
 use crate::swarm::addrs;
 use crate::swarm::protocol::{REACH_FIELD, RELAY_FIELD};
 use crate::swarm::reach::{
-    reachability, LinkKind, NetEvent, Reachability, RELAY_SCAN, RESERVATIONS,
+    reachability, LinkKind, NetEvent, Reachability, RELAY_SCAN, RESERVATIONS, STATUS_COALESCE,
 };
 use crate::swarm::shared::Command;
 
@@ -111,7 +111,12 @@ impl EventLoop {
         st.extra
             .insert(REACH_FIELD.to_string(), now.as_str().to_string());
         drop(st);
-        self.publish_status();
+        // Gossiped within a second, once for changes that come together (a peer behind NAT
+        // gets its verdict and its two relay slots within a second or two: one message
+        // through the whole swarm, not three).
+        self.nat
+            .publish_at
+            .get_or_insert(Instant::now() + STATUS_COALESCE);
     }
 
     fn release_relays(&mut self) {
