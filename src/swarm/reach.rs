@@ -345,6 +345,8 @@ pub struct NatState {
     pub next_scan: Instant,
     /// When to gossip the status that a change of reachability or addresses asked for.
     pub publish_at: Option<Instant>,
+    /// A relay service status not applied yet (see `EventLoop::apply_relay_status`).
+    pub relay_enable: Option<bool>,
 }
 
 /// How long a change of reachability or addresses waits to be gossiped, so that those
@@ -370,6 +372,7 @@ impl NatState {
             holders: Default::default(),
             next_scan: now,
             publish_at: None,
+            relay_enable: None,
         }
     }
 

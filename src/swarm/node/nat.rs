@@ -46,6 +46,7 @@ impl EventLoop {
     /// Whether this peer's relay service takes reservations now.
     pub(super) fn relaying(&self) -> bool {
         self.swarm.behaviour().relay.is_enabled()
+            && self.nat.relay_enable.is_none()
             && lock(&self.shared.net).reach == Reachability::Public
     }
 
@@ -90,13 +91,8 @@ impl EventLoop {
             } else {
                 Mode::Client
             }));
-            if let Some(r) = self.swarm.behaviour_mut().relay.as_mut() {
-                r.set_status(Some(if now == Reachability::Public {
-                    relay::Status::Enable
-                } else {
-                    relay::Status::Disable
-                }));
-            }
+            self.nat.relay_enable = Some(now == Reachability::Public);
+            self.apply_relay_status();
             if now == Reachability::Public || now == Reachability::Local {
                 self.release_relays();
             }
@@ -117,6 +113,32 @@ impl EventLoop {
         self.nat
             .publish_at
             .get_or_insert(Instant::now() + STATUS_COALESCE);
+    }
+
+    /// Turns the relay service on or off as asked, once this peer has no relayed
+    /// connection: libp2p-relay 0.22 tells every connection of its table about a change,
+    /// relayed ones included, whose handler cannot take it (`unreachable!`, a panic that
+    /// took the node down when a peer holding a circuit turned public). Until then the
+    /// service stays as it was; `nat_tick` tries again.
+    pub(super) fn apply_relay_status(&mut self) {
+        let Some(enable) = self.nat.relay_enable else {
+            return;
+        };
+        if self.conns.values().any(|c| c.kind == LinkKind::Relayed) {
+            return;
+        }
+        self.nat.relay_enable = None;
+        // Whether it relays is in the status.
+        self.nat
+            .publish_at
+            .get_or_insert(Instant::now() + STATUS_COALESCE);
+        if let Some(r) = self.swarm.behaviour_mut().relay.as_mut() {
+            r.set_status(Some(if enable {
+                relay::Status::Enable
+            } else {
+                relay::Status::Disable
+            }));
+        }
     }
 
     fn release_relays(&mut self) {
@@ -252,6 +274,7 @@ impl EventLoop {
         if self.bootstrap.due(to_bootstrap, any, now) {
             self.redial_bootstrap();
         }
+        self.apply_relay_status();
         if !self.shared.cfg.nat_traversal || self.local_only {
             return;
         }
