@@ -289,13 +289,6 @@ impl Cluster {
         self.routes.snapshot(&list)
     }
 
-    /// Hole punches that met in the transport (simultaneous opens).
-    pub fn punches_met(&self) -> u64 {
-        self.listeners
-            .met
-            .load(std::sync::atomic::Ordering::Relaxed)
-    }
-
     /// A hard crash: the network drops the peer (nothing in or out, no goodbye), then its
     /// node is stopped to free its memory.
     pub async fn crash(&self, p: &SimPeer) {

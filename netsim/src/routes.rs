@@ -52,7 +52,7 @@ struct Events {
     /// the other end sees no relay in its address).
     relays: HashMap<(PeerId, PeerId), NodeId>,
     /// Events by kind (the first word of their debug form), over the run.
-    counts: BTreeMap<String, u64>,
+    counts: BTreeMap<&'static str, u64>,
 }
 
 /// The reports of one cluster's peers.
@@ -124,12 +124,15 @@ impl Routes {
         let started = Instant::now();
         handle.forward_net_events(move |e| {
             let mut ev = lock(&events);
-            let kind = format!("{e:?}");
-            let kind = kind
-                .split([' ', '{', '('])
-                .next()
-                .unwrap_or("?")
-                .to_string();
+            let kind = match &e {
+                NetEvent::Reachability { .. } => "Reachability",
+                NetEvent::Addresses { .. } => "Addresses",
+                NetEvent::Connected { .. } => "Connected",
+                NetEvent::Closed { .. } => "Closed",
+                NetEvent::Reservation { .. } => "Reservation",
+                NetEvent::HolePunch { .. } => "HolePunch",
+                NetEvent::Bootstrap { .. } => "Bootstrap",
+            };
             *ev.counts.entry(kind).or_default() += 1;
             match e {
                 NetEvent::HolePunch { peer, ok, .. } => {
@@ -176,7 +179,7 @@ impl Routes {
     }
 
     /// The network events so far, by kind.
-    pub fn event_counts(&self) -> BTreeMap<String, u64> {
+    pub fn event_counts(&self) -> BTreeMap<&'static str, u64> {
         lock(&self.events).counts.clone()
     }
 
