@@ -235,7 +235,6 @@ impl Cluster {
             cfg.single_host = Some(false);
             // No gateway to ask, and AutoNAT's servers refuse addresses without an IP.
             cfg.upnp = false;
-            cfg.autonat_first = Duration::from_secs(24 * 3600);
             cfg.autonat_every = Duration::from_secs(24 * 3600);
             if nat == Nat::Public {
                 cfg.external = vec![addr_of(node)];

@@ -56,16 +56,48 @@ pub struct SimLinks {
     routing: Option<(SwarmHandle, Arc<Routes>)>,
 }
 
-/// How a link reaches its acceptor.
-enum Route {
+/// How a stream from one node reaches another.
+pub(crate) enum Route {
     Direct,
     Via(NodeId),
 }
 
+/// How `handle`'s node reaches the node `to`, following the swarms' connections as the
+/// product's streams do: directly when `to` is public or the swarms have a direct
+/// connection, else through the relay of their relayed one (connecting the swarms first,
+/// within `wait`, when they are not).
+pub(crate) async fn route(
+    net: &Network,
+    handle: &SwarmHandle,
+    routes: &Routes,
+    to: NodeId,
+    wait: Duration,
+) -> Result<Route, &'static str> {
+    if net.nat(to) == Nat::Public {
+        return Ok(Route::Direct);
+    }
+    let peer = routes.peer_at(to).ok_or("no such node")?;
+    let mut kinds = handle.link_kinds(&peer);
+    if kinds.is_empty() {
+        // Not connected (the product's stream would dial now).
+        let _ = tokio::time::timeout(wait, handle.connect(peer)).await;
+        kinds = handle.link_kinds(&peer);
+    }
+    if kinds.iter().any(|k| *k != LinkKind::Relayed) {
+        return Ok(Route::Direct);
+    }
+    if kinds.contains(&LinkKind::Relayed) {
+        if let Some(r) = routes.relay_between(handle.peer_id, peer) {
+            return Ok(Route::Via(r));
+        }
+    }
+    Err("no connection between the swarms")
+}
+
 impl SimLinks {
-    /// The links of `node`; `rt` (with time enabled) drives the simulated streams. Each
-    /// byte a link carries counts as `weight` bytes on the network (a scaled-down model
-    /// standing for a bigger one).
+    /// Links of `node` on `rt` (with time enabled), which drives the simulated streams.
+    /// Each byte a link carries counts as `weight` bytes on the network (a scaled-down
+    /// model standing for a bigger one).
     pub fn new(
         net: Network,
         node: NodeId,
@@ -89,38 +121,15 @@ impl SimLinks {
         self
     }
 
-    /// How to reach `to`: directly when it is public or the swarms have a direct
-    /// connection, else through the relay of their relayed one (connecting the swarms
-    /// first when they are not).
+    /// How to reach `to` (see [`route`]; connecting within a few seconds at least).
     fn route(&self, to: NodeId, timeout: Duration) -> Result<Route, LinkError> {
         let Some((handle, routes)) = &self.routing else {
             return Ok(Route::Direct);
         };
-        if self.net.nat(to) == Nat::Public {
-            return Ok(Route::Direct);
-        }
-        let peer = routes
-            .peer_at(to)
-            .ok_or(LinkError::Timeout("no such node"))?;
-        let mut kinds = handle.link_kinds(&peer);
-        if kinds.is_empty() {
-            // Not connected (the product's stream would dial now): connect, through a relay
-            // if need be, within a few seconds.
-            let wait = timeout.max(Duration::from_secs(5));
-            let _ = self
-                .rt
-                .block_on(async { tokio::time::timeout(wait, handle.connect(peer)).await });
-            kinds = handle.link_kinds(&peer);
-        }
-        if kinds.iter().any(|k| *k != LinkKind::Relayed) {
-            return Ok(Route::Direct);
-        }
-        if kinds.contains(&LinkKind::Relayed) {
-            if let Some(r) = routes.relay_between(handle.peer_id, peer) {
-                return Ok(Route::Via(r));
-            }
-        }
-        Err(LinkError::Timeout("no connection between the swarms"))
+        let wait = timeout.max(Duration::from_secs(5));
+        self.rt
+            .block_on(route(&self.net, handle, routes, to, wait))
+            .map_err(LinkError::Timeout)
     }
 
     /// Read and written from the blocking threads the ring runs on.
@@ -230,7 +239,7 @@ impl LinkNet for SimLinks {
                     &self.net,
                     &self.rt,
                     (from, r, to),
-                    self.weight,
+                    (self.weight, self.weight),
                     (limits.circuit_bytes, limits.circuit_duration),
                     self.ports.cut.clone(),
                 )

@@ -11,7 +11,7 @@ use agentjet_netsim::{NatMix, NetConfig};
 
 const USAGE: &str = "usage: netsim <discovery|gossip|churn|partition|training|broadcast> [--peers N,N,..] [--servers N] [--clients N]
   [--seed N] [--latency-ms LO-HI] [--bandwidth-mbit X] [--loss P] [--out DIR]
-  [--nat P,C,S (discovery, training: percent of peers public, behind cone NATs, behind symmetric NATs)]
+  [--nat P,C,S (discovery, training, broadcast: percent of peers public, behind cone NATs, behind symmetric NATs)]
   [--rates R,R,.. (churn: crashes per server per hour)] [--seconds S (churn: per rate; gossip: window)]
   [--hold S (partition)] [--idle-s S (discovery: idle connection timeout, default 120)]
   [--rebootstrap-s S (discovery: DHT walk interval, default 30)]
@@ -19,7 +19,7 @@ const USAGE: &str = "usage: netsim <discovery|gossip|churn|partition|training|br
   [--ping-s S (discovery: default 5)] [--settle-s S (discovery: the longest wait to settle, default 300)]
   training: [--members N] [--peers N (plain peers besides them)] [--modes sync,diloco/H,..] [--seconds S (per mode)] [--values N]
   [--model-values N] [--step-s X] [--crashes N] [--wire f32|bf16] [--timeout-s S] [--status-s S (default 2)]
-  broadcast: [--followers N] [--model-mb X (bfloat16 bytes it stands for, default 500)] [--scale X (default 100)]
+  broadcast: [--followers N] [--peers N (plain peers besides them)] [--model-mb X (bfloat16 bytes it stands for, default 500)] [--scale X (default 100)]
   [--chunk-kib N (default 1024)] [--versions N] [--lr X] [--parallel N (requests in flight per follower)] [--timeout-s S]
   [--status-s S (regular status interval; default n^2/1250 s)]";
 
@@ -180,9 +180,9 @@ fn run(args: Vec<String>) -> anyhow::Result<()> {
         .with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "error".into()))
         .with_writer(std::io::stderr)
         .try_init();
-    if env.nat.is_some() && !matches!(name.as_str(), "discovery" | "training") {
+    if env.nat.is_some() && !matches!(name.as_str(), "discovery" | "training" | "broadcast") {
         anyhow::bail!(
-            "--nat: only the discovery and training scenarios place peers behind NAT so far"
+            "--nat: only the discovery, training and broadcast scenarios place peers behind NAT so far"
         );
     }
     rt.block_on(async {
@@ -289,6 +289,7 @@ fn run(args: Vec<String>) -> anyhow::Result<()> {
             "broadcast" => {
                 let a = broadcast::Args {
                     followers: one("--followers", get("--followers"), 100)?,
+                    peers: one("--peers", get("--peers"), 0)?,
                     model_bytes: (one("--model-mb", get("--model-mb"), 500.0f64)? * 1e6) as u64,
                     scale: one("--scale", get("--scale"), 100.0)?,
                     chunk: one("--chunk-kib", get("--chunk-kib"), 1024u64)? * 1024,

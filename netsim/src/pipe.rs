@@ -60,27 +60,29 @@ pub fn pair(net: &Network, dialer: NodeId, listener: NodeId) -> (SimStream, SimS
 
 /// A connection from `dialer` to `listener` through `relay` (a relay's circuit): two
 /// pairs, a task at the relay copying between them on `rt`, so each byte crosses the
-/// relay's download and upload too. A closed sending half closes that direction only.
-/// Like circuit relay v2's limits, the relay closes the circuit once more than `bytes` (as
+/// relay's download and upload too; the dialer's bytes count as `dialer_weight` each on
+/// the links, the listener's as `listener_weight` (see [`weighted_pair_each_way`]). A
+/// closed sending half closes that direction only. Like circuit relay v2's limits, the relay closes the circuit once more than `bytes` (as
 /// weighted, both ways together) passed or after `duration`: both ends then read EOF,
 /// and `cut` counts it.
 pub fn relayed_pair(
     net: &Network,
     rt: &tokio::runtime::Handle,
     (dialer, relay, listener): (NodeId, NodeId, NodeId),
-    weight: f64,
+    (dialer_weight, listener_weight): (f64, f64),
     (bytes, duration): (u64, Duration),
     cut: Arc<AtomicU64>,
 ) -> (SimStream, SimStream) {
-    let (a, r_in) = weighted_pair(net, dialer, relay, weight);
-    let (r_out, b) = weighted_pair(net, relay, listener, weight);
+    let (a, r_in) = weighted_pair_each_way(net, dialer, relay, dialer_weight, listener_weight);
+    let (r_out, b) = weighted_pair_each_way(net, relay, listener, dialer_weight, listener_weight);
     let (in_r, in_w) = r_in.split();
     let (out_r, out_w) = r_out.split();
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let stop = Arc::new(stop);
     let passed = Arc::new(AtomicU64::new(0));
     let deadline = Instant::now() + duration;
-    for (mut from, mut to) in [(in_r, out_w), (out_r, in_w)] {
+    for (mut from, mut to, weight) in [(in_r, out_w, dialer_weight), (out_r, in_w, listener_weight)]
+    {
         let (stop, mut stopped, cut, passed) =
             (stop.clone(), stopped.clone(), cut.clone(), passed.clone());
         rt.spawn(async move {
@@ -344,7 +346,7 @@ mod tests {
         let cut = Arc::new(AtomicU64::new(0));
         let rt = tokio::runtime::Handle::current();
         let limits = (1000, Duration::from_secs(60));
-        let (mut x, mut y) = relayed_pair(&net, &rt, (a, r, b), 1.0, limits, cut.clone());
+        let (mut x, mut y) = relayed_pair(&net, &rt, (a, r, b), (1.0, 1.0), limits, cut.clone());
         x.write_all(&[7u8; 600]).await.unwrap();
         let mut got = [0u8; 600];
         y.read_exact(&mut got).await.unwrap();

@@ -69,11 +69,9 @@ pub struct SwarmConfig {
     pub nat_traversal: bool,
     /// Ask a UPnP gateway on the local network to forward the listen ports.
     pub upnp: bool,
-    /// AutoNAT: how soon after start, and how often, other peers are asked to dial this
-    /// one back; how long a dial-back may take.
-    pub autonat_first: Duration,
+    /// AutoNAT: how often an untested address candidate is given to another peer to
+    /// dial back.
     pub autonat_every: Duration,
-    pub autonat_timeout: Duration,
     /// A transport beside TCP and QUIC (dialed for the addresses it supports): netsim's
     /// simulated network. None in the peer binary.
     pub other_transport: Option<OtherTransport>,
@@ -161,10 +159,7 @@ impl SwarmConfig {
             relay: RelayLimits::default(),
             nat_traversal: true,
             upnp: true,
-            autonat_first: Duration::from_secs(1),
             autonat_every: Duration::from_secs(5),
-            // Above two dial timeouts: the peer asked dials each address back in turn.
-            autonat_timeout: Duration::from_secs(30),
             other_transport: None,
             single_host: None,
         }

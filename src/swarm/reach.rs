@@ -14,7 +14,7 @@
 //! Owns: those decisions, as plain state a test can drive. Never touches the `Swarm`
 //! (`swarm::node` carries them out).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use libp2p::{Multiaddr, PeerId};
@@ -324,12 +324,104 @@ impl Relays {
     }
 }
 
+/// Address candidates remembered as failed at most (a symmetric NAT shows every peer
+/// another port).
+const FAILED_KEPT: usize = 64;
+
+/// Peers and addresses remembered as dialed at most.
+const DIALED_KEPT: usize = 100_000;
+
+/// Whether this peer can be reached from outside its network, from two sources:
+///
+/// - AutoNAT v2: each address candidate (an address peers observe it at) is tested once,
+///   by one peer dialing it back from a new port on a connection of its own. A v2 server
+///   only tests a peer that dialed it (it must have observed the address), so a peer that
+///   dials nobody, such as a bootstrap peer, is never tested this way.
+/// - Connections that came in unasked: a direct inbound connection from a peer this one
+///   never dialed, from an IP address it never dialed. A NAT lets such a connection in
+///   only when the peer is reachable there; a connection from a peer or an address this
+///   one dialed may have come through the NAT's mapping for that peer alone (libp2p
+///   dials from its listen port, so a peer dialed back from its own port passes; AutoNAT
+///   v1 counted such connections as dial-backs, and declared peers behind NAT public).
+#[derive(Debug, Default)]
+pub struct Autonat {
+    /// Candidates dialed back: reachable by others.
+    pub confirmed: HashSet<Multiaddr>,
+    /// Candidates a peer could not dial back.
+    pub failed: HashSet<Multiaddr>,
+    /// Connections that came in unasked (see above).
+    pub unasked: u64,
+    dialed_peers: HashSet<PeerId>,
+    dialed_ips: HashSet<std::net::IpAddr>,
+}
+
+/// The IP address of `a`, if it has one.
+fn ip_of(a: &Multiaddr) -> Option<std::net::IpAddr> {
+    a.iter().find_map(|p| match p {
+        libp2p::multiaddr::Protocol::Ip4(ip) => Some(ip.into()),
+        libp2p::multiaddr::Protocol::Ip6(ip) => Some(ip.into()),
+        _ => None,
+    })
+}
+
+impl Autonat {
+    /// This peer began to dial `peer` (at addresses not known here).
+    pub fn dialing(&mut self, peer: PeerId) {
+        if self.dialed_peers.len() < DIALED_KEPT {
+            self.dialed_peers.insert(peer);
+        }
+    }
+
+    /// This peer dialed `addr` (a connection made, or a dial that failed).
+    pub fn dialed(&mut self, addr: &Multiaddr) {
+        if let Some(ip) = ip_of(addr) {
+            if self.dialed_ips.len() < DIALED_KEPT {
+                self.dialed_ips.insert(ip);
+            }
+        }
+    }
+
+    /// A direct (not relayed) connection came in from `peer` at `from`; true when it
+    /// proves this peer reachable (it was not asked for; see the type's docs).
+    pub fn inbound(&mut self, peer: &PeerId, from: &Multiaddr) -> bool {
+        let unasked = !self.dialed_peers.contains(peer)
+            && ip_of(from).is_some_and(|ip| !self.dialed_ips.contains(&ip))
+            && self.dialed_peers.len() < DIALED_KEPT
+            && self.dialed_ips.len() < DIALED_KEPT;
+        self.unasked += unasked as u64;
+        unasked
+    }
+
+    /// A dial-back of `addr` worked (`ok`) or did not.
+    pub fn tested(&mut self, addr: Multiaddr, ok: bool) {
+        if ok {
+            self.failed.remove(&addr);
+            self.confirmed.insert(addr);
+        } else if !self.confirmed.contains(&addr) && self.failed.len() < FAILED_KEPT {
+            self.failed.insert(addr);
+        }
+    }
+
+    /// Some(true): publicly reachable (one address dialed back, or one connection that
+    /// came in unasked, is enough); Some(false): every candidate tested failed; None:
+    /// nothing known yet.
+    pub fn verdict(&self) -> Option<bool> {
+        if !self.confirmed.is_empty() || self.unasked > 0 {
+            Some(true)
+        } else if !self.failed.is_empty() {
+            Some(false)
+        } else {
+            None
+        }
+    }
+}
+
 /// What the event loop knows of this peer's reachability (the inputs of
 /// [`reachability`]) and what it does about it.
 #[derive(Debug)]
 pub struct NatState {
-    /// AutoNAT's verdict: Some(true) public, Some(false) private, None not yet.
-    pub autonat: Option<bool>,
+    /// What AutoNAT's dial-backs said.
+    pub autonat: Autonat,
     /// Listen ports a UPnP gateway forwards now.
     pub upnp: u32,
     pub relays: Relays,
@@ -341,6 +433,9 @@ pub struct NatState {
     pub started: Instant,
     /// Peers holding a reservation on this peer's relay service.
     pub holders: std::collections::HashSet<PeerId>,
+    /// Connections that came in unasked whose peer has not said yet at which address it
+    /// reached this one (its identify's observed address, confirmed then).
+    pub unasked_conns: std::collections::HashSet<libp2p::swarm::ConnectionId>,
     /// When the view's relays are read again (see [`RELAY_SCAN`]).
     pub next_scan: Instant,
     /// When to gossip the status that a change of reachability or addresses asked for.
@@ -363,13 +458,14 @@ pub const NO_VERDICT: Duration = Duration::from_secs(8);
 impl NatState {
     pub fn new(now: Instant) -> NatState {
         NatState {
-            autonat: None,
+            autonat: Autonat::default(),
             upnp: 0,
             relays: Relays::default(),
             circuits: HashMap::new(),
             said: Reachability::Unknown,
             started: now,
             holders: Default::default(),
+            unasked_conns: Default::default(),
             next_scan: now,
             publish_at: None,
             relay_enable: None,
@@ -381,7 +477,7 @@ impl NatState {
     pub fn wants_relays(&self, told: bool, now: Instant) -> bool {
         !told
             && self.upnp == 0
-            && match self.autonat {
+            && match self.autonat.verdict() {
                 Some(public) => !public,
                 None => now.saturating_duration_since(self.started) >= NO_VERDICT,
             }
@@ -480,6 +576,45 @@ pub fn reachability(
 mod tests {
     use super::*;
     use std::collections::HashSet;
+
+    #[test]
+    fn one_address_dialed_back_makes_a_peer_public_and_only_failures_make_it_private() {
+        let mut a = Autonat::default();
+        assert_eq!(a.verdict(), None);
+        let quic: Multiaddr = "/ip4/198.51.100.7/udp/4001/quic-v1".parse().unwrap();
+        let tcp: Multiaddr = "/ip4/198.51.100.7/tcp/4001".parse().unwrap();
+        a.tested(tcp.clone(), false);
+        assert_eq!(a.verdict(), Some(false));
+        a.tested(quic.clone(), true);
+        assert_eq!(a.verdict(), Some(true));
+        // A later failure of a confirmed address does not undo it.
+        a.tested(quic, false);
+        assert_eq!(a.verdict(), Some(true));
+        // Behind a symmetric NAT every peer sees another port: failures are kept bounded.
+        let mut s = Autonat::default();
+        for port in 0..1000u16 {
+            let addr: Multiaddr = format!("/ip4/198.51.100.9/udp/{}/quic-v1", 20000 + port)
+                .parse()
+                .unwrap();
+            s.tested(addr, false);
+        }
+        assert_eq!(s.verdict(), Some(false));
+        assert!(s.failed.len() <= FAILED_KEPT);
+        // A connection from a peer it dialed, or from an address it dialed, may have come
+        // through its NAT's mapping: no proof. One from anyone else is.
+        let (boot, other, stranger) = (PeerId::random(), PeerId::random(), PeerId::random());
+        s.dialing(boot);
+        let boot_addr: Multiaddr = "/ip4/198.51.100.10/udp/4001/quic-v1".parse().unwrap();
+        s.dialed(&boot_addr);
+        assert!(!s.inbound(
+            &boot,
+            &"/ip4/198.51.100.10/udp/4001/quic-v1".parse().unwrap()
+        ));
+        assert!(!s.inbound(&other, &"/ip4/198.51.100.10/tcp/4001".parse().unwrap()));
+        assert_eq!(s.verdict(), Some(false));
+        assert!(s.inbound(&stranger, &"/ip4/198.51.100.77/tcp/4001".parse().unwrap()));
+        assert_eq!(s.verdict(), Some(true));
+    }
 
     #[test]
     fn reservations_go_to_bootstrap_peers_first_and_refusals_back_off() {

@@ -116,7 +116,9 @@ impl Peer {
             .arg(dir.join(name))
             .args(listen)
             .args(["--provider-ttl", "4", "--status-interval", "0.5"])
-            .args(["--log", "agentjet=info"])
+            // `AGENTJET_TEST_LOG` (a tracing filter) to see more of the peers in a failure.
+            .arg("--log")
+            .arg(std::env::var("AGENTJET_TEST_LOG").unwrap_or_else(|_| "agentjet=info".into()))
             .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(&log).unwrap())

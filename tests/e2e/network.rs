@@ -311,11 +311,19 @@ fn two_servers_behind_cone_nats_train_over_a_hole_punched_connection() {
     let mut s2 = server(&h2, d, &model, "s2", Some(&boot), &extra);
     let (id1, id2) = (s1.peer_id(), s2.peer_id());
     for s in [&s1, &s2] {
-        wait_reach(
-            s,
-            agentjet::swarm::Reachability::Relayed,
-            Duration::from_secs(90),
-        );
+        if let Err(e) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            wait_reach(
+                s,
+                agentjet::swarm::Reachability::Relayed,
+                Duration::from_secs(90),
+            )
+        })) {
+            panic!(
+                "{e:?}\nthe bootstrap peer's output:\n{}\nlog:\n{}",
+                boot_peer.stdout_so_far().join("\n"),
+                boot_peer.log_text()
+            );
+        }
     }
     // The bootstrap peer learnt from the servers that it is public (and relays).
     boot_peer.wait_line("reachability: public", Duration::from_secs(5));
@@ -487,11 +495,16 @@ fn followers_behind_nats_follow_every_version_and_share_chunks() {
             .collect()
     };
     for f in [&f1, &f2] {
-        wait_until(
-            "the newest version followed",
-            Duration::from_secs(120),
-            || followed(f).contains_key(&newest),
-        );
+        let t0 = std::time::Instant::now();
+        while !followed(f).contains_key(&newest) {
+            assert!(
+                t0.elapsed() < Duration::from_secs(120),
+                "version {newest} not followed within 120 s (followed {:?}); log:\n{}",
+                followed(f).keys().collect::<Vec<_>>(),
+                f.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
     }
     let mut shared = 0;
     for (f, other) in [(&f1, &id2), (&f2, &id1)] {

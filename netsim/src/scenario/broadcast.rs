@@ -34,6 +34,7 @@ use super::{gossip_interval, start_many, Env};
 use crate::cluster::{Cluster, LagProbe, PeerTiming, SimPeer, MODEL};
 use crate::net::{lock, Network};
 use crate::report::{cpu_seconds, quantile, rss_bytes, svg_plot, write_results, Series, Table};
+use crate::routes::Snapshot;
 use crate::weights::{SimWeights, WeightsPorts};
 
 /// The default step: about the bytes a SmolLM2 step changes (see netsim/README.md).
@@ -47,6 +48,8 @@ const FRAME_CACHE: usize = 64 << 20;
 #[derive(Debug, Clone)]
 pub struct Args {
     pub followers: usize,
+    /// Plain peers in the swarm besides the trainer and its followers.
+    pub peers: usize,
     /// The bfloat16 snapshot's size the run stands for.
     pub model_bytes: u64,
     /// Real bytes are `model_bytes / scale`; each chunk byte counts `scale` on the links.
@@ -105,6 +108,11 @@ pub struct Outcome {
     pub quiet_s: f64,
     pub lag_p99: Duration,
     pub rss: u64,
+    /// With a NAT mix: how the peers were connected at the end, and the chunk protocol's
+    /// streams opened directly, through a relay, not opened (no connection between the
+    /// swarms), and cut by a relay.
+    pub routes: Option<Snapshot>,
+    pub streams: [u64; 4],
 }
 
 /// What a follower did with a version: when it held it, and what it fetched from whom.
@@ -184,7 +192,7 @@ pub async fn run_once(env: &Env, a: &Args) -> anyhow::Result<Outcome> {
         "--model-mb / --scale leaves under 4 kB of snapshot"
     );
     let weight = a.model_bytes as f64 / real as f64;
-    let n = a.followers + 3;
+    let n = a.followers + 3 + a.peers;
     let interval = a.status_interval.unwrap_or_else(|| gossip_interval(n));
     // Pings every 30 s and a DHT walk every 600 s, as scenario 1 sets them: a hundred
     // peers' keep-alives every 5 s, or their walks every 30 s, keep both cores of one
@@ -197,9 +205,10 @@ pub async fn run_once(env: &Env, a: &Args) -> anyhow::Result<Outcome> {
         ..Default::default()
     };
     let t_start = Instant::now();
-    let c = Cluster::new(Network::new(env.net.clone()), timing, 2).await?;
+    let c = Cluster::behind_nat(Network::new(env.net.clone()), timing, 2, env.nat).await?;
     let trainer = c.start(Role::Server).await?;
     let followers = start_many(&c, Role::Server, a.followers).await?;
+    start_many(&c, Role::Plain, a.peers).await?;
     let ports = Arc::new(WeightsPorts::default());
     let holder = |p: &Arc<SimPeer>, follower: bool| {
         // The latest 2 versions alone: a hundred followers' extra snapshots would share
@@ -250,6 +259,7 @@ pub async fn run_once(env: &Env, a: &Args) -> anyhow::Result<Outcome> {
             peer: p.peer_id,
             ports: ports.clone(),
             weight,
+            routing: env.nat.map(|_| (p.handle.clone(), c.routes.clone())),
         });
         // The scenario waits for complete views itself before the first version.
         let cfg = FollowConfig {
@@ -429,6 +439,7 @@ pub async fn run_once(env: &Env, a: &Args) -> anyhow::Result<Outcome> {
         let _ = t.await;
     }
     let lag_p99 = versions.iter().map(|v| v.lag_p99).max().unwrap_or_default();
+    let count = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
     let out = Outcome {
         followers: a.followers,
         versions,
@@ -436,6 +447,13 @@ pub async fn run_once(env: &Env, a: &Args) -> anyhow::Result<Outcome> {
         quiet_s,
         lag_p99,
         rss: rss_bytes(),
+        routes: env.nat.map(|_| c.nat_snapshot(&c.live())),
+        streams: [
+            count(&ports.direct),
+            count(&ports.relayed),
+            count(&ports.unrouted),
+            count(&ports.cut),
+        ],
     };
     c.shutdown().await;
     Ok(out)
@@ -501,7 +519,7 @@ pub async fn run(env: &Env, a: &Args, command: &str) -> anyhow::Result<Outcome> 
             format!("{}; {:.2}", v.lag_p99.as_millis(), v.busy_cores),
         ]);
     }
-    let md = format!(
+    let mut md = format!(
         "{}{}\nA {:.2} GB bfloat16 model scaled 1:{} (a {:.1} MB snapshot whose chunk-protocol replies count {}x on the links; chunks of {} KiB standing for {} KiB), 1 trainer and {} followers that start at version 0; each version moves every value of an f32 master copy by {} (a synthetic Adam-like step) and publishes its bfloat16 rounding. Times: from the trainer holding the version (its manifest made and announced; the deltas are encoded after) to each follower holding it (fetched, checked, served). One copy: the changed chunks as one follower fetched them (deltas), median over followers. Star: the trainer sending that copy to every follower. {} chunk requests in flight per follower. Settled after {:.0} s (every follower's view shows the trainer's version and every other follower), quiet {:.0} s later; timer lag p99 over the versions {} ms; RSS {:.0} MB.\n",
         env.preamble("Scenario 6: weight broadcast to rollout peers", command),
         table.markdown(),
@@ -519,8 +537,30 @@ pub async fn run(env: &Env, a: &Args, command: &str) -> anyhow::Result<Outcome> 
         o.lag_p99.as_millis(),
         o.rss as f64 / 1e6,
     );
+    if a.peers > 0 {
+        md.push_str(&format!(
+            "\n{} plain peers besides them ({} peers in all).\n",
+            a.peers,
+            o.followers + 3 + a.peers
+        ));
+    }
+    if let (Some(r), Some(m)) = (&o.routes, env.nat) {
+        md.push_str(&format!(
+            "\n## Weight streams behind NAT\n\nThe chunk protocol's streams opened directly: {}, through a relay: {}, not opened (no connection between the two swarms): {}; relayed streams the relay cut at its limits ({} GiB or {} s per circuit; here each stream is its own circuit, where the product's streams share their connection's): {}.\n\n",
+            o.streams[0],
+            o.streams[1],
+            o.streams[2],
+            agentjet::swarm::RelayLimits::default().circuit_bytes >> 30,
+            agentjet::swarm::RelayLimits::default().circuit_duration.as_secs(),
+            o.streams[3],
+        ));
+        md.push_str(&r.markdown(&m.label()));
+    }
     let json = json!({
         "followers": o.followers,
+        "peers": a.peers,
+        "streams_direct_relayed_unrouted_cut": o.streams,
+        "nat": o.routes.as_ref().map(Snapshot::json),
         "model_bytes": a.model_bytes,
         "scale": a.scale,
         "chunk_bytes": a.chunk,

@@ -410,12 +410,21 @@ impl Follower {
                     (t, Some(o.manifest))
                 }
                 (None, Some(t)) => (t, None),
-                (None, None) => continue,
+                (None, None) => {
+                    tracing::trace!(model = h.model, "following: the view shows no version");
+                    continue;
+                }
             };
             h.current(Some(target.version.saturating_sub(at.unwrap_or(0))));
             if held.as_ref().is_some_and(|x| x.id == target.id) || refused.contains(&target.id) {
                 continue;
             }
+            tracing::debug!(
+                model = h.model,
+                version = target.version,
+                holders = target.holders.len(),
+                "following: fetching"
+            );
             let done = match self.fetch(&target, held, manifest).await {
                 Ok(f) => install(f).await,
                 Err(e) => Err(e),

@@ -23,9 +23,13 @@ pub(super) struct Behaviour {
     pub(super) gossipsub: gossipsub::Behaviour,
     pub(super) kad: kad::Behaviour<MemoryStore>,
     pub(super) stream: libp2p_stream::Behaviour,
-    /// Asks connected peers to dial this one back (is it publicly reachable?) and dials
-    /// others back (off in a swarm of one host).
-    pub(super) autonat: Toggle<autonat::Behaviour>,
+    /// AutoNAT v2: asks connected peers to dial this one's address candidates back
+    /// (is it publicly reachable?), and dials others back (both off in a swarm of one
+    /// host). A dial-back is a connection of its own from a new port that must carry the
+    /// nonce asked for, so a connection that happens to reach this peer through its
+    /// NAT's mapping for the asked peer (the same ports) proves nothing, as it did in v1.
+    pub(super) autonat: Toggle<autonat::v2::client::Behaviour>,
+    pub(super) autonat_server: Toggle<autonat::v2::server::Behaviour>,
     /// Relay service for peers behind NAT (on while this peer is public).
     pub(super) relay: Toggle<relay::Behaviour>,
     /// Reservations on relays and connections through them.
@@ -94,24 +98,16 @@ pub(super) fn behaviour(
             Mode::Client
         },
     ));
+    // Candidates are the addresses peers observe this one at (identify); each is tested
+    // once, by a random connected peer that serves AutoNAT v2, every `autonat_every`.
+    // Private addresses are tested too: a swarm on a LAN reaches its peers there.
     let autonat = (!local_only).then(|| {
-        autonat::Behaviour::new(
-            peer_id,
-            autonat::Config {
-                timeout: c.autonat_timeout,
-                boot_delay: c.autonat_first,
-                retry_interval: c.autonat_every,
-                refresh_interval: c.autonat_every * 12,
-                throttle_server_period: Duration::from_secs(5),
-                // Private networks are networks too: a swarm on a LAN or in a cluster
-                // reaches its peers at their private addresses.
-                only_global_ips: false,
-                // One answer decides at first; a verdict then flips after two against it.
-                confidence_max: 2,
-                ..Default::default()
-            },
+        autonat::v2::client::Behaviour::new(
+            rand::make_rng(),
+            autonat::v2::client::Config::default().with_probe_interval(c.autonat_every),
         )
     });
+    let autonat_server = (!local_only).then(autonat::v2::server::Behaviour::default);
     let relay = (c.relay_service && !local_only).then(|| {
         let mut r = relay::Behaviour::new(peer_id, relay_config(c));
         // Off until this peer is publicly reachable (the event loop turns it on).
@@ -132,6 +128,7 @@ pub(super) fn behaviour(
         kad,
         stream: libp2p_stream::Behaviour::new(),
         autonat: autonat.into(),
+        autonat_server: autonat_server.into(),
         relay: relay.into(),
         relay_client,
         dcutr: (c.nat_traversal && !local_only)

@@ -783,7 +783,10 @@ impl EventLoop {
                 let remote = endpoint.get_remote_address().clone();
                 self.opened(connection_id, peer_id, kind, remote.clone());
                 if endpoint.is_dialer() {
+                    self.nat.autonat.dialed(&remote);
                     self.learn(peer_id, vec![remote]);
+                } else if kind == LinkKind::Direct {
+                    self.came_in(connection_id, peer_id, &endpoint);
                 }
                 if let Some(ws) = self.connect_waiters.remove(&peer_id) {
                     for w in ws {
@@ -842,11 +845,20 @@ impl EventLoop {
                 self.first_connection.remove(&peer_id);
                 self.shared.usage.forget_idle(&peer_id);
             }
+            SwarmEvent::Dialing {
+                peer_id: Some(peer),
+                ..
+            } => self.nat.autonat.dialing(peer),
             SwarmEvent::OutgoingConnectionError {
                 peer_id: Some(peer),
                 error,
                 ..
             } => {
+                if let DialError::Transport(tried) = &error {
+                    for (addr, _) in tried {
+                        self.nat.autonat.dialed(addr);
+                    }
+                }
                 // Unreachable at every address it gave: out of the routing table, so
                 // lookups stop trying it (libp2p's Kademlia alone would keep it until its
                 // bucket needed the room).
@@ -911,9 +923,11 @@ impl EventLoop {
                     self.swarm.behaviour_mut().kad.remove_peer(&peer_id);
                 }
                 self.on_identified(peer_id, &info.protocols);
+                self.observed_unasked(connection_id, &info.observed_addr);
                 self.maybe_add_to_kad(peer_id);
             }
             SwarmEvent::Behaviour(BehaviourEvent::Autonat(e)) => self.on_autonat(e),
+            SwarmEvent::Behaviour(BehaviourEvent::AutonatServer(e)) => self.on_autonat_server(e),
             SwarmEvent::Behaviour(BehaviourEvent::RelayClient(e)) => self.on_relay_client(e),
             SwarmEvent::Behaviour(BehaviourEvent::Relay(e)) => self.on_relay(e),
             SwarmEvent::Behaviour(BehaviourEvent::Dcutr(e)) => self.on_dcutr(e),

@@ -59,7 +59,7 @@ impl EventLoop {
         let now = reachability(
             told || self.nat.upnp > 0,
             self.local_only,
-            self.nat.autonat,
+            self.nat.autonat.verdict(),
             reserved,
         );
         let offered = self.offered();
@@ -217,6 +217,7 @@ impl EventLoop {
 
     /// Records a connection that closed.
     pub(super) fn closed(&mut self, id: ConnectionId) {
+        self.nat.unasked_conns.remove(&id);
         let Some(c) = self.conns.remove(&id) else {
             return;
         };
@@ -379,23 +380,89 @@ impl EventLoop {
         }
     }
 
-    pub(super) fn on_autonat(&mut self, e: autonat::Event) {
-        match e {
-            autonat::Event::StatusChanged { old, new } => {
-                debug!(?old, ?new, "AutoNAT verdict");
-                self.nat.autonat = match new {
-                    // Dialed back over loopback (a peer of this host): says nothing of
-                    // other hosts.
-                    autonat::NatStatus::Public(a) if addrs::is_local(&a) => None,
-                    autonat::NatStatus::Public(_) => Some(true),
-                    autonat::NatStatus::Private => Some(false),
-                    autonat::NatStatus::Unknown => None,
-                };
-                self.update_reach();
+    /// Another peer dialed one of this peer's address candidates back, or could not
+    /// (AutoNAT v2; a confirmed address is one of the swarm's external addresses now).
+    pub(super) fn on_autonat(&mut self, e: autonat::v2::client::Event) {
+        let ok = e.result.is_ok();
+        debug!(
+            addr = %e.tested_addr,
+            server = %e.server,
+            ok,
+            error = ?e.result.err().map(|x| x.to_string()),
+            "AutoNAT dial-back"
+        );
+        // Dialed back over loopback (a peer of this host), through a relay (a candidate
+        // from a peer that reached this one over a circuit), or at an address without an
+        // IP: says nothing of whether other hosts can dial this one directly.
+        let has_ip = e
+            .tested_addr
+            .iter()
+            .any(|p| matches!(p, Protocol::Ip4(_) | Protocol::Ip6(_)));
+        if addrs::is_local(&e.tested_addr) || addrs::is_relayed(&e.tested_addr) || !has_ip {
+            if ok {
+                self.swarm.remove_external_address(&e.tested_addr);
             }
-            autonat::Event::OutboundProbe(p) => debug!(?p, "AutoNAT probe"),
-            autonat::Event::InboundProbe(p) => debug!(?p, "AutoNAT dial-back"),
+            return;
         }
+        let before = self.nat.autonat.verdict();
+        self.nat.autonat.tested(e.tested_addr, ok);
+        if self.nat.autonat.verdict() != before {
+            debug!(verdict = ?self.nat.autonat.verdict(), "AutoNAT verdict");
+        }
+        self.update_reach();
+    }
+
+    /// A direct connection came in: unasked, it proves this peer reachable at the address
+    /// it came to (see [`crate::swarm::reach::Autonat`]).
+    pub(super) fn came_in(
+        &mut self,
+        id: ConnectionId,
+        peer: PeerId,
+        endpoint: &libp2p::core::ConnectedPoint,
+    ) {
+        let libp2p::core::ConnectedPoint::Listener {
+            local_addr,
+            send_back_addr,
+        } = endpoint
+        else {
+            return;
+        };
+        if self.local_only || !self.nat.autonat.inbound(&peer, send_back_addr) {
+            return;
+        }
+        if self.nat.autonat.unasked == 1 {
+            debug!(%peer, from = %send_back_addr, to = %local_addr, "a connection came in unasked: reachable");
+        }
+        // The address it reached this one at is confirmed when its identify says it.
+        if self.nat.unasked_conns.len() < 1024 {
+            self.nat.unasked_conns.insert(id);
+        }
+        self.update_reach();
+    }
+
+    /// The address a peer whose connection came in unasked dialed this one at (as its
+    /// identify observed it): reachable, so an external address (the relay service
+    /// refuses reservations while it has none to give).
+    pub(super) fn observed_unasked(&mut self, id: ConnectionId, observed: &Multiaddr) {
+        if !self.nat.unasked_conns.remove(&id) {
+            return;
+        }
+        if !addrs::is_local(observed) && !addrs::is_relayed(observed) {
+            debug!(addr = %observed, "reached from outside at this address");
+            self.swarm
+                .add_external_address(addrs::without_peer(observed));
+            self.update_reach();
+        }
+    }
+
+    /// This peer dialed another's candidate back (AutoNAT v2's server side).
+    pub(super) fn on_autonat_server(&mut self, e: autonat::v2::server::Event) {
+        debug!(
+            client = %e.client,
+            addr = %e.tested_addr,
+            ok = e.result.is_ok(),
+            "AutoNAT: dialed a peer back"
+        );
     }
 
     pub(super) fn on_relay_client(&mut self, e: relay::client::Event) {
