@@ -159,7 +159,10 @@ impl SwarmConfig {
             relay: RelayLimits::default(),
             nat_traversal: true,
             upnp: true,
-            autonat_every: Duration::from_secs(5),
+            // Only untested candidates are given out, so a short interval costs nothing
+            // once they are tested, and a new one is tested within a second (a public
+            // peer is a group candidate only once it knows it is public).
+            autonat_every: Duration::from_secs(1),
             other_transport: None,
             single_host: None,
         }
