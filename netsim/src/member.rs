@@ -291,7 +291,11 @@ pub fn spawn(
             // Each member's lines name it (its peer id's last characters).
             let _span =
                 tracing::info_span!("member", id = &me[me.len().saturating_sub(6)..]).entered();
-            looped.run().map_err(|e| e.to_string())
+            let ended = looped.run().map_err(|e| e.to_string());
+            if let Err(e) = &ended {
+                tracing::error!("the member's loop ended: {e}");
+            }
+            ended
         })?;
     Ok(Running {
         peer,

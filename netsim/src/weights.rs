@@ -13,7 +13,7 @@
 //! as the swarm's admission frame does.
 //!
 //! With peers behind NAT ([`SimWeights::routing`]), a stream follows the connection the
-//! two peers' swarms have, as the product's streams do (see [`crate::links::route`]):
+//! two peers' swarms have, as the product's streams do (see `links::route`):
 //! directly, or through the relay that carries their relayed connection (each byte then
 //! crosses the relay's links, and the relay cuts the circuit at its limits: here per
 //! stream, where the product's streams share one circuit per connection); with no

@@ -343,16 +343,51 @@ const DIALED_KEPT: usize = 100_000;
 ///   one dialed may have come through the NAT's mapping for that peer alone (libp2p
 ///   dials from its listen port, so a peer dialed back from its own port passes; AutoNAT
 ///   v1 counted such connections as dial-backs, and declared peers behind NAT public).
+///
+/// Evidence at a private address (a LAN, a VPC, a VPN: RFC 1918, shared address space,
+/// link-local, unique local) says only that the peer's own network reaches it: it counts
+/// only while the peer never dialed a public address (a cluster on one private network,
+/// where private addresses are all there is). A peer behind a home router that a
+/// neighbour on its LAN dialed is not public to the internet. Connections over loopback
+/// say nothing.
 #[derive(Debug, Default)]
 pub struct Autonat {
     /// Candidates dialed back: reachable by others.
     pub confirmed: HashSet<Multiaddr>,
     /// Candidates a peer could not dial back.
     pub failed: HashSet<Multiaddr>,
-    /// Connections that came in unasked (see above).
+    /// Connections that came in unasked (see above), from public and from private
+    /// addresses.
     pub unasked: u64,
+    pub unasked_private: u64,
     dialed_peers: HashSet<PeerId>,
     dialed_ips: HashSet<std::net::IpAddr>,
+    /// Whether this peer ever dialed a public address.
+    dialed_public: bool,
+}
+
+/// Whether `ip` is reachable only from its own network (see [`Autonat`]).
+pub fn private_ip(ip: std::net::IpAddr) -> bool {
+    match ip {
+        std::net::IpAddr::V4(v4) => {
+            let o = v4.octets();
+            v4.is_private()
+                || v4.is_loopback()
+                || v4.is_link_local()
+                || v4.is_unspecified()
+                // Shared address space (carrier-grade NAT), 100.64.0.0/10.
+                || (o[0] == 100 && (o[1] & 0xc0) == 64)
+        }
+        std::net::IpAddr::V6(v6) => {
+            let s = v6.segments();
+            v6.is_loopback()
+                || v6.is_unspecified()
+                // Unique local fc00::/7, link-local fe80::/10.
+                || (s[0] & 0xfe00) == 0xfc00
+                || (s[0] & 0xffc0) == 0xfe80
+                || v6.to_ipv4_mapped().is_some_and(|v4| private_ip(v4.into()))
+        }
+    }
 }
 
 /// The IP address of `a`, if it has one.
@@ -372,9 +407,10 @@ impl Autonat {
         }
     }
 
-    /// This peer dialed `addr` (a connection made, or a dial that failed).
+    /// This peer dials or dialed `addr` (before the dial, or at its end).
     pub fn dialed(&mut self, addr: &Multiaddr) {
         if let Some(ip) = ip_of(addr) {
+            self.dialed_public |= !private_ip(ip);
             if self.dialed_ips.len() < DIALED_KEPT {
                 self.dialed_ips.insert(ip);
             }
@@ -382,14 +418,27 @@ impl Autonat {
     }
 
     /// A direct (not relayed) connection came in from `peer` at `from`; true when it
-    /// proves this peer reachable (it was not asked for; see the type's docs).
+    /// counts as evidence that this peer is reachable (it was not asked for; see the
+    /// type's docs).
     pub fn inbound(&mut self, peer: &PeerId, from: &Multiaddr) -> bool {
-        let unasked = !self.dialed_peers.contains(peer)
-            && ip_of(from).is_some_and(|ip| !self.dialed_ips.contains(&ip))
+        let Some(ip) = ip_of(from) else {
+            return false;
+        };
+        let unasked = !ip.is_loopback()
+            && !self.dialed_peers.contains(peer)
+            && !self.dialed_ips.contains(&ip)
             && self.dialed_peers.len() < DIALED_KEPT
             && self.dialed_ips.len() < DIALED_KEPT;
-        self.unasked += unasked as u64;
-        unasked
+        if !unasked {
+            return false;
+        }
+        if private_ip(ip) {
+            self.unasked_private += 1;
+            !self.dialed_public
+        } else {
+            self.unasked += 1;
+            true
+        }
     }
 
     /// A dial-back of `addr` worked (`ok`) or did not.
@@ -402,11 +451,17 @@ impl Autonat {
         }
     }
 
+    /// Whether a dial-back of `addr` counts as evidence (see the type's docs).
+    pub fn counts(&self, addr: &Multiaddr) -> bool {
+        ip_of(addr).is_some_and(|ip| !private_ip(ip) || !self.dialed_public)
+    }
+
     /// Some(true): publicly reachable (one address dialed back, or one connection that
     /// came in unasked, is enough); Some(false): every candidate tested failed; None:
     /// nothing known yet.
     pub fn verdict(&self) -> Option<bool> {
-        if !self.confirmed.is_empty() || self.unasked > 0 {
+        let on_its_network = !self.dialed_public && self.unasked_private > 0;
+        if self.unasked > 0 || on_its_network || self.confirmed.iter().any(|a| self.counts(a)) {
             Some(true)
         } else if !self.failed.is_empty() {
             Some(false)
@@ -614,6 +669,46 @@ mod tests {
         assert_eq!(s.verdict(), Some(false));
         assert!(s.inbound(&stranger, &"/ip4/198.51.100.77/tcp/4001".parse().unwrap()));
         assert_eq!(s.verdict(), Some(true));
+    }
+
+    #[test]
+    fn a_lan_neighbour_makes_no_peer_public_unless_the_private_network_is_all_there_is() {
+        // Behind a home router: it dialed a public bootstrap peer; a neighbour dials its
+        // LAN address, and a LAN peer dials it back there.
+        let mut home = Autonat::default();
+        home.dialing(PeerId::random());
+        home.dialed(&"/ip4/198.51.100.10/udp/4001/quic-v1".parse().unwrap());
+        let lan: Multiaddr = "/ip4/192.168.1.7/tcp/4001".parse().unwrap();
+        assert!(!home.inbound(&PeerId::random(), &lan));
+        home.tested("/ip4/192.168.1.5/tcp/4001".parse().unwrap(), true);
+        assert_eq!(home.verdict(), None);
+        // Loopback says nothing.
+        assert!(!home.inbound(
+            &PeerId::random(),
+            &"/ip4/127.0.0.1/tcp/4001".parse().unwrap()
+        ));
+        // A cluster on one private network (a bootstrap peer that dials nobody).
+        let mut cluster = Autonat::default();
+        assert!(cluster.inbound(
+            &PeerId::random(),
+            &"/ip4/10.0.0.8/tcp/4001".parse().unwrap()
+        ));
+        assert_eq!(cluster.verdict(), Some(true));
+        for (ip, private) in [
+            ("10.1.2.3", true),
+            ("172.16.0.1", true),
+            ("192.168.0.1", true),
+            ("100.64.0.1", true),
+            ("169.254.1.1", true),
+            ("198.51.100.7", false),
+            ("203.0.113.9", false),
+            ("8.8.8.8", false),
+            ("fd00::1", true),
+            ("fe80::1", true),
+            ("2001:db8::1", false),
+        ] {
+            assert_eq!(private_ip(ip.parse().unwrap()), private, "{ip}");
+        }
     }
 
     #[test]

@@ -217,12 +217,20 @@ fn a_member_that_cannot_be_linked_is_left_out_and_the_others_step() {
         || n_formed(&a) > before,
     );
     println!("an epoch of two again {:?} after x started", t0.elapsed());
-    let mut cl = client(&hc, d, &boot, 48, "run1");
-    assert!(cl.child.wait().unwrap().success(), "{}", cl.log_text());
-    // Two of the three step together; which two depends on who accused whom.
+    // Two of the three step together; which two depends on who accused whom. Episodes
+    // come in rounds while the group settles: a round that came while the members still
+    // tried the third one (a ballot's prepare waits out its control timeout) is taken in
+    // one step, not the two this asks for.
     let names = ["a", "b", "x"];
     let t0 = std::time::Instant::now();
+    let (mut rounds, mut last) = (0, t0);
     let pair: Vec<&str> = loop {
+        if rounds == 0 || (rounds < 4 && last.elapsed() > Duration::from_secs(20)) {
+            rounds += 1;
+            last = std::time::Instant::now();
+            let mut cl = client(&hc, d, &boot, 24, &format!("run{rounds}"));
+            assert!(cl.child.wait().unwrap().success(), "{}", cl.log_text());
+        }
         let stepped: Vec<&str> = names
             .iter()
             .copied()
@@ -238,8 +246,8 @@ fn a_member_that_cannot_be_linked_is_left_out_and_the_others_step() {
             break stepped;
         }
         assert!(
-            t0.elapsed() < Duration::from_secs(120),
-            "no two members took 2 steps together; logs:\n{}\n----\n{}\n----\n{}",
+            t0.elapsed() < Duration::from_secs(240),
+            "no two members took 2 steps together in {rounds} rounds of episodes; logs:\n{}\n----\n{}\n----\n{}",
             a.log_text(),
             b.log_text(),
             x.log_text()
@@ -474,12 +482,20 @@ fn followers_behind_nats_follow_every_version_and_share_chunks() {
     }
     let mut cl = client(&hc, d, &boot, 12, "run1");
     assert!(cl.child.wait().unwrap().success(), "{}", cl.log_text());
-    let group: BTreeMap<u64, String> = hashes(&metrics_lines(d, "a"))
-        .into_iter()
-        .map(|(s, h)| (s, h[..16].to_string()))
+    // The trainer's versions (a step whose batch moved nothing, every reward of its
+    // groups equal, keeps the version: versions are not steps).
+    let group: BTreeMap<u64, String> = metrics_lines(d, "a")
+        .iter()
+        .filter(|l| l["trained"] == true)
+        .map(|l| {
+            (
+                l["version"].as_u64().unwrap(),
+                l["param_hash"].as_str().unwrap()[..16].to_string(),
+            )
+        })
         .collect();
     let newest = *group.keys().max().expect("the trainer took steps");
-    assert!(newest >= 2, "{newest} steps");
+    assert!(newest >= 2, "version {newest}");
     let followed = |f: &Peer| -> BTreeMap<u64, (String, BTreeMap<String, u64>)> {
         f.events()
             .into_iter()
@@ -499,9 +515,11 @@ fn followers_behind_nats_follow_every_version_and_share_chunks() {
         while !followed(f).contains_key(&newest) {
             assert!(
                 t0.elapsed() < Duration::from_secs(120),
-                "version {newest} not followed within 120 s (followed {:?}); log:\n{}",
+                "version {newest} not followed within 120 s (followed {:?}); log:\n{}\n---- the trainer's log:\n{}\n---- the other follower's log:\n{}",
                 followed(f).keys().collect::<Vec<_>>(),
-                f.log_text()
+                f.log_text(),
+                a.log_text(),
+                if std::ptr::eq(f, &f1) { f2.log_text() } else { f1.log_text() }
             );
             std::thread::sleep(Duration::from_millis(200));
         }
@@ -515,15 +533,16 @@ fn followers_behind_nats_follow_every_version_and_share_chunks() {
             }
             shared += by.get(other.as_str()).copied().unwrap_or(0);
         }
-        // It kept up: the newest version, and most before it (one that a newer version
-        // superseded while it was being fetched is skipped: followers serve the newest).
+        // It kept up: the newest version, and another before it (one that a newer
+        // version superseded while it was being fetched is skipped: followers serve the
+        // newest; a fast trainer's versions come 0.1 s apart here).
         assert!(
             got.contains_key(&newest),
             "the newest not followed: {got:?}"
         );
         let kept = group.keys().filter(|v| got.contains_key(v)).count();
         assert!(
-            kept >= 3,
+            kept >= 2,
             "followed {kept} of the trainer's {} versions: {got:?}; log:\n{}",
             group.len(),
             f.log_text()

@@ -134,6 +134,10 @@ async fn nat_peers_reserve_relays_punch_through_cone_nats_and_stay_relayed_behin
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_group_with_members_behind_cone_and_symmetric_nats_trains_and_ends_bit_identical() {
     let _one = one_at_a_time().await;
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "error".into()))
+        .with_test_writer()
+        .try_init();
     use agentjet::collective::Wire;
     use agentjet_netsim::member::Mode;
     use agentjet_netsim::scenario::{training, Env};

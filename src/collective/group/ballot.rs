@@ -18,7 +18,8 @@ const PROBE: Duration = Duration::from_secs(2);
 impl GroupNode {
     /// Agrees on the next epoch (blocking; `stopped` is polled): proposes when this member
     /// is the smallest live candidate, else waits for a proposer's Start. `state` is what
-    /// this member reports (it cannot change until [`GroupNode::build`]). A Sync member
+    /// this member reports (it cannot change until [`GroupNode::build`], but for a Sync
+    /// member's fetch, during which it reports none). A Sync member
     /// fetches the state ([`GroupNode::fetch_state`]) and the others offer theirs
     /// ([`GroupNode::offer_state`]) before building the ring.
     pub fn agree(
@@ -176,7 +177,18 @@ impl GroupNode {
                 })
                 .unwrap_or_else(|e| e.into_inner());
             if let Some(s) = g.start.take() {
-                return Some(s);
+                // Checked again against the state this member reports now: a start that
+                // came for a promise made on an older one (before a state fetch that
+                // then failed to make its ring) is not this member's to build; the
+                // proposer's ring fails and it asks again.
+                match proto::start_fault(&s, &self.me.to_bytes(), g.state.as_ref()) {
+                    Ok(()) => return Some(s),
+                    Err(why) => warn!(
+                        group = self.cfg.name,
+                        epoch = s.ballot.epoch,
+                        "a start for an older state of this member is dropped: {why}"
+                    ),
+                }
             }
             drop(g);
             if left.is_zero() || stopped() {

@@ -35,6 +35,10 @@ impl GroupNode {
     /// `max_len` bytes (nothing is allocated from a peer's word before that). The caller
     /// checks the step and parameter hash of what it installs against `start`'s.
     pub fn fetch_state(&self, start: &Start, max_len: u64) -> Result<Vec<u8>, GroupError> {
+        // This member's state is about to change: a prepare that comes meanwhile waits
+        // for the state it will have (its next `agree`), not the one it leaves (a
+        // promise made on that one would be followed by a start it no longer fits).
+        self.set_state(None);
         let sources: Vec<PeerId> = start
             .members
             .iter()

@@ -27,7 +27,8 @@ pub(super) struct Behaviour {
     /// (is it publicly reachable?), and dials others back (both off in a swarm of one
     /// host). A dial-back is a connection of its own from a new port that must carry the
     /// nonce asked for, so a connection that happens to reach this peer through its
-    /// NAT's mapping for the asked peer (the same ports) proves nothing, as it did in v1.
+    /// NAT's mapping for the asked peer (the same ports) proves nothing, as it did in v1
+    /// (a NAT that filters by IP alone still lets the asked peer's dial-back in).
     pub(super) autonat: Toggle<autonat::v2::client::Behaviour>,
     pub(super) autonat_server: Toggle<autonat::v2::server::Behaviour>,
     /// Relay service for peers behind NAT (on while this peer is public).

@@ -592,6 +592,10 @@ impl EventLoop {
                     }));
                     return;
                 }
+                self.nat.autonat.dialing(peer);
+                for a in &addrs {
+                    self.nat.autonat.dialed(a);
+                }
                 let opts = libp2p::swarm::dial_opts::DialOpts::peer_id(peer)
                     .addresses(addrs)
                     .build();
@@ -643,6 +647,7 @@ impl EventLoop {
             Command::CloseRelayed(peer) => self.close_relayed(peer),
             Command::Dial(addrs) => {
                 for a in addrs {
+                    self.nat.autonat.dialed(&a);
                     if let Err(e) = self.swarm.dial(a.clone()) {
                         warn!(addr = %a, "dialing a bootstrap peer: {e}");
                     }
@@ -854,10 +859,14 @@ impl EventLoop {
                 error,
                 ..
             } => {
-                if let DialError::Transport(tried) = &error {
-                    for (addr, _) in tried {
-                        self.nat.autonat.dialed(addr);
+                match &error {
+                    DialError::Transport(tried) => {
+                        for (addr, _) in tried {
+                            self.nat.autonat.dialed(addr);
+                        }
                     }
+                    DialError::WrongPeerId { address, .. } => self.nat.autonat.dialed(address),
+                    _ => {}
                 }
                 // Unreachable at every address it gave: out of the routing table, so
                 // lookups stop trying it (libp2p's Kademlia alone would keep it until its

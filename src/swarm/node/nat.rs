@@ -370,6 +370,7 @@ impl EventLoop {
         }
         self.bootstrap.due(false, false, Instant::now());
         for a in resolve_all(&self.shared, &addrs).await {
+            self.nat.autonat.dialed(&a);
             if let Err(e) = self.swarm.dial(a.clone()) {
                 warn!(addr = %a, "dialing a bootstrap peer: {e}");
                 self.shared.net_event(NetEvent::Bootstrap {
@@ -405,7 +406,13 @@ impl EventLoop {
             return;
         }
         let before = self.nat.autonat.verdict();
+        let tested = e.tested_addr.clone();
         self.nat.autonat.tested(e.tested_addr, ok);
+        // A LAN address confirmed by a LAN peer is no external address for the peers on
+        // the internet (see `reach::Autonat`).
+        if ok && !self.nat.autonat.counts(&tested) {
+            self.swarm.remove_external_address(&tested);
+        }
         if self.nat.autonat.verdict() != before {
             debug!(verdict = ?self.nat.autonat.verdict(), "AutoNAT verdict");
         }
