@@ -348,8 +348,8 @@ const DIALED_KEPT: usize = 100_000;
 /// link-local, unique local) says only that the peer's own network reaches it: it counts
 /// only while the peer never dialed a public address (a cluster on one private network,
 /// where private addresses are all there is). A peer behind a home router that a
-/// neighbour on its LAN dialed is not public to the internet. Connections over loopback
-/// say nothing.
+/// neighbour on its LAN dialed is not public to the internet. Loopback counts as private
+/// (peers of one host: a swarm on one machine with the default listen addresses).
 #[derive(Debug, Default)]
 pub struct Autonat {
     /// Candidates dialed back: reachable by others.
@@ -407,14 +407,17 @@ impl Autonat {
         }
     }
 
-    /// This peer dials or dialed `addr` (before the dial, or at its end).
-    pub fn dialed(&mut self, addr: &Multiaddr) {
+    /// This peer dials or dialed `addr` (before the dial, or at its end). True when it is
+    /// the first public address dialed: evidence at private addresses counts no more.
+    pub fn dialed(&mut self, addr: &Multiaddr) -> bool {
+        let before = self.dialed_public;
         if let Some(ip) = ip_of(addr) {
             self.dialed_public |= !private_ip(ip);
             if self.dialed_ips.len() < DIALED_KEPT {
                 self.dialed_ips.insert(ip);
             }
         }
+        !before && self.dialed_public
     }
 
     /// A direct (not relayed) connection came in from `peer` at `from`; true when it
@@ -424,8 +427,7 @@ impl Autonat {
         let Some(ip) = ip_of(from) else {
             return false;
         };
-        let unasked = !ip.is_loopback()
-            && !self.dialed_peers.contains(peer)
+        let unasked = !self.dialed_peers.contains(peer)
             && !self.dialed_ips.contains(&ip)
             && self.dialed_peers.len() < DIALED_KEPT
             && self.dialed_ips.len() < DIALED_KEPT;
@@ -471,6 +473,35 @@ impl Autonat {
     }
 }
 
+/// The addresses that peers whose connections came in unasked say they dialed this one
+/// at (identify's observed address). One such peer's word alone could name any address
+/// (a peer that lies would have this one advertise it): an address is taken as external
+/// when it is the very address the connection came to (no NAT between), or once two
+/// peers said it.
+#[derive(Debug, Default)]
+pub struct Observed {
+    by: HashMap<Multiaddr, HashSet<PeerId>>,
+}
+
+/// Addresses [`Observed`] keeps (those beyond are not counted).
+const OBSERVED_KEPT: usize = 64;
+
+impl Observed {
+    /// `peer`, whose connection came to `local`, says it dialed `observed`: whether
+    /// `observed` is confirmed now.
+    pub fn said(&mut self, peer: PeerId, local: &Multiaddr, observed: &Multiaddr) -> bool {
+        if ip_of(observed).is_some() && observed == local {
+            return true;
+        }
+        if !self.by.contains_key(observed) && self.by.len() >= OBSERVED_KEPT {
+            return false;
+        }
+        let peers = self.by.entry(observed.clone()).or_default();
+        peers.insert(peer);
+        peers.len() >= 2
+    }
+}
+
 /// What the event loop knows of this peer's reachability (the inputs of
 /// [`reachability`]) and what it does about it.
 #[derive(Debug)]
@@ -489,8 +520,11 @@ pub struct NatState {
     /// Peers holding a reservation on this peer's relay service.
     pub holders: std::collections::HashSet<PeerId>,
     /// Connections that came in unasked whose peer has not said yet at which address it
-    /// reached this one (its identify's observed address, confirmed then).
-    pub unasked_conns: std::collections::HashSet<libp2p::swarm::ConnectionId>,
+    /// reached this one (its identify's observed address, judged then by
+    /// [`Observed`]): the peer and the local address the connection came to.
+    pub unasked_conns: HashMap<libp2p::swarm::ConnectionId, (PeerId, Multiaddr)>,
+    /// What those peers said.
+    pub observed: Observed,
     /// When the view's relays are read again (see [`RELAY_SCAN`]).
     pub next_scan: Instant,
     /// When to gossip the status that a change of reachability or addresses asked for.
@@ -521,6 +555,7 @@ impl NatState {
             started: now,
             holders: Default::default(),
             unasked_conns: Default::default(),
+            observed: Observed::default(),
             next_scan: now,
             publish_at: None,
             relay_enable: None,
@@ -672,6 +707,25 @@ mod tests {
     }
 
     #[test]
+    fn an_observed_address_is_taken_when_it_is_the_local_one_or_two_peers_say_it() {
+        let mut o = Observed::default();
+        let local: Multiaddr = "/ip4/198.51.100.7/tcp/4001".parse().unwrap();
+        // No NAT between: the address the connection came to.
+        assert!(o.said(PeerId::random(), &local, &local));
+        // A forwarded port (the connection came to a private address): one peer's word is
+        // not enough, the same peer twice neither; a second peer's is.
+        let lan: Multiaddr = "/ip4/10.0.0.7/tcp/4001".parse().unwrap();
+        let public: Multiaddr = "/ip4/203.0.113.5/tcp/4001".parse().unwrap();
+        let (p1, p2) = (PeerId::random(), PeerId::random());
+        assert!(!o.said(p1, &lan, &public));
+        assert!(!o.said(p1, &lan, &public));
+        assert!(o.said(p2, &lan, &public));
+        // A liar's address stays one peer's word.
+        let made_up: Multiaddr = "/ip4/192.0.2.66/tcp/1".parse().unwrap();
+        assert!(!o.said(PeerId::random(), &lan, &made_up));
+    }
+
+    #[test]
     fn a_lan_neighbour_makes_no_peer_public_unless_the_private_network_is_all_there_is() {
         // Behind a home router: it dialed a public bootstrap peer; a neighbour dials its
         // LAN address, and a LAN peer dials it back there.
@@ -682,7 +736,7 @@ mod tests {
         assert!(!home.inbound(&PeerId::random(), &lan));
         home.tested("/ip4/192.168.1.5/tcp/4001".parse().unwrap(), true);
         assert_eq!(home.verdict(), None);
-        // Loopback says nothing.
+        // Loopback is private too.
         assert!(!home.inbound(
             &PeerId::random(),
             &"/ip4/127.0.0.1/tcp/4001".parse().unwrap()
@@ -694,6 +748,17 @@ mod tests {
             &"/ip4/10.0.0.8/tcp/4001".parse().unwrap()
         ));
         assert_eq!(cluster.verdict(), Some(true));
+        // It dials a public peer: the private evidence counts no more.
+        assert!(cluster.dialed(&"/ip4/198.51.100.3/tcp/4001".parse().unwrap()));
+        assert!(!cluster.dialed(&"/ip4/198.51.100.4/tcp/4001".parse().unwrap()));
+        assert_eq!(cluster.verdict(), None);
+        // Peers of one host, on loopback (its bootstrap peer: the others dialed it).
+        let mut host = Autonat::default();
+        assert!(host.inbound(
+            &PeerId::random(),
+            &"/ip4/127.0.0.1/tcp/4002".parse().unwrap()
+        ));
+        assert_eq!(host.verdict(), Some(true));
         for (ip, private) in [
             ("10.1.2.3", true),
             ("172.16.0.1", true),

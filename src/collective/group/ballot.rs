@@ -179,8 +179,11 @@ impl GroupNode {
             if let Some(s) = g.start.take() {
                 // Checked again against the state this member reports now: a start that
                 // came for a promise made on an older one (before a state fetch that
-                // then failed to make its ring) is not this member's to build; the
-                // proposer's ring fails and it asks again.
+                // then failed to make its ring) is not this member's to build. The
+                // proposer heard "started": its ring fails at the link to this member
+                // (a strike against this one; two within `STRIKE_WINDOW` decline it for
+                // a while) and it asks again. `fetch_state` leaves no such promise to
+                // make; this stays as a net.
                 match proto::start_fault(&s, &self.me.to_bytes(), g.state.as_ref()) {
                     Ok(()) => return Some(s),
                     Err(why) => warn!(

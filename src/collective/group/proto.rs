@@ -2,7 +2,8 @@
 //!
 //! - [`Request::Prepare`]: a proposer asks a candidate to promise a ballot; the candidate
 //!   answers with its [`MemberState`] once it is out of any ring (it leaves its ring at
-//!   the next heartbeat), or refuses (it promised a higher ballot, or it is stopping).
+//!   the next heartbeat) and not fetching the group's state, or refuses (it promised a
+//!   higher ballot, or it is stopping).
 //! - [`Request::Start`]: the proposer's decision for a ballot the candidate promised: the
 //!   members, the group's step and parameter hash, and what each member does first.
 //!
@@ -216,7 +217,8 @@ pub const BAN: Duration = Duration::from_secs(600);
 #[derive(Default)]
 pub(super) struct Inner {
     pub promised: Ballot,
-    /// Set while the member is out of any ring (its state cannot change); None in a ring.
+    /// Set while the member is out of any ring (its state cannot change); None in a ring
+    /// and while it fetches the group's state (a prepare waits for the state it will have).
     pub state: Option<MemberState>,
     pub start: Option<Start>,
     /// A higher ballot was promised while in a ring: leave it at the next heartbeat.
@@ -394,7 +396,7 @@ impl Shared {
                         promised: g.promised.clone(),
                     },
                     (None, true) => Reply::Refused {
-                        reason: "still in a round".into(),
+                        reason: "still in a round, or fetching the group's state".into(),
                         promised: g.promised.clone(),
                     },
                 }

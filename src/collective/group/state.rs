@@ -37,8 +37,18 @@ impl GroupNode {
     pub fn fetch_state(&self, start: &Start, max_len: u64) -> Result<Vec<u8>, GroupError> {
         // This member's state is about to change: a prepare that comes meanwhile waits
         // for the state it will have (its next `agree`), not the one it leaves (a
-        // promise made on that one would be followed by a start it no longer fits).
-        self.set_state(None);
+        // promise made on that one would be followed by a start it no longer fits). A
+        // prepare answered before this (with the state it still holds) ends the fetch.
+        {
+            let mut g = lock(&self.shared.inner);
+            if g.promised != start.ballot {
+                return Err(GroupError::Refused(
+                    "a newer ballot was promised before fetching the state".into(),
+                ));
+            }
+            g.state = None;
+        }
+        self.shared.changed.notify_all();
         let sources: Vec<PeerId> = start
             .members
             .iter()

@@ -594,7 +594,7 @@ impl EventLoop {
                 }
                 self.nat.autonat.dialing(peer);
                 for a in &addrs {
-                    self.nat.autonat.dialed(a);
+                    self.note_dialed(a);
                 }
                 let opts = libp2p::swarm::dial_opts::DialOpts::peer_id(peer)
                     .addresses(addrs)
@@ -647,7 +647,7 @@ impl EventLoop {
             Command::CloseRelayed(peer) => self.close_relayed(peer),
             Command::Dial(addrs) => {
                 for a in addrs {
-                    self.nat.autonat.dialed(&a);
+                    self.note_dialed(&a);
                     if let Err(e) = self.swarm.dial(a.clone()) {
                         warn!(addr = %a, "dialing a bootstrap peer: {e}");
                     }
@@ -788,7 +788,7 @@ impl EventLoop {
                 let remote = endpoint.get_remote_address().clone();
                 self.opened(connection_id, peer_id, kind, remote.clone());
                 if endpoint.is_dialer() {
-                    self.nat.autonat.dialed(&remote);
+                    self.note_dialed(&remote);
                     self.learn(peer_id, vec![remote]);
                 } else if kind == LinkKind::Direct {
                     self.came_in(connection_id, peer_id, &endpoint);
@@ -862,10 +862,10 @@ impl EventLoop {
                 match &error {
                     DialError::Transport(tried) => {
                         for (addr, _) in tried {
-                            self.nat.autonat.dialed(addr);
+                            self.note_dialed(addr);
                         }
                     }
-                    DialError::WrongPeerId { address, .. } => self.nat.autonat.dialed(address),
+                    DialError::WrongPeerId { address, .. } => self.note_dialed(address),
                     _ => {}
                 }
                 // Unreachable at every address it gave: out of the routing table, so

@@ -370,7 +370,7 @@ impl EventLoop {
         }
         self.bootstrap.due(false, false, Instant::now());
         for a in resolve_all(&self.shared, &addrs).await {
-            self.nat.autonat.dialed(&a);
+            self.note_dialed(&a);
             if let Err(e) = self.swarm.dial(a.clone()) {
                 warn!(addr = %a, "dialing a bootstrap peer: {e}");
                 self.shared.net_event(NetEvent::Bootstrap {
@@ -440,9 +440,11 @@ impl EventLoop {
         if self.nat.autonat.unasked == 1 {
             debug!(%peer, from = %send_back_addr, to = %local_addr, "a connection came in unasked: reachable");
         }
-        // The address it reached this one at is confirmed when its identify says it.
+        // The address it reached this one at is judged when its identify says it.
         if self.nat.unasked_conns.len() < 1024 {
-            self.nat.unasked_conns.insert(id);
+            self.nat
+                .unasked_conns
+                .insert(id, (peer, addrs::without_peer(local_addr)));
         }
         self.update_reach();
     }
@@ -451,15 +453,45 @@ impl EventLoop {
     /// identify observed it): reachable, so an external address (the relay service
     /// refuses reservations while it has none to give).
     pub(super) fn observed_unasked(&mut self, id: ConnectionId, observed: &Multiaddr) {
-        if !self.nat.unasked_conns.remove(&id) {
+        let Some((peer, local)) = self.nat.unasked_conns.remove(&id) else {
+            return;
+        };
+        if addrs::is_local(observed) || addrs::is_relayed(observed) {
             return;
         }
-        if !addrs::is_local(observed) && !addrs::is_relayed(observed) {
+        let observed = addrs::without_peer(observed);
+        if self.nat.observed.said(peer, &local, &observed) {
             debug!(addr = %observed, "reached from outside at this address");
-            self.swarm
-                .add_external_address(addrs::without_peer(observed));
+            self.swarm.add_external_address(observed);
             self.update_reach();
+        } else {
+            debug!(addr = %observed, %peer, to = %local, "one peer says it reached this one at this address: taken once another says so too");
         }
+    }
+
+    /// This peer dials or dialed `addr` (see [`crate::swarm::reach::Autonat::dialed`]).
+    /// At its first public address, what private evidence made it public counts no
+    /// more: the private external addresses it learned go (not `--external-addr`'s), and
+    /// the reachability is judged again.
+    pub(super) fn note_dialed(&mut self, addr: &Multiaddr) {
+        if !self.nat.autonat.dialed(addr) {
+            return;
+        }
+        let private: Vec<Multiaddr> = self
+            .swarm
+            .external_addresses()
+            .filter(|a| {
+                !self.nat.autonat.counts(a)
+                    && !addrs::is_relayed(a)
+                    // What the user said stays.
+                    && !self.shared.cfg.external.contains(a)
+            })
+            .cloned()
+            .collect();
+        for a in private {
+            self.swarm.remove_external_address(&a);
+        }
+        self.update_reach();
     }
 
     /// This peer dialed another's candidate back (AutoNAT v2's server side).
