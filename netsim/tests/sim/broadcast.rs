@@ -26,18 +26,7 @@ async fn six_followers_reach_every_version_and_the_trainer_sends_about_one_copy(
         out: std::env::temp_dir(),
         nat: None,
     };
-    let a = broadcast::Args {
-        followers: 6,
-        peers: 0,
-        model_bytes: 50_000_000,
-        scale: 50.0,
-        chunk: 1 << 20,
-        versions: 2,
-        lr: broadcast::DEFAULT_LR,
-        parallel: 16,
-        limit: Duration::from_secs(60),
-        status_interval: None,
-    };
+    let a = six_followers_two_versions();
     let o = broadcast::run_once(&env, &a).await.unwrap();
     assert_eq!(o.versions.len(), 2);
     for v in &o.versions {
@@ -71,18 +60,7 @@ async fn followers_behind_nats_reach_every_version_over_direct_and_relayed_strea
         out: std::env::temp_dir(),
         nat: Some(NatMix::parse("30,40,30").unwrap()),
     };
-    let a = broadcast::Args {
-        followers: 6,
-        peers: 0,
-        model_bytes: 50_000_000,
-        scale: 50.0,
-        chunk: 1 << 20,
-        versions: 2,
-        lr: broadcast::DEFAULT_LR,
-        parallel: 16,
-        limit: Duration::from_secs(60),
-        status_interval: None,
-    };
+    let a = six_followers_two_versions();
     let o = broadcast::run_once(&env, &a).await.unwrap();
     for v in &o.versions {
         assert_eq!(v.times.len(), 6, "version {}: {v:?}", v.version);
@@ -96,4 +74,20 @@ async fn followers_behind_nats_reach_every_version_over_direct_and_relayed_strea
     assert_eq!(cut, 0, "{:?}", o.streams);
     let r = o.routes.expect("routes");
     assert_eq!(r.relayed_peers, r.natted, "{r:?}");
+}
+
+/// Six followers of a 50 MB model (scaled from 1 MB), two versions, 1 MiB chunks.
+fn six_followers_two_versions() -> broadcast::Args {
+    broadcast::Args {
+        followers: 6,
+        peers: 0,
+        model_bytes: 50_000_000,
+        scale: 50.0,
+        chunk: 1 << 20,
+        versions: 2,
+        lr: broadcast::DEFAULT_LR,
+        parallel: 16,
+        limit: Duration::from_secs(60),
+        status_interval: None,
+    }
 }
