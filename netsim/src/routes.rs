@@ -26,6 +26,11 @@ fn class_pair(a: Nat, b: Nat) -> ClassPair {
     }
 }
 
+/// The start of an error message, enough to tell causes apart in a tally.
+fn short(e: &str) -> String {
+    e.chars().take(120).collect()
+}
+
 fn ordered(a: PeerId, b: PeerId) -> (PeerId, PeerId) {
     if a < b {
         (a, b)
@@ -52,7 +57,7 @@ struct Events {
     /// the other end sees no relay in its address).
     relays: HashMap<(PeerId, PeerId), NodeId>,
     /// Events by kind (the first word of their debug form), over the run.
-    counts: BTreeMap<&'static str, u64>,
+    counts: BTreeMap<String, u64>,
 }
 
 /// The reports of one cluster's peers.
@@ -124,16 +129,38 @@ impl Routes {
         let started = Instant::now();
         handle.forward_net_events(move |e| {
             let mut ev = lock(&events);
-            let kind = match &e {
-                NetEvent::Reachability { .. } => "Reachability",
-                NetEvent::Addresses { .. } => "Addresses",
-                NetEvent::Connected { .. } => "Connected",
-                NetEvent::Closed { .. } => "Closed",
-                NetEvent::Reservation { .. } => "Reservation",
-                NetEvent::HolePunch { .. } => "HolePunch",
-                NetEvent::Bootstrap { .. } => "Bootstrap",
+            let theirs = |peer: &str| {
+                peer.parse::<PeerId>()
+                    .ok()
+                    .and_then(|p| lock(&classes).get(&p).copied())
             };
-            *ev.counts.entry(kind).or_default() += 1;
+            let pair = |peer: &str| {
+                theirs(peer).map_or_else(|| "?".to_string(), |t| pair_label(class_pair(my_nat, t)))
+            };
+            let key = match &e {
+                NetEvent::Reachability { status, .. } => {
+                    format!("Reachability {}", status.as_str())
+                }
+                NetEvent::Addresses { .. } => "Addresses".to_string(),
+                NetEvent::Connected { peer, kind, .. } => {
+                    format!("Connected {} {}", kind.as_str(), pair(peer))
+                }
+                NetEvent::Closed { peer, kind } => {
+                    format!("Closed {} {}", kind.as_str(), pair(peer))
+                }
+                NetEvent::Reservation { ok: true, .. } => "Reservation taken".to_string(),
+                NetEvent::Reservation { error, .. } => format!(
+                    "Reservation refused: {}",
+                    short(error.as_deref().unwrap_or("no reason"))
+                ),
+                NetEvent::HolePunch { ok, peer, .. } => format!(
+                    "HolePunch {} {}",
+                    if *ok { "met" } else { "failed" },
+                    pair(peer)
+                ),
+                NetEvent::Bootstrap { error, .. } => format!("Bootstrap: {}", short(error)),
+            };
+            *ev.counts.entry(key).or_default() += 1;
             match e {
                 NetEvent::HolePunch { peer, ok, .. } => {
                     let Ok(peer) = peer.parse::<PeerId>() else {
@@ -178,8 +205,8 @@ impl Routes {
         });
     }
 
-    /// The network events so far, by kind.
-    pub fn event_counts(&self) -> BTreeMap<&'static str, u64> {
+    /// The network events so far, by kind (with the pair's classes, or why it failed).
+    pub fn event_counts(&self) -> BTreeMap<String, u64> {
         lock(&self.events).counts.clone()
     }
 

@@ -157,6 +157,7 @@ pub(super) async fn prove(
         proof: key.proof(&shared.peer_id, &peer),
     };
     let t = shared.cfg.auth_timeout;
+    let started = std::time::Instant::now();
     let mut attempt = 0;
     let r = loop {
         attempt += 1;
@@ -172,8 +173,15 @@ pub(super) async fn prove(
         }
         .await;
         match r {
-            // Dropped unread by the other end's accept queue (see OPEN_ATTEMPTS).
-            Err(ProveError::Frame(FrameError::Closed(_))) if attempt < OPEN_ATTEMPTS => {
+            // Dropped unread by the other end's accept queue (see OPEN_ATTEMPTS), which
+            // the reader sees as a close or a reset. A proof is proved again until the
+            // other end's deadline (the auth timeout), not a count of attempts: a node
+            // that many peers joined at once (a bootstrap peer) drops most of their
+            // proofs for seconds, and one that gave up after 8 (about 2.5 s) was
+            // disconnected at the deadline (netsim, 300 peers: 392 of them in 70 s).
+            Err(ProveError::Frame(FrameError::Closed(_) | FrameError::Io(_)))
+                if started.elapsed() + retry_pause(attempt) < t =>
+            {
                 debug!(%peer, attempt, "the auth stream closed before a verdict; proving again");
                 tokio::time::sleep(retry_pause(attempt)).await;
             }
@@ -227,19 +235,26 @@ pub(super) fn accept_auth(
                         AuthVerdict::Denied("no proof within the auth timeout".into())
                     }
                 };
-                let _ = write_frame(&mut stream, &verdict, 1024).await;
-                let state = match verdict {
+                let state = match &verdict {
                     AuthVerdict::Accepted => {
                         if h.auth.key().is_some() {
                             info!(%peer, "proved the swarm key");
                         }
                         PeerAuth::Member
                     }
-                    AuthVerdict::Denied(why) => PeerAuth::Denied(why),
+                    AuthVerdict::Denied(why) => PeerAuth::Denied(why.clone()),
                 };
+                // A member from now on, before the verdict is written and the event loop
+                // hears of it: on a busy node either can take seconds, and the auth
+                // deadline (which reads this table) must not disconnect a peer that proved
+                // in time.
+                if state == PeerAuth::Member {
+                    h.auth.set(peer, PeerAuth::Member);
+                }
                 if let Some(tx) = cmd.upgrade() {
                     let _ = tx.send(Command::Authed(peer, state)).await;
                 }
+                let _ = write_frame(&mut stream, &verdict, 1024).await;
             });
         }
     });

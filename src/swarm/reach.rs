@@ -308,6 +308,16 @@ impl Relays {
             .collect()
     }
 
+    /// Relays asked or holding a reservation: their connections are kept (the trimmer
+    /// closing one while the relay answers loses the reservation the moment it is made).
+    pub fn in_use(&self) -> Vec<PeerId> {
+        self.relays
+            .iter()
+            .filter(|(_, r)| matches!(r.state, SlotState::Asked | SlotState::Held))
+            .map(|(p, _)| *p)
+            .collect()
+    }
+
     /// Every relay asked or held (to release when the peer turns out public).
     pub fn release_all(&mut self, now: Instant) -> Vec<PeerId> {
         let out: Vec<PeerId> = self
@@ -531,6 +541,20 @@ pub struct NatState {
     pub publish_at: Option<Instant>,
     /// A relay service status not applied yet (see `EventLoop::apply_relay_status`).
     pub relay_enable: Option<bool>,
+    /// Status publications in a row that reached no peer (see [`unheard_retry`]).
+    pub unheard: u32,
+}
+
+/// When a status that reached no peer (no gossip peer subscribed yet: a peer's first
+/// statuses, its public verdict and relay service among them, come before its mesh) is
+/// published again: 2 s after the first, doubling, at most `interval` (the regular
+/// publication). Without it, what such a status said waited for the next interval: in
+/// netsim, whose interval is minutes at 1,000 peers, peers behind NAT learned of no relay
+/// but the bootstrap peers and all asked those.
+pub fn unheard_retry(unheard: u32, interval: Duration) -> Duration {
+    Duration::from_secs(2)
+        .saturating_mul(1 << unheard.saturating_sub(1).min(16))
+        .min(interval)
 }
 
 /// How long a change of reachability or addresses waits to be gossiped, so that those
@@ -559,6 +583,7 @@ impl NatState {
             next_scan: now,
             publish_at: None,
             relay_enable: None,
+            unheard: 0,
         }
     }
 
@@ -791,9 +816,16 @@ mod tests {
         assert_eq!(first[0].0, boot);
         // Nothing more while two are asked.
         assert!(r.to_ask(&me, t0).is_empty());
+        // Relays asked are kept connected as those held are.
+        let mut asked = r.in_use();
+        asked.sort();
+        let mut want: Vec<PeerId> = first.iter().map(|f| f.0).collect();
+        want.sort();
+        assert_eq!(asked, want);
         r.held(&boot);
         let other = first[1].0;
         r.refused(&other, t0);
+        assert_eq!(r.in_use(), vec![boot], "a refused relay is no longer kept");
         // The third relay is asked in its place; the refused one waits.
         let next = r.to_ask(&me, t0);
         assert_eq!(next.len(), 1);
@@ -813,6 +845,16 @@ mod tests {
         assert_eq!(r.held_on(), vec![boot]);
         assert_eq!(r.release_all(t0), vec![boot]);
         assert!(r.held_on().is_empty());
+    }
+
+    #[test]
+    fn a_status_nobody_heard_is_said_again_soon_then_less_often_up_to_the_interval() {
+        let interval = Duration::from_secs(30);
+        let waits: Vec<u64> = (1..=6)
+            .map(|n| unheard_retry(n, interval).as_secs())
+            .collect();
+        assert_eq!(waits, vec![2, 4, 8, 16, 30, 30]);
+        assert_eq!(unheard_retry(u32::MAX, interval), interval);
     }
 
     fn seeded(i: u8) -> PeerId {

@@ -52,7 +52,7 @@ use super::limits::Limits;
 use super::protocol::{
     PeerStatus, StatusEnvelope, IDENTIFY, KAD, REACH_FIELD, RELAY_FIELD, STATUS_TOPIC,
 };
-use super::reach::{Bootstrap, LinkKind, NatState, NetEvent};
+use super::reach::{unheard_retry, Bootstrap, LinkKind, NatState, NetEvent};
 use super::shared::{
     check_cert, Command, NetState, ProviderLookup, ProvidersReply, Shared, ViewSlot,
 };
@@ -435,7 +435,7 @@ impl EventLoop {
             .copied()
             .collect();
         let now = Instant::now();
-        let relays = self.nat.relays.held_on();
+        let relays = self.nat.relays.in_use();
         let candidates: Vec<Candidate> = self
             .swarm
             .connected_peers()
@@ -446,8 +446,8 @@ impl EventLoop {
                 protected: mesh.contains(p)
                     || self.connect_waiters.contains_key(p)
                     || self.shared.auth.state(p) == PeerAuth::Pending
-                    // A relay this peer holds a reservation on, or a peer holding one
-                    // here: closing it drops the reservation.
+                    // A relay this peer holds (or asked for) a reservation on, or a peer
+                    // holding one here: closing it drops the reservation.
                     || relays.contains(p)
                     || self.nat.holders.contains(p),
             })
@@ -541,7 +541,12 @@ impl EventLoop {
             .gossipsub
             .publish(self.topic.clone(), bytes)
         {
-            Ok(_) | Err(gossipsub::PublishError::NoPeersSubscribedToTopic) => {}
+            Ok(_) => self.nat.unheard = 0,
+            Err(gossipsub::PublishError::NoPeersSubscribedToTopic) => {
+                self.nat.unheard += 1;
+                let wait = unheard_retry(self.nat.unheard, self.shared.cfg.status_interval);
+                self.nat.publish_at.get_or_insert(Instant::now() + wait);
+            }
             Err(e) => debug!("publishing status: {e}"),
         }
     }
@@ -767,7 +772,7 @@ impl EventLoop {
                 reason,
             } => {
                 self.listen_addrs.retain(|a| !addresses.contains(a));
-                self.on_listener_closed(listener_id, reason.err().map(|e| e.to_string()));
+                self.on_listener_closed(listener_id, reason.err().map(|e| with_causes(&e)));
                 self.update_reach();
             }
             SwarmEvent::ExternalAddrConfirmed { .. } | SwarmEvent::ExternalAddrExpired { .. } => {
@@ -842,7 +847,7 @@ impl EventLoop {
                 // re-bootstrap. It stays a member too (see `auth`: the other end may still
                 // be in its old spell of connections when we redial, and would not prove
                 // again); it leaves the table when a dial to it fails (below).
-                debug!(peer = %peer_id, ?cause, "disconnected");
+                debug!(me = %self.shared.peer_id, peer = %peer_id, ?cause, "disconnected");
                 self.shared.auth.disconnected(&peer_id);
                 if !self.shared.auth.is_member(&peer_id) {
                     self.release_held_records(&peer_id, false);
@@ -1144,4 +1149,17 @@ impl StatusEnvelope {
         ))
         .unwrap_or_default()
     }
+}
+
+/// An error and its causes, "outer: inner: ...": libp2p's outer messages alone ("Failed to
+/// get Reservation.") do not say why.
+fn with_causes(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cause = c.source();
+    }
+    s
 }

@@ -173,6 +173,7 @@ impl EventLoop {
             .retain(|a| relay_of(a).is_none_or(|r| r != relay));
         warn!(
             %relay,
+            me = %self.shared.peer_id,
             held = was_held,
             "relay reservation {}: {}",
             if was_held { "lost" } else { "refused" },
