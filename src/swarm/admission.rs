@@ -1,5 +1,5 @@
-//! Who gets served: the swarm-key exchange on `/agentjet/auth/1` (see [`super::auth`]),
-//! and the admission of every inbound stream of a served protocol: the opener must have
+//! Who gets served: the swarm-key exchange on `/agentjet/auth/1` ([`AuthCodec`], answered
+//! by the event loop; see [`super::auth`]), and the admission of every inbound stream of a served protocol: the opener must have
 //! proved the swarm key, be under its request rate, and have fewer than
 //! `max_streams_per_peer` streams of that protocol open. A refused opener reads the reason
 //! as the stream's first frame ([`Admission::Refused`]); an admitted one reads
@@ -10,23 +10,24 @@
 //! event loop alive.
 
 use std::future::Future;
+use std::io;
 use std::sync::Arc;
 use std::time::Instant;
 
 use futures::StreamExt;
 use libp2p::{PeerId, Stream, StreamProtocol};
-use tracing::{debug, info, warn};
+use tracing::warn;
 
-use super::auth::{PeerAuth, SwarmKey};
+use super::auth::SwarmKey;
 use super::frame::{read_frame, write_frame, FrameError};
 use super::limits::Refusal;
-use super::protocol::{Admission, AuthProof, AuthVerdict, AUTH};
-use super::shared::{Command, Shared};
+use super::protocol::{Admission, AuthProof, AuthVerdict};
+use super::shared::Shared;
 use super::SwarmError;
 use crate::base::lock;
 
-/// How many times a stream that closed before its first frame (admission, or the verdict
-/// on our proof) is opened again. libp2p-stream hands each inbound stream to the accept
+/// How many times a stream that closed before its first frame (the admission) is opened
+/// again. libp2p-stream hands each inbound stream to the accept
 /// loop through a channel with room for one and drops (closes unread) any that arrives
 /// while the slot is taken, so streams that arrive together while the loop waits for the
 /// CPU are lost; nothing has read them, so opening them again is safe.
@@ -42,17 +43,6 @@ pub(super) fn retry_pause(attempt: u32) -> std::time::Duration {
         .map_or(0, |d| u64::from(d.subsec_nanos()))
         % (base + 1);
     std::time::Duration::from_millis(base + jitter)
-}
-
-/// Why our proof of the swarm key did not reach a peer (logged).
-#[derive(Debug, thiserror::Error)]
-enum ProveError {
-    #[error("timed out")]
-    TimedOut,
-    #[error("opening the stream: {0}")]
-    Open(String),
-    #[error(transparent)]
-    Frame(#[from] super::frame::FrameError),
 }
 
 /// Releases a peer's concurrent-stream slot when a served stream ends (however it ends:
@@ -146,117 +136,82 @@ where
     Ok(())
 }
 
-/// Sends our proof of the swarm key to `peer`.
-pub(super) async fn prove(
-    shared: Arc<Shared>,
-    mut control: libp2p_stream::Control,
-    peer: PeerId,
-    key: SwarmKey,
-) {
-    let proof = AuthProof {
-        proof: key.proof(&shared.peer_id, &peer),
-    };
-    let t = shared.cfg.auth_timeout;
-    let started = std::time::Instant::now();
-    let mut attempt = 0;
-    let r = loop {
-        attempt += 1;
-        let r: Result<AuthVerdict, ProveError> = async {
-            let mut s = tokio::time::timeout(t, control.open_stream(peer, AUTH))
-                .await
-                .map_err(|_| ProveError::TimedOut)?
-                .map_err(|e| ProveError::Open(e.to_string()))?;
-            write_frame(&mut s, &proof, 1024).await?;
-            Ok(tokio::time::timeout(t, read_frame(&mut s, 4096))
-                .await
-                .map_err(|_| ProveError::TimedOut)??)
-        }
-        .await;
-        match r {
-            // Dropped unread by the other end's accept queue (see OPEN_ATTEMPTS), which
-            // the reader sees as a close or a reset. A proof is proved again until the
-            // other end's deadline (the auth timeout), not a count of attempts: a node
-            // that many peers joined at once (a bootstrap peer) drops most of their
-            // proofs for seconds, and one that gave up after 8 (about 2.5 s) was
-            // disconnected at the deadline (netsim, 300 peers: 392 of them in 70 s).
-            Err(ProveError::Frame(FrameError::Closed(_) | FrameError::Io(_)))
-                if started.elapsed() + retry_pause(attempt) < t =>
-            {
-                debug!(%peer, attempt, "the auth stream closed before a verdict; proving again");
-                tokio::time::sleep(retry_pause(attempt)).await;
-            }
-            r => break r,
-        }
-    };
-    match r {
-        Ok(AuthVerdict::Accepted) => debug!(%peer, "accepted our swarm key proof"),
-        Ok(AuthVerdict::Denied(why)) => warn!(%peer, "denied our swarm key proof: {why}"),
-        Err(e) => debug!(%peer, "sending swarm key proof: {e}"),
+/// The swarm-key exchange as a request-response protocol: the prover's request is one
+/// framed [`AuthProof`], the answer one framed [`AuthVerdict`] (the same bytes as the
+/// stream of `/agentjet/auth/1` carried before). libp2p-request-response queues inbound
+/// requests in the node's event loop; libp2p-stream's accept channel held one stream and
+/// dropped the others, so a node that many peers joined at once (a bootstrap peer)
+/// dropped their proofs for seconds and disconnected them at the auth deadline (netsim,
+/// 300 peers behind NAT: 392 honest peers in 70 s, each taking its relay reservations
+/// with it).
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct AuthCodec;
+
+/// A frame error as the codec's I/O error (its kind kept where it has one).
+fn frame_io(e: FrameError) -> io::Error {
+    match e {
+        FrameError::Io(e) => e,
+        other => io::Error::new(io::ErrorKind::InvalidData, other.to_string()),
     }
 }
 
-/// Verifies the proofs peers send (closed swarm), or accepts everyone (open swarm), and
-/// tells the event loop through `cmd` (a weak sender: this loop never keeps the node up).
-pub(super) fn accept_auth(
-    shared: &Arc<Shared>,
-    control: &libp2p_stream::Control,
-    cmd: tokio::sync::mpsc::WeakSender<Command>,
-) -> Result<(), SwarmError> {
-    let mut incoming = control
-        .clone()
-        .accept(AUTH)
-        .map_err(|e| SwarmError::Setup(format!("{AUTH}: {e}")))?;
-    let sh = shared.clone();
-    shared.spawn(async move {
-        while let Some((peer, mut stream)) = incoming.next().await {
-            let h = sh.clone();
-            let cmd = cmd.clone();
-            sh.spawn(async move {
-                let got = tokio::time::timeout(
-                    h.cfg.auth_timeout,
-                    read_frame::<_, AuthProof>(&mut stream, 1024),
-                )
-                .await;
-                if let Ok(Err(FrameError::Closed(_) | FrameError::Io(_))) = &got {
-                    // The connection went away mid-proof (closed by either end): nothing
-                    // was proved or disproved. The peer stays pending; a peer that stays
-                    // connected without a proof meets the auth deadline.
-                    debug!(%peer, "the auth stream closed before a proof");
-                    return;
-                }
-                let verdict = match (&got, h.auth.key()) {
-                    (_, None) => AuthVerdict::Accepted,
-                    (Ok(Ok(p)), Some(k)) if p.proof == k.proof(&peer, &h.peer_id) => {
-                        AuthVerdict::Accepted
-                    }
-                    (Ok(Ok(_)), Some(_)) => AuthVerdict::Denied("wrong swarm key".into()),
-                    (Ok(Err(e)), Some(_)) => AuthVerdict::Denied(format!("bad proof: {e}")),
-                    (Err(_), Some(_)) => {
-                        AuthVerdict::Denied("no proof within the auth timeout".into())
-                    }
-                };
-                let state = match &verdict {
-                    AuthVerdict::Accepted => {
-                        if h.auth.key().is_some() {
-                            info!(%peer, "proved the swarm key");
-                        }
-                        PeerAuth::Member
-                    }
-                    AuthVerdict::Denied(why) => PeerAuth::Denied(why.clone()),
-                };
-                // A member from now on, before the verdict is written and the event loop
-                // hears of it: on a busy node either can take seconds, and the auth
-                // deadline (which reads this table) must not disconnect a peer that proved
-                // in time.
-                if state == PeerAuth::Member {
-                    h.auth.set(peer, PeerAuth::Member);
-                }
-                if let Some(tx) = cmd.upgrade() {
-                    let _ = tx.send(Command::Authed(peer, state)).await;
-                }
-                let _ = write_frame(&mut stream, &verdict, 1024).await;
-            });
+impl libp2p::request_response::Codec for AuthCodec {
+    type Protocol = StreamProtocol;
+    type Request = AuthProof;
+    type Response = AuthVerdict;
+
+    async fn read_request<T>(&mut self, _: &StreamProtocol, io: &mut T) -> io::Result<AuthProof>
+    where
+        T: futures::AsyncRead + Unpin + Send,
+    {
+        read_frame(io, 1024).await.map_err(frame_io)
+    }
+
+    async fn read_response<T>(&mut self, _: &StreamProtocol, io: &mut T) -> io::Result<AuthVerdict>
+    where
+        T: futures::AsyncRead + Unpin + Send,
+    {
+        read_frame(io, 4096).await.map_err(frame_io)
+    }
+
+    async fn write_request<T>(
+        &mut self,
+        _: &StreamProtocol,
+        io: &mut T,
+        req: AuthProof,
+    ) -> io::Result<()>
+    where
+        T: futures::AsyncWrite + Unpin + Send,
+    {
+        write_frame(io, &req, 1024).await.map_err(frame_io)
+    }
+
+    async fn write_response<T>(
+        &mut self,
+        _: &StreamProtocol,
+        io: &mut T,
+        res: AuthVerdict,
+    ) -> io::Result<()>
+    where
+        T: futures::AsyncWrite + Unpin + Send,
+    {
+        write_frame(io, &res, 4096).await.map_err(frame_io)
+    }
+}
+
+/// The verdict on the proof `peer` sent `me`: with no swarm key (an open swarm) everyone
+/// is accepted. Compared in constant time.
+pub(super) fn verdict(
+    key: Option<&SwarmKey>,
+    me: &PeerId,
+    peer: &PeerId,
+    got: &AuthProof,
+) -> AuthVerdict {
+    match key {
+        None => AuthVerdict::Accepted,
+        Some(k) if blake3::Hash::from(got.proof) == blake3::Hash::from(k.proof(peer, me)) => {
+            AuthVerdict::Accepted
         }
-    });
-    Ok(())
+        Some(_) => AuthVerdict::Denied("wrong swarm key".into()),
+    }
 }

@@ -2,8 +2,8 @@
 //!
 //! A swarm may be closed by a 32-byte secret shared out of band (`--swarm-key FILE`).
 //! libp2p's private-network transport only covers TCP, so the check is made above the
-//! transport, for QUIC and TCP alike: when a connection comes up each side opens
-//! `/agentjet/auth/1` and sends `blake3::keyed_hash(key, "agentjet-auth-1" ‖ its peer id ‖
+//! transport, for QUIC and TCP alike: when a connection comes up each side sends, as a
+//! request of `/agentjet/auth/1` (answered with the verdict by the other's event loop), `blake3::keyed_hash(key, "agentjet-auth-1" ‖ its peer id ‖
 //! the other's peer id)`. The connection's own handshake (TLS for QUIC, noise for TCP)
 //! already proves both peer ids, so the proof cannot be replayed by anyone else or towards
 //! anyone else, and no nonce is needed.

@@ -186,6 +186,10 @@ struct Relay {
     state: SlotState,
     /// Refusals since the last reservation held.
     refusals: u32,
+    /// It said it was full (its reservation limit) when last asked: a bootstrap peer that
+    /// did is no longer asked first, so that the peers behind NAT of a large swarm spread
+    /// over the other relays instead of asking the bootstrap peers again and again.
+    full: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -212,6 +216,7 @@ impl Relays {
             bootstrap,
             state: SlotState::Idle { at: now },
             refusals: 0,
+            full: false,
         });
         r.bootstrap |= bootstrap;
         for a in addrs {
@@ -245,11 +250,12 @@ impl Relays {
             .filter(|(_, r)| matches!(r.state, SlotState::Idle { at, .. } if at <= now))
             .filter(|(_, r)| !r.addrs.is_empty())
             .collect();
-        ready.sort_by_cached_key(|(p, r)| (!r.bootstrap, distance(me, p)));
+        let first = |r: &Relay| r.bootstrap && !r.full;
+        ready.sort_by_cached_key(|(p, r)| (!first(r), distance(me, p)));
         let mut pick: Vec<(PeerId, Vec<Multiaddr>)> = Vec::new();
         let mut spare = Vec::new();
         for (p, r) in ready {
-            if r.bootstrap && on_bootstrap {
+            if first(r) && on_bootstrap {
                 spare.push((*p, r.addrs.clone()));
                 continue;
             }
@@ -279,13 +285,15 @@ impl Relays {
         if let Some(r) = self.relays.get_mut(peer) {
             r.state = SlotState::Held;
             r.refusals = 0;
+            r.full = false;
         }
     }
 
-    /// The reservation was refused or lost: asked again after a wait that doubles with
-    /// each refusal in a row.
-    pub fn refused(&mut self, peer: &PeerId, now: Instant) {
+    /// The reservation was refused (`full`: the relay said it holds all it may) or lost:
+    /// asked again after a wait that doubles with each refusal in a row.
+    pub fn refused(&mut self, peer: &PeerId, full: bool, now: Instant) {
         if let Some(r) = self.relays.get_mut(peer) {
+            r.full = full;
             // Held, then lost: the first wait again.
             r.refusals = if r.state == SlotState::Held {
                 1
@@ -824,22 +832,22 @@ mod tests {
         assert_eq!(asked, want);
         r.held(&boot);
         let other = first[1].0;
-        r.refused(&other, t0);
+        r.refused(&other, false, t0);
         assert_eq!(r.in_use(), vec![boot], "a refused relay is no longer kept");
         // The third relay is asked in its place; the refused one waits.
         let next = r.to_ask(&me, t0);
         assert_eq!(next.len(), 1);
         assert_ne!(next[0].0, other);
-        r.refused(&next[0].0, t0);
+        r.refused(&next[0].0, false, t0);
         assert!(r.to_ask(&me, t0 + Duration::from_secs(1)).is_empty());
         // One relay alone: each refusal in a row waits twice as long.
         let mut one = Relays::default();
         one.offer(a, vec![addr.clone()], false, t0);
         assert_eq!(one.to_ask(&me, t0).len(), 1);
-        one.refused(&a, t0);
+        one.refused(&a, false, t0);
         assert!(one.to_ask(&me, t0 + RETRY_FIRST / 2).is_empty());
         assert_eq!(one.to_ask(&me, t0 + RETRY_FIRST).len(), 1);
-        one.refused(&a, t0);
+        one.refused(&a, false, t0);
         assert!(one.to_ask(&me, t0 + RETRY_FIRST).is_empty());
         assert_eq!(one.to_ask(&me, t0 + RETRY_FIRST * 2).len(), 1);
         assert_eq!(r.held_on(), vec![boot]);
@@ -895,6 +903,46 @@ mod tests {
         }
         let pick = r.to_ask(&seeded(99), t0);
         assert!(pick.len() == 2 && pick.iter().all(|(p, _)| boots.contains(p)));
+    }
+
+    #[test]
+    fn a_bootstrap_peer_that_said_it_is_full_is_asked_no_sooner_than_other_relays() {
+        let t0 = Instant::now();
+        let addr: Multiaddr = "/ip4/198.51.100.1/tcp/4001".parse().unwrap();
+        let boot = seeded(1);
+        let relays: Vec<PeerId> = (10..30).map(seeded).collect();
+        for i in 100..120 {
+            let me = seeded(i);
+            let mut r = Relays::default();
+            r.offer(boot, vec![addr.clone()], true, t0);
+            for p in &relays {
+                r.offer(*p, vec![addr.clone()], false, t0);
+            }
+            let pick = r.to_ask(&me, t0);
+            assert_eq!(pick[0].0, boot);
+            r.held(&pick[1].0);
+            r.refused(&boot, true, t0);
+            // Once the wait is over the free slot goes to the relay closest to this peer,
+            // which is the bootstrap peer only when it is the closest.
+            let later = t0 + RETRY_MAX;
+            let closest = std::iter::once(boot)
+                .chain(relays.iter().copied().filter(|p| *p != pick[1].0))
+                .min_by_key(|p| distance(&me, p))
+                .unwrap();
+            let next = r.to_ask(&me, later);
+            assert_eq!(next.len(), 1);
+            assert_eq!(next[0].0, closest);
+            // A bootstrap peer refused for another reason (a lost connection) stays first.
+            let mut r2 = Relays::default();
+            r2.offer(boot, vec![addr.clone()], true, t0);
+            for p in &relays {
+                r2.offer(*p, vec![addr.clone()], false, t0);
+            }
+            let pick = r2.to_ask(&me, t0);
+            r2.held(&pick[1].0);
+            r2.refused(&boot, false, t0);
+            assert_eq!(r2.to_ask(&me, later)[0].0, boot);
+        }
     }
 
     #[test]

@@ -9,12 +9,14 @@ use std::time::Duration;
 use libp2p::gossipsub;
 use libp2p::identity::Keypair;
 use libp2p::kad::{self, store::MemoryStore, BucketInserts, Mode, StoreInserts};
+use libp2p::request_response::{self, ProtocolSupport};
 use libp2p::swarm::behaviour::toggle::Toggle;
 use libp2p::swarm::NetworkBehaviour;
 use libp2p::{autonat, dcutr, identify, ping, relay, upnp, PeerId};
 
+use crate::swarm::admission::AuthCodec;
 use crate::swarm::config::SwarmConfig;
-use crate::swarm::protocol::{IDENTIFY, KAD};
+use crate::swarm::protocol::{AUTH, IDENTIFY, KAD};
 
 #[derive(NetworkBehaviour)]
 pub(super) struct Behaviour {
@@ -23,6 +25,8 @@ pub(super) struct Behaviour {
     pub(super) gossipsub: gossipsub::Behaviour,
     pub(super) kad: kad::Behaviour<MemoryStore>,
     pub(super) stream: libp2p_stream::Behaviour,
+    /// The swarm-key exchange (see [`crate::swarm::admission::AuthCodec`]).
+    pub(super) auth: request_response::Behaviour<AuthCodec>,
     /// AutoNAT v2: asks connected peers to dial this one's address candidates back
     /// (is it publicly reachable?), and dials others back (both off in a swarm of one
     /// host). A dial-back is a connection of its own from a new port that must carry the
@@ -128,6 +132,11 @@ pub(super) fn behaviour(
         gossipsub,
         kad,
         stream: libp2p_stream::Behaviour::new(),
+        auth: request_response::Behaviour::with_codec(
+            AuthCodec,
+            [(AUTH, ProtocolSupport::Full)],
+            request_response::Config::default().with_request_timeout(c.auth_timeout),
+        ),
         autonat: autonat.into(),
         autonat_server: autonat_server.into(),
         relay: relay.into(),

@@ -1,8 +1,8 @@
 //! The libp2p node: one event loop task owns the `Swarm` (identify, ping, gossipsub,
-//! Kademlia, raw streams); the rest of the program holds a cloneable [`SwarmHandle`] that
-//! sends `Command`s over a bounded channel (each with a oneshot for its answer) and opens
-//! or accepts streams through `libp2p-stream`'s control, which needs no round trip through
-//! the loop. Nothing outside the loop touches the swarm.
+//! Kademlia, the swarm-key exchange, raw streams); the rest of the program holds a
+//! cloneable [`SwarmHandle`] that sends `Command`s over a bounded channel (each with a
+//! oneshot for its answer) and opens or accepts streams through `libp2p-stream`'s
+//! control, which needs no round trip through the loop. Nothing outside the loop touches the swarm.
 //!
 //! Lifetime: the loop holds no handle of its own, so it ends when the last
 //! [`SwarmHandle`] is dropped (or on [`SwarmHandle::shutdown`]); the node's other tasks
@@ -44,7 +44,6 @@ use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, warn};
 
 use super::addrs;
-use super::admission;
 use super::auth::{AuthTable, PeerAuth};
 use super::config::SwarmConfig;
 use super::handle::SwarmHandle;
@@ -63,6 +62,7 @@ use crate::base::lock;
 use crate::base::stop::{CancellationToken, TaskTracker};
 use behaviour::{behaviour, Behaviour, BehaviourEvent};
 
+mod auth;
 mod behaviour;
 mod nat;
 
@@ -242,14 +242,13 @@ pub async fn spawn_node(cfg: SwarmConfig) -> Result<SwarmHandle, SwarmError> {
         net: Mutex::new(NetState::default()),
         net_tx: tokio::sync::broadcast::channel(256).0,
     });
-    admission::accept_auth(&shared, &control, tx.downgrade())?;
     let handle = SwarmHandle {
         peer_id,
         cfg: cfg.clone(),
         auth,
         shared: shared.clone(),
         cmd: tx.clone(),
-        control: control.clone(),
+        control,
     };
 
     // Wait for every listener to report an address (or fail), and for a listener on every
@@ -299,7 +298,6 @@ pub async fn spawn_node(cfg: SwarmConfig) -> Result<SwarmHandle, SwarmError> {
         swarm,
         rx,
         cmd: tx.downgrade(),
-        control,
         shared: shared.clone(),
         topic,
         listen_addrs,
@@ -339,7 +337,6 @@ struct EventLoop {
     rx: mpsc::Receiver<Command>,
     /// For the loop's own timers; weak, so the loop never keeps itself alive.
     cmd: mpsc::WeakSender<Command>,
-    control: libp2p_stream::Control,
     shared: Arc<Shared>,
     topic: IdentTopic,
     listen_addrs: Vec<Multiaddr>,
@@ -614,21 +611,7 @@ impl EventLoop {
                     }
                 }
             }
-            Command::Authed(peer, state) => {
-                self.shared.auth.set(peer, state.clone());
-                self.release_held_records(&peer, state == PeerAuth::Member);
-                match state {
-                    PeerAuth::Member => self.maybe_add_to_kad(peer),
-                    PeerAuth::Denied(why) => {
-                        warn!(%peer, "refused: {why}; disconnecting");
-                        if self.in_kad.remove(&peer) {
-                            self.swarm.behaviour_mut().kad.remove_peer(&peer);
-                        }
-                        let _ = self.swarm.disconnect_peer_id(peer);
-                    }
-                    PeerAuth::Pending => {}
-                }
-            }
+            Command::Authed(peer, state) => self.authed(peer, state),
             Command::AuthDeadline(peer, conn) => {
                 // Only for the spell it was set for: a peer that disconnected and came back
                 // has its own deadline.
@@ -811,9 +794,7 @@ impl EventLoop {
                     if let Some(key) = self.shared.auth.key().cloned() {
                         // We prove on every spell (a peer that forgot us needs it); a
                         // remembered member needs no deadline.
-                        let (sh, control) = (self.shared.clone(), self.control.clone());
-                        self.shared
-                            .spawn(admission::prove(sh, control, peer_id, key));
+                        self.prove_to(peer_id, &key);
                         if !self.shared.auth.is_member(&peer_id) {
                             let cmd = self.cmd.clone();
                             let t = self.shared.cfg.auth_timeout;
@@ -940,6 +921,7 @@ impl EventLoop {
                 self.observed_unasked(connection_id, &info.observed_addr);
                 self.maybe_add_to_kad(peer_id);
             }
+            SwarmEvent::Behaviour(BehaviourEvent::Auth(e)) => self.on_auth(e),
             SwarmEvent::Behaviour(BehaviourEvent::Autonat(e)) => self.on_autonat(e),
             SwarmEvent::Behaviour(BehaviourEvent::AutonatServer(e)) => self.on_autonat_server(e),
             SwarmEvent::Behaviour(BehaviourEvent::RelayClient(e)) => self.on_relay_client(e),

@@ -168,7 +168,11 @@ impl EventLoop {
             return;
         };
         let was_held = self.nat.relays.held_on().contains(&relay);
-        self.nat.relays.refused(&relay, Instant::now());
+        // libp2p-relay's words for a relay at its reservation limit.
+        let full = error
+            .as_deref()
+            .is_some_and(|e| e.contains("resource limit exceeded"));
+        self.nat.relays.refused(&relay, full, Instant::now());
         self.listen_addrs
             .retain(|a| relay_of(a).is_none_or(|r| r != relay));
         warn!(
@@ -325,7 +329,7 @@ impl EventLoop {
                 }
                 Err(e) => {
                     warn!(%relay, "asking for a relay reservation: {e}");
-                    self.nat.relays.refused(&relay, now);
+                    self.nat.relays.refused(&relay, false, now);
                 }
             }
         }
