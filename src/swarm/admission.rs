@@ -151,6 +151,8 @@ pub(super) struct AuthCodec;
 fn frame_io(e: FrameError) -> io::Error {
     match e {
         FrameError::Io(e) => e,
+        // Closed unread (an older peer's accept channel drops streams): sent again.
+        FrameError::Closed(_) => io::Error::new(io::ErrorKind::UnexpectedEof, e.to_string()),
         other => io::Error::new(io::ErrorKind::InvalidData, other.to_string()),
     }
 }

@@ -10,7 +10,7 @@ use libp2p::swarm::ConnectionId;
 use libp2p::{Multiaddr, PeerId};
 use tokio::sync::oneshot;
 
-use super::auth::{AuthTable, PeerAuth};
+use super::auth::AuthTable;
 use super::config::SwarmConfig;
 use super::limits::Limits;
 use super::protocol::PeerStatus;
@@ -75,7 +75,6 @@ pub(super) enum Command {
         reply: ProvidersReply,
     },
     Connect(PeerId, oneshot::Sender<Result<(), SwarmError>>),
-    Authed(PeerId, PeerAuth),
     /// The auth timeout of the connection that opened a spell of connections to a peer.
     AuthDeadline(PeerId, ConnectionId),
     /// The addresses this peer offers others (first: the one to give another host).

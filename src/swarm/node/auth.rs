@@ -1,14 +1,12 @@
 //! The event loop's half of the swarm-key exchange: our proof sent to each peer on each of
 //! its spells of connections, its proof judged and answered, and what a verdict does to
 //! the peer (a member is served and enters the routing table; a denied peer is
-//! disconnected once it has read why).
+//! disconnected once its verdict is sent).
 //!
 //! Owns: applying verdicts. The proof and its check are [`crate::swarm::auth`]'s and
 //! [`admission::verdict`]'s.
 
-use std::time::Duration;
-
-use libp2p::request_response::{Event, InboundFailure, Message};
+use libp2p::request_response::{Event, Message, OutboundFailure};
 use libp2p::PeerId;
 use tracing::{debug, info, warn};
 
@@ -16,10 +14,6 @@ use super::EventLoop;
 use crate::swarm::admission;
 use crate::swarm::auth::{PeerAuth, SwarmKey};
 use crate::swarm::protocol::{AuthProof, AuthVerdict};
-use crate::swarm::shared::Command;
-
-/// How long a denied peer stays connected to read its verdict.
-const DENIED_GRACE: Duration = Duration::from_millis(500);
 
 impl EventLoop {
     /// Sends our proof of the swarm key to `peer`.
@@ -58,7 +52,7 @@ impl EventLoop {
                         }
                         self.authed(peer, PeerAuth::Member);
                     }
-                    AuthVerdict::Denied(why) => self.deny_soon(peer, why),
+                    AuthVerdict::Denied(why) => self.deny(peer, why),
                 }
             }
             Event::Message {
@@ -69,38 +63,49 @@ impl EventLoop {
                 AuthVerdict::Accepted => debug!(%peer, "accepted our swarm key proof"),
                 AuthVerdict::Denied(why) => warn!(%peer, "denied our swarm key proof: {why}"),
             },
-            // The connection closed or the other end did not answer in time: the next
-            // spell of connections proves again.
+            // The connection the proof went on closed, or its stream failed (an older
+            // peer's accept channel closes streams unread): sent again on a connection
+            // still up, while the other end's deadline has not passed. A peer no longer
+            // connected proves again on its next spell.
             Event::OutboundFailure { peer, error, .. } => {
-                debug!(%peer, "sending swarm key proof: {error}");
+                let resent = self.proofs_resent.entry(peer).or_default();
+                let again = matches!(
+                    error,
+                    OutboundFailure::ConnectionClosed | OutboundFailure::Io(_)
+                ) && *resent < admission::OPEN_ATTEMPTS
+                    && self.swarm.is_connected(&peer)
+                    && self
+                        .first_connection
+                        .get(&peer)
+                        .is_some_and(|f| f.1.elapsed() < self.shared.cfg.auth_timeout);
+                debug!(%peer, again, "sending swarm key proof: {error}");
+                if again {
+                    *resent += 1;
+                    if let Some(key) = self.shared.auth.key().cloned() {
+                        self.prove_to(peer, &key);
+                    }
+                }
             }
-            Event::InboundFailure {
-                peer,
-                error: InboundFailure::Io(e),
-                ..
-            } if e.kind() == std::io::ErrorKind::InvalidData
-                && self.shared.auth.state(&peer) == PeerAuth::Pending =>
+            // A denied peer is disconnected once it has its verdict (or it could not be
+            // sent); one that left meanwhile is already forgotten.
+            Event::ResponseSent { peer, .. } | Event::InboundFailure { peer, .. }
+                if self.swarm.is_connected(&peer) =>
             {
-                self.authed(peer, PeerAuth::Denied(format!("bad proof: {e}")));
+                if let PeerAuth::Denied(why) = self.shared.auth.state(&peer) {
+                    self.authed(peer, PeerAuth::Denied(why));
+                }
             }
             Event::InboundFailure { peer, error, .. } => {
-                debug!(%peer, "reading a swarm key proof: {error}");
+                debug!(%peer, "answering a swarm key proof: {error}");
             }
             Event::ResponseSent { .. } => {}
         }
     }
 
-    /// Refuses `peer`'s streams now and disconnects it after [`DENIED_GRACE`], so that its
-    /// verdict reaches it.
-    fn deny_soon(&mut self, peer: PeerId, why: String) {
-        self.shared.auth.set(peer, PeerAuth::Denied(why.clone()));
-        let cmd = self.cmd.clone();
-        self.shared.spawn(async move {
-            tokio::time::sleep(DENIED_GRACE).await;
-            if let Some(tx) = cmd.upgrade() {
-                let _ = tx.send(Command::Authed(peer, PeerAuth::Denied(why))).await;
-            }
-        });
+    /// Refuses `peer`'s streams now; it is disconnected once its verdict is sent (see
+    /// `on_auth`).
+    fn deny(&mut self, peer: PeerId, why: String) {
+        self.shared.auth.set(peer, PeerAuth::Denied(why));
     }
 
     /// What a verdict on `peer` does: a member's held records are released and it may

@@ -305,6 +305,7 @@ pub async fn spawn_node(cfg: SwarmConfig) -> Result<SwarmHandle, SwarmError> {
         identified: HashMap::new(),
         in_kad: HashSet::new(),
         first_connection: HashMap::new(),
+        proofs_resent: HashMap::new(),
         providing: HashSet::new(),
         provider_queries: HashMap::new(),
         waiting_lookups: Vec::new(),
@@ -347,6 +348,9 @@ struct EventLoop {
     /// Per connected peer, the connection that opened the current spell of connections
     /// (its auth deadline applies), and when.
     first_connection: HashMap<PeerId, (ConnectionId, Instant)>,
+    /// Per connected peer, how many times our swarm-key proof was sent again this spell
+    /// (see `node::auth`).
+    proofs_resent: HashMap<PeerId, u32>,
     providing: HashSet<String>,
     provider_queries: HashMap<QueryId, ProviderQuery>,
     /// Lookups asked before any peer was in the routing table: they start at the first
@@ -611,7 +615,6 @@ impl EventLoop {
                     }
                 }
             }
-            Command::Authed(peer, state) => self.authed(peer, state),
             Command::AuthDeadline(peer, conn) => {
                 // Only for the spell it was set for: a peer that disconnected and came back
                 // has its own deadline.
@@ -834,6 +837,7 @@ impl EventLoop {
                     self.release_held_records(&peer_id, false);
                 }
                 self.first_connection.remove(&peer_id);
+                self.proofs_resent.remove(&peer_id);
                 self.shared.usage.forget_idle(&peer_id);
             }
             SwarmEvent::Dialing {
