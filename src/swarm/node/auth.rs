@@ -68,11 +68,12 @@ impl EventLoop {
             // still up, while the other end's deadline has not passed. A peer no longer
             // connected proves again on its next spell.
             Event::OutboundFailure { peer, error, .. } => {
-                let resent = self.proofs_resent.entry(peer).or_default();
+                // Counted only for a connected peer: the entry goes with its last connection.
+                let resent = self.proofs_resent.get(&peer).copied().unwrap_or(0);
                 let again = matches!(
                     error,
                     OutboundFailure::ConnectionClosed | OutboundFailure::Io(_)
-                ) && *resent < admission::OPEN_ATTEMPTS
+                ) && resent < admission::OPEN_ATTEMPTS
                     && self.swarm.is_connected(&peer)
                     && self
                         .first_connection
@@ -80,7 +81,7 @@ impl EventLoop {
                         .is_some_and(|f| f.1.elapsed() < self.shared.cfg.auth_timeout);
                 debug!(%peer, again, "sending swarm key proof: {error}");
                 if again {
-                    *resent += 1;
+                    self.proofs_resent.insert(peer, resent + 1);
                     if let Some(key) = self.shared.auth.key().cloned() {
                         self.prove_to(peer, &key);
                     }
