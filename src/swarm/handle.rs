@@ -151,6 +151,14 @@ impl SwarmHandle {
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// How many statuses this peer has gossiped (each reaches every peer of the swarm,
+    /// several copies each: what it costs the swarm).
+    pub fn statuses_published(&self) -> u64 {
+        self.shared
+            .published
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Resolves at the next status the view takes in after it is made: a loop that acts
     /// on news (a new policy version) wakes at once instead of at its next poll. Make it
     /// before reading [`SwarmHandle::view_changes`]: a status taken in between is then

@@ -316,6 +316,11 @@ impl Relays {
             .collect()
     }
 
+    /// Whether a reservation is asked and not answered yet.
+    pub fn asking(&self) -> bool {
+        self.relays.values().any(|r| r.state == SlotState::Asked)
+    }
+
     /// Relays asked or holding a reservation: their connections are kept (the trimmer
     /// closing one while the relay answers loses the reservation the moment it is made).
     pub fn in_use(&self) -> Vec<PeerId> {
@@ -545,8 +550,14 @@ pub struct NatState {
     pub observed: Observed,
     /// When the view's relays are read again (see [`RELAY_SCAN`]).
     pub next_scan: Instant,
-    /// When to gossip the status that a change of reachability or addresses asked for.
+    /// When to gossip the status again because the last one reached no peer (see
+    /// [`unheard_retry`]).
     pub publish_at: Option<Instant>,
+    /// The first change of reachability, addresses or relay service not gossiped yet
+    /// (see [`change_due`]).
+    pub changed_at: Option<Instant>,
+    /// When this peer last gossiped its status.
+    pub published_at: Option<Instant>,
     /// A relay service status not applied yet (see `EventLoop::apply_relay_status`).
     pub relay_enable: Option<bool>,
     /// Status publications in a row that reached no peer (see [`unheard_retry`]).
@@ -568,6 +579,28 @@ pub fn unheard_retry(unheard: u32, interval: Duration) -> Duration {
 /// How long a change of reachability or addresses waits to be gossiped, so that those
 /// that come together go out in one message.
 pub const STATUS_COALESCE: Duration = Duration::from_secs(1);
+/// The longest a change waits for a relay's answer to a reservation asked (so that a
+/// peer behind NAT says its verdict and both relay slots in one message, not three).
+pub const STATUS_HOLD: Duration = Duration::from_secs(10);
+/// The least time between two statuses gossiped for changes: every status reaches every
+/// peer of the swarm (several copies each, each copy's signature checked), so a peer
+/// whose relay slots come and go must not make the whole swarm pay for each.
+pub const STATUS_GAP: Duration = Duration::from_secs(5);
+
+/// Whether the status that changes since `first` asked for is gossiped now: after
+/// [`STATUS_COALESCE`], at least [`STATUS_GAP`] after the last status (`last`), and, while
+/// a relay reservation is asked (`asking`), once it is answered or [`STATUS_HOLD`] after
+/// the first change.
+pub fn change_due(first: Instant, last: Option<Instant>, asking: bool, now: Instant) -> bool {
+    let waited = now.saturating_duration_since(first);
+    if waited < STATUS_COALESCE {
+        return false;
+    }
+    if last.is_some_and(|l| now.saturating_duration_since(l) < STATUS_GAP) {
+        return false;
+    }
+    !asking || waited >= STATUS_HOLD
+}
 
 /// How often a peer short of relay slots reads the view for relays (netsim: every peer
 /// behind NAT reading hundreds of relays twice a second took a core at 1,000 peers).
@@ -590,6 +623,8 @@ impl NatState {
             observed: Observed::default(),
             next_scan: now,
             publish_at: None,
+            changed_at: None,
+            published_at: None,
             relay_enable: None,
             unheard: 0,
         }
@@ -863,6 +898,31 @@ mod tests {
             .collect();
         assert_eq!(waits, vec![2, 4, 8, 16, 30, 30]);
         assert_eq!(unheard_retry(u32::MAX, interval), interval);
+    }
+
+    #[test]
+    fn changes_go_out_together_waiting_for_a_relays_answer_but_not_for_long() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        // A change alone: out after the coalescing second.
+        assert!(!change_due(t0, None, false, t0));
+        assert!(change_due(t0, None, false, t0 + s(1)));
+        // A reservation asked: held until it is answered, at most STATUS_HOLD.
+        assert!(!change_due(t0, None, true, t0 + s(9)));
+        assert!(change_due(t0, None, true, t0 + STATUS_HOLD));
+        // Never two statuses for changes within STATUS_GAP of each other.
+        let last = Some(t0);
+        assert!(!change_due(t0, last, false, t0 + s(4)));
+        assert!(change_due(t0, last, false, t0 + STATUS_GAP));
+        // Answered: what a relay slot brought goes out with the verdict at once.
+        let mut r = Relays::default();
+        let relay = seeded(7);
+        r.offer(relay, vec!["/memory/7".parse().unwrap()], true, t0);
+        assert!(!r.asking());
+        r.to_ask(&seeded(1), t0);
+        assert!(r.asking());
+        r.held(&relay);
+        assert!(!r.asking());
     }
 
     fn seeded(i: u8) -> PeerId {

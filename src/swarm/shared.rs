@@ -103,6 +103,8 @@ pub(super) struct Shared {
     pub(super) view: Mutex<HashMap<PeerId, ViewSlot>>,
     /// Statuses taken into the view so far (see [`super::SwarmHandle::view_changes`]).
     pub(super) view_changes: std::sync::atomic::AtomicU64,
+    /// Statuses this peer gossiped so far (see [`super::SwarmHandle::statuses_published`]).
+    pub(super) published: std::sync::atomic::AtomicU64,
     /// Wakes whoever waits for the next status taken in ([`super::SwarmHandle::view_changed`]).
     pub(super) view_changed: tokio::sync::Notify,
     pub(super) status: Mutex<PeerStatus>,

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use agentjet::swarm::Role;
 use serde_json::json;
 
-use super::{gossip_interval, start_many, Env};
+use super::{gossip_interval, start_paced, Env};
 use crate::cluster::{Cluster, LagProbe, PeerTiming, MODEL};
 use crate::net::Network;
 use crate::report::{quantile, rss_bytes, secs, svg_plot, write_results, Series, Table};
@@ -109,7 +109,12 @@ pub async fn run_size(env: &Env, a: &Args, n: usize) -> anyhow::Result<Outcome> 
     for _ in 0..a.servers {
         c.start_server(1).await?;
     }
-    let plain = start_many(&c, Role::Plain, n - 3 - a.servers - a.clients).await?;
+    let started = Instant::now();
+    let plain = start_paced(&c, Role::Plain, n - 3 - a.servers - a.clients, &lag).await?;
+    println!(
+        "discovery: {n} peers started in {:.0} s",
+        started.elapsed().as_secs_f64()
+    );
     // Settled: a plain peer's lookup finds every server.
     let t0 = Instant::now();
     let probe = plain.last().cloned();
@@ -128,18 +133,26 @@ pub async fn run_size(env: &Env, a: &Args, n: usize) -> anyhow::Result<Outcome> 
             let p = probe.as_ref().expect("a probe");
             let l = lookup.expect("a lookup");
             println!(
-                "discovery: {n} peers, {:.0} s: the probe (node {}, {}, {}) found {found} of {} servers ({} requests, {:.1} s); {} connected {:?}",
+                "discovery: {n} peers, {:.0} s: the probe (node {}, {}, {}) found {found} of {} servers ({} requests, {} answered, {:.1} s); {} connected {:?}; timer lag p99 {} ms",
                 t0.elapsed().as_secs_f64(),
                 p.node,
                 p.nat.as_str(),
                 p.handle.reachability().as_str(),
                 a.servers,
                 l.requests,
+                l.answered,
                 l.duration.as_secs_f64(),
                 p.handle.connected_peers().await.len(),
                 p.handle.link_counts(),
+                lag.take_p99().as_millis(),
             );
             if c.nat_mix().is_some() {
+                let published: u64 = c
+                    .peers()
+                    .iter()
+                    .map(|p| p.handle.statuses_published())
+                    .sum();
+                println!("  statuses gossiped so far: {published}");
                 println!("  network events so far: {:?}", c.routes.event_counts());
             }
         }
@@ -303,7 +316,7 @@ pub async fn run(env: &Env, a: &Args, command: &str) -> anyhow::Result<Vec<Outco
         outcomes.push(o);
     }
     let mut md = format!(
-        "{}{}\nClients start once the process is quiet after the swarm settled (timers at most 50 ms late at p99 in each of {} 2 s windows in a row, or after {} s). A client counts from its start (connecting to a bootstrap peer and proving the swarm key included) to the first lookup that returns a provider, looking again every 500 ms as the client role does. {} servers provide the model; gossip runs every max(600 s, n^2 / 1,250 s) (discovery does not use it). The idle connection timeout is {} s (the binary: 120 s; gossipsub's substreams keep connections between peers open regardless); above {} connected peers a peer closes its least recently used connections down to {}, sparing those used within {} s (the binary: 96, 64 and 30 s), pings each connection every {} s (the binary: 5 s), and walks the DHT again every {} s (the binary: 30 s); connections per peer are counted from the trimmer's grace plus 3 s after the last client's lookup, every 2 s until at most the high mark are left (at most 90 s; in brackets, how long that took): a DHT walk that started before keeps reopening trimmed connections. A client's lookup ends at the first answer that names a provider (the client role's start; its refresh every 2 s asks for all). Timer lag: how late a 100 ms timer fired while clients looked up (large: CPU-bound, the times are then upper bounds).\n",
+        "{}{}\nPeers start 50 at a time, each batch once the process caught up with the last (timers at most 200 ms late at p99 over 2 s, or after 60 s); settling counts from the last start. Clients start once the process is quiet after the swarm settled (timers at most 50 ms late at p99 in each of {} 2 s windows in a row, or after {} s). A client counts from its start (connecting to a bootstrap peer and proving the swarm key included) to the first lookup that returns a provider, looking again every 500 ms as the client role does. {} servers provide the model; gossip runs every max(600 s, n^2 / 1,250 s) (discovery does not use it). The idle connection timeout is {} s (the binary: 120 s; gossipsub's substreams keep connections between peers open regardless); above {} connected peers a peer closes its least recently used connections down to {}, sparing those used within {} s (the binary: 96, 64 and 30 s), pings each connection every {} s (the binary: 5 s), and walks the DHT again every {} s (the binary: 30 s); connections per peer are counted from the trimmer's grace plus 3 s after the last client's lookup, every 2 s until at most the high mark are left (at most 90 s; in brackets, how long that took): a DHT walk that started before keeps reopening trimmed connections. A client's lookup ends at the first answer that names a provider (the client role's start; its refresh every 2 s asks for all). Timer lag: how late a 100 ms timer fired while clients looked up (large: CPU-bound, the times are then upper bounds).\n",
         env.preamble("Scenario 1: finding a provider", command),
         table.markdown(),
         QUIET_WINDOWS,

@@ -10,11 +10,11 @@ pub mod training;
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use agentjet::swarm::Role;
 
-use crate::cluster::{Cluster, NatMix, SimPeer};
+use crate::cluster::{Cluster, LagProbe, NatMix, SimPeer};
 use crate::net::NetConfig;
 
 /// What every scenario shares: the network's settings and where results go.
@@ -76,6 +76,38 @@ pub fn gossip_interval(n: usize) -> Duration {
 pub fn view_poll(interval: Duration) -> Duration {
     (interval / 2).clamp(Duration::from_millis(250), Duration::from_secs(2))
 }
+
+/// Starts `count` peers of `role`, 50 at a time, each batch once the process has caught
+/// up with the last (timers at most `PACE_LAG` late at p99 over 2 s, or after
+/// `PACE_MAX`). Each new peer gossips its status to every peer (several copies each, a
+/// signature check per copy): 1,000 peers started at once leave one process seconds
+/// behind for minutes, which a swarm of machines started over minutes never is.
+pub async fn start_paced(
+    c: &Cluster,
+    role: Role,
+    count: usize,
+    lag: &LagProbe,
+) -> anyhow::Result<Vec<Arc<SimPeer>>> {
+    let mut out = Vec::with_capacity(count);
+    while out.len() < count {
+        let k = (count - out.len()).min(50);
+        let batch = futures::future::try_join_all((0..k).map(|_| c.start(role))).await?;
+        out.extend(batch);
+        let t = Instant::now();
+        lag.take();
+        loop {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            if lag.take_p99() <= PACE_LAG || t.elapsed() >= PACE_MAX {
+                break;
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// See [`start_paced`].
+pub const PACE_LAG: Duration = Duration::from_millis(200);
+pub const PACE_MAX: Duration = Duration::from_secs(60);
 
 /// Starts `count` peers of `role`, 50 at a time.
 pub async fn start_many(

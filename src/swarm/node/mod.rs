@@ -51,7 +51,7 @@ use super::limits::Limits;
 use super::protocol::{
     PeerStatus, StatusEnvelope, IDENTIFY, KAD, REACH_FIELD, RELAY_FIELD, STATUS_TOPIC,
 };
-use super::reach::{unheard_retry, Bootstrap, LinkKind, NatState, NetEvent};
+use super::reach::{change_due, unheard_retry, Bootstrap, LinkKind, NatState, NetEvent};
 use super::shared::{
     check_cert, Command, NetState, ProviderLookup, ProvidersReply, Shared, ViewSlot,
 };
@@ -219,6 +219,7 @@ pub async fn spawn_node(cfg: SwarmConfig) -> Result<SwarmHandle, SwarmError> {
         auth: auth.clone(),
         view: Mutex::new(HashMap::new()),
         view_changes: Default::default(),
+        published: Default::default(),
         view_changed: Default::default(),
         status: Mutex::new(PeerStatus {
             role: cfg.role,
@@ -405,7 +406,7 @@ impl EventLoop {
                         self.reprovide_soon = false;
                         self.reprovide();
                     }
-                    if self.nat.publish_at.is_some_and(|t| Instant::now() >= t) {
+                    if self.status_due(Instant::now()) {
                         self.publish_status();
                     }
                     self.nat_tick();
@@ -491,8 +492,19 @@ impl EventLoop {
         }
     }
 
+    /// Whether the status is gossiped now, before the regular interval: the last one
+    /// reached no peer, or a change asked for it (see [`change_due`]).
+    fn status_due(&self, now: Instant) -> bool {
+        let n = &self.nat;
+        n.publish_at.is_some_and(|t| now >= t)
+            || n.changed_at
+                .is_some_and(|f| change_due(f, n.published_at, n.relays.asking(), now))
+    }
+
     fn publish_status(&mut self) {
         self.nat.publish_at = None;
+        self.nat.changed_at = None;
+        self.nat.published_at = Some(Instant::now());
         let mut status = lock(&self.shared.status).clone();
         let reach = lock(&self.shared.net).reach;
         status
@@ -542,7 +554,12 @@ impl EventLoop {
             .gossipsub
             .publish(self.topic.clone(), bytes)
         {
-            Ok(_) => self.nat.unheard = 0,
+            Ok(_) => {
+                self.nat.unheard = 0;
+                self.shared
+                    .published
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
             Err(gossipsub::PublishError::NoPeersSubscribedToTopic) => {
                 self.nat.unheard += 1;
                 let wait = unheard_retry(self.nat.unheard, self.shared.cfg.status_interval);

@@ -21,7 +21,7 @@ use crate::base::lock;
 use crate::swarm::addrs;
 use crate::swarm::protocol::{REACH_FIELD, RELAY_FIELD};
 use crate::swarm::reach::{
-    reachability, LinkKind, NetEvent, Reachability, RELAY_SCAN, RESERVATIONS, STATUS_COALESCE,
+    reachability, LinkKind, NetEvent, Reachability, RELAY_SCAN, RESERVATIONS,
 };
 use crate::swarm::shared::Command;
 
@@ -107,12 +107,10 @@ impl EventLoop {
         st.extra
             .insert(REACH_FIELD.to_string(), now.as_str().to_string());
         drop(st);
-        // Gossiped within a second, once for changes that come together (a peer behind NAT
-        // gets its verdict and its two relay slots within a second or two: one message
-        // through the whole swarm, not three).
-        self.nat
-            .publish_at
-            .get_or_insert(Instant::now() + STATUS_COALESCE);
+        // Gossiped once for changes that come together (a peer behind NAT gets its verdict
+        // and its two relay slots within seconds: one message through the whole swarm,
+        // not three); see `reach::change_due`.
+        self.nat.changed_at.get_or_insert(Instant::now());
     }
 
     /// Turns the relay service on or off as asked, once this peer has no relayed
@@ -129,9 +127,7 @@ impl EventLoop {
         }
         self.nat.relay_enable = None;
         // Whether it relays is in the status.
-        self.nat
-            .publish_at
-            .get_or_insert(Instant::now() + STATUS_COALESCE);
+        self.nat.changed_at.get_or_insert(Instant::now());
         if let Some(r) = self.swarm.behaviour_mut().relay.as_mut() {
             r.set_status(Some(if enable {
                 relay::Status::Enable
