@@ -914,6 +914,14 @@ mod tests {
         let last = Some(t0);
         assert!(!change_due(t0, last, false, t0 + s(4)));
         assert!(change_due(t0, last, false, t0 + STATUS_GAP));
+        // The hold over but the last status 2 s old: the gap still holds it.
+        assert!(!change_due(t0, Some(t0 + s(8)), true, t0 + STATUS_HOLD));
+        assert!(change_due(
+            t0,
+            Some(t0 + s(8)),
+            true,
+            t0 + s(8) + STATUS_GAP
+        ));
         // Answered: what a relay slot brought goes out with the verdict at once.
         let mut r = Relays::default();
         let relay = seeded(7);
@@ -922,6 +930,18 @@ mod tests {
         r.to_ask(&seeded(1), t0);
         assert!(r.asking());
         r.held(&relay);
+        assert!(!r.asking());
+        // A refusal, or letting go of every relay, is an answer too.
+        let other = seeded(8);
+        r.offer(other, vec!["/memory/8".parse().unwrap()], false, t0);
+        r.to_ask(&seeded(1), t0);
+        assert!(r.asking());
+        r.refused(&other, true, t0);
+        assert!(!r.asking());
+        r.refused(&relay, false, t0);
+        r.to_ask(&seeded(1), t0 + s(3600));
+        assert!(r.asking());
+        r.release_all(t0);
         assert!(!r.asking());
     }
 

@@ -97,7 +97,11 @@ pub async fn start_paced(
         lag.take();
         loop {
             tokio::time::sleep(Duration::from_secs(2)).await;
-            if lag.take_p99() <= PACE_LAG || t.elapsed() >= PACE_MAX {
+            // No sample at all: the probe's timer never ran, the process furthest behind.
+            let lags = lag.take();
+            let p99 =
+                Duration::from_secs_f64(crate::report::quantile(&crate::report::secs(&lags), 0.99));
+            if (!lags.is_empty() && p99 <= PACE_LAG) || t.elapsed() >= PACE_MAX {
                 break;
             }
         }

@@ -51,7 +51,9 @@ use super::limits::Limits;
 use super::protocol::{
     PeerStatus, StatusEnvelope, IDENTIFY, KAD, REACH_FIELD, RELAY_FIELD, STATUS_TOPIC,
 };
-use super::reach::{change_due, unheard_retry, Bootstrap, LinkKind, NatState, NetEvent};
+use super::reach::{
+    change_due, unheard_retry, Bootstrap, LinkKind, NatState, NetEvent, STATUS_GAP,
+};
 use super::shared::{
     check_cert, Command, NetState, ProviderLookup, ProvidersReply, Shared, ViewSlot,
 };
@@ -408,6 +410,8 @@ impl EventLoop {
                     }
                     if self.status_due(Instant::now()) {
                         self.publish_status();
+                        // The regular status counts from this one.
+                        status_tick.reset();
                     }
                     self.nat_tick();
                 }
@@ -504,7 +508,6 @@ impl EventLoop {
     fn publish_status(&mut self) {
         self.nat.publish_at = None;
         self.nat.changed_at = None;
-        self.nat.published_at = Some(Instant::now());
         let mut status = lock(&self.shared.status).clone();
         let reach = lock(&self.shared.net).reach;
         status
@@ -556,6 +559,7 @@ impl EventLoop {
         {
             Ok(_) => {
                 self.nat.unheard = 0;
+                self.nat.published_at = Some(Instant::now());
                 self.shared
                     .published
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -565,7 +569,14 @@ impl EventLoop {
                 let wait = unheard_retry(self.nat.unheard, self.shared.cfg.status_interval);
                 self.nat.publish_at.get_or_insert(Instant::now() + wait);
             }
-            Err(e) => debug!("publishing status: {e}"),
+            // Queues full (a peer far behind) or the like: said again after the gap, not
+            // at the next interval (minutes in a large swarm).
+            Err(e) => {
+                debug!("publishing status: {e}");
+                self.nat
+                    .publish_at
+                    .get_or_insert(Instant::now() + STATUS_GAP);
+            }
         }
     }
 
