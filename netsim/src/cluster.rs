@@ -342,6 +342,14 @@ impl LagProbe {
         std::mem::take(&mut *lock(&self.samples))
     }
 
+    /// Whether the overshoots so far (cleared) were at most `limit` at p99; none at all
+    /// is not caught up (the probe's timer never got its turn).
+    pub fn caught_up(&self, limit: Duration) -> bool {
+        let lags = self.take();
+        !lags.is_empty()
+            && crate::report::quantile(&crate::report::secs(&lags), 0.99) <= limit.as_secs_f64()
+    }
+
     /// The 99th percentile of the overshoots so far (and clears them).
     pub fn take_p99(&self) -> Duration {
         let lags = crate::report::secs(&self.take());

@@ -78,35 +78,18 @@ pub fn view_poll(interval: Duration) -> Duration {
 }
 
 /// Starts `count` peers of `role`, 50 at a time, each batch once the process has caught
-/// up with the last (timers at most `PACE_LAG` late at p99 over 2 s, or after
-/// `PACE_MAX`). Each new peer gossips its status to every peer (several copies each, a
-/// signature check per copy): 1,000 peers started at once leave one process seconds
-/// behind for minutes, which a swarm of machines started over minutes never is.
+/// up with the last (see [`LagProbe::caught_up`]: timers at most `PACE_LAG` late at p99
+/// over 2 s, or after `PACE_MAX`). Each new peer gossips its status to every peer
+/// (several copies each, a signature check per copy): 1,000 peers started at once leave
+/// one process seconds behind for minutes, which a swarm of machines started over
+/// minutes never is. The wait after the last batch is part of the start.
 pub async fn start_paced(
     c: &Cluster,
     role: Role,
     count: usize,
     lag: &LagProbe,
 ) -> anyhow::Result<Vec<Arc<SimPeer>>> {
-    let mut out = Vec::with_capacity(count);
-    while out.len() < count {
-        let k = (count - out.len()).min(50);
-        let batch = futures::future::try_join_all((0..k).map(|_| c.start(role))).await?;
-        out.extend(batch);
-        let t = Instant::now();
-        lag.take();
-        loop {
-            tokio::time::sleep(Duration::from_secs(2)).await;
-            // No sample at all: the probe's timer never ran, the process furthest behind.
-            let lags = lag.take();
-            let p99 =
-                Duration::from_secs_f64(crate::report::quantile(&crate::report::secs(&lags), 0.99));
-            if (!lags.is_empty() && p99 <= PACE_LAG) || t.elapsed() >= PACE_MAX {
-                break;
-            }
-        }
-    }
-    Ok(out)
+    start_batches(c, role, count, Some(lag)).await
 }
 
 /// See [`start_paced`].
@@ -119,13 +102,29 @@ pub async fn start_many(
     role: Role,
     count: usize,
 ) -> anyhow::Result<Vec<Arc<SimPeer>>> {
+    start_batches(c, role, count, None).await
+}
+
+async fn start_batches(
+    c: &Cluster,
+    role: Role,
+    count: usize,
+    pace: Option<&LagProbe>,
+) -> anyhow::Result<Vec<Arc<SimPeer>>> {
     let mut out = Vec::with_capacity(count);
-    let mut left = count;
-    while left > 0 {
-        let k = left.min(50);
+    while out.len() < count {
+        let k = (count - out.len()).min(50);
         let batch = futures::future::try_join_all((0..k).map(|_| c.start(role))).await?;
         out.extend(batch);
-        left -= k;
+        let Some(lag) = pace else { continue };
+        let t = Instant::now();
+        lag.take();
+        loop {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            if lag.caught_up(PACE_LAG) || t.elapsed() >= PACE_MAX {
+                break;
+            }
+        }
     }
     Ok(out)
 }
