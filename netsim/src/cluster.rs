@@ -26,6 +26,10 @@ use crate::transport::{addr_of, other_transport, Listeners};
 #[derive(Debug, Clone)]
 pub struct PeerTiming {
     pub status_interval: Duration,
+    /// The servers' status interval where it differs from the others' (a training
+    /// group's members keep the binary's 2 s while a thousand plain peers in one process
+    /// gossip far less often, see `scenario::gossip_interval`).
+    pub server_status_interval: Option<Duration>,
     pub provider_ttl: Duration,
     pub rebootstrap_interval: Duration,
     /// A connection with no open stream and no gossip mesh closes after this.
@@ -43,6 +47,7 @@ impl Default for PeerTiming {
         let swarm = SwarmConfig::new(Role::Plain, Keypair::generate_ed25519());
         PeerTiming {
             status_interval: Duration::from_secs(2),
+            server_status_interval: None,
             provider_ttl: Duration::from_secs(30),
             rebootstrap_interval: Duration::from_secs(30),
             idle_connection_timeout: Duration::from_secs(120),
@@ -222,7 +227,10 @@ impl Cluster {
         cfg.listen = vec![addr_of(node)];
         cfg.bootstrap = self.bootstrap.clone();
         cfg.swarm_key = Some(self.key.clone());
-        cfg.status_interval = self.timing.status_interval;
+        cfg.status_interval = match (role, self.timing.server_status_interval) {
+            (Role::Server, Some(interval)) => interval,
+            _ => self.timing.status_interval,
+        };
         cfg.provider_ttl = self.timing.provider_ttl;
         cfg.rebootstrap_interval = self.timing.rebootstrap_interval;
         cfg.idle_connection_timeout = self.timing.idle_connection_timeout;

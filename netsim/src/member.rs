@@ -173,22 +173,39 @@ pub async fn start_peer(c: &Cluster, mode: Mode) -> anyhow::Result<Arc<SimPeer>>
     Ok(peer)
 }
 
-/// Waits (up to `limit`) until every one of `peers` sees every other in its view.
+/// Waits (up to `limit`) until every one of `peers` sees every other in its view. Every
+/// 30 s, and when it gives up, it prints how many of the ordered pairs were seen.
 pub async fn wait_views(peers: &[Arc<SimPeer>], limit: Duration) -> bool {
     let t0 = Instant::now();
-    while t0.elapsed() < limit {
-        let all = peers.iter().all(|p| {
-            let seen: Vec<_> = p.handle.view().into_iter().map(|e| e.peer).collect();
-            peers
-                .iter()
-                .all(|q| q.peer_id == p.peer_id || seen.contains(&q.peer_id))
-        });
-        if all {
+    let mut said = Instant::now();
+    let pairs = peers.len() * peers.len().saturating_sub(1);
+    loop {
+        let seen: usize = peers
+            .iter()
+            .map(|p| {
+                let view: Vec<_> = p.handle.view().into_iter().map(|e| e.peer).collect();
+                peers
+                    .iter()
+                    .filter(|q| q.peer_id != p.peer_id && view.contains(&q.peer_id))
+                    .count()
+            })
+            .sum();
+        if seen == pairs {
             return true;
+        }
+        let out = t0.elapsed() >= limit;
+        if out || said.elapsed() >= Duration::from_secs(30) {
+            said = Instant::now();
+            println!(
+                "  {:.0} s: the members' views hold {seen} of their {pairs} pairs",
+                t0.elapsed().as_secs_f64()
+            );
+        }
+        if out {
+            return false;
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    false
 }
 
 /// One member to start.

@@ -295,7 +295,10 @@ impl SwarmHandle {
             ));
         }
         let in_use = self.shared.usage.open(peer);
-        let _ = self.connect(peer).await;
+        // libp2p-stream dials a peer it has no connection to with only the addresses
+        // libp2p's behaviours know (none for a peer learnt from gossip): when the
+        // stream cannot be opened, this connect's error is the reason to report.
+        let connected = self.connect(peer).await;
         let t = self.cfg.open_timeout;
         let mut attempt = 0;
         loop {
@@ -306,7 +309,10 @@ impl SwarmHandle {
                 .map_err(|_| SwarmError::Timeout(format!("opening {protocol} to {peer}")))?
                 .map_err(|e| SwarmError::Unreachable {
                     peer,
-                    reason: format!("{protocol}: {e}"),
+                    reason: match &connected {
+                        Err(c) => format!("{protocol}: {e} (connecting: {c})"),
+                        Ok(()) => format!("{protocol}: {e}"),
+                    },
                 })?;
             let adm = tokio::time::timeout(t + self.cfg.auth_timeout, read_frame(&mut s, 4096))
                 .await

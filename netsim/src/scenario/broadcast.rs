@@ -30,7 +30,7 @@ use agentjet::collective::broadcast::{
 use agentjet::swarm::{GroupStatus, ModelStatus, Role};
 use serde_json::json;
 
-use super::{gossip_interval, start_many, Env};
+use super::{gossip_interval, start_many, start_paced, Env};
 use crate::cluster::{Cluster, LagProbe, PeerTiming, SimPeer, MODEL};
 use crate::net::{lock, Network};
 use crate::report::{cpu_seconds, quantile, rss_bytes, svg_plot, write_results, Series, Table};
@@ -208,7 +208,18 @@ pub async fn run_once(env: &Env, a: &Args) -> anyhow::Result<Outcome> {
     let c = Cluster::behind_nat(Network::new(env.net.clone()), timing, 2, env.nat).await?;
     let trainer = c.start(Role::Server).await?;
     let followers = start_many(&c, Role::Server, a.followers).await?;
-    start_many(&c, Role::Plain, a.peers).await?;
+    let (pace, t_plain) = (LagProbe::start(Duration::from_millis(100)), Instant::now());
+    start_paced(&c, Role::Plain, a.peers, &pace).await?;
+    drop(pace);
+    let plain_start = t_plain.elapsed();
+    if a.peers > 50 {
+        println!(
+            "broadcast: {} plain peers started in {:.0} s (50 at a time, each batch once \
+             the process caught up)",
+            a.peers,
+            plain_start.as_secs_f64()
+        );
+    }
     let ports = Arc::new(WeightsPorts::default());
     let holder = |p: &Arc<SimPeer>, follower: bool| {
         // The latest 2 versions alone: a hundred followers' extra snapshots would share
@@ -296,7 +307,7 @@ pub async fn run_once(env: &Env, a: &Args) -> anyhow::Result<Outcome> {
     }
     // Settled: every follower sees the trainer's version 0 and every other follower
     // (every peer says who it is every 10 s until then).
-    let settle_limit = Duration::from_secs(300);
+    let settle_limit = Duration::from_secs(300) + plain_start;
     let mut said = Instant::now() - Duration::from_secs(60);
     loop {
         if said.elapsed() >= Duration::from_secs(10) {

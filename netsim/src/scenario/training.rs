@@ -65,8 +65,9 @@ pub struct Args {
     pub timeout: Duration,
     /// Give up forming the first full epoch after this.
     pub form_limit: Duration,
-    /// Every peer's status gossip interval (None: the binary's 2 s; a thousand peers in
-    /// one process need far longer, see `gossip_interval`).
+    /// The members' status gossip interval (None: the binary's 2 s). The plain peers
+    /// gossip at `gossip_interval` of the swarm's size (2 s up to 50 peers; a thousand
+    /// peers in one process need far longer).
     pub status: Option<Duration>,
 }
 
@@ -145,10 +146,19 @@ pub async fn run_mode(env: &Env, a: &Args, mode: Mode) -> anyhow::Result<Outcome
     anyhow::ensure!(a.members >= 2, "a group needs at least 2 members");
     let weight = a.model_values as f64 / a.values as f64;
     let net = Network::new(env.net.clone());
-    let timing = PeerTiming {
-        status_interval: a.status.unwrap_or(Duration::from_secs(2)),
+    let n = a.members + a.peers + 1;
+    let mut timing = PeerTiming {
+        status_interval: super::gossip_interval(n),
+        server_status_interval: Some(a.status.unwrap_or(Duration::from_secs(2))),
         ..Default::default()
     };
+    if n > 50 {
+        // Pings every 30 s and a DHT walk every 600 s, as scenarios 1 and 6 set them for
+        // hundreds of peers in one process (the binary's 5 s and 30 s keep both cores
+        // busy; nothing here looks anything up in the DHT).
+        timing.ping_interval = Duration::from_secs(30);
+        timing.rebootstrap_interval = Duration::from_secs(600);
+    }
     let c = Cluster::behind_nat(net.clone(), timing, 1, env.nat).await?;
     let ports = Arc::new(LinkPorts::default());
     let cfg = MemberConfig {
@@ -164,18 +174,40 @@ pub async fn run_mode(env: &Env, a: &Args, mode: Mode) -> anyhow::Result<Outcome
         send_nan_from: None,
     };
     let lag = LagProbe::start(Duration::from_millis(100));
-    super::start_many(&c, Role::Plain, a.peers).await?;
+    let t_plain = Instant::now();
+    super::start_paced(&c, Role::Plain, a.peers, &lag).await?;
+    if a.peers > 50 {
+        println!(
+            "{}: {} plain peers started in {:.0} s (50 at a time, each batch once the \
+             process caught up)",
+            mode.name(),
+            a.peers,
+            t_plain.elapsed().as_secs_f64()
+        );
+    }
     let mut peers = Vec::new();
     for _ in 0..a.members {
         peers.push(start_peer(&c, mode).await?);
     }
     // A member starts its loop once its view holds the group (a real server has no
     // batch to train alone on before clients find it; here a batch is always ready).
+    let t_views = Instant::now();
+    let seen = wait_views(&peers, a.form_limit).await;
+    let lag_p99 = lag.take_p99();
     anyhow::ensure!(
-        wait_views(&peers, a.form_limit).await,
-        "the members did not see each other within {:?}",
+        seen,
+        "the members did not see each other within {:?} (timers {lag_p99:?} late at p99)",
         a.form_limit
     );
+    if a.peers > 50 {
+        println!(
+            "{}: the members saw each other {:.1} s after their start (timers {} ms late \
+             at p99)",
+            mode.name(),
+            t_views.elapsed().as_secs_f64(),
+            lag_p99.as_millis()
+        );
+    }
     let mut ms = Vec::new();
     for (i, p) in peers.into_iter().enumerate() {
         ms.push(start_loop(&c, p, &ports, &cfg, a, i as u64 + 1)?);
