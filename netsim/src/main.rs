@@ -18,7 +18,7 @@ const USAGE: &str = "usage: netsim <discovery|gossip|churn|partition|training|br
   [--max-conns N (discovery: connection trimmer's high mark, default 96)] [--grace-s S (discovery: trimmer's grace, default 30)]
   [--ping-s S (discovery: default 5)] [--settle-s S (discovery: the longest wait to settle, default 300)]
   training: [--members N] [--peers N (plain peers besides them)] [--modes sync,diloco/H,..] [--seconds S (per mode)] [--values N]
-  [--model-values N] [--step-s X] [--crashes N] [--wire f32|bf16] [--timeout-s S] [--status-s S (the members'; default 2, plain peers n^2/1250 s)]
+  [--model-values N] [--step-s X] [--crashes N] [--wire f32|bf16] [--timeout-s S] [--status-s S (the members'; default 2, plain peers max(2, n^2/1250) s)]
   broadcast: [--followers N] [--peers N (plain peers besides them)] [--model-mb X (bfloat16 bytes it stands for, default 500)] [--scale X (default 100)]
   [--chunk-kib N (default 1024)] [--versions N] [--lr X] [--parallel N (requests in flight per follower)] [--timeout-s S]
   [--status-s S (regular status interval; default n^2/1250 s)]";

@@ -1,6 +1,6 @@
 //! Addresses as facts about the network: which of a peer's addresses another host can use,
 //! in which order a peer offers them, DNS names resolved to addresses, and a taken port
-//! said as such, and a failed dial said address by address.
+//! said as such.
 //!
 //! - A **local** address (loopback, link-local, unspecified) reaches this host only. It is
 //!   never offered to other peers, and one a peer offers is not used unless that peer is
@@ -236,38 +236,6 @@ pub fn taken_port(listen: &[Multiaddr]) -> Option<PortTaken> {
     None
 }
 
-/// What a failed dial tried and why each attempt failed, for a user to read: libp2p's
-/// own text for a dial that tried addresses is "Failed to negotiate transport
-/// protocol(s)", whatever went wrong at each (a relay refused the circuit, the port
-/// was closed, the handshake timed out). At most four addresses are named.
-pub fn dial_failure(e: &libp2p::swarm::DialError) -> String {
-    use libp2p::swarm::DialError;
-    let DialError::Transport(tried) = e else {
-        return e.to_string();
-    };
-    let mut out: Vec<String> = tried
-        .iter()
-        .take(4)
-        .map(|(addr, err)| {
-            let mut text = err.to_string();
-            let mut source = std::error::Error::source(err);
-            while let Some(s) = source {
-                text.push_str(": ");
-                text.push_str(&s.to_string());
-                source = s.source();
-            }
-            format!("{addr}: {text}")
-        })
-        .collect();
-    if tried.len() > 4 {
-        out.push(format!("{} more", tried.len() - 4));
-    }
-    match out.is_empty() {
-        true => e.to_string(),
-        false => out.join("; "),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -333,40 +301,5 @@ mod tests {
         assert!(why.contains("--listen"), "{why}");
         drop(held);
         assert!(taken_port(&[m("/ip4/127.0.0.1/udp/0/quic-v1")]).is_none());
-    }
-
-    #[test]
-    fn a_failed_dial_names_each_address_and_its_reason() {
-        use libp2p::core::transport::TransportError;
-        use libp2p::swarm::DialError;
-        let refused = |what: &str| {
-            TransportError::Other(std::io::Error::other(format!("relay said: {what}")))
-        };
-        let e = DialError::Transport(vec![
-            (m("/ip4/198.51.100.2/tcp/4001"), refused("no")),
-            (m("/ip4/203.0.113.9/tcp/4001/p2p-circuit"), refused("full")),
-        ]);
-        let text = dial_failure(&e);
-        assert!(
-            text.contains("/ip4/198.51.100.2/tcp/4001: ")
-                && text.contains("relay said: no")
-                && text.contains("/ip4/203.0.113.9/tcp/4001/p2p-circuit: ")
-                && text.contains("relay said: full"),
-            "{text}"
-        );
-        let many = DialError::Transport(
-            (1..=6)
-                .map(|i| (m(&format!("/ip4/198.51.100.{i}/tcp/4001")), refused("no")))
-                .collect(),
-        );
-        let text = dial_failure(&many);
-        assert!(
-            text.ends_with("2 more") && !text.contains("198.51.100.5"),
-            "{text}"
-        );
-        assert_eq!(
-            dial_failure(&DialError::Aborted),
-            DialError::Aborted.to_string()
-        );
     }
 }

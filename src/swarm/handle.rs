@@ -310,6 +310,9 @@ impl SwarmHandle {
                 .map_err(|e| SwarmError::Unreachable {
                     peer,
                     reason: match &connected {
+                        Err(SwarmError::Unreachable { reason, .. }) => {
+                            format!("{protocol}: {e} (connecting: {reason})")
+                        }
                         Err(c) => format!("{protocol}: {e} (connecting: {c})"),
                         Ok(()) => format!("{protocol}: {e}"),
                     },

@@ -174,16 +174,18 @@ pub async fn run_mode(env: &Env, a: &Args, mode: Mode) -> anyhow::Result<Outcome
         send_nan_from: None,
     };
     let lag = LagProbe::start(Duration::from_millis(100));
-    let t_plain = Instant::now();
-    super::start_paced(&c, Role::Plain, a.peers, &lag).await?;
     if a.peers > 50 {
+        let t_plain = Instant::now();
+        super::start_paced(&c, Role::Plain, a.peers, &lag).await?;
         println!(
             "{}: {} plain peers started in {:.0} s (50 at a time, each batch once the \
-             process caught up)",
+             process caught up; every peer pings every 30 s and walks the DHT every 600 s)",
             mode.name(),
             a.peers,
             t_plain.elapsed().as_secs_f64()
         );
+    } else {
+        super::start_many(&c, Role::Plain, a.peers).await?;
     }
     let mut peers = Vec::new();
     for _ in 0..a.members {

@@ -901,18 +901,17 @@ impl EventLoop {
                     self.swarm.behaviour_mut().kad.remove_peer(&peer);
                 }
                 if self.bootstrap.peers().contains(&peer) && !self.swarm.is_connected(&peer) {
-                    let why = addrs::dial_failure(&error);
-                    warn!(%peer, "cannot reach a bootstrap peer (tried again): {why}");
+                    warn!(%peer, "cannot reach a bootstrap peer (tried again): {error}");
                     self.shared.net_event(NetEvent::Bootstrap {
                         addr: peer.to_string(),
-                        error: why,
+                        error: error.to_string(),
                     });
                 }
                 if let Some(ws) = self.connect_waiters.remove(&peer) {
                     for w in ws {
                         let _ = w.send(Err(SwarmError::Unreachable {
                             peer,
-                            reason: format!("dialing: {}", addrs::dial_failure(&error)),
+                            reason: format!("dialing: {error}"),
                         }));
                     }
                 }
