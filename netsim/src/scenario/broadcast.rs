@@ -30,7 +30,7 @@ use agentjet::collective::broadcast::{
 use agentjet::swarm::{GroupStatus, ModelStatus, Role};
 use serde_json::json;
 
-use super::{gossip_interval, start_many, start_paced, Env};
+use super::{gossip_interval, start_many, start_plain, Env};
 use crate::cluster::{Cluster, LagProbe, PeerTiming, SimPeer, MODEL};
 use crate::net::{lock, Network};
 use crate::report::{cpu_seconds, quantile, rss_bytes, svg_plot, write_results, Series, Table};
@@ -208,18 +208,9 @@ pub async fn run_once(env: &Env, a: &Args) -> anyhow::Result<Outcome> {
     let c = Cluster::behind_nat(Network::new(env.net.clone()), timing, 2, env.nat).await?;
     let trainer = c.start(Role::Server).await?;
     let followers = start_many(&c, Role::Server, a.followers).await?;
-    let (pace, t_plain) = (LagProbe::start(Duration::from_millis(100)), Instant::now());
-    start_paced(&c, Role::Plain, a.peers, &pace).await?;
+    let pace = LagProbe::start(Duration::from_millis(100));
+    let plain_start = start_plain(&c, a.peers, &pace, "broadcast").await?;
     drop(pace);
-    let plain_start = t_plain.elapsed();
-    if a.peers > 50 {
-        println!(
-            "broadcast: {} plain peers started in {:.0} s (50 at a time, each batch once \
-             the process caught up)",
-            a.peers,
-            plain_start.as_secs_f64()
-        );
-    }
     let ports = Arc::new(WeightsPorts::default());
     let holder = |p: &Arc<SimPeer>, follower: bool| {
         // The latest 2 versions alone: a hundred followers' extra snapshots would share

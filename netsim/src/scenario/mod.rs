@@ -92,6 +92,28 @@ pub async fn start_paced(
     start_batches(c, role, count, Some(lag)).await
 }
 
+/// Starts `count` plain peers for `scenario`: above 50 paced ([`start_paced`]) and said
+/// with the time it took, at most 50 at once ([`start_many`]). Returns that time.
+pub async fn start_plain(
+    c: &Cluster,
+    count: usize,
+    lag: &LagProbe,
+    scenario: &str,
+) -> anyhow::Result<Duration> {
+    let t = Instant::now();
+    if count <= 50 {
+        start_many(c, Role::Plain, count).await?;
+        return Ok(t.elapsed());
+    }
+    start_paced(c, Role::Plain, count, lag).await?;
+    println!(
+        "{scenario}: {count} plain peers started in {:.0} s (50 at a time, each batch once \
+         the process caught up)",
+        t.elapsed().as_secs_f64()
+    );
+    Ok(t.elapsed())
+}
+
 /// See [`start_paced`].
 pub const PACE_LAG: Duration = Duration::from_millis(200);
 pub const PACE_MAX: Duration = Duration::from_secs(60);

@@ -25,7 +25,6 @@ use std::time::{Duration, Instant};
 use agentjet::base::StopMode;
 use agentjet::collective::member::toy::ToyHooks;
 use agentjet::collective::Wire;
-use agentjet::swarm::Role;
 use serde_json::json;
 
 use super::Env;
@@ -174,19 +173,7 @@ pub async fn run_mode(env: &Env, a: &Args, mode: Mode) -> anyhow::Result<Outcome
         send_nan_from: None,
     };
     let lag = LagProbe::start(Duration::from_millis(100));
-    if a.peers > 50 {
-        let t_plain = Instant::now();
-        super::start_paced(&c, Role::Plain, a.peers, &lag).await?;
-        println!(
-            "{}: {} plain peers started in {:.0} s (50 at a time, each batch once the \
-             process caught up; every peer pings every 30 s and walks the DHT every 600 s)",
-            mode.name(),
-            a.peers,
-            t_plain.elapsed().as_secs_f64()
-        );
-    } else {
-        super::start_many(&c, Role::Plain, a.peers).await?;
-    }
+    super::start_plain(&c, a.peers, &lag, &mode.name()).await?;
     let mut peers = Vec::new();
     for _ in 0..a.members {
         peers.push(start_peer(&c, mode).await?);
